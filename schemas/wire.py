@@ -1,0 +1,236 @@
+"""Wire documents: Flight descriptors, tickets and action bodies, as small versioned JSON.
+
+Every document is a JSON object with ``"v"`` (the schema version) and ``"kind"``. Any Flight
+client, in any language, can build them by hand; the README's wire-protocol section shows one
+example of each. ``decode_descriptor``, ``decode_ticket`` and ``decode_action_body`` are the only
+places that parse them, and raise :class:`WireError` naming what was wrong.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError, model_validator
+
+from schemas.arrow import IMAGE_KEY_BYTES, SCHEMA_VERSION
+
+
+class WireError(ValueError):
+    """A descriptor, ticket or action body that cannot be decoded (bad JSON, version, field)."""
+
+
+class _Doc(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    v: int = SCHEMA_VERSION
+    """Schema version the writer speaks; must equal ``SCHEMA_VERSION``."""
+
+    @model_validator(mode="after")
+    def _check_version(self) -> _Doc:
+        if self.v != SCHEMA_VERSION:
+            msg = f"unsupported schema version v={self.v}; this store speaks v={SCHEMA_VERSION}"
+            raise ValueError(msg)
+        return self
+
+    def to_bytes(self) -> bytes:
+        """Compact JSON, the form that travels."""
+        return self.model_dump_json(exclude_none=True).encode()
+
+
+GroupId = Annotated[str, Field(min_length=1, max_length=512)]
+NonNegInt = Annotated[int, Field(ge=0, le=2**62)]
+
+
+# ---- DoPut descriptors (FlightDescriptor.for_command) --------------------------------------------
+
+
+class PutGroup(_Doc):
+    """DoPut one prompt group: the stream carries trajectory-schema batches of this group only.
+
+    Example: ``{"v": 1, "kind": "put_group", "group_id": "step3-prompt17"}``
+    """
+
+    kind: Literal["put_group"] = "put_group"
+    group_id: GroupId
+
+
+class PutImages(_Doc):
+    """DoPut rows of the image table; keys already stored are skipped.
+
+    Example: ``{"v": 1, "kind": "put_images"}``
+    """
+
+    kind: Literal["put_images"] = "put_images"
+
+
+class PutWeights(_Doc):
+    """DoPut a table of named tensors (``name``, ``shape``, ``dtype``, ``data``) as weights ``version``.
+
+    Example: ``{"v": 1, "kind": "put_weights", "version": 4}``
+    """
+
+    kind: Literal["put_weights"] = "put_weights"
+    version: NonNegInt
+
+
+Descriptor = Annotated[PutGroup | PutImages | PutWeights, Field(discriminator="kind")]
+
+
+# ---- DoGet tickets -----------------------------------------------------------------------------
+
+
+class MetadataTicket(_Doc):
+    """Metadata rows with ``seq >= since`` (the cursor), projected to ``columns``.
+
+    Example: ``{"v": 1, "kind": "metadata", "since": 0, "columns": ["group_id", "reward"]}``
+    """
+
+    kind: Literal["metadata"] = "metadata"
+    since: NonNegInt = 0
+    columns: list[str] | None = None
+    """Metadata columns to return (``seq`` always comes first); ``None`` = all."""
+
+
+class SliceRef(BaseModel):
+    """Rows ``sample_idx in [start, stop)`` of one group (on the node the ticket is sent to)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    group_id: GroupId
+    start: NonNegInt
+    stop: NonNegInt
+
+    @model_validator(mode="after")
+    def _check_range(self) -> SliceRef:
+        if self.stop <= self.start:
+            msg = f"empty or reversed row range [{self.start}, {self.stop}) for group {self.group_id!r}"
+            raise ValueError(msg)
+        return self
+
+
+class SlicesTicket(_Doc):
+    """Payload (and any other) columns of the listed slices, streamed in ticket order.
+
+    Example: ``{"v": 1, "kind": "slices", "slices": [{"group_id": "g1", "start": 0, "stop": 4}],
+    "columns": ["group_id", "sample_idx", "response_ids"]}``
+    """
+
+    kind: Literal["slices"] = "slices"
+    slices: list[SliceRef] = Field(min_length=1)
+    columns: list[str] | None = None
+    """Trajectory columns to return; ``None`` = all."""
+
+
+class ImagesTicket(_Doc):
+    """Image-table rows for the given hex keys, in key order.
+
+    Example: ``{"v": 1, "kind": "images", "keys": ["9f86d0...(64 hex digits)"]}``
+    """
+
+    kind: Literal["images"] = "images"
+    keys: list[Annotated[str, Field(pattern=f"^[0-9a-f]{{{2 * IMAGE_KEY_BYTES}}}$")]] = Field(min_length=1)
+
+
+class WeightsTicket(_Doc):
+    """The latest weights table (or exactly ``version`` when given).
+
+    Example: ``{"v": 1, "kind": "weights"}``
+    """
+
+    kind: Literal["weights"] = "weights"
+    version: NonNegInt | None = None
+
+
+Ticket = Annotated[MetadataTicket | SlicesTicket | ImagesTicket | WeightsTicket, Field(discriminator="kind")]
+
+
+# ---- action bodies -----------------------------------------------------------------------------
+
+
+class ReleaseBody(_Doc):
+    """Free the payload of consumed groups. Example: ``{"v": 1, "group_ids": ["g1", "g2"]}``"""
+
+    group_ids: list[GroupId] = Field(min_length=1)
+
+
+class PublishVersionBody(_Doc):
+    """Record the trainer's newest policy version. Example: ``{"v": 1, "version": 5}``"""
+
+    version: NonNegInt
+
+
+class EmptyBody(_Doc):
+    """Body of ``health`` and ``stats`` (may also be sent empty). Example: ``{"v": 1}``"""
+
+
+ACTION_BODIES: dict[str, type[_Doc]] = {
+    "health": EmptyBody,
+    "stats": EmptyBody,
+    "release": ReleaseBody,
+    "publish_version": PublishVersionBody,
+    "get_version": EmptyBody,
+}
+"""Action type -> body model; the server's ``list_actions`` describes the same set."""
+
+ACTION_DESCRIPTIONS: dict[str, str] = {
+    "health": 'liveness; answers {"ok": true, "node": ..., "schema_version": ...}',
+    "stats": "rows, bytes, groups by state, images, memory budget and use, bytes in/out",
+    "release": 'free the payload of consumed groups; body {"v":1,"group_ids":[...]}',
+    "publish_version": 'record the newest policy version; body {"v":1,"version":N}',
+    "get_version": 'the newest published policy version; answers {"version": N}',
+}
+
+
+# ---- decoding ----------------------------------------------------------------------------------
+
+_DESCRIPTOR = TypeAdapter(Descriptor)
+_TICKET = TypeAdapter(Ticket)
+
+
+def _load_json(raw: bytes, what: str) -> Any:
+    try:
+        return json.loads(raw)
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        msg = f"{what} is not valid JSON: {exc}"
+        raise WireError(msg) from None
+
+
+def _validate(adapter: TypeAdapter[Any] | type[BaseModel], doc: Any, what: str) -> Any:
+    if not isinstance(doc, dict):
+        msg = f"{what} must be a JSON object, got {type(doc).__name__}"
+        raise WireError(msg)
+    if "v" not in doc:
+        msg = f"{what} lacks the schema version field 'v' (this store speaks v={SCHEMA_VERSION})"
+        raise WireError(msg)
+    try:
+        if isinstance(adapter, TypeAdapter):
+            return adapter.validate_python(doc)
+        return adapter.model_validate(doc)
+    except ValidationError as exc:
+        errs = "; ".join(
+            f"{'.'.join(str(p) for p in e['loc']) or '<root>'}: {e['msg']}" for e in exc.errors()[:5]
+        )
+        msg = f"invalid {what}: {errs}"
+        raise WireError(msg) from None
+
+
+def decode_descriptor(raw: bytes) -> PutGroup | PutImages | PutWeights:
+    """Parse a DoPut command descriptor."""
+    return _validate(_DESCRIPTOR, _load_json(raw, "descriptor"), "descriptor")  # type: ignore[no-any-return]
+
+
+def decode_ticket(raw: bytes) -> MetadataTicket | SlicesTicket | ImagesTicket | WeightsTicket:
+    """Parse a DoGet ticket."""
+    return _validate(_TICKET, _load_json(raw, "ticket"), "ticket")  # type: ignore[no-any-return]
+
+
+def decode_action_body(action: str, raw: bytes) -> _Doc:
+    """Parse the body of action ``action`` (an empty body is allowed for bodiless actions)."""
+    model = ACTION_BODIES.get(action)
+    if model is None:
+        msg = f"unknown action {action!r}; known: {sorted(ACTION_BODIES)}"
+        raise WireError(msg)
+    if not raw and model is EmptyBody:
+        return EmptyBody()
+    return _validate(model, _load_json(raw, f"body of action {action!r}"), f"body of action {action!r}")  # type: ignore[no-any-return]

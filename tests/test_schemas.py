@@ -1,0 +1,114 @@
+"""The pydantic mirrors and the Arrow schema agree field for field; wire documents decode strictly."""
+
+from __future__ import annotations
+
+import typing
+
+import pyarrow as pa
+import pytest
+
+from schemas import TRAJECTORY_SCHEMA, TrajectoryRecord, records_to_batch
+from schemas.arrow import METADATA_SCHEMA, SCHEMA_VERSION
+from schemas.wire import (
+    MetadataTicket,
+    PutGroup,
+    SlicesTicket,
+    WireError,
+    decode_action_body,
+    decode_descriptor,
+    decode_ticket,
+)
+
+# Arrow type -> the Python type the pydantic field must accept (after unwrapping Optional/Annotated)
+_PY = {
+    pa.string(): str,
+    pa.int16(): int,
+    pa.int32(): int,
+    pa.int64(): int,
+    pa.float32(): float,
+    pa.timestamp("us"): "datetime",
+}
+
+
+def _base(tp: typing.Any) -> typing.Any:
+    while True:
+        origin = typing.get_origin(tp)
+        if origin is typing.Annotated:
+            tp = typing.get_args(tp)[0]
+        elif origin in (typing.Union, __import__("types").UnionType):
+            args = [a for a in typing.get_args(tp) if a is not type(None)]
+            tp = args[0]
+        else:
+            return tp
+
+
+def test_record_model_mirrors_arrow_schema_field_for_field() -> None:
+    model_fields = list(TrajectoryRecord.model_fields)
+    assert model_fields == TRAJECTORY_SCHEMA.names
+    for field in TRAJECTORY_SCHEMA:
+        ann = _base(TrajectoryRecord.model_fields[field.name].annotation)
+        if pa.types.is_list(field.type):
+            assert typing.get_origin(ann) is list, field.name
+            continue
+        want = _PY[field.type]
+        if want == "datetime":
+            assert ann.__name__ == "datetime", field.name
+        else:
+            assert ann is want, field.name
+
+
+def test_records_to_batch_matches_schema_and_fills_defaults() -> None:
+    r = TrajectoryRecord(
+        group_id="g", sample_idx=1, policy_version=2, prompt_ids=[1, 2, 3], response_ids=[4, 5],
+        response_logprobs=[-0.5, -0.25],
+    )
+    b = records_to_batch([r])
+    assert b.schema.equals(TRAJECTORY_SCHEMA)
+    row = b.to_pylist()[0]
+    assert row["prompt_len"] == 3 and row["response_len"] == 2
+    assert row["loss_mask"] == [1, 1] and row["policy_version_min"] == 2
+
+
+def test_record_rejects_mismatched_lengths() -> None:
+    with pytest.raises(ValueError, match="response_logprobs"):
+        TrajectoryRecord(group_id="g", sample_idx=0, policy_version=0, prompt_ids=[1],
+                         response_ids=[1, 2], response_logprobs=[0.0])
+
+
+def test_metadata_schema_is_a_projection_of_trajectory_schema() -> None:
+    for f in METADATA_SCHEMA:
+        if f.name != "seq":
+            assert TRAJECTORY_SCHEMA.field(f.name).equals(f)
+
+
+def test_wire_documents_round_trip() -> None:
+    t = SlicesTicket(slices=[{"group_id": "g", "start": 0, "stop": 4}], columns=["response_ids"])
+    assert decode_ticket(t.to_bytes()) == t
+    assert decode_ticket(MetadataTicket(since=7).to_bytes()).since == 7
+    assert decode_descriptor(b'{"v": 1, "kind": "put_group", "group_id": "x"}') == PutGroup(group_id="x")
+
+
+@pytest.mark.parametrize(
+    ("raw", "needle"),
+    [
+        (b"{not json", "not valid JSON"),
+        (b"[1, 2]", "JSON object"),
+        (b'{"kind": "metadata"}', "'v'"),
+        (b'{"v": 99, "kind": "metadata"}', "unsupported schema version"),
+        (b'{"v": 1, "kind": "nope"}', "kind"),
+        (b'{"v": 1, "kind": "slices", "slices": [{"group_id": "g", "start": 5, "stop": 2}]}', "reversed"),
+        (b'{"v": 1, "kind": "metadata", "since": -1}', "since"),
+        (b'{"v": 1, "kind": "metadata", "extra": 1}', "extra"),
+    ],
+)
+def test_bad_tickets_raise_wire_error_naming_the_problem(raw: bytes, needle: str) -> None:
+    with pytest.raises(WireError, match=needle):
+        decode_ticket(raw)
+
+
+def test_action_bodies() -> None:
+    assert decode_action_body("health", b"").v == SCHEMA_VERSION
+    with pytest.raises(WireError, match="unknown action"):
+        decode_action_body("explode", b"{}")
+    with pytest.raises(WireError, match="group_ids"):
+        decode_action_body("release", b'{"v": 1, "group_ids": []}')
