@@ -1,0 +1,374 @@
+"""Flight data-plane throughput: DoGet vs memcpy, metadata scans vs payload size, micro-batch latency.
+
+``python -m bench.flight_throughput [--quick] --out results/flight_throughput.json``
+
+In one run:
+
+(a) DoGet of micro-batch slices (8 trajectories each) totalling >= 256 MiB (quick: 64 MiB) per
+    pass, best of 3 passes, from a store node in ANOTHER PROCESS (``python -m flight_store serve``
+    on a free port), against the baseline: copying the same bytes in-process into newly
+    allocated buffers, interleaved with the fetches (same load on a shared machine), both kept
+    alive for the pass. The headline pair runs in a child process with the system allocator and
+    a fixed mmap threshold, so every buffer on BOTH sides is fresh memory (first-touch pages);
+    ``*_pool_gbps`` repeats it in this process with the default Arrow pool (recycled, hot pages);
+(b) the time of a full metadata scan when every row carries 1 KiB of payload, against 256 KiB
+    per row, same row count (the metadata log never touches payload, so the ratio should be ~1);
+(c) p50/p99 latency of fetching one micro-batch of 8 trajectories (8 groups, one row each) from a
+    store holding >= 4096 groups.
+
+Targets (quick mode): ratios.doget_vs_copy >= 0.5, ratios.meta_scan_large_vs_small <= 1.5,
+metrics.microbatch_fetch_ms_p50 <= 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+
+from bench._common import timer, write_result
+from flight_store.client import StoreClient
+from flight_store.server import StoreServer
+from schemas.arrow import TRAJECTORY_SCHEMA
+from schemas.plan import PlannedSlice
+
+MIB = 1 << 20
+BYTES_PER_TOKEN = 9  # response_ids int32 + response_logprobs float32 + loss_mask uint8
+
+
+def make_group(group_id: str, size: int, response_tokens: int, rng: np.random.Generator) -> pa.RecordBatch:
+    """A trajectory batch built straight from numpy (fast; no per-row Python objects)."""
+    n_tok = size * response_tokens
+    offsets = pa.array(np.arange(0, n_tok + 1, response_tokens, dtype=np.int32))
+    prompt = 16
+    p_offsets = pa.array(np.arange(0, size * prompt + 1, prompt, dtype=np.int32))
+    now = np.datetime64("2026-01-01T00:00:00", "us")
+    cols = {
+        "group_id": pa.array([group_id] * size),
+        "sample_idx": pa.array(np.arange(size, dtype=np.int32)),
+        "policy_version": pa.array(np.zeros(size, dtype=np.int64)),
+        "policy_version_min": pa.array(np.zeros(size, dtype=np.int64)),
+        "data_source": pa.array(["bench"] * size),
+        "prompt_len": pa.array(np.full(size, prompt, dtype=np.int32)),
+        "response_len": pa.array(np.full(size, response_tokens, dtype=np.int32)),
+        "reward": pa.array(rng.random(size, dtype=np.float32)),
+        "finish_reason": pa.array(["stop"] * size),
+        "status": pa.array(["completed"] * size),
+        "num_images": pa.array(np.zeros(size, dtype=np.int16)),
+        "created_at": pa.array(np.full(size, now)),
+        "completed_at": pa.array(np.full(size, now)),
+        "bytes": pa.array(np.zeros(size, dtype=np.int64)),
+        "prompt_ids": pa.ListArray.from_arrays(p_offsets, pa.array(rng.integers(0, 32000, size * prompt, np.int32))),
+        "response_ids": pa.ListArray.from_arrays(offsets, pa.array(rng.integers(0, 32000, n_tok, np.int32))),
+        "response_logprobs": pa.ListArray.from_arrays(offsets, pa.array(-rng.random(n_tok, dtype=np.float32))),
+        "loss_mask": pa.ListArray.from_arrays(offsets, pa.array(np.ones(n_tok, dtype=np.uint8))),
+        "image_keys": pa.array([[]] * size, type=pa.list_(pa.binary(32))),
+    }
+    return pa.RecordBatch.from_pydict(cols, schema=TRAJECTORY_SCHEMA)
+
+
+def start_store_process(memory_budget: int | None = None) -> tuple[subprocess.Popen[str], str]:
+    """``python -m flight_store serve --port 0`` in a subprocess; returns it and its location."""
+    cmd = [sys.executable, "-m", "flight_store", "serve", "--port", "0", "--log-level", "WARNING"]
+    if memory_budget:
+        cmd += ["--memory-budget", str(memory_budget)]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True, env=env)
+    if proc.stdout is None:  # pragma: no cover - stdout=PIPE always sets it
+        msg = "no stdout from the store process"
+        raise RuntimeError(msg)
+    line = proc.stdout.readline()
+    if "listening on " not in line:
+        proc.kill()
+        msg = f"store process did not start: {line!r}"
+        raise RuntimeError(msg)
+    return proc, line.split("listening on ", 1)[1].strip()
+
+
+def stop_store_process(proc: subprocess.Popen[str]) -> None:
+    proc.terminate()
+    try:
+        proc.wait(timeout=20)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+    if proc.stdout is not None:
+        proc.stdout.close()
+
+
+def fresh_copy(table: pa.Table, keep: list[pa.Buffer]) -> int:
+    """Copy every buffer of ``table`` into newly allocated Arrow buffers (kept in ``keep``); returns bytes.
+
+    The destination comes from the same Arrow memory pool the DoGet results come from, so both
+    sides of the comparison allocate the same way.
+    """
+    copied = 0
+    for col in table.columns:
+        for chunk in col.chunks:
+            for buf in chunk.buffers():
+                if buf is None or buf.size == 0:
+                    continue
+                dst = pa.allocate_buffer(buf.size)
+                np.frombuffer(dst, dtype=np.uint8)[:] = np.frombuffer(buf, dtype=np.uint8)
+                copied += buf.size
+                keep.append(dst)
+    return copied
+
+
+def bench_doget(
+    client: StoreClient, node: str, total_bytes: int, tokens: int, passes: int, rng: np.random.Generator
+) -> dict:
+    """(a) DoGet micro-batches of 8 trajectories from the other process, vs an in-process copy.
+
+    Each micro-batch is fetched, then its bytes are copied in-process into new buffers right away,
+    so both sides see the same load on a shared machine; fetched tables and copies stay alive for
+    the pass. The best of ``passes`` passes is kept for each side; the first pass (cold pool:
+    every page touched for the first time) is reported too.
+    """
+    mb_rows = 8
+    row_bytes = tokens * BYTES_PER_TOKEN
+    n_groups = max(1, -(-total_bytes // (row_bytes * mb_rows)))
+    for g in range(n_groups):
+        client.put_group(make_group(f"big{g}", mb_rows, tokens, rng), node=node)
+    plans = [[PlannedSlice(node=node, group_id=f"big{g}", start=0, stop=mb_rows)] for g in range(n_groups)]
+    client.fetch(plans[0])  # warm the connection
+    runs: list[tuple[float, float]] = []
+    got = copied = 0
+    for _ in range(passes):
+        tables: list[pa.Table] = []
+        keep: list[pa.Buffer] = []
+        t_get = t_copy = 0.0
+        got = copied = 0
+        for p in plans:
+            t0 = time.perf_counter()
+            table = client.fetch(p)
+            t1 = time.perf_counter()
+            copied += fresh_copy(table, keep)
+            t_get, t_copy = t_get + t1 - t0, t_copy + time.perf_counter() - t1
+            got += table.nbytes
+            tables.append(table)
+        runs.append((t_get, t_copy))
+        del tables, keep
+    best_get, best_copy = min(r[0] for r in runs), min(r[1] for r in runs)
+    return {
+        "doget_gbps": got / best_get / 1e9,
+        "copy_gbps": copied / best_copy / 1e9,
+        "doget_first_pass_gbps": got / runs[0][0] / 1e9,
+        "copy_first_pass_gbps": copied / runs[0][1] / 1e9,
+        "doget_bytes": got,
+        "copy_bytes": copied,
+        "doget_s": best_get,
+        "copy_s": best_copy,
+        "microbatches": n_groups,
+    }
+
+
+def bench_meta_scan(rows: int, repeats: int, rng: np.random.Generator) -> dict:
+    """(b) full metadata scans over Flight with 1 KiB vs 256 KiB of payload per row."""
+    out = {}
+    group_size = 8
+    for label, payload in (("small", 1024), ("large", 256 * 1024)):
+        tokens = max(1, (payload - 4 * 16) // BYTES_PER_TOKEN)
+        with StoreServer() as server, StoreClient(server.location) as client:
+            for g in range(rows // group_size):
+                client.put_group(make_group(f"{label}{g}", group_size, tokens, rng))
+            client.scan_metadata()  # warm
+            times = []
+            for _ in range(repeats):
+                with timer() as t:
+                    frame = client.scan_metadata()
+                times.append(t[0])
+            if frame.height != rows:
+                msg = f"scan returned {frame.height} rows, expected {rows}"
+                raise RuntimeError(msg)
+            out[f"meta_scan_ms_{label}"] = statistics.median(times) * 1e3
+            out[f"stored_bytes_{label}"] = client.stats()[server.location]["memory_used"]
+    return out
+
+
+def bench_latency(client: StoreClient, node: str, groups: int, fetches: int, rng: np.random.Generator) -> dict:
+    """(c) p50/p99 of fetching 8 trajectories (8 random groups, one row each) from a store of ``groups`` groups."""
+    size = 4
+    with timer() as w:
+        for g in range(groups):
+            client.put_group(make_group(f"s{g}", size, 256, rng), node=node)
+    lat = []
+    for i in range(fetches + 20):
+        picks = rng.choice(groups, size=8, replace=False)
+        slices = [
+            PlannedSlice(node=node, group_id=f"s{g}", start=int(r), stop=int(r) + 1)
+            for g, r in zip(picks, rng.integers(0, size, 8), strict=True)
+        ]
+        t0 = time.perf_counter()
+        table = client.fetch(slices)
+        dt = time.perf_counter() - t0
+        if table.num_rows != 8:
+            msg = f"micro-batch fetch returned {table.num_rows} rows"
+            raise RuntimeError(msg)
+        if i >= 20:  # the first calls warm up
+            lat.append(dt * 1e3)
+    arr = np.asarray(lat)
+    return {
+        "microbatch_fetch_ms_p50": float(np.percentile(arr, 50)),
+        "microbatch_fetch_ms_p99": float(np.percentile(arr, 99)),
+        "microbatch_fetch_ms_mean": float(arr.mean()),
+        "write_groups_per_s": groups / w[0],
+        "latency_samples": lat,
+    }
+
+
+def plot(path: Path, metrics: dict, latencies: list[float]) -> None:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:  # the bench extra is optional
+        return
+    fig, (a, b, c) = plt.subplots(1, 3, figsize=(13, 3.6))
+    a.bar(
+        ["DoGet (other process)", "memcpy (fresh memory)"],
+        [metrics["doget_gbps"], metrics["copy_gbps"]],
+        color=["tab:blue", "tab:gray"],
+    )
+    a.set_ylabel("GB/s")
+    a.set_title("(a) micro-batch DoGet vs copy")
+    b.bar(
+        ["1 KiB/row", "256 KiB/row"],
+        [metrics["meta_scan_ms_small"], metrics["meta_scan_ms_large"]],
+        color=["tab:green", "tab:olive"],
+    )
+    b.set_ylabel("ms")
+    b.set_title("(b) full metadata scan")
+    c.hist(latencies, bins=40, color="tab:purple")
+    c.axvline(metrics["microbatch_fetch_ms_p50"], color="k", ls="--", label="p50")
+    c.axvline(metrics["microbatch_fetch_ms_p99"], color="r", ls="--", label="p99")
+    c.set_xlabel("ms")
+    c.set_title("(c) fetch of 8 trajectories")
+    c.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+FRESH_MEMORY_ENV = {"ARROW_DEFAULT_MEMORY_POOL": "system", "MALLOC_MMAP_THRESHOLD_": "131072"}
+"""Part (a) runs in a child with these: every buffer over 128 KiB is a fresh mmap, on both sides."""
+
+
+def run_doget(params: dict, seed: int) -> dict:
+    """Part (a) against its own store process."""
+    rng = np.random.default_rng(seed)
+    proc, location = start_store_process()
+    try:
+        with StoreClient(location, timeout=120) as client:
+            return bench_doget(
+                client,
+                location,
+                params["doget_total_mib"] * MIB,
+                params["doget_response_tokens"],
+                params["doget_passes"],
+                rng,
+            )
+    finally:
+        stop_store_process(proc)
+
+
+def run_doget_fresh(params: dict, seed: int, out: Path) -> dict:
+    """Part (a) in a child process whose allocations all come fresh from the kernel."""
+    env = {**os.environ, **FRESH_MEMORY_ENV, "OMP_NUM_THREADS": "1"}
+    cmd = [sys.executable, "-m", "bench.flight_throughput", "--part", "doget", "--seed", str(seed), "--out", str(out)]
+    if params["quick"]:
+        cmd.append("--quick")
+    subprocess.run(cmd, env=env, check=True, timeout=600)
+    return json.loads(out.read_text())  # type: ignore[no-any-return]
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="python -m bench.flight_throughput",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument("--quick", action="store_true", help="64 MiB DoGet, fewer repeats (about 30 s)")
+    parser.add_argument("--out", required=True, help="result JSON path (a PNG is written beside it)")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--part", choices=["all", "doget"], default="all", help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+
+    rng = np.random.default_rng(args.seed)
+    params = {
+        "quick": args.quick,
+        "doget_total_mib": 64 if args.quick else 256,
+        "doget_response_tokens": 32768,
+        "doget_passes": 3,
+        "microbatch_rows": 8,
+        "meta_rows": 1024 if args.quick else 2048,
+        "meta_repeats": 10 if args.quick else 30,
+        "latency_groups": 4096,
+        "latency_fetches": 300 if args.quick else 2000,
+        "fresh_memory_env": FRESH_MEMORY_ENV,
+    }
+    out = Path(args.out)
+    if args.part == "doget":
+        out.write_text(json.dumps(run_doget(params, args.seed)))
+        return 0
+
+    with tempfile.TemporaryDirectory() as tmp:
+        a = run_doget_fresh(params, args.seed, Path(tmp) / "doget.json")
+    pool = run_doget(params, args.seed)  # the same in this process: the Arrow pool recycles pages
+    a.update({f"{k.replace('_gbps', '')}_pool_gbps": v for k, v in pool.items() if k.endswith("_gbps")})
+    proc, location = start_store_process()
+    try:
+        with StoreClient(location, timeout=120) as client:
+            c = bench_latency(client, location, params["latency_groups"], params["latency_fetches"], rng)
+    finally:
+        stop_store_process(proc)
+    b = bench_meta_scan(params["meta_rows"], params["meta_repeats"], rng)
+
+    latencies = c.pop("latency_samples")
+    metrics = {**a, **b, **c}
+    ratios = {
+        "doget_vs_copy": a["doget_gbps"] / a["copy_gbps"],
+        "doget_vs_copy_first_pass": a["doget_first_pass_gbps"] / a["copy_first_pass_gbps"],
+        "doget_vs_copy_pool": a["doget_pool_gbps"] / a["copy_pool_gbps"],
+        "meta_scan_large_vs_small": b["meta_scan_ms_large"] / b["meta_scan_ms_small"],
+    }
+    targets = {
+        "doget_vs_copy": ">= 0.5",
+        "meta_scan_large_vs_small": "<= 1.5",
+        "microbatch_fetch_ms_p50": "<= 2",
+    }
+    passed = {
+        "doget_vs_copy": ratios["doget_vs_copy"] >= 0.5,
+        "meta_scan_large_vs_small": ratios["meta_scan_large_vs_small"] <= 1.5,
+        "microbatch_fetch_ms_p50": metrics["microbatch_fetch_ms_p50"] <= 2.0,
+    }
+    write_result(out, metrics, ratios, params, targets=targets, passed=passed)
+    plot(out.with_suffix(".png"), metrics, latencies)
+    print(
+        f"(a) DoGet {a['doget_gbps']:.2f} GB/s vs fresh-memory copy {a['copy_gbps']:.2f} GB/s "
+        f"-> ratio {ratios['doget_vs_copy']:.2f} (target >= 0.5)"
+    )
+    print(
+        f"(b) metadata scan {b['meta_scan_ms_small']:.2f} ms (1 KiB/row) vs {b['meta_scan_ms_large']:.2f} ms "
+        f"(256 KiB/row) -> ratio {ratios['meta_scan_large_vs_small']:.2f} (target <= 1.5)"
+    )
+    print(
+        f"(c) fetch of 8 trajectories from {params['latency_groups']} groups: "
+        f"p50 {c['microbatch_fetch_ms_p50']:.2f} ms, p99 {c['microbatch_fetch_ms_p99']:.2f} ms (target p50 <= 2)"
+    )
+    print(f"wrote {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,38 @@
+"""Node-local Arrow Flight store: the store, its Flight server, the client and typed errors.
+
+Imports only pyarrow, polars, pydantic and numpy.
+"""
+
+from __future__ import annotations
+
+from flight_store.client import StoreClient, node_for
+from flight_store.errors import (
+    BudgetExceededError,
+    GroupReleasedError,
+    KnitError,
+    NodeUnavailableError,
+    SchemaMismatchError,
+    UnknownGroupError,
+    UnknownImageError,
+    UnknownWeightsError,
+    WireDecodeError,
+)
+from flight_store.server import StoreServer
+from flight_store.store import Store, StoreConfig
+
+__all__ = [
+    "BudgetExceededError",
+    "GroupReleasedError",
+    "KnitError",
+    "NodeUnavailableError",
+    "SchemaMismatchError",
+    "Store",
+    "StoreClient",
+    "StoreConfig",
+    "StoreServer",
+    "UnknownGroupError",
+    "UnknownImageError",
+    "UnknownWeightsError",
+    "WireDecodeError",
+    "node_for",
+]

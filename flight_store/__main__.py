@@ -1,0 +1,7 @@
+"""``python -m flight_store ...`` = ``knit ...``."""
+
+from __future__ import annotations
+
+from flight_store.cli import main
+
+raise SystemExit(main())

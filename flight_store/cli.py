@@ -1,0 +1,107 @@
+"""The ``knit`` command: ``knit serve`` runs one store node; other subcommands load lazily.
+
+Subcommands other than ``serve`` are registered in :data:`LAZY_COMMANDS` as ``"module:function"``
+strings and resolved with importlib only when run, so this package never imports the trainer or
+the connectors. Each lazy function is called as ``function(argv)`` with the arguments after the
+subcommand name and returns an exit code (or ``None`` for 0).
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import logging
+import signal
+import sys
+import threading
+from collections.abc import Callable, Sequence
+from types import FrameType
+from typing import cast
+
+LAZY_COMMANDS: dict[str, tuple[str, str]] = {
+    "run": ("flight_store.demo:main", "run the local demo: two store nodes, a few groups, a query, a fetch"),
+    "train": ("train.entry:main", "run the Megatron-core trainer (one rank under torchrun, or --nproc N)"),
+    "rollout": ("connectors.rollout:main", "run a vLLM rollout worker that streams prompt groups to the stores"),
+    "meta": ("flight_store.query:main", "polars SQL over the live trajectory metadata of every node"),
+}
+"""Subcommand -> "module:function" or ("module:function", one-line help). Add entries; never import them."""
+
+
+def _target(name: str) -> tuple[str, str]:
+    entry = LAZY_COMMANDS[name]
+    return (entry, f"see `knit {name} --help`") if isinstance(entry, str) else entry
+
+
+def _resolve(target: str) -> Callable[[list[str]], int | None]:
+    module, _, func = target.partition(":")
+    return cast(Callable[[list[str]], "int | None"], getattr(importlib.import_module(module), func))
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="knit", description="KnitTrans: a columnar data plane for LLM RL.")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    serve = sub.add_parser("serve", help="run one store node (Arrow Flight server)")
+    serve.add_argument("--host", default="127.0.0.1", help="interface to bind (default 127.0.0.1)")
+    serve.add_argument("--port", type=int, default=8815, help="port (0 = pick a free one; default 8815)")
+    serve.add_argument(
+        "--memory-budget",
+        type=int,
+        default=None,
+        metavar="BYTES",
+        help="bytes of payload the node may hold; writes beyond it are refused (retryable)",
+    )
+    serve.add_argument(
+        "--coalesce-below",
+        type=int,
+        default=1 << 20,
+        metavar="BYTES",
+        help="a slices answer of several batches under this size is sent as one copied batch (0 = never)",
+    )
+    serve.add_argument("--node-name", default=None, help="name reported by health/stats (default: the location)")
+    serve.add_argument("--log-level", default="INFO", help="logging level (default INFO)")
+    for name in LAZY_COMMANDS:
+        sub.add_parser(name, help=_target(name)[1], add_help=False)
+    return parser
+
+
+def serve(args: argparse.Namespace) -> int:
+    """Run one store node until SIGINT/SIGTERM."""
+    from flight_store.server import StoreServer
+
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    server = StoreServer(
+        f"grpc://{args.host}:{args.port}",
+        memory_budget=args.memory_budget,
+        node_name=args.node_name,
+        coalesce_below=args.coalesce_below,
+    )
+    print(f"knit serve: listening on {server.location}", flush=True)
+    stop = threading.Event()
+
+    def on_signal(signum: int, frame: FrameType | None) -> None:
+        stop.set()
+
+    signal.signal(signal.SIGINT, on_signal)
+    signal.signal(signal.SIGTERM, on_signal)
+    while not stop.wait(0.5):
+        pass
+    server.shutdown()
+    print("knit serve: stopped", flush=True)
+    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of ``knit``."""
+    args_list = list(sys.argv[1:] if argv is None else argv)
+    if args_list and args_list[0] in LAZY_COMMANDS:
+        fn = _resolve(_target(args_list[0])[0])
+        return int(fn(args_list[1:]) or 0)
+    args = _parser().parse_args(args_list)
+    if args.command == "serve":
+        return serve(args)
+    msg = f"unknown command {args.command!r}"  # pragma: no cover - argparse refuses it first
+    raise SystemExit(msg)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

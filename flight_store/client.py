@@ -1,0 +1,329 @@
+"""The client of one or many store nodes: write groups, scan metadata, fetch slices, release.
+
+Node name = the location string (``"grpc://host:port"``). Every call that concerns several
+nodes fans out concurrently on a thread pool. Errors come back as the project's typed errors
+(:mod:`flight_store.errors`); a node that cannot be reached raises
+:class:`NodeUnavailableError` naming it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import threading
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, TypeVar, cast
+
+import polars as pl
+import pyarrow as pa
+import pyarrow.flight as flight
+
+from flight_store.errors import from_flight_error
+from schemas.arrow import IMAGE_SCHEMA, METADATA_SCHEMA, TRAJECTORY_SCHEMA
+from schemas.plan import PlannedSlice
+from schemas.wire import (
+    EmptyBody,
+    ImagesTicket,
+    MetadataTicket,
+    PublishVersionBody,
+    PutGroup,
+    PutImages,
+    PutWeights,
+    ReleaseBody,
+    SliceRef,
+    SlicesTicket,
+    WeightsTicket,
+)
+
+T = TypeVar("T")
+
+
+def node_for(group_id: str, nodes: Sequence[str]) -> str:
+    """The default node of ``group_id``: a stable hash (blake2b) of the id over ``nodes`` in order."""
+    if not nodes:
+        msg = "node_for needs at least one node"
+        raise ValueError(msg)
+    h = int.from_bytes(hashlib.blake2b(group_id.encode(), digest_size=8).digest(), "big")
+    return nodes[h % len(nodes)]
+
+
+class StoreClient:
+    """Talks to one or many store nodes.
+
+    Args:
+        locations: one location or a list (``"grpc://127.0.0.1:8815"``); each is also the node's name.
+        token: bearer token sent as ``authorization: Bearer <token>``; ``None`` reads ``KNIT_TOKEN``.
+        tls_root_certs: PEM root certificates for ``grpc+tls://`` locations.
+        timeout: seconds per call (``None`` = no limit).
+
+    Example:
+        >>> from flight_store.server import StoreServer
+        >>> from schemas.records import TrajectoryRecord, records_to_batch
+        >>> from schemas.plan import PlannedSlice
+        >>> with StoreServer() as server, StoreClient([server.location]) as client:
+        ...     batch = records_to_batch([TrajectoryRecord(group_id="g0", sample_idx=i, policy_version=0,
+        ...         prompt_ids=[1], response_ids=[2, 3], response_logprobs=[-1.0, -2.0]) for i in range(4)])
+        ...     node = client.put_group(batch)
+        ...     frame = client.scan_new(columns=["group_id", "sample_idx", "reward"])
+        ...     table = client.fetch([PlannedSlice(node=node, group_id="g0", start=0, stop=2)])
+        ...     (frame.height, table.num_rows)
+        (4, 2)
+    """
+
+    def __init__(
+        self,
+        locations: str | Sequence[str],
+        *,
+        token: str | None = None,
+        tls_root_certs: bytes | None = None,
+        timeout: float | None = 30.0,
+    ) -> None:
+        locs = [locations] if isinstance(locations, str) else list(locations)
+        if not locs:
+            msg = "StoreClient needs at least one location"
+            raise ValueError(msg)
+        if len(set(locs)) != len(locs):
+            msg = f"duplicate locations in {locs}"
+            raise ValueError(msg)
+        self._nodes = locs
+        token = token if token is not None else os.environ.get("KNIT_TOKEN") or None
+        headers = [(b"authorization", b"Bearer " + token.encode())] if token else []
+        self._options = flight.FlightCallOptions(timeout=timeout, headers=headers)
+        kwargs: dict[str, Any] = {}
+        if tls_root_certs is not None:
+            kwargs["tls_root_certs"] = tls_root_certs
+        self._clients = {loc: flight.FlightClient(loc, **kwargs) for loc in locs}
+        self._pool = ThreadPoolExecutor(max_workers=max(2, min(32, 2 * len(locs))), thread_name_prefix="knit-client")
+        self._cursor: dict[str, int] = dict.fromkeys(locs, 0)
+        self._cursor_lock = threading.Lock()
+
+    # ---- plumbing ------------------------------------------------------------------------------
+
+    @property
+    def nodes(self) -> list[str]:
+        """The node names (= locations), in the order given."""
+        return list(self._nodes)
+
+    def node_for(self, group_id: str) -> str:
+        """The node a group is written to by default (stable hash of ``group_id``)."""
+        return node_for(group_id, self._nodes)
+
+    def _client(self, node: str) -> flight.FlightClient:
+        try:
+            return self._clients[node]
+        except KeyError:
+            msg = f"unknown node {node!r}; this client knows {self._nodes}"
+            raise ValueError(msg) from None
+
+    def _call(self, node: str, fn: Callable[[flight.FlightClient], T]) -> T:
+        client = self._client(node)
+        try:
+            return fn(client)
+        except flight.FlightError as exc:
+            raise from_flight_error(exc, node=node) from None
+        except pa.ArrowException as exc:
+            raise from_flight_error(exc, node=node) from None
+
+    def _fan_out(self, nodes: Sequence[str], fn: Callable[[flight.FlightClient], T]) -> dict[str, T]:
+        if len(nodes) == 1:
+            return {nodes[0]: self._call(nodes[0], fn)}
+        futures = {n: self._pool.submit(self._call, n, fn) for n in nodes}
+        return {n: f.result() for n, f in futures.items()}
+
+    def _action(self, node: str, name: str, body: bytes) -> dict[str, Any]:
+        def run(c: flight.FlightClient) -> dict[str, Any]:
+            results = list(c.do_action(flight.Action(name, body), self._options))
+            return json.loads(results[0].body.to_pybytes()) if results else {}
+
+        return self._call(node, run)
+
+    def _put(self, node: str, descriptor: bytes, table: pa.Table) -> dict[str, Any]:
+        def run(c: flight.FlightClient) -> dict[str, Any]:
+            writer, reader = c.do_put(flight.FlightDescriptor.for_command(descriptor), table.schema, self._options)
+            try:
+                writer.write_table(table)
+                writer.done_writing()
+                buf = reader.read()
+            finally:
+                writer.close()
+            return json.loads(buf.to_pybytes()) if buf is not None else {}
+
+        return self._call(node, run)
+
+    def _get(self, node: str, ticket: bytes) -> pa.Table:
+        return self._call(node, lambda c: c.do_get(flight.Ticket(ticket), self._options).read_all())
+
+    # ---- writes --------------------------------------------------------------------------------
+
+    def put_group(
+        self, batch: pa.RecordBatch | pa.Table, *, group_id: str | None = None, node: str | None = None
+    ) -> str:
+        """DoPut one prompt group; returns the node written (default: :meth:`node_for`)."""
+        table = pa.Table.from_batches([batch]) if isinstance(batch, pa.RecordBatch) else batch
+        if group_id is None:
+            if "group_id" not in table.column_names or table.num_rows == 0:
+                msg = "put_group needs group_id= or a non-empty batch with a 'group_id' column"
+                raise ValueError(msg)
+            group_id = str(table.column("group_id")[0].as_py())
+        target = node if node is not None else self.node_for(group_id)
+        self._put(target, PutGroup(group_id=group_id).to_bytes(), table)
+        return target
+
+    def put_images(self, table: pa.Table | pa.RecordBatch, *, node: str | None = None) -> int:
+        """DoPut image rows to ``node`` (default: every node); returns new (node, key) entries stored."""
+        t = pa.Table.from_batches([table]) if isinstance(table, pa.RecordBatch) else table
+        nodes = [node] if node is not None else self._nodes
+        desc = PutImages().to_bytes()
+        futures = {n: self._pool.submit(self._put, n, desc, t) for n in nodes}
+        return sum(int(f.result().get("stored", 0)) for f in futures.values())
+
+    def put_weights(self, table: pa.Table, version: int, *, node: str | None = None) -> None:
+        """DoPut a weights table (``name``, ``shape``, ``dtype``, ``data``) to ``node`` (default: every node)."""
+        nodes = [node] if node is not None else self._nodes
+        desc = PutWeights(version=version).to_bytes()
+        futures = [self._pool.submit(self._put, n, desc, table) for n in nodes]
+        for f in futures:
+            f.result()
+
+    def get_weights(self, version: int | None = None, *, node: str | None = None) -> pa.Table:
+        """The latest weights (exactly ``version`` when given) from ``node`` (default: the first node)."""
+        return self._get(node or self._nodes[0], WeightsTicket(version=version).to_bytes())
+
+    # ---- metadata ------------------------------------------------------------------------------
+
+    @staticmethod
+    def _empty_metadata(columns: Sequence[str] | None) -> pl.DataFrame:
+        names = ["seq", *(c for c in dict.fromkeys(columns) if c != "seq")] if columns else METADATA_SCHEMA.names
+        frame = cast(pl.DataFrame, pl.from_arrow(METADATA_SCHEMA.empty_table().select(names)))
+        return frame.with_columns(pl.lit(None, dtype=pl.String).alias("node")).clear()
+
+    def scan_metadata(
+        self, since: Mapping[str, int] | None = None, columns: Sequence[str] | None = None
+    ) -> pl.DataFrame:
+        """Metadata rows with ``seq >= since[node]`` from every node, with a ``node`` column (pl.String)."""
+        since = since or {}
+        # ``node`` is added here, not stored: asking for it is harmless
+        cols = [c for c in columns if c != "node"] if columns is not None else None
+
+        def ticket(n: str) -> bytes:
+            return MetadataTicket(since=int(since.get(n, 0)), columns=cols).to_bytes()
+
+        futures = {n: self._pool.submit(self._get, n, ticket(n)) for n in self._nodes}
+        frames = []
+        for n, f in futures.items():
+            table = f.result()
+            if table.num_rows:
+                frame = cast(pl.DataFrame, pl.from_arrow(table))
+                frames.append(frame.with_columns(pl.lit(n, dtype=pl.String).alias("node")))
+        if not frames:
+            return self._empty_metadata(cols)
+        return pl.concat(frames, how="vertical")
+
+    def scan_new(self, columns: Sequence[str] | None = None) -> pl.DataFrame:
+        """Metadata rows not returned by an earlier ``scan_new`` of this client (a cursor per node)."""
+        with self._cursor_lock:
+            frame = self.scan_metadata(since=dict(self._cursor), columns=columns)
+            if frame.height:
+                for n, top in frame.group_by("node").agg(pl.col("seq").max()).iter_rows():
+                    self._cursor[str(n)] = max(self._cursor[str(n)], int(top) + 1)
+        return frame
+
+    def metadata(self) -> pl.LazyFrame:
+        """All current metadata of all nodes (a fresh scan from seq 0), as a LazyFrame."""
+        return self.scan_metadata().lazy()
+
+    # ---- payload -------------------------------------------------------------------------------
+
+    def fetch(self, slices: Sequence[PlannedSlice], columns: Sequence[str] | None = None) -> pa.Table:
+        """The rows of ``slices`` (ONE DoGet per node, concurrently), in the order of ``slices``."""
+        cols = list(columns) if columns is not None else None
+        if not slices:
+            schema = TRAJECTORY_SCHEMA if cols is None else pa.schema([TRAJECTORY_SCHEMA.field(c) for c in cols])
+            return schema.empty_table()
+        per_node: dict[str, list[PlannedSlice]] = {}
+        for s in slices:
+            per_node.setdefault(s.node, []).append(s)
+        for n in per_node:
+            self._client(n)
+        tickets = {
+            n: SlicesTicket(
+                slices=[SliceRef(group_id=s.group_id, start=s.start, stop=s.stop) for s in ss], columns=cols
+            ).to_bytes()
+            for n, ss in per_node.items()
+        }
+        if len(tickets) == 1:
+            ((n, t),) = tickets.items()
+            return self._get(n, t)
+        futures = {n: self._pool.submit(self._get, n, t) for n, t in tickets.items()}
+        tables = {n: f.result() for n, f in futures.items()}
+        offsets = dict.fromkeys(tables, 0)
+        parts = []
+        for s in slices:
+            parts.append(tables[s.node].slice(offsets[s.node], s.rows))
+            offsets[s.node] += s.rows
+        return pa.concat_tables(parts)
+
+    def fetch_images(self, keys_by_node: Mapping[str, Sequence[bytes]]) -> pa.Table:
+        """Image rows by key from each node (node order of the mapping, key order within a node)."""
+        todo = {n: ks for n, ks in keys_by_node.items() if ks}
+        if not todo:
+            return IMAGE_SCHEMA.empty_table()
+        futures = {
+            n: self._pool.submit(self._get, n, ImagesTicket(keys=[k.hex() for k in ks]).to_bytes())
+            for n, ks in todo.items()
+        }
+        return pa.concat_tables([f.result() for f in futures.values()])
+
+    # ---- control -------------------------------------------------------------------------------
+
+    def release(self, group_ids: Iterable[str]) -> dict[str, int]:
+        """Release groups on every node; returns how many groups each node freed."""
+        ids = list(dict.fromkeys(group_ids))
+        if not ids:
+            return dict.fromkeys(self._nodes, 0)
+        body = ReleaseBody(group_ids=ids).to_bytes()
+        futures = {n: self._pool.submit(self._action, n, "release", body) for n in self._nodes}
+        return {n: int(f.result()["released"]) for n, f in futures.items()}
+
+    def publish_version(self, version: int) -> None:
+        """Record the newest policy version on every node."""
+        body = PublishVersionBody(version=version).to_bytes()
+        for f in [self._pool.submit(self._action, n, "publish_version", body) for n in self._nodes]:
+            f.result()
+
+    def get_version(self) -> int:
+        """The newest published policy version (max over nodes)."""
+        body = EmptyBody().to_bytes()
+        futures = [self._pool.submit(self._action, n, "get_version", body) for n in self._nodes]
+        return max(int(f.result()["version"]) for f in futures)
+
+    def stats(self) -> dict[str, dict[str, Any]]:
+        """The ``stats`` answer of every node."""
+        futures = {n: self._pool.submit(self._action, n, "stats", b"") for n in self._nodes}
+        return {n: f.result() for n, f in futures.items()}
+
+    def health(self) -> dict[str, dict[str, Any]]:
+        """The ``health`` answer of every node; an unreachable node answers ``{"ok": False, "error": ...}``."""
+
+        def one(n: str) -> dict[str, Any]:
+            try:
+                return self._action(n, "health", b"")
+            except Exception as exc:  # health reports, it does not raise
+                return {"ok": False, "node": n, "error": str(exc)}
+
+        futures = {n: self._pool.submit(one, n) for n in self._nodes}
+        return {n: f.result() for n, f in futures.items()}
+
+    def close(self) -> None:
+        """Close every connection and the thread pool."""
+        self._pool.shutdown(wait=False, cancel_futures=True)
+        for c in self._clients.values():
+            c.close()
+
+    def __enter__(self) -> StoreClient:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

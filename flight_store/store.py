@@ -1,0 +1,458 @@
+"""The node-local store: prompt groups, metadata log, images, weights (no gRPC inside).
+
+What it keeps:
+
+* **groups**: each prompt group as the record batches that arrived (normalised to
+  ``TRAJECTORY_SCHEMA``), plus a row index ``sample_idx -> (batch, offset)``, so a slice request
+  is served by zero-copy ``RecordBatch.slice`` (never a filter or take over one big table;
+  only tiny multi-slice answers may be coalesced into one small copy, see :meth:`Store.slices`);
+* an **append-only metadata log** (``METADATA_SCHEMA``, ``seq`` = position in the log) kept as a
+  list of small record batches holding their own copies of the metadata columns (so releasing a
+  group frees its payload); read from a cursor by slicing a lazily built, cached table;
+* **images** keyed by content hash, written once, reference-counted by the unreleased groups
+  whose ``image_keys`` name them;
+* the **latest weights** table and the newest **published policy version**.
+
+Guarantees: writes are validated first and committed atomically (nothing of a refused stream is
+stored); idempotent per ``(group_id, sample_idx)``; a full memory budget refuses writes with the
+retryable :class:`BudgetExceededError` and never drops data; one lock makes every method
+thread-safe.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+import pyarrow as pa
+
+from flight_store.errors import (
+    BudgetExceededError,
+    GroupReleasedError,
+    SchemaMismatchError,
+    UnknownGroupError,
+    UnknownImageError,
+    UnknownWeightsError,
+)
+from flight_store.validate import normalize_images, normalize_stream
+from schemas.arrow import METADATA_COLUMNS, METADATA_SCHEMA, SCHEMA_VERSION, TRAJECTORY_SCHEMA
+
+log = logging.getLogger(__name__)
+
+_TRAJ_COLUMNS = frozenset(TRAJECTORY_SCHEMA.names)
+_META_COLUMNS = frozenset(METADATA_SCHEMA.names)
+_COMPACT_AT = 64  # merged metadata chunks kept before all are merged into one
+
+
+@dataclass(kw_only=True, slots=True)
+class StoreConfig:
+    """Settings of one store node."""
+
+    memory_budget: int | None = None
+    """Bytes of payload, images and weights the node may hold; ``None`` = unlimited."""
+    node_name: str = "local"
+    """Name reported by ``health``/``stats`` (the server sets it to its location)."""
+
+    def __post_init__(self) -> None:
+        if self.memory_budget is not None and self.memory_budget <= 0:
+            msg = f"memory_budget must be positive bytes or None, got {self.memory_budget}"
+            raise ValueError(msg)
+
+
+@dataclass(slots=True)
+class _Group:
+    batches: list[pa.RecordBatch] = field(default_factory=list)
+    index: dict[int, tuple[int, int]] = field(default_factory=dict)
+    nbytes: int = 0
+    image_keys: set[bytes] = field(default_factory=set)
+    released: bool = False
+
+
+@dataclass(slots=True)
+class _Image:
+    row: pa.RecordBatch
+    nbytes: int
+
+
+class Store:
+    """Thread-safe node-local store of prompt groups, metadata, images and weights.
+
+    Example:
+        >>> from schemas.records import TrajectoryRecord, records_to_batch
+        >>> store = Store(memory_budget=1 << 30)
+        >>> batch = records_to_batch([TrajectoryRecord(group_id="g0", sample_idx=i, policy_version=0,
+        ...     prompt_ids=[1, 2], response_ids=[3], response_logprobs=[-0.5]) for i in range(4)])
+        >>> store.put_group("g0", [batch])
+        4
+        >>> store.metadata(since=0, columns=["group_id", "sample_idx"]).num_rows
+        4
+        >>> pa.Table.from_batches(store.slices([("g0", 1, 3)], columns=["sample_idx"])).column(0).to_pylist()
+        [1, 2]
+    """
+
+    def __init__(self, *, memory_budget: int | None = None, node_name: str = "local") -> None:
+        self.config = StoreConfig(memory_budget=memory_budget, node_name=node_name)
+        self._lock = threading.RLock()
+        self._groups: dict[str, _Group] = {}
+        self._meta_batches: list[pa.RecordBatch] = []
+        self._meta_cache: pa.Table | None = None
+        self._meta_merged = 0  # leading entries of _meta_batches already merged
+        self._seq = 0
+        self._images: dict[bytes, _Image] = {}
+        self._image_refs: dict[bytes, int] = {}
+        self._weights: pa.Table | None = None
+        self._weights_version: int | None = None
+        self._version = 0
+        self._used = 0
+        self._rows = 0
+        self.bytes_in = 0
+        self.bytes_out = 0
+        self.started = time.time()
+
+    # ---- budget --------------------------------------------------------------------------------
+
+    def _reserve(self, needed: int, what: str) -> None:
+        budget = self.config.memory_budget
+        if budget is not None and self._used + needed > budget:
+            available = max(0, budget - self._used)
+            msg = (
+                f"memory budget of node {self.config.node_name} is full: {what} needs {needed} bytes, "
+                f"{available} of {budget} available; retry after consumed groups are released"
+            )
+            raise BudgetExceededError(msg, needed=needed, available=available)
+
+    # ---- groups --------------------------------------------------------------------------------
+
+    def put_group(self, group_id: str, batches: Sequence[pa.RecordBatch | pa.Table]) -> int:
+        """Validate and store one DoPut stream of group ``group_id``; returns rows added.
+
+        Rows whose ``(group_id, sample_idx)`` is already stored are dropped (idempotent retry);
+        new ``sample_idx`` of an existing group are appended. All or nothing.
+
+        Raises:
+            SchemaMismatchError: a batch does not fit the trajectory schema (nothing stored).
+            BudgetExceededError: the node's memory budget cannot hold the new rows (nothing stored).
+            GroupReleasedError: new rows for a group that was already released.
+        """
+        flat: list[pa.RecordBatch] = []
+        for b in batches:
+            flat.extend(b.to_batches() if isinstance(b, pa.Table) else [b])
+        normalized = normalize_stream(flat, group_id)
+        with self._lock:
+            group = self._groups.get(group_id)
+            present = group.index if group is not None else {}
+            fresh: list[pa.RecordBatch] = []
+            for b in normalized:
+                idx = b.column("sample_idx").to_numpy()
+                keep = np.fromiter((int(i) not in present for i in idx), dtype=bool, count=len(idx))
+                if keep.all():
+                    fresh.append(b)
+                elif keep.any():
+                    fresh.append(b.filter(pa.array(keep)))
+            if not fresh:
+                return 0
+            if group is not None and group.released:
+                msg = f"group {group_id!r} was already released; refusing {sum(b.num_rows for b in fresh)} new rows"
+                raise GroupReleasedError(msg, group_id=group_id)
+            needed = sum(b.nbytes for b in fresh)
+            self._reserve(needed, f"group {group_id!r}")
+            if group is None:
+                group = self._groups[group_id] = _Group()
+            meta: list[pa.RecordBatch] = []
+            for b in fresh:
+                bno = len(group.batches)
+                group.batches.append(b)
+                for off, s in enumerate(b.column("sample_idx").to_numpy().tolist()):
+                    group.index[s] = (bno, off)
+                meta.append(self._metadata_rows(b))
+                for keys in b.column("image_keys").to_pylist():
+                    for k in set(keys) - group.image_keys:
+                        group.image_keys.add(k)
+                        self._image_refs[k] = self._image_refs.get(k, 0) + 1
+            group.nbytes += needed
+            self._used += needed
+            self.bytes_in += needed
+            rows = sum(b.num_rows for b in fresh)
+            self._rows += rows
+            self._meta_batches.extend(meta)
+            self._meta_cache = None
+            return rows
+
+    def _compact_metadata(self) -> None:
+        """Merge the small per-write metadata batches that arrived since the last read into one.
+
+        Only metadata (never payload) is copied; when more than ``_COMPACT_AT`` chunks pile up, all
+        are merged, so a scan streams few IPC messages whatever the number of writes.
+        """
+        merged, tail = self._meta_batches[: self._meta_merged], self._meta_batches[self._meta_merged :]
+        if len(tail) > 1:
+            tail = _merge(tail)
+        merged.extend(tail)
+        if len(merged) > _COMPACT_AT:
+            merged = _merge(merged)
+        self._meta_batches = merged
+        self._meta_merged = len(merged)
+
+    def _metadata_rows(self, b: pa.RecordBatch) -> pa.RecordBatch:
+        """Own copies of the metadata columns of ``b`` plus ``seq`` (payload buffers are not kept alive)."""
+        n = b.num_rows
+        seq = pa.array(np.arange(self._seq, self._seq + n, dtype=np.int64))
+        self._seq += n
+        copy_idx = pa.array(np.arange(n, dtype=np.int64))
+        arrays = [seq, *(b.column(c).take(copy_idx) for c in METADATA_COLUMNS)]
+        return pa.RecordBatch.from_arrays(arrays, schema=METADATA_SCHEMA)
+
+    def slices(
+        self,
+        refs: Iterable[tuple[str, int, int]],
+        columns: Sequence[str] | None = None,
+        *,
+        coalesce_below: int = 0,
+    ) -> list[pa.RecordBatch]:
+        """Zero-copy slices of rows ``sample_idx in [start, stop)`` per ``(group_id, start, stop)``, in order.
+
+        Each run of consecutive rows of one stored batch is one ``RecordBatch.slice`` (a view, no
+        copy). When ``coalesce_below`` > 0, more than one slice results and their payload is
+        estimated under ``coalesce_below`` bytes, the slices are copied into ONE batch instead:
+        for tiny micro-batches one small copy is cheaper than one IPC message per slice.
+
+        Raises:
+            UnknownGroupError: a group (or one of its rows) is not stored here.
+            GroupReleasedError: a group was released.
+            SchemaMismatchError: ``columns`` names a column the trajectory schema lacks.
+        """
+        if columns is not None:
+            for c in columns:
+                if c not in _TRAJ_COLUMNS:
+                    msg = f"unknown column {c!r} requested; the trajectory schema has {TRAJECTORY_SCHEMA.names}"
+                    raise SchemaMismatchError(msg, column=c)
+        out: list[pa.RecordBatch] = []
+        estimate = 0
+        with self._lock:
+            for group_id, start, stop in refs:
+                group = self._groups.get(group_id)
+                if group is None:
+                    msg = f"group {group_id!r} is not stored on node {self.config.node_name}"
+                    raise UnknownGroupError(msg, group_id=group_id)
+                if group.released:
+                    msg = f"group {group_id!r} was released; its payload is gone"
+                    raise GroupReleasedError(msg, group_id=group_id)
+                run_b, run_off, run_len = -1, -1, 0
+                for s in range(start, stop):
+                    loc = group.index.get(s)
+                    if loc is None:
+                        msg = f"group {group_id!r} has no row sample_idx={s} on node {self.config.node_name}"
+                        raise UnknownGroupError(msg, group_id=group_id)
+                    if loc[0] == run_b and loc[1] == run_off + run_len:
+                        run_len += 1
+                        continue
+                    if run_len:
+                        out.append(group.batches[run_b].slice(run_off, run_len))
+                    run_b, run_off, run_len = loc[0], loc[1], 1
+                if run_len:
+                    out.append(group.batches[run_b].slice(run_off, run_len))
+                estimate += group.nbytes * (stop - start) // max(1, len(group.index))
+            self.bytes_out += estimate
+        if columns is not None:
+            out = [b.select(list(columns)) for b in out]
+        if 0 < estimate < coalesce_below and len(out) > 1:
+            out = pa.Table.from_batches(out).combine_chunks().to_batches()
+        return out
+
+    def release(self, group_ids: Iterable[str]) -> int:
+        """Free the payload of these groups (unknown ids are ignored); returns how many were freed.
+
+        Metadata history stays; images no longer referenced by any unreleased group are freed.
+        """
+        freed = 0
+        with self._lock:
+            for gid in group_ids:
+                group = self._groups.get(gid)
+                if group is None or group.released:
+                    continue
+                group.released = True
+                group.batches = []
+                self._used -= group.nbytes
+                for k in group.image_keys:
+                    left = self._image_refs.get(k, 0) - 1
+                    if left > 0:
+                        self._image_refs[k] = left
+                        continue
+                    self._image_refs.pop(k, None)
+                    img = self._images.pop(k, None)
+                    if img is not None:
+                        self._used -= img.nbytes
+                freed += 1
+        return freed
+
+    def has_group(self, group_id: str) -> bool:
+        """Whether ``group_id`` is stored and not released."""
+        with self._lock:
+            g = self._groups.get(group_id)
+            return g is not None and not g.released
+
+    def group_info(self, group_id: str) -> tuple[int, int, list[tuple[int, int]]]:
+        """``(rows, bytes, contiguous [start, stop) runs of sample_idx)`` of an unreleased group."""
+        with self._lock:
+            group = self._groups.get(group_id)
+            if group is None:
+                msg = f"group {group_id!r} is not stored on node {self.config.node_name}"
+                raise UnknownGroupError(msg, group_id=group_id)
+            if group.released:
+                msg = f"group {group_id!r} was released; its payload is gone"
+                raise GroupReleasedError(msg, group_id=group_id)
+            idx = sorted(group.index)
+            nbytes = group.nbytes
+        runs: list[tuple[int, int]] = []
+        for s in idx:
+            if runs and runs[-1][1] == s:
+                runs[-1] = (runs[-1][0], s + 1)
+            else:
+                runs.append((s, s + 1))
+        return len(idx), nbytes, runs
+
+    def group_ids(self) -> list[str]:
+        """Ids of the unreleased groups, in arrival order."""
+        with self._lock:
+            return [g for g, v in self._groups.items() if not v.released]
+
+    # ---- metadata ------------------------------------------------------------------------------
+
+    def metadata(self, since: int = 0, columns: Sequence[str] | None = None) -> pa.Table:
+        """Metadata rows with ``seq >= since``; ``seq`` first, then ``columns`` (all when ``None``)."""
+        if columns is not None:
+            for c in columns:
+                if c not in _META_COLUMNS:
+                    msg = f"unknown metadata column {c!r}; metadata columns are {METADATA_SCHEMA.names}"
+                    raise SchemaMismatchError(msg, column=c)
+        with self._lock:
+            if self._meta_cache is None:
+                self._compact_metadata()
+                self._meta_cache = pa.Table.from_batches(self._meta_batches, schema=METADATA_SCHEMA)
+            table = self._meta_cache
+        table = table.slice(min(since, table.num_rows))
+        if columns is not None:
+            table = table.select(["seq", *(c for c in dict.fromkeys(columns) if c != "seq")])
+        return table
+
+    # ---- images --------------------------------------------------------------------------------
+
+    def put_images(self, table: pa.Table | pa.RecordBatch) -> int:
+        """Store the images whose key is new; returns how many were stored.
+
+        Raises:
+            SchemaMismatchError: the table does not fit ``IMAGE_SCHEMA``.
+            BudgetExceededError: the new images do not fit the memory budget (none stored).
+        """
+        t = normalize_images(table)
+        batches = t.to_batches()
+        with self._lock:
+            new: dict[bytes, _Image] = {}
+            for b in batches:
+                for i, k in enumerate(b.column("image_key").to_pylist()):
+                    if k in self._images or k in new:
+                        continue
+                    row = b.slice(i, 1)
+                    new[k] = _Image(row=row, nbytes=row.nbytes)
+            needed = sum(v.nbytes for v in new.values())
+            self._reserve(needed, f"{len(new)} image(s)")
+            self._images.update(new)
+            self._used += needed
+            self.bytes_in += needed
+            return len(new)
+
+    def images(self, keys: Sequence[bytes]) -> pa.Table:
+        """Image rows for ``keys``, in key order. Raises :class:`UnknownImageError` naming a missing key."""
+        with self._lock:
+            rows = []
+            for k in keys:
+                img = self._images.get(k)
+                if img is None:
+                    msg = f"image {k.hex()} is not stored on node {self.config.node_name}"
+                    raise UnknownImageError(msg, key=k.hex())
+                rows.append(img.row)
+                self.bytes_out += img.nbytes
+        return pa.Table.from_batches(rows, schema=rows[0].schema) if rows else normalize_images(_empty_images())
+
+    def has_image(self, key: bytes) -> bool:
+        """Whether the image ``key`` is stored."""
+        with self._lock:
+            return key in self._images
+
+    # ---- weights & version ---------------------------------------------------------------------
+
+    def put_weights(self, table: pa.Table, version: int) -> bool:
+        """Keep ``table`` as the latest weights if ``version`` is not older than the stored one."""
+        with self._lock:
+            if self._weights_version is not None and version < self._weights_version:
+                log.info("ignoring weights v%d older than stored v%d", version, self._weights_version)
+                return False
+            old = self._weights.nbytes if self._weights is not None else 0
+            self._reserve(max(0, table.nbytes - old), f"weights v{version}")
+            self._used += table.nbytes - old
+            self._weights, self._weights_version = table, version
+            self.bytes_in += table.nbytes
+            return True
+
+    def weights(self, version: int | None = None) -> tuple[pa.Table, int]:
+        """The latest weights table and its version (exactly ``version`` when given)."""
+        with self._lock:
+            if self._weights is None or self._weights_version is None:
+                msg = f"no weights are stored on node {self.config.node_name}"
+                raise UnknownWeightsError(msg, version=version)
+            if version is not None and version != self._weights_version:
+                latest = self._weights_version
+                msg = f"weights v{version} are not stored on node {self.config.node_name} (latest v{latest})"
+                raise UnknownWeightsError(msg, version=version)
+            self.bytes_out += self._weights.nbytes
+            return self._weights, self._weights_version
+
+    def publish_version(self, version: int) -> int:
+        """Record the newest policy version (monotonic: an older one is ignored); returns the stored one."""
+        with self._lock:
+            self._version = max(self._version, int(version))
+            return self._version
+
+    def get_version(self) -> int:
+        """The newest published policy version (0 before any publish)."""
+        with self._lock:
+            return self._version
+
+    # ---- stats ---------------------------------------------------------------------------------
+
+    def stats(self) -> dict[str, object]:
+        """Counters for the ``stats`` action (JSON-serialisable)."""
+        with self._lock:
+            released = sum(1 for g in self._groups.values() if g.released)
+            return {
+                "node": self.config.node_name,
+                "schema_version": SCHEMA_VERSION,
+                "rows": self._rows,
+                "rows_stored": sum(len(g.index) for g in self._groups.values() if not g.released),
+                "metadata_rows": self._seq,
+                "groups": {"stored": len(self._groups) - released, "released": released},
+                "bytes": self._used,
+                "images": len(self._images),
+                "image_bytes": sum(v.nbytes for v in self._images.values()),
+                "weights_version": self._weights_version,
+                "policy_version": self._version,
+                "memory_budget": self.config.memory_budget,
+                "memory_used": self._used,
+                "bytes_in": self.bytes_in,
+                "bytes_out": self.bytes_out,
+                "uptime_s": round(time.time() - self.started, 3),
+            }
+
+
+def _merge(batches: list[pa.RecordBatch]) -> list[pa.RecordBatch]:
+    return pa.Table.from_batches(batches, schema=METADATA_SCHEMA).combine_chunks().to_batches()
+
+
+def _empty_images() -> pa.Table:
+    from schemas.arrow import IMAGE_SCHEMA
+
+    return IMAGE_SCHEMA.empty_table()

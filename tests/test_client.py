@@ -1,0 +1,167 @@
+"""StoreClient over several real nodes: placement, metadata fan-out, fetch order, control calls."""
+
+from __future__ import annotations
+
+import re
+import threading
+
+import numpy as np
+import polars as pl
+import pyarrow as pa
+import pyarrow.flight as flight
+import pytest
+from polars.testing import assert_frame_equal
+
+from flight_store.client import StoreClient, node_for
+from flight_store.errors import NodeUnavailableError
+from flight_store.server import StoreServer
+from schemas.arrow import METADATA_SCHEMA
+from schemas.images import images_to_table
+from schemas.plan import PlannedSlice
+
+
+class _CountingServer(StoreServer):
+    """A real StoreServer that counts its DoGet calls."""
+
+    def __init__(self, *args: object, **kwargs: object) -> None:
+        super().__init__(*args, **kwargs)  # type: ignore[arg-type]
+        self.doget_calls = 0
+        self._count_lock = threading.Lock()
+
+    def do_get(self, context, ticket):  # type: ignore[no-untyped-def]
+        with self._count_lock:
+            self.doget_calls += 1
+        return super().do_get(context, ticket)
+
+
+def test_default_placement_is_a_stable_hash(store_nodes, make_group) -> None:
+    servers = store_nodes(3)
+    locs = [s.location for s in servers]
+    with StoreClient(locs) as client:
+        assert client.nodes == locs
+        written = {f"g{i}": client.put_group(make_group(f"g{i}", size=2)) for i in range(30)}
+    assert all(written[g] == node_for(g, locs) for g in written)
+    assert len(set(written.values())) == 3  # 30 groups spread over every node
+    for s in servers:
+        assert sorted(s.store.group_ids()) == sorted(g for g, n in written.items() if n == s.location)
+    with StoreClient(locs) as again:  # a new client places the same way
+        assert all(again.node_for(g) == n for g, n in written.items())
+
+
+def test_scan_metadata_fans_out_with_node_column(store_nodes, make_group) -> None:
+    servers = store_nodes(2)
+    locs = [s.location for s in servers]
+    with StoreClient(locs) as client:
+        empty = client.scan_metadata(columns=["group_id", "reward"])
+        assert empty.height == 0 and empty.columns == ["seq", "group_id", "reward", "node"]
+        assert empty.schema["node"] == pl.String and empty.schema["reward"] == pl.Float32
+        full_empty = client.scan_metadata()
+        assert full_empty.columns == [*METADATA_SCHEMA.names, "node"]
+        client.put_group(make_group("a", size=3), node=locs[0])
+        client.put_group(make_group("b", size=2), node=locs[1])
+        frame = client.scan_metadata(columns=["group_id", "sample_idx"])
+        assert dict(frame.schema) == {"seq": pl.Int64, "group_id": pl.String, "sample_idx": pl.Int32, "node": pl.String}
+        got = frame.sort("group_id", "sample_idx").select("node", "group_id", "seq").rows()
+        assert got == [(locs[0], "a", 0), (locs[0], "a", 1), (locs[0], "a", 2), (locs[1], "b", 0), (locs[1], "b", 1)]
+        since = client.scan_metadata(since={locs[0]: 2}, columns=["group_id", "node"])
+        assert sorted(since["group_id"].to_list()) == ["a", "b", "b"]
+        lazy = client.metadata()
+        assert isinstance(lazy, pl.LazyFrame)
+        assert lazy.group_by("group_id").len().sort("group_id").collect()["len"].to_list() == [3, 2]
+
+
+def test_scan_new_returns_each_row_once(store_nodes, make_group) -> None:
+    servers = store_nodes(2)
+    with StoreClient([s.location for s in servers]) as client:
+        for i in range(5):
+            client.put_group(make_group(f"g{i}", size=2))
+        first = client.scan_new(columns=["group_id"])
+        assert first.height == 10
+        assert client.scan_new(columns=["group_id"]).height == 0
+        client.put_group(make_group("late", size=3))
+        client.put_group(make_group("g0", size=2))  # duplicate: no new rows
+        new = client.scan_new()
+        assert new["group_id"].to_list() == ["late"] * 3
+        assert_frame_equal(client.scan_new(), new.clear())
+
+
+def test_fetch_one_doget_per_node_in_slice_order(make_group) -> None:
+    servers = [_CountingServer() for _ in range(3)]
+    try:
+        locs = [s.location for s in servers]
+        with StoreClient(locs) as client:
+            for i in range(12):
+                client.put_group(make_group(f"g{i}", size=4), node=locs[i % 3])
+            rng = np.random.default_rng(1)
+            plan = [(f"g{i}", int(a), int(a) + 2) for i in rng.permutation(12) for a in [rng.integers(0, 3)]]
+            slices = [PlannedSlice(node=locs[int(g[1:]) % 3], group_id=g, start=a, stop=b) for g, a, b in plan]
+            before = [s.doget_calls for s in servers]
+            table = client.fetch(slices, columns=["group_id", "sample_idx", "response_ids"])
+            assert [s.doget_calls - b for s, b in zip(servers, before, strict=True)] == [1, 1, 1]
+            want = [(g, k) for g, a, b in plan for k in range(a, b)]
+            assert list(zip(table["group_id"].to_pylist(), table["sample_idx"].to_pylist(), strict=True)) == want
+            assert client.fetch([], columns=["sample_idx"]).num_rows == 0
+    finally:
+        for s in servers:
+            s.shutdown()
+
+
+def test_images_release_version_and_weights(store_nodes, make_group) -> None:
+    servers = store_nodes(2)
+    locs = [s.location for s in servers]
+    with StoreClient(locs) as client:
+        table, keys = images_to_table([np.full((2, 4, 4), v, dtype=np.uint8) for v in range(3)])
+        assert client.put_images(table, node=locs[0]) == 3
+        assert client.put_images(table) == 3  # default: every node; only node 1 stores anything new
+        got = client.fetch_images({locs[1]: [keys[2], keys[0]], locs[0]: [keys[1]]})
+        assert got.column("image_key").to_pylist() == [keys[2], keys[0], keys[1]]
+        client.put_group(make_group("a", size=2), node=locs[0])
+        client.put_group(make_group("b", size=2), node=locs[1])
+        assert client.release(["a", "b", "never"]) == {locs[0]: 1, locs[1]: 1}
+        assert client.release(["a"]) == {locs[0]: 0, locs[1]: 0}
+        assert client.get_version() == 0
+        client.publish_version(7)
+        assert client.get_version() == 7
+        weights = pa.table(
+            {"name": ["w1", "w2"], "shape": [[2], [1]], "dtype": ["float32"] * 2, "data": [b"\0" * 8, b"\1" * 4]}
+        )
+        client.put_weights(weights, 3)
+        for loc in locs:
+            assert client.get_weights(node=loc).equals(weights)
+        assert client.get_weights(3).num_rows == 2
+        stats = client.stats()
+        assert set(stats) == set(locs) and all(s["weights_version"] == 3 for s in stats.values())
+
+
+class _HeaderRecorder(flight.ServerMiddlewareFactory):
+    def __init__(self) -> None:
+        self.seen: list[str] = []
+
+    def start_call(self, info, headers):  # type: ignore[no-untyped-def]
+        self.seen.extend(headers.get("authorization", []))
+        return None
+
+
+def test_token_is_sent_as_bearer_header(monkeypatch) -> None:
+    recorder = _HeaderRecorder()
+    with StoreServer(middleware={"rec": recorder}) as server:
+        with StoreClient(server.location, token="s3cret") as client:
+            client.health()
+        assert recorder.seen[-1] == "Bearer s3cret"
+        monkeypatch.setenv("KNIT_TOKEN", "from-env")
+        with StoreClient(server.location) as client:
+            client.stats()
+        assert recorder.seen[-1] == "Bearer from-env"
+
+
+def test_unreachable_node(store_nodes) -> None:
+    (server,) = store_nodes(1)
+    dead = "grpc://127.0.0.1:1"
+    with StoreClient([server.location, dead], timeout=5) as client:
+        health = client.health()
+        assert health[server.location]["ok"] and not health[dead]["ok"]
+        with pytest.raises(NodeUnavailableError, match=re.escape("127.0.0.1:1")) as exc:
+            client.scan_metadata()
+        assert exc.value.node == dead and exc.value.retryable
+    with pytest.raises(ValueError, match="unknown node"):
+        StoreClient(server.location).fetch([PlannedSlice(node=dead, group_id="g", start=0, stop=1)])

@@ -1,0 +1,215 @@
+"""StoreServer over real gRPC on port 0: RPCs, error mapping (typed, server keeps serving), CLI."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+
+import pyarrow as pa
+import pyarrow.flight as flight
+import pytest
+
+from flight_store.client import StoreClient
+from flight_store.errors import (
+    BudgetExceededError,
+    SchemaMismatchError,
+    UnknownGroupError,
+    UnknownImageError,
+    WireDecodeError,
+)
+from schemas.plan import PlannedSlice
+from schemas.wire import ACTION_DESCRIPTIONS, MetadataTicket, PutGroup
+
+
+def _still_serves(client: StoreClient, make_group, gid: str = "alive") -> None:
+    """After an error, the node still answers and still stores and serves."""
+    assert all(h["ok"] for h in client.health().values())
+    node = client.put_group(make_group(gid, size=2))
+    assert client.fetch([PlannedSlice(node=node, group_id=gid, start=0, stop=2)]).num_rows == 2
+
+
+def test_schema_mismatch_names_column_stores_nothing(store_nodes, make_group) -> None:
+    (server,) = store_nodes(1)
+    with StoreClient(server.location) as client:
+        bad = make_group("g", size=3).drop_columns(["response_logprobs"])
+        with pytest.raises(SchemaMismatchError, match="'response_logprobs'") as exc:
+            client.put_group(bad)
+        assert exc.value.column == "response_logprobs"
+        assert isinstance(exc.value, flight.FlightServerError)
+        assert client.scan_metadata().height == 0 and server.store.group_ids() == []
+        _still_serves(client, make_group)
+
+
+def test_raw_client_sees_a_flight_error_naming_the_column(store_nodes, make_group) -> None:
+    (server,) = store_nodes(1)
+    raw = flight.connect(server.location)
+    batch = make_group("g", size=2)
+    bad = batch.set_column(batch.schema.get_field_index("reward"), "reward", pa.array(["x", "y"]))
+    writer, _ = raw.do_put(flight.FlightDescriptor.for_command(PutGroup(group_id="g").to_bytes()), bad.schema)
+    with pytest.raises(flight.FlightServerError, match="'reward'") as exc:
+        writer.write_batch(bad)
+        writer.close()
+    assert exc.value.extra_info.startswith(b"knit:SchemaMismatchError")
+    raw.close()
+
+
+@pytest.mark.parametrize(
+    "raw_ticket",
+    [
+        b"{not json",
+        b'{"v": 99, "kind": "metadata"}',
+        b'{"kind": "metadata"}',
+        b'{"v": 1, "kind": "nope"}',
+        b'{"v": 1, "kind": "slices", "slices": []}',
+    ],
+)
+def test_malformed_ticket_is_a_wire_error(store_nodes, make_group, raw_ticket: bytes) -> None:
+    (server,) = store_nodes(1)
+    with StoreClient(server.location) as client:
+        with pytest.raises(WireDecodeError):
+            client._get(server.location, raw_ticket)
+        _still_serves(client, make_group)
+
+
+@pytest.mark.parametrize(
+    "raw_descriptor",
+    [b"[1, 2]", b'{"v": 2, "kind": "put_group", "group_id": "g"}', b'{"v": 1, "kind": "put_group"}'],
+)
+def test_malformed_descriptor_is_a_wire_error(store_nodes, make_group, raw_descriptor: bytes) -> None:
+    (server,) = store_nodes(1)
+    with StoreClient(server.location) as client:
+        with pytest.raises(WireDecodeError, match="descriptor"):
+            client._put(server.location, raw_descriptor, pa.Table.from_batches([make_group("g")]))
+        assert server.store.group_ids() == []
+        _still_serves(client, make_group)
+
+
+def test_unknown_version_message_names_the_version(store_nodes) -> None:
+    (server,) = store_nodes(1)
+    raw = flight.connect(server.location)
+    with pytest.raises(flight.FlightServerError, match="v=7"):
+        raw.do_get(flight.Ticket(b'{"v": 7, "kind": "metadata"}')).read_all()
+    with pytest.raises(flight.FlightServerError, match="release"):
+        list(raw.do_action(flight.Action("release", b"{oops")))
+    raw.close()
+
+
+def test_unknown_group_and_image(store_nodes, make_group) -> None:
+    (server,) = store_nodes(1)
+    with StoreClient(server.location) as client:
+        with pytest.raises(UnknownGroupError, match="'ghost'") as exc:
+            client.fetch([PlannedSlice(node=server.location, group_id="ghost", start=0, stop=1)])
+        assert exc.value.group_id == "ghost"
+        key = bytes(range(32))
+        with pytest.raises(UnknownImageError, match=key.hex()) as iexc:
+            client.fetch_images({server.location: [key]})
+        assert iexc.value.key == key.hex()
+        _still_serves(client, make_group)
+
+
+def test_budget_exceeded_is_retryable_and_unavailable(store_nodes, make_group) -> None:
+    (server,) = store_nodes(1, memory_budget=50_000)
+    with StoreClient(server.location) as client:
+        client.put_group(make_group("a", size=4, response_len=1000))
+        with pytest.raises(BudgetExceededError) as exc:
+            client.put_group(make_group("b", size=4, response_len=1000))
+        assert exc.value.retryable and isinstance(exc.value, flight.FlightUnavailableError)
+        assert server.store.group_ids() == ["a"]
+        assert client.release(["a"]) == {server.location: 1}
+        client.put_group(make_group("b", size=4, response_len=1000))  # the retry succeeds
+        assert server.store.group_ids() == ["b"]
+        _still_serves(client, make_group)
+
+
+def test_duplicate_write_keeps_one_copy(store_nodes, make_group) -> None:
+    (server,) = store_nodes(1)
+    with StoreClient(server.location) as client:
+        for _ in range(3):
+            client.put_group(make_group("g", size=4))
+        meta = client.scan_metadata(columns=["group_id", "sample_idx"])
+        assert meta.height == 4 and meta["sample_idx"].to_list() == [0, 1, 2, 3]
+        _still_serves(client, make_group)
+
+
+def test_actions_list_and_answers(store_nodes, make_group) -> None:
+    (server,) = store_nodes(1, memory_budget=1 << 30)
+    raw = flight.connect(server.location)
+    described = {a.type: a.description for a in raw.list_actions()}
+    assert described == ACTION_DESCRIPTIONS
+    with StoreClient(server.location) as client:
+        client.put_group(make_group("g", size=3))
+        stats = client.stats()[server.location]
+        assert stats["rows"] == 3 and stats["groups"] == {"stored": 1, "released": 0}
+        assert stats["memory_budget"] == 1 << 30 and stats["memory_used"] > 0
+        client.publish_version(4)
+        assert json.loads(next(iter(raw.do_action(flight.Action("get_version", b"")))).body.to_pybytes()) == {
+            "version": 4
+        }
+    raw.close()
+
+
+def test_list_flights_and_get_flight_info_describe_groups(store_nodes, make_group) -> None:
+    (server,) = store_nodes(1)
+    with StoreClient(server.location) as client:
+        client.put_group(make_group("a", size=2))
+        client.put_group(make_group("b", size=3))
+        client.put_group(make_group("b", size=1, start=7))
+        client.release(["a"])
+    raw = flight.connect(server.location)
+    infos = list(raw.list_flights())
+    assert [json.loads(i.descriptor.command)["group_id"] for i in infos] == ["b"]
+    info = raw.get_flight_info(flight.FlightDescriptor.for_command(PutGroup(group_id="b").to_bytes()))
+    assert info.total_records == 4 and info.total_bytes > 0
+    table = raw.do_get(info.endpoints[0].ticket).read_all()
+    assert table.column("sample_idx").to_pylist() == [0, 1, 2, 7]
+    with pytest.raises(flight.FlightServerError, match="'zzz'"):
+        raw.get_flight_info(flight.FlightDescriptor.for_command(PutGroup(group_id="zzz").to_bytes()))
+    raw.close()
+
+
+def test_doget_slices_projection_and_order(store_nodes, make_group) -> None:
+    (server,) = store_nodes(1)
+    with StoreClient(server.location) as client:
+        for g in "abc":
+            client.put_group(make_group(g, size=4))
+        loc = server.location
+        slices = [PlannedSlice(node=loc, group_id=g, start=s, stop=e) for g, s, e in [("c", 2, 4), ("a", 0, 1)]]
+        table = client.fetch(slices, columns=["sample_idx", "group_id", "response_ids"])
+        assert table.column_names == ["sample_idx", "group_id", "response_ids"]
+        assert list(zip(table["group_id"].to_pylist(), table["sample_idx"].to_pylist(), strict=True)) == [
+            ("c", 2),
+            ("c", 3),
+            ("a", 0),
+        ]
+        meta = client._get(loc, MetadataTicket(since=4, columns=["group_id"]).to_bytes())
+        assert meta.column_names == ["seq", "group_id"] and meta["group_id"].to_pylist() == ["b"] * 4 + ["c"] * 4
+
+
+def test_knit_serve_subprocess(tmp_path) -> None:
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "flight_store", "serve", "--port", "0", "--memory-budget", "1000000"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL,
+        text=True,
+        env=env,
+    )
+    try:
+        assert proc.stdout is not None
+        line = proc.stdout.readline()
+        assert "listening on grpc://" in line, line
+        location = line.split("listening on ")[1].strip()
+        with StoreClient(location, timeout=10) as client:
+            assert client.health()[location]["ok"]
+            assert client.stats()[location]["memory_budget"] == 1_000_000
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=20) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        if proc.stdout is not None:
+            proc.stdout.close()

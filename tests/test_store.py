@@ -1,0 +1,357 @@
+"""The node-local Store, without gRPC: index slicing, idempotency, validation, budget, images, weights."""
+
+from __future__ import annotations
+
+import threading
+
+import numpy as np
+import pyarrow as pa
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from flight_store.errors import (
+    BudgetExceededError,
+    GroupReleasedError,
+    KnitError,
+    SchemaMismatchError,
+    UnknownGroupError,
+    UnknownImageError,
+    UnknownWeightsError,
+)
+from flight_store.store import Store
+from schemas.arrow import METADATA_SCHEMA, TRAJECTORY_SCHEMA
+from schemas.images import images_to_table
+
+
+def _rows(batches: list[pa.RecordBatch], col: str = "sample_idx") -> list[object]:
+    return pa.Table.from_batches(batches).column(col).to_pylist() if batches else []
+
+
+# ---- slicing -----------------------------------------------------------------------------------
+
+
+def test_slices_are_zero_copy_views_of_the_stored_batch(make_group) -> None:
+    store = Store()
+    store.put_group("g", [make_group("g", size=8)])
+    (stored,) = store._groups["g"].batches
+    out = store.slices([("g", 2, 6)])
+    assert len(out) == 1 and out[0].num_rows == 4
+    assert _rows(out) == [2, 3, 4, 5]
+    # same buffers as the stored batch: a view, not a copy
+    got = out[0].column("response_ids").buffers()
+    want = stored.column("response_ids").buffers()
+    assert [b.address for b in got if b is not None] == [b.address for b in want if b is not None]
+
+
+def test_slices_follow_request_order_across_appended_batches(make_group) -> None:
+    store = Store()
+    assert store.put_group("g", [make_group("g", size=2)]) == 2
+    assert store.put_group("g", [make_group("g", size=2, start=2)]) == 2  # new sample_idx appended
+    store.put_group("h", [make_group("h", size=3)])
+    out = store.slices([("h", 1, 3), ("g", 1, 4), ("h", 0, 1)], columns=["group_id", "sample_idx"])
+    assert list(zip(_rows(out, "group_id"), _rows(out), strict=True)) == [
+        ("h", 1),
+        ("h", 2),
+        ("g", 1),
+        ("g", 2),
+        ("g", 3),
+        ("h", 0),
+    ]
+    assert out[0].schema.names == ["group_id", "sample_idx"]
+    # g's rows [1, 4) live in two stored batches: two zero-copy slices, no concatenation
+    assert [b.num_rows for b in out] == [2, 1, 2, 1]
+
+
+def test_slice_errors_name_the_group(make_group) -> None:
+    store = Store()
+    store.put_group("g", [make_group("g", size=2)])
+    with pytest.raises(UnknownGroupError, match="'nope'") as exc:
+        store.slices([("nope", 0, 1)])
+    assert exc.value.group_id == "nope"
+    with pytest.raises(UnknownGroupError, match="sample_idx=2"):
+        store.slices([("g", 0, 3)])
+    with pytest.raises(SchemaMismatchError, match="'bogus'") as sm:
+        store.slices([("g", 0, 1)], columns=["bogus"])
+    assert sm.value.column == "bogus"
+
+
+# ---- idempotency -------------------------------------------------------------------------------
+
+
+def test_duplicate_write_is_idempotent(make_group) -> None:
+    store = Store()
+    assert store.put_group("g", [make_group("g", size=4)]) == 4
+    assert store.put_group("g", [make_group("g", size=4)]) == 0
+    assert store.put_group("g", [make_group("g", size=4, start=2)]) == 2  # rows 2,3 dropped, 4,5 added
+    meta = store.metadata()
+    assert sorted(meta.column("sample_idx").to_pylist()) == [0, 1, 2, 3, 4, 5]
+    assert _rows(store.slices([("g", 0, 6)])) == [0, 1, 2, 3, 4, 5]
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.lists(st.tuples(st.integers(0, 3), st.integers(0, 6), st.integers(1, 4)), min_size=1, max_size=12))
+def test_any_write_sequence_stores_each_row_exactly_once(writes: list[tuple[int, int, int]]) -> None:
+    from schemas.records import TrajectoryRecord, records_to_batch
+
+    store = Store()
+    expected: dict[str, set[int]] = {}
+    for g, start, size in writes:
+        gid = f"g{g}"
+        batch = records_to_batch(
+            [
+                TrajectoryRecord(
+                    group_id=gid,
+                    sample_idx=start + i,
+                    policy_version=0,
+                    prompt_ids=[1],
+                    response_ids=[start + i],
+                    response_logprobs=[0.0],
+                )
+                for i in range(size)
+            ]
+        )
+        added = store.put_group(gid, [batch])
+        new = set(range(start, start + size)) - expected.get(gid, set())
+        assert added == len(new)
+        expected.setdefault(gid, set()).update(new)
+    meta = store.metadata()
+    assert meta.column("seq").to_pylist() == list(range(meta.num_rows))
+    got = sorted(zip(meta.column("group_id").to_pylist(), meta.column("sample_idx").to_pylist(), strict=True))
+    assert got == sorted((g, s) for g, ss in expected.items() for s in ss)
+    for gid, ss in expected.items():
+        for s in ss:  # every row is served, and it is the row that was written
+            (b,) = store.slices([(gid, s, s + 1)], columns=["response_ids"])
+            assert b.column(0).to_pylist() == [[s]]
+
+
+# ---- metadata ----------------------------------------------------------------------------------
+
+
+def test_metadata_cursor_and_projection(make_group) -> None:
+    store = Store()
+    store.put_group("a", [make_group("a", size=3)])
+    store.put_group("b", [make_group("b", size=2)])
+    full = store.metadata()
+    assert full.schema.equals(METADATA_SCHEMA, check_metadata=False)
+    assert full.column("seq").to_pylist() == [0, 1, 2, 3, 4]
+    tail = store.metadata(since=3, columns=["reward", "group_id", "seq"])
+    assert tail.column_names == ["seq", "reward", "group_id"]
+    assert tail.column("group_id").to_pylist() == ["b", "b"]
+    assert store.metadata(since=99).num_rows == 0
+    with pytest.raises(SchemaMismatchError, match="'response_ids'"):
+        store.metadata(columns=["response_ids"])  # payload is never in the metadata log
+
+
+def test_metadata_survives_compaction_and_release(make_group) -> None:
+    store = Store()
+    for i in range(300):  # more than the compaction threshold
+        store.put_group(f"g{i}", [make_group(f"g{i}", size=2)])
+    assert store.release([f"g{i}" for i in range(300)]) == 300
+    meta = store.metadata(since=590)
+    assert meta.column("seq").to_pylist() == list(range(590, 600))
+    assert meta.column("group_id").to_pylist()[-1] == "g299"
+    assert store.stats()["memory_used"] == 0
+
+
+def test_release_frees_payload_and_keeps_history(make_group) -> None:
+    store = Store()
+    store.put_group("g", [make_group("g", size=4, response_len=1000)])
+    used = store.stats()["memory_used"]
+    assert isinstance(used, int) and used > 4 * 4000
+    assert store.release(["g", "unknown"]) == 1
+    assert store.release(["g"]) == 0  # already released
+    assert store.stats()["memory_used"] == 0
+    assert store.metadata().num_rows == 4
+    with pytest.raises(GroupReleasedError, match="'g'") as exc:
+        store.slices([("g", 0, 1)])
+    assert exc.value.group_id == "g"
+    # a retried write of the same rows is still a no-op; new rows for a consumed group are refused
+    assert store.put_group("g", [make_group("g", size=4)]) == 0
+    with pytest.raises(GroupReleasedError):
+        store.put_group("g", [make_group("g", size=1, start=9)])
+
+
+# ---- validation --------------------------------------------------------------------------------
+
+
+def _replace(batch: pa.RecordBatch, name: str, arr: pa.Array) -> pa.RecordBatch:
+    i = batch.schema.get_field_index(name)
+    return batch.set_column(i, pa.field(name, arr.type), arr)
+
+
+@pytest.mark.parametrize(
+    ("column", "mutate"),
+    [
+        ("reward", lambda b: b.drop_columns(["reward"])),
+        ("reward", lambda b: _replace(b, "reward", pa.array(["x"] * b.num_rows))),
+        ("reward", lambda b: _replace(b, "reward", pa.array([None] + [1.0] * (b.num_rows - 1), pa.float32()))),
+        ("extra", lambda b: b.append_column("extra", pa.array([1] * b.num_rows))),
+        ("group_id", lambda b: _replace(b, "group_id", pa.array(["other"] * b.num_rows))),
+        ("status", lambda b: _replace(b, "status", pa.array(["running"] * b.num_rows))),
+        (
+            "response_logprobs",
+            lambda b: _replace(b, "response_logprobs", pa.array([[0.0]] * b.num_rows, pa.list_(pa.float32()))),
+        ),
+        ("loss_mask", lambda b: _replace(b, "loss_mask", pa.array([[1]] * b.num_rows, pa.list_(pa.uint8())))),
+        ("prompt_len", lambda b: _replace(b, "prompt_len", pa.array([99] * b.num_rows, pa.int32()))),
+        ("sample_idx", lambda b: _replace(b, "sample_idx", pa.array([0] * b.num_rows, pa.int32()))),
+        ("sample_idx", lambda b: _replace(b, "sample_idx", pa.array([2**40] * b.num_rows, pa.int64()))),
+        ("response_ids", lambda b: _replace(b, "response_ids", pa.array([[1.5]] * b.num_rows))),
+    ],
+)
+def test_mismatch_names_the_column_and_stores_nothing(make_group, column: str, mutate) -> None:
+    store = Store()
+    good = make_group("g", size=3)
+    with pytest.raises(SchemaMismatchError, match=repr(column)) as exc:
+        store.put_group("g", [make_group("g", size=1, start=5), mutate(good)])  # the first batch is fine
+    assert exc.value.column == column
+    assert store.metadata().num_rows == 0 and store.group_ids() == []
+    assert store.stats()["memory_used"] == 0
+
+
+def test_repeated_sample_idx_across_batches_of_one_stream_is_refused(make_group) -> None:
+    store = Store()
+    with pytest.raises(SchemaMismatchError, match="sample_idx"):
+        store.put_group("g", [make_group("g", size=2), make_group("g", size=2, start=1)])
+    assert store.metadata().num_rows == 0
+
+
+def test_optional_columns_are_filled(make_group) -> None:
+    from flight_store.validate import normalize_batch
+
+    full = make_group("g", size=2)
+    minimal = full.select(
+        [
+            "group_id",
+            "sample_idx",
+            "policy_version",
+            "prompt_len",
+            "response_len",
+            "reward",
+            "prompt_ids",
+            "response_ids",
+            "response_logprobs",
+        ]
+    )
+    store = Store()
+    store.put_group("g", [minimal])
+    (row, _) = store.slices([("g", 0, 2)])[0].to_pylist()
+    assert row["policy_version_min"] == row["policy_version"] == 0
+    assert row["num_images"] == 0 and row["image_keys"] == []
+    assert row["loss_mask"] == [1] * len(row["response_ids"])
+    assert (row["finish_reason"], row["status"], row["data_source"]) == ("stop", "completed", "default")
+    assert row["created_at"] is not None and row["completed_at"] is not None
+    # bytes is always recomputed: 4-byte offsets + values of every payload list
+    n_resp = len(row["response_ids"])
+    assert row["bytes"] == (4 + 4 * 4) + 2 * (4 + 4 * n_resp) + (4 + n_resp) + 4
+    lied = _replace(full, "bytes", pa.array([999, 999], pa.int64()))
+    assert normalize_batch(lied, "g").column("bytes").to_pylist() == [row["bytes"]] * 2
+
+
+def test_safe_casts_are_accepted(make_group) -> None:
+    b = make_group("g", size=2)
+    b = _replace(b, "sample_idx", pa.array([0, 1], pa.int64()))
+    b = _replace(b, "data_source", pa.array(["math", "math"]).dictionary_encode())
+    b = _replace(b, "finish_reason", pa.array(["stop", "length"], pa.large_string()))
+    b = _replace(b, "response_ids", b.column("response_ids").cast(pa.large_list(pa.int64())))
+    b = _replace(b, "loss_mask", b.column("loss_mask").cast(pa.list_(pa.bool_())))
+    store = Store()
+    assert store.put_group("g", [b]) == 2
+    (out,) = store.slices([("g", 0, 2)])
+    assert out.schema.equals(TRAJECTORY_SCHEMA, check_metadata=False)
+    assert out.column("data_source").to_pylist() == ["math", "math"]
+
+
+# ---- budget ------------------------------------------------------------------------------------
+
+
+def test_budget_refuses_retryably_and_never_drops(make_group) -> None:
+    store = Store(memory_budget=40_000)
+    store.put_group("a", [make_group("a", size=4, response_len=1000)])
+    with pytest.raises(BudgetExceededError, match="memory budget") as exc:
+        store.put_group("b", [make_group("b", size=4, response_len=1000)])
+    assert exc.value.retryable and isinstance(exc.value, KnitError)
+    assert store.group_ids() == ["a"] and store.metadata().num_rows == 4
+    store.release(["a"])
+    assert store.put_group("b", [make_group("b", size=4, response_len=1000)]) == 4
+
+
+# ---- images, weights, version ------------------------------------------------------------------
+
+
+def test_images_are_stored_once_and_freed_with_their_last_group(make_group) -> None:
+    rng = np.random.default_rng(0)
+    imgs = [rng.integers(0, 255, size=(3, 16, 16), dtype=np.uint8) for _ in range(2)]
+    table, keys = images_to_table(imgs)
+    store = Store()
+    assert store.put_images(table) == 2
+    assert store.put_images(table) == 0  # same keys: nothing new
+    store.put_group("a", [make_group("a", size=2, image_keys=[keys[0]])])
+    store.put_group("b", [make_group("b", size=2, image_keys=[keys[0], keys[1]])])
+    got = store.images([keys[1], keys[0]])
+    assert got.column("image_key").to_pylist() == [keys[1], keys[0]]
+    store.release(["a"])
+    assert store.has_image(keys[0]) and store.has_image(keys[1])  # b still references both
+    store.release(["b"])
+    assert not store.has_image(keys[0]) and not store.has_image(keys[1])
+    assert store.stats()["memory_used"] == 0
+    with pytest.raises(UnknownImageError, match=keys[0].hex()) as exc:
+        store.images([keys[0]])
+    assert exc.value.key == keys[0].hex()
+
+
+def test_weights_keep_only_the_newest() -> None:
+    store = Store()
+    with pytest.raises(UnknownWeightsError):
+        store.weights()
+    w = pa.table({"name": ["w"], "shape": [[2]], "dtype": ["float32"], "data": [b"\0" * 8]})
+    assert store.put_weights(w, 2)
+    assert not store.put_weights(w.slice(0, 0), 1)  # older: ignored
+    table, version = store.weights()
+    assert version == 2 and table.num_rows == 1
+    with pytest.raises(UnknownWeightsError, match="v1"):
+        store.weights(1)
+    assert store.publish_version(5) == 5 and store.publish_version(3) == 5 and store.get_version() == 5
+
+
+def test_concurrent_writers_on_one_store(make_group) -> None:
+    store = Store()
+    batches = {f"g{i}": make_group(f"g{i}", size=2) for i in range(100)}
+
+    def write(offset: int) -> None:
+        for i in range(100):
+            gid = f"g{(i + offset) % 100}"
+            store.put_group(gid, [batches[gid]])
+
+    threads = [threading.Thread(target=write, args=(k * 25,)) for k in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert store.metadata().num_rows == 200
+    assert store.metadata().column("seq").to_pylist() == list(range(200))
+
+
+def test_small_slices_coalesce_into_one_batch(make_group) -> None:
+    store = Store()
+    for g in "abc":
+        store.put_group(g, [make_group(g, size=4)])
+    refs = [("c", 1, 3), ("a", 0, 1), ("b", 3, 4)]
+    views = store.slices(refs)
+    one = store.slices(refs, coalesce_below=1 << 20)
+    assert len(views) == 3 and len(one) == 1
+    assert pa.Table.from_batches(one).equals(pa.Table.from_batches(views))
+    assert len(store.slices(refs, coalesce_below=10)) == 3  # over the threshold: zero-copy views
+
+
+def test_metadata_reads_interleaved_with_writes_stay_few_chunks(make_group) -> None:
+    store = Store()
+    for i in range(200):
+        store.put_group(f"g{i}", [make_group(f"g{i}", size=1)])
+        store.put_group(f"h{i}", [make_group(f"h{i}", size=1)])
+        tail = store.metadata(since=2 * i)
+        assert tail.column("group_id").to_pylist() == [f"g{i}", f"h{i}"]
+    full = store.metadata()
+    assert full.column("seq").to_pylist() == list(range(400))
+    assert full.column("seq").num_chunks <= 65

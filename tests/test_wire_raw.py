@@ -1,0 +1,151 @@
+"""A write and a read with raw pyarrow.flight calls that follow only the README's wire protocol.
+
+No import from the project here (no ``flight_store``, no ``schemas``): JSON documents and the Arrow
+schema are built by hand, as a C++/Rust/Go/Java client would. The server comes from the
+``store_nodes`` fixture.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pyarrow as pa
+import pyarrow.flight as flight
+import pytest
+
+
+def _cmd(doc: dict[str, object]) -> flight.FlightDescriptor:
+    return flight.FlightDescriptor.for_command(json.dumps(doc).encode())
+
+
+def _ticket(doc: dict[str, object]) -> flight.Ticket:
+    return flight.Ticket(json.dumps(doc).encode())
+
+
+def _action(client: flight.FlightClient, name: str, body: dict[str, object] | None = None) -> dict[str, object]:
+    raw = json.dumps(body).encode() if body is not None else b""
+    (result,) = list(client.do_action(flight.Action(name, raw)))
+    return json.loads(result.body.to_pybytes())  # type: ignore[no-any-return]
+
+
+# Only the required columns; everything optional-on-write is left to the store.
+WRITE_SCHEMA = pa.schema(
+    [
+        ("group_id", pa.string()),
+        ("sample_idx", pa.int32()),
+        ("policy_version", pa.int64()),
+        ("prompt_len", pa.int32()),
+        ("response_len", pa.int32()),
+        ("reward", pa.float32()),
+        ("prompt_ids", pa.list_(pa.int32())),
+        ("response_ids", pa.list_(pa.int32())),
+        ("response_logprobs", pa.list_(pa.float32())),
+    ]
+)
+
+
+def _group(group_id: str, size: int) -> pa.RecordBatch:
+    responses = [[10 + i] * (i + 1) for i in range(size)]
+    return pa.RecordBatch.from_pydict(
+        {
+            "group_id": [group_id] * size,
+            "sample_idx": list(range(size)),
+            "policy_version": [3] * size,
+            "prompt_len": [2] * size,
+            "response_len": [len(r) for r in responses],
+            "reward": [float(i) for i in range(size)],
+            "prompt_ids": [[1, 2]] * size,
+            "response_ids": responses,
+            "response_logprobs": [[-0.25] * len(r) for r in responses],
+        },
+        schema=WRITE_SCHEMA,
+    )
+
+
+def test_raw_flight_write_scan_fetch_release(store_nodes) -> None:
+    (server,) = store_nodes(1)
+    client = flight.connect(server.location)
+    assert _action(client, "health")["ok"] is True
+
+    # DoPut a prompt group (two batches in one stream)
+    batch = _group("raw-1", 4)
+    writer, reader = client.do_put(_cmd({"v": 1, "kind": "put_group", "group_id": "raw-1"}), WRITE_SCHEMA)
+    writer.write_batch(batch.slice(0, 2))
+    writer.write_batch(batch.slice(2, 2))
+    writer.done_writing()
+    answer = json.loads(reader.read().to_pybytes())
+    writer.close()
+    assert answer["rows_added"] == 4
+
+    # DoGet metadata from cursor 0, projected
+    meta = client.do_get(
+        _ticket({"v": 1, "kind": "metadata", "since": 0, "columns": ["group_id", "sample_idx", "reward", "status"]})
+    ).read_all()
+    assert meta.column_names == ["seq", "group_id", "sample_idx", "reward", "status"]
+    assert meta.column("seq").to_pylist() == [0, 1, 2, 3]
+    assert meta.column("status").to_pylist() == ["completed"] * 4
+
+    # DoGet slices, in ticket order
+    slices = client.do_get(
+        _ticket(
+            {
+                "v": 1,
+                "kind": "slices",
+                "columns": ["sample_idx", "response_ids", "loss_mask"],
+                "slices": [{"group_id": "raw-1", "start": 2, "stop": 4}, {"group_id": "raw-1", "start": 0, "stop": 1}],
+            }
+        )
+    ).read_all()
+    assert slices.column("sample_idx").to_pylist() == [2, 3, 0]
+    assert slices.column("response_ids").to_pylist() == [[12] * 3, [13] * 4, [10]]
+    assert slices.column("loss_mask").to_pylist() == [[1] * 3, [1] * 4, [1]]
+
+    # ListFlights describes the group; its endpoint ticket returns every row
+    (info,) = list(client.list_flights())
+    assert json.loads(info.descriptor.command) == {"v": 1, "kind": "put_group", "group_id": "raw-1"}
+    assert info.total_records == 4
+    assert client.do_get(info.endpoints[0].ticket).read_all().num_rows == 4
+
+    # actions
+    assert _action(client, "publish_version", {"v": 1, "version": 9}) == {"version": 9}
+    assert _action(client, "get_version") == {"version": 9}
+    assert _action(client, "stats")["rows"] == 4
+    assert _action(client, "release", {"v": 1, "group_ids": ["raw-1"]}) == {"released": 1}
+
+    # errors arrive as FlightError subclasses naming what was wrong
+    with pytest.raises(flight.FlightServerError, match="raw-1") as exc:
+        client.do_get(
+            _ticket({"v": 1, "kind": "slices", "slices": [{"group_id": "raw-1", "start": 0, "stop": 1}]})
+        ).read_all()
+    assert exc.value.extra_info.startswith(b"knit:GroupReleasedError")
+    bad = batch.drop_columns(["reward"])
+    writer, _ = client.do_put(_cmd({"v": 1, "kind": "put_group", "group_id": "raw-2"}), bad.schema)
+    with pytest.raises(flight.FlightServerError, match="reward"):
+        writer.write_batch(bad)
+        writer.close()
+    assert _action(client, "health")["ok"] is True
+    client.close()
+
+
+def test_raw_images_roundtrip(store_nodes) -> None:
+    (server,) = store_nodes(1)
+    client = flight.connect(server.location)
+    key = bytes(range(32))
+    schema = pa.schema(
+        [
+            ("image_key", pa.binary(32)),
+            ("shape", pa.list_(pa.int32())),
+            ("dtype", pa.string()),
+            ("data", pa.large_binary()),
+        ]
+    )
+    table = pa.table({"image_key": [key], "shape": [[2, 2]], "dtype": ["uint8"], "data": [b"\1\2\3\4"]}, schema=schema)
+    for expected in (1, 0):  # the second write stores nothing new
+        writer, reader = client.do_put(_cmd({"v": 1, "kind": "put_images"}), schema)
+        writer.write_table(table)
+        writer.done_writing()
+        assert json.loads(reader.read().to_pybytes()) == {"stored": expected}
+        writer.close()
+    got = client.do_get(_ticket({"v": 1, "kind": "images", "keys": [key.hex()]})).read_all()
+    assert got.column("data").to_pylist() == [b"\1\2\3\4"]
+    client.close()
