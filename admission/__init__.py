@@ -1,0 +1,39 @@
+"""Admission: pure planning over a polars metadata frame.
+
+Policies (train-batch baseline, constraint-preserving mini-batch, colocated reference), quota
+feasibility (integer program), DP balancing, micro-batch packing and staleness accounting. Imports
+only polars, numpy, scipy, pydantic and ``schemas``.
+
+Example:
+    >>> from admission import AdmissionConfig, Planner, Quota
+    >>> planner = Planner(AdmissionConfig(train_batch_groups=64, group_size=8, mini_batches=4, dp_ranks=2,
+    ...                                   quotas=(Quota(column="data_source", shares={"math": .5, "chat": .5}),)))
+"""
+
+from __future__ import annotations
+
+from admission.config import AdmissionConfig, Filters, Quota
+from admission.feasibility import solve_composition
+from admission.packing import balance_groups, pack_micro_batches, trajectory_cost
+from admission.planner import REQUIRED_COLUMNS, Inflight, Planner, PlanResult, plan
+from admission.staleness import per_step, staleness_exprs, summary
+from admission.state import PlannerState
+
+__all__ = [
+    "REQUIRED_COLUMNS",
+    "AdmissionConfig",
+    "Filters",
+    "Inflight",
+    "PlanResult",
+    "Planner",
+    "PlannerState",
+    "Quota",
+    "balance_groups",
+    "pack_micro_batches",
+    "per_step",
+    "plan",
+    "solve_composition",
+    "staleness_exprs",
+    "summary",
+    "trajectory_cost",
+]

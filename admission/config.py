@@ -1,0 +1,208 @@
+"""Admission configuration: batch geometry, quotas, filters, staleness bound, cost model, policy.
+
+Everything the planner needs to know about *what* may be admitted is declared here, not coded per
+policy (DESIGN.md, Admission). Values are checked when the objects are built; errors name the
+offending value.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Literal
+
+Policy = Literal["train_batch", "mini_batch", "colocated"]
+CostModel = Literal["tokens", "sq_tokens"]
+Preference = Literal["scarce", "oldest"]
+
+POLICIES: tuple[str, ...] = ("train_batch", "mini_batch", "colocated")
+COST_MODELS: tuple[str, ...] = ("tokens", "sq_tokens")
+
+
+@dataclass(kw_only=True, slots=True, frozen=True)
+class Quota:
+    """Exact number of prompt groups per train batch for each value of one metadata column.
+
+    Give either ``counts`` (groups per train batch) or ``shares`` (fractions of the train batch, turned
+    into counts by :meth:`AdmissionConfig.quota_counts`; every share times B must be an integer). The
+    listed values must cover the whole train batch (counts sum to B, shares to 1): a group whose value
+    is not listed can never be admitted and is dropped with reason ``"unmatched"``. Several quotas over
+    different columns apply at once (e.g. ``data_source`` and a difficulty bucket).
+
+    Example:
+        >>> Quota(column="data_source", shares={"math": 0.5, "chat": 0.5})
+        Quota(column='data_source', counts=None, shares={'math': 0.5, 'chat': 0.5})
+    """
+
+    column: str
+    """Metadata column the quota is over; must be constant within a prompt group."""
+    counts: Mapping[str, int] | None = None
+    """Groups per train batch for each value."""
+    shares: Mapping[str, float] | None = None
+    """Fraction of the train batch for each value (alternative to ``counts``)."""
+
+    def __post_init__(self) -> None:
+        if not self.column:
+            msg = "Quota.column must be a non-empty column name"
+            raise ValueError(msg)
+        if (self.counts is None) == (self.shares is None):
+            msg = f"Quota on {self.column!r}: give exactly one of counts or shares"
+            raise ValueError(msg)
+        values = self.counts if self.counts is not None else self.shares
+        if not values:
+            msg = f"Quota on {self.column!r}: no values listed"
+            raise ValueError(msg)
+        for v, c in values.items():
+            if isinstance(c, bool) or not isinstance(c, int | float) or c < 0 or not math.isfinite(c):
+                msg = f"Quota on {self.column!r}: value {v!r} has invalid count/share {c!r}"
+                raise ValueError(msg)
+            if self.counts is not None and not isinstance(c, int):
+                msg = f"Quota on {self.column!r}: count for {v!r} must be an int, got {c!r}"
+                raise ValueError(msg)
+        if self.shares is not None and abs(sum(self.shares.values()) - 1.0) > 1e-9:
+            msg = f"Quota on {self.column!r}: shares sum to {sum(self.shares.values())!r}, not 1"
+            raise ValueError(msg)
+
+
+@dataclass(kw_only=True, slots=True, frozen=True)
+class Filters:
+    """Group filters applied before admission; a filtered group is dropped (its quota slot is refilled).
+
+    Example:
+        >>> Filters(drop_uniform_reward=True, drop_finish_reasons=frozenset({"length"}))  # DAPO-style
+        Filters(drop_uniform_reward=True, reward_tolerance=0.0, drop_finish_reasons=frozenset({'length'}))
+    """
+
+    drop_uniform_reward: bool = False
+    """DAPO dynamic sampling: drop groups whose rewards all agree (max - min <= reward_tolerance)."""
+    reward_tolerance: float = 0.0
+    """Tolerance of the uniform-reward test."""
+    drop_finish_reasons: frozenset[str] = frozenset()
+    """Drop a group when any of its rows finished with one of these reasons (e.g. ``{"length"}``)."""
+
+    def __post_init__(self) -> None:
+        if self.reward_tolerance < 0 or not math.isfinite(self.reward_tolerance):
+            msg = f"Filters.reward_tolerance must be finite and >= 0, got {self.reward_tolerance!r}"
+            raise ValueError(msg)
+        if not isinstance(self.drop_finish_reasons, frozenset):
+            msg = f"Filters.drop_finish_reasons must be a frozenset, got {type(self.drop_finish_reasons).__name__}"
+            raise ValueError(msg)
+
+
+@dataclass(kw_only=True, slots=True, frozen=True)
+class AdmissionConfig:
+    """Geometry and constraints of admission.
+
+    A train batch holds ``train_batch_groups`` (B) prompt groups of ``group_size`` (G) trajectories and
+    is split into ``mini_batches`` (K) mini-batches of B/K groups, one optimizer step each; each
+    mini-batch is split across ``dp_ranks`` (D) ranks, whole groups per rank, and on each rank into
+    micro-batches of at most ``token_budget`` tokens, with the same micro-batch count on every rank.
+
+    Example:
+        >>> cfg = AdmissionConfig(train_batch_groups=64, group_size=8, mini_batches=4, dp_ranks=2,
+        ...                       token_budget=16384, policy="mini_batch",
+        ...                       quotas=(Quota(column="data_source", shares={"math": 0.5, "chat": 0.5}),))
+        >>> cfg.groups_per_mini_batch, cfg.quota_counts()[0]
+        (16, {'math': 32, 'chat': 32})
+    """
+
+    train_batch_groups: int
+    """B: prompt groups per train batch."""
+    group_size: int
+    """G: trajectories (responses) per prompt group."""
+    mini_batches: int = 1
+    """K: mini-batches (optimizer steps) per train batch; must divide B."""
+    dp_ranks: int = 1
+    """D: data-parallel ranks; B/K must be >= D (whole groups per rank)."""
+    token_budget: int = 16384
+    """Maximum prompt+response tokens of one micro-batch; a longer trajectory is placed alone, flagged."""
+    cost_model: CostModel = "tokens"
+    """Cost of a trajectory for DP balancing: ``tokens`` (length) or ``sq_tokens`` (length squared)."""
+    quotas: tuple[Quota, ...] = ()
+    """Per-train-batch quotas, all kept exactly by every completed train batch."""
+    filters: Filters = field(default_factory=Filters)
+    """Group filters (DAPO uniform reward, finish reasons)."""
+    max_staleness: int | None = None
+    """Bound on architectural staleness tK - policy_version_min of every admitted row; None = unbounded."""
+    policy: Policy = "mini_batch"
+    """``train_batch`` (baseline), ``mini_batch`` (constraint-preserving early admission), ``colocated``."""
+    prefer: Preference = "scarce"
+    """Choice among feasible compositions: ``scarce`` (classes least covered by completed groups first, then
+    oldest) or ``oldest`` (lowest policy version first)."""
+    normalize_advantage_std: bool = True
+    """Divide group-centred rewards by the group's std (GRPO); False = centre only (Dr. GRPO)."""
+    advantage_eps: float = 1e-6
+    """Added to the std before dividing."""
+
+    def __post_init__(self) -> None:
+        for name in ("train_batch_groups", "group_size", "mini_batches", "dp_ranks", "token_budget"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                msg = f"AdmissionConfig.{name} must be a positive int, got {v!r}"
+                raise ValueError(msg)
+        if self.train_batch_groups % self.mini_batches:
+            msg = (f"AdmissionConfig.mini_batches={self.mini_batches} must divide "
+                   f"train_batch_groups={self.train_batch_groups}")
+            raise ValueError(msg)
+        if self.groups_per_mini_batch < self.dp_ranks:
+            msg = (f"AdmissionConfig: {self.groups_per_mini_batch} groups per mini-batch cannot cover "
+                   f"dp_ranks={self.dp_ranks} with whole groups per rank")
+            raise ValueError(msg)
+        if self.cost_model not in COST_MODELS:
+            msg = f"AdmissionConfig.cost_model must be one of {COST_MODELS}, got {self.cost_model!r}"
+            raise ValueError(msg)
+        if self.policy not in POLICIES:
+            msg = f"AdmissionConfig.policy must be one of {POLICIES}, got {self.policy!r}"
+            raise ValueError(msg)
+        if self.max_staleness is not None and (not isinstance(self.max_staleness, int) or self.max_staleness < 0):
+            msg = f"AdmissionConfig.max_staleness must be None or an int >= 0, got {self.max_staleness!r}"
+            raise ValueError(msg)
+        if self.prefer not in ("scarce", "oldest"):
+            msg = f"AdmissionConfig.prefer must be 'scarce' or 'oldest', got {self.prefer!r}"
+            raise ValueError(msg)
+        if not isinstance(self.quotas, tuple):
+            msg = f"AdmissionConfig.quotas must be a tuple of Quota, got {type(self.quotas).__name__}"
+            raise ValueError(msg)
+        cols = [q.column for q in self.quotas]
+        if len(set(cols)) != len(cols):
+            msg = f"AdmissionConfig.quotas: more than one quota on a column {cols}"
+            raise ValueError(msg)
+        if self.advantage_eps < 0:
+            msg = f"AdmissionConfig.advantage_eps must be >= 0, got {self.advantage_eps!r}"
+            raise ValueError(msg)
+        self.quota_counts()  # validates sums and integrality
+
+    @property
+    def groups_per_mini_batch(self) -> int:
+        """B/K."""
+        return self.train_batch_groups // self.mini_batches
+
+    @property
+    def quota_columns(self) -> tuple[str, ...]:
+        """Columns that quotas are over, in declaration order."""
+        return tuple(q.column for q in self.quotas)
+
+    def quota_counts(self) -> list[dict[str, int]]:
+        """Exact groups per train batch for each value, one dict per quota (shares turned into counts)."""
+        b = self.train_batch_groups
+        out: list[dict[str, int]] = []
+        for q in self.quotas:
+            if q.counts is not None:
+                counts = {str(k): int(v) for k, v in q.counts.items()}
+            else:
+                if q.shares is None:  # excluded by Quota.__post_init__
+                    msg = f"Quota on {q.column!r} has neither counts nor shares"
+                    raise ValueError(msg)
+                counts = {}
+                for k, s in q.shares.items():
+                    c = s * b
+                    if abs(c - round(c)) > 1e-6:
+                        msg = f"Quota on {q.column!r}: share {s!r} of {k!r} times B={b} is not an integer"
+                        raise ValueError(msg)
+                    counts[str(k)] = round(c)
+            if sum(counts.values()) != b:
+                msg = f"Quota on {q.column!r}: counts {counts} sum to {sum(counts.values())}, not B={b}"
+                raise ValueError(msg)
+            out.append(counts)
+        return out
