@@ -1,0 +1,110 @@
+"""Generation engines the rollout worker drives: the ``Engine`` protocol and ``VllmEngine``.
+
+``VllmEngine`` runs vLLM's ``LLMEngine`` step by step in this process
+(``VLLM_ENABLE_V1_MULTIPROCESSING=0`` unless set): every prompt is one request with ``n = G``,
+``RequestOutputKind.FINAL_ONLY`` so a prompt comes back once, with all its samples, when the last one
+finishes, and ``logprobs=0, flat_logprobs=True`` so only the sampled tokens' logprobs travel, as flat
+lists. vLLM is imported when an engine is built, never at module import.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+from typing import Any, Protocol, cast
+
+import pyarrow as pa
+
+from connectors.config import RolloutConfig
+from connectors.tasks import Prompt
+from connectors.vllm import require_vllm
+
+_ENGINE_ENV = {
+    "VLLM_CPU_KVCACHE_SPACE": "1",
+    "VLLM_NO_USAGE_STATS": "1",
+    "DO_NOT_TRACK": "1",
+    # the engine core in this process: no spawned engine process, weights loadable in place
+    "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
+}
+
+
+class Engine(Protocol):
+    """What the worker needs of a generation engine (``VllmEngine`` wraps vLLM's ``LLMEngine``)."""
+
+    logprobs_mode: str
+
+    def submit(self, request_id: str, prompt: Prompt, n: int) -> None:
+        """Queue one prompt for n samples; raises ValueError if the engine refuses it."""
+
+    def step(self) -> list[Any]:
+        """One engine step; returns the ``RequestOutput`` of every prompt whose n samples all finished."""
+
+    def abort(self, request_ids: Sequence[str]) -> None:
+        """Drop queued or running prompts."""
+
+    def load_weights(self, table: pa.Table) -> None:
+        """Load a weights table (``connectors.weights`` format) into the running engine."""
+
+
+class VllmEngine:
+    """vLLM's ``LLMEngine`` driven step by step, in this process.
+
+    Args:
+        config: the rollout config (model, dtype, sampling settings).
+        llm: an existing ``vllm.LLM`` to reuse (its settings win over ``config``'s engine fields).
+    """
+
+    def __init__(self, config: RolloutConfig, *, llm: Any = None) -> None:
+        for key, value in _ENGINE_ENV.items():
+            os.environ.setdefault(key, value)
+        require_vllm()
+        from vllm import LLM, SamplingParams
+        from vllm.sampling_params import RequestOutputKind
+
+        from connectors.weights import WORKER_EXTENSION
+
+        if llm is None:
+            llm = LLM(
+                model=config.model,
+                dtype=cast(Any, config.dtype),
+                max_model_len=config.max_model_len,
+                max_num_seqs=config.max_num_seqs,
+                seed=config.seed,
+                enforce_eager=config.enforce_eager,
+                logprobs_mode=config.logprobs_mode,
+                tensor_parallel_size=config.tensor_parallel_size,
+                distributed_executor_backend="uni" if config.tensor_parallel_size == 1 else None,
+                worker_extension_cls=WORKER_EXTENSION,
+            )
+        self.llm = llm
+        self.engine = llm.llm_engine
+        self.logprobs_mode: str = str(self.engine.model_config.logprobs_mode)
+        self._params = SamplingParams(
+            n=1,
+            temperature=config.temperature,
+            top_p=config.top_p,
+            max_tokens=config.max_tokens,
+            logprobs=0,  # the sampled token's logprob only
+            flat_logprobs=True,
+            ignore_eos=config.ignore_eos,
+            output_kind=RequestOutputKind.FINAL_ONLY,  # one output per prompt, with all n samples
+        )
+
+    def submit(self, request_id: str, prompt: Prompt, n: int) -> None:
+        params = self._params.clone()
+        params.n = n
+        inputs: Any = prompt.text
+        if prompt.images:
+            inputs = {"prompt": prompt.text, "multi_modal_data": {"image": list(prompt.images)}}
+        self.engine.add_request(request_id, inputs, params)
+
+    def step(self) -> list[Any]:
+        return [o for o in self.engine.step() if o.finished]
+
+    def abort(self, request_ids: Sequence[str]) -> None:
+        self.engine.abort_request(list(request_ids))
+
+    def load_weights(self, table: pa.Table) -> None:
+        from connectors.weights import load_weights_into_llm
+
+        load_weights_into_llm(self.llm, table)

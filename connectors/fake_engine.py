@@ -1,0 +1,133 @@
+"""A scripted stand-in for vLLM, for tests and demos of the rollout path without a model.
+
+Every fake of the connectors lives here (the real engine runs in the slow tests):
+
+* ``FakeFlatLogprobs``: the fields of vLLM's ``FlatLogprobs`` the adapter reads (``start_indices``,
+  ``end_indices``, ``token_ids``, ``logprobs``), sampled token first at each position;
+* ``FakeLogprob``: vLLM's ``Logprob`` (``logprob``, ``rank``) for the dict-per-position list form;
+* ``FakeCompletion`` / ``FakeRequestOutput``: ``CompletionOutput`` / ``RequestOutput``;
+* ``FakeEngine``: the ``connectors.rollout.Engine`` protocol. Each prompt finishes after a number of
+  steps drawn from its id, so groups finish out of order like on a real engine; "tokens" are bytes of
+  a fixed answer text, logprobs are seeded random values.
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import pyarrow as pa
+
+from connectors.tasks import Prompt
+
+
+@dataclass(slots=True)
+class FakeLogprob:
+    """vLLM ``Logprob``."""
+
+    logprob: float
+    rank: int | None = 1
+    decoded_token: str | None = None
+
+
+@dataclass(slots=True)
+class FakeFlatLogprobs:
+    """vLLM ``FlatLogprobs`` (flat per-(position, rank) lists)."""
+
+    start_indices: list[int] = field(default_factory=list)
+    end_indices: list[int] = field(default_factory=list)
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+
+    @classmethod
+    def from_positions(cls, positions: Sequence[Sequence[tuple[int, float]]]) -> FakeFlatLogprobs:
+        """One list of ``(token_id, logprob)`` per position (sampled first)."""
+        out = cls()
+        for entries in positions:
+            out.start_indices.append(len(out.logprobs))
+            for tid, lp in entries:
+                out.token_ids.append(tid)
+                out.logprobs.append(lp)
+            out.end_indices.append(len(out.logprobs))
+        return out
+
+
+@dataclass(slots=True)
+class FakeCompletion:
+    """vLLM ``CompletionOutput``."""
+
+    index: int
+    token_ids: list[int]
+    logprobs: Any
+    finish_reason: str | None = "length"
+    text: str = ""
+
+
+@dataclass(slots=True)
+class FakeRequestOutput:
+    """vLLM ``RequestOutput``."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    outputs: list[FakeCompletion]
+    finished: bool = True
+
+
+class FakeEngine:
+    """Finishes each prompt after 1..``max_steps`` steps; responses are ``answer_text`` as byte tokens.
+
+    Args:
+        answer_text: decoded response of every sample (``{answer}`` is replaced by ``sample["answer"]``
+            for even sample indices, so exactly half the samples earn an exact-match reward).
+        max_steps: most steps a prompt takes.
+        refuse: prompts whose text contains this substring are refused at submit (ValueError).
+        seed: seeds logprob values and step counts.
+    """
+
+    logprobs_mode = "raw_logprobs"
+
+    def __init__(
+        self, *, answer_text: str = "it is {answer}", max_steps: int = 4, refuse: str | None = None, seed: int = 0
+    ) -> None:
+        self.answer_text = answer_text
+        self.max_steps = max_steps
+        self.refuse = refuse
+        self.rng = random.Random(seed)
+        self.running: dict[str, tuple[int, Prompt, int]] = {}
+        self.steps = 0
+        self.aborted: list[str] = []
+        self.loaded: list[pa.Table] = []
+        self.max_running = 0
+
+    def submit(self, request_id: str, prompt: Prompt, n: int) -> None:
+        if self.refuse is not None and self.refuse in prompt.text:
+            msg = f"prompt of {request_id} refused"
+            raise ValueError(msg)
+        self.running[request_id] = (self.steps + self.rng.randint(1, self.max_steps), prompt, n)
+        self.max_running = max(self.max_running, len(self.running))
+
+    def step(self) -> list[Any]:
+        self.steps += 1
+        done = [rid for rid, (t, _, _) in self.running.items() if t <= self.steps]
+        outs = []
+        for rid in done:
+            _, prompt, n = self.running.pop(rid)
+            samples = []
+            for i in range(n):
+                text = self.answer_text.format(answer=prompt.sample.get("answer", "?") if i % 2 == 0 else "x")
+                ids = list(text.encode())
+                lps = [-self.rng.random() * 5 for _ in ids]
+                flat = FakeFlatLogprobs.from_positions([[(t, lp)] for t, lp in zip(ids, lps, strict=True)])
+                samples.append(FakeCompletion(index=i, token_ids=ids, logprobs=flat, finish_reason="stop", text=text))
+            outs.append(FakeRequestOutput(request_id=rid, prompt_token_ids=list(prompt.text.encode()), outputs=samples))
+        return outs
+
+    def abort(self, request_ids: Sequence[str]) -> None:
+        for rid in request_ids:
+            if self.running.pop(rid, None) is not None:
+                self.aborted.append(rid)
+
+    def load_weights(self, table: pa.Table) -> None:
+        self.loaded.append(table)

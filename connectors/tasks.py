@@ -1,0 +1,166 @@
+"""Prompts and rewards: the built-in verifiable arithmetic task and the hook for user reward functions.
+
+Built-in data sources (integer arithmetic, exact-match reward):
+
+* ``add_small``: ``a + b`` with ``a, b`` in ``[0, 9]`` (easy);
+* ``mul_large``: ``a * b`` with ``a, b`` in ``[100, 999]`` (hard).
+
+A prompt asks for the number; the reward is 1.0 when the decoded response contains the exact answer as
+a whole number (``12`` does not match inside ``123`` or ``-12``), else 0.0.
+
+User reward functions follow :class:`RewardFn`: ``fn(prompt, response, sample) -> float``, where
+``sample`` is the prompt's dict (``answer``, ``data_source`` and any field of a JSONL prompt file). Pass
+the function object, or a ``"package.module:function"`` string (``load_reward_fn``).
+
+Example:
+    >>> p = ARITHMETIC_TASKS["add_small"].make(random.Random(0))
+    >>> exact_match_reward(p.text, f"The answer is {p.sample['answer']}.", p.sample)
+    1.0
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+import random
+import re
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Protocol, runtime_checkable
+
+import numpy as np
+
+
+@runtime_checkable
+class RewardFn(Protocol):
+    """A reward function: ``(prompt text, decoded response, the prompt's sample dict) -> float``."""
+
+    def __call__(self, prompt: str, response: str, sample: dict[str, Any]) -> float: ...
+
+
+@dataclass(frozen=True, slots=True)
+class Prompt:
+    """One prompt of a data source, with what the reward function needs to score it."""
+
+    data_source: str
+    """Dataset/task name, written to the ``data_source`` column."""
+    text: str
+    """The prompt text given to the engine."""
+    sample: dict[str, Any] = field(default_factory=dict)
+    """Ground truth and extra fields (``answer`` for the built-in tasks); passed to the reward function."""
+    images: tuple[np.ndarray, ...] = ()
+    """Images of a multimodal prompt (stored once per distinct image, referenced by every row)."""
+
+
+@dataclass(frozen=True, slots=True)
+class ArithmeticTask:
+    """Integer arithmetic ``a OP b`` with operands drawn uniformly from ``[low, high]``."""
+
+    name: str
+    """Data source name."""
+    op: str
+    """"+" or "*"."""
+    low: int
+    """Smallest operand."""
+    high: int
+    """Largest operand."""
+
+    def __post_init__(self) -> None:
+        if self.op not in ("+", "*"):
+            msg = f"task {self.name!r}: op {self.op!r} is not '+' or '*'"
+            raise ValueError(msg)
+        if self.high < self.low:
+            msg = f"task {self.name!r}: high={self.high} < low={self.low}"
+            raise ValueError(msg)
+
+    def make(self, rng: random.Random) -> Prompt:
+        """Draw one prompt."""
+        a, b = rng.randint(self.low, self.high), rng.randint(self.low, self.high)
+        answer = a + b if self.op == "+" else a * b
+        text = f"What is {a} {self.op} {b}? Give only the final number. Answer:"
+        return Prompt(data_source=self.name, text=text, sample={"answer": str(answer), "data_source": self.name})
+
+
+ARITHMETIC_TASKS: dict[str, ArithmeticTask] = {
+    "add_small": ArithmeticTask(name="add_small", op="+", low=0, high=9),
+    "mul_large": ArithmeticTask(name="mul_large", op="*", low=100, high=999),
+}
+"""The built-in data sources, by name."""
+
+
+def exact_match_reward(prompt: str, response: str, sample: dict[str, Any]) -> float:
+    """1.0 if ``response`` contains ``sample["answer"]`` as a whole integer, else 0.0.
+
+    The answer must not be glued to other digits or to a minus sign (so "12" is not found in "123",
+    "512" or "-12"); surrounding text and punctuation are fine ("= 12.", "12,", "(12)").
+    """
+    del prompt
+    answer = str(sample.get("answer", "")).strip()
+    if not re.fullmatch(r"-?\d+", answer):
+        msg = f"exact_match_reward needs an integer 'answer', got {answer!r}"
+        raise ValueError(msg)
+    pattern = rf"(?<![\d\-]){re.escape(answer)}(?!\d)"
+    return 1.0 if re.search(pattern, response) else 0.0
+
+
+def load_reward_fn(spec: str | RewardFn | None) -> RewardFn:
+    """Resolve a reward function: ``None`` -> ``exact_match_reward``; a callable as is; "module:function"."""
+    if spec is None:
+        return exact_match_reward
+    if callable(spec):
+        return spec
+    if not isinstance(spec, str) or spec.count(":") != 1:
+        msg = f"reward function {spec!r} is not a callable nor a 'module:function' string"
+        raise ValueError(msg)
+    module_name, _, attr = spec.partition(":")
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as exc:
+        msg = f"reward function {spec!r}: cannot import module {module_name!r} ({exc})"
+        raise ValueError(msg) from exc
+    fn = getattr(module, attr, None)
+    if not callable(fn):
+        msg = f"reward function {spec!r}: {module_name!r} has no callable {attr!r}"
+        raise ValueError(msg)
+    return fn  # type: ignore[no-any-return]
+
+
+def mixed_prompts(mix: Mapping[str, float], *, seed: int = 0) -> Iterator[Prompt]:
+    """Endless prompts of the built-in tasks, each drawn from a data source with probability ∝ ``mix``."""
+    unknown = sorted(set(mix) - set(ARITHMETIC_TASKS))
+    if unknown:
+        msg = f"unknown data sources {unknown}; built-in: {sorted(ARITHMETIC_TASKS)}"
+        raise ValueError(msg)
+    names = [n for n, w in mix.items() if w > 0]
+    if not names:
+        msg = f"data source mix {dict(mix)} has no positive weight"
+        raise ValueError(msg)
+    weights = [float(mix[n]) for n in names]
+    rng = random.Random(seed)
+    while True:
+        name = rng.choices(names, weights=weights)[0]
+        yield ARITHMETIC_TASKS[name].make(rng)
+
+
+def jsonl_prompts(path: str | Path, *, default_source: str = "default") -> Iterator[Prompt]:
+    """Prompts from a JSONL file: one object per line with ``prompt`` and optional ``data_source``.
+
+    Every other field (e.g. ``answer``) goes to ``Prompt.sample`` for the reward function.
+    """
+    with Path(path).open() as fh:
+        for lineno, line in enumerate(fh, 1):
+            if not line.strip():
+                continue
+            try:
+                doc = json.loads(line)
+            except json.JSONDecodeError as exc:
+                msg = f"{path}:{lineno}: not valid JSON ({exc})"
+                raise ValueError(msg) from None
+            if not isinstance(doc, dict) or not isinstance(doc.get("prompt"), str):
+                msg = f"{path}:{lineno}: expected an object with a string 'prompt'"
+                raise ValueError(msg)
+            source = str(doc.get("data_source", default_source))
+            sample = {k: v for k, v in doc.items() if k != "prompt"}
+            sample.setdefault("data_source", source)
+            yield Prompt(data_source=source, text=doc["prompt"], sample=sample)

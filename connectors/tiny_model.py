@@ -1,0 +1,134 @@
+"""A tiny, randomly initialised Llama and a locally trained tokenizer, built offline for tests and demos.
+
+The architecture is the one the trainer mirrors for weight sync: Llama (RMSNorm, SwiGLU MLP, RoPE,
+grouped-query attention, untied input/output embeddings). Nothing is downloaded: the byte-level BPE
+tokenizer is trained on a small synthetic corpus (words, digits and arithmetic prompts, so the built-in
+tasks of ``connectors.tasks`` tokenize compactly), and the weights come from a seeded random init.
+
+Needs ``torch``, ``transformers`` and ``tokenizers`` (all pulled in by ``pip install knittrans[vllm]``).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import random
+from pathlib import Path
+
+logger = logging.getLogger(__name__)
+
+_WORDS = (
+    "the", "agent", "reward", "policy", "token", "step", "rollout", "batch", "value", "math", "answer", "is",
+    "a", "of", "and", "to", "in", "we", "compute", "sum", "product", "what", "plus", "times", "equals",
+    "number", "result", "question", "give", "only", "final",
+)
+
+
+def _corpus(seed: int, lines: int = 3000) -> list[str]:
+    rng = random.Random(seed)
+    out: list[str] = []
+    for _ in range(lines):
+        kind = rng.random()
+        if kind < 0.5:
+            a, b = rng.randint(0, 999), rng.randint(0, 999)
+            op = rng.choice(["+", "*"])
+            out.append(f"What is {a} {op} {b}? Give only the final number. Answer: {a + b if op == '+' else a * b}")
+        else:
+            out.append(" ".join(rng.choice(_WORDS) for _ in range(rng.randint(5, 30))))
+    return out
+
+
+def build_tiny_llama(
+    out_dir: str | Path,
+    *,
+    layers: int = 2,
+    hidden: int = 128,
+    heads: int = 4,
+    kv_heads: int = 2,
+    intermediate: int | None = None,
+    vocab: int = 512,
+    max_positions: int = 2048,
+    dtype: str = "float32",
+    seed: int = 0,
+) -> Path:
+    """Write a random Llama (safetensors) and its tokenizer to ``out_dir``; returns the directory.
+
+    Args:
+        out_dir: target directory (created; existing files are overwritten).
+        layers: decoder layers.
+        hidden: hidden size; must be divisible by ``heads``.
+        heads: attention heads.
+        kv_heads: key/value heads (grouped-query attention when < heads); must divide ``heads``.
+        intermediate: SwiGLU inner size; defaults to ``4 * hidden``.
+        vocab: target BPE vocabulary size (the config uses the size actually trained).
+        max_positions: ``max_position_embeddings`` (RoPE).
+        dtype: torch dtype name of the saved weights ("float32" keeps logprob comparisons exact).
+        seed: seeds the tokenizer corpus and the weight init.
+
+    Example:
+        >>> path = build_tiny_llama("/tmp/tiny", layers=2, hidden=64, heads=4, kv_heads=2)  # doctest: +SKIP
+    """
+    if hidden % heads:
+        msg = f"hidden={hidden} is not divisible by heads={heads}"
+        raise ValueError(msg)
+    if heads % kv_heads:
+        msg = f"kv_heads={kv_heads} does not divide heads={heads}"
+        raise ValueError(msg)
+    if vocab < 300:
+        msg = f"vocab={vocab} is too small for a byte-level BPE (needs >= 300)"
+        raise ValueError(msg)
+    try:
+        import torch
+        from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+        from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+    except ImportError as exc:
+        msg = f"build_tiny_llama needs torch, transformers and tokenizers: pip install knittrans[vllm] ({exc})"
+        raise ImportError(msg) from exc
+
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+
+    tok = Tokenizer(models.BPE(unk_token=None))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab,
+        special_tokens=["<pad>", "<s>", "</s>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(_corpus(seed), trainer)
+    hf_tok = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>", pad_token="<pad>")
+    hf_tok.save_pretrained(str(out))
+
+    cfg = LlamaConfig(
+        vocab_size=len(hf_tok),
+        hidden_size=hidden,
+        intermediate_size=intermediate or 4 * hidden,
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        num_key_value_heads=kv_heads,
+        max_position_embeddings=max_positions,
+        rms_norm_eps=1e-5,
+        hidden_act="silu",
+        bos_token_id=hf_tok.bos_token_id,
+        eos_token_id=hf_tok.eos_token_id,
+        pad_token_id=hf_tok.pad_token_id,
+        tie_word_embeddings=False,
+    )
+    torch.manual_seed(seed)
+    model = LlamaForCausalLM(cfg)
+    with torch.no_grad():
+        # a wider init than the default 0.02 so samples are not uniform noise over the vocabulary
+        for name, p in model.named_parameters():
+            if p.dim() == 2 and "embed" not in name:
+                p.normal_(0.0, 0.08)
+    model = model.to(getattr(torch, dtype))
+    model.save_pretrained(str(out), safe_serialization=True)
+    n_params = sum(p.numel() for p in model.parameters())
+    (out / "knittrans_tiny.json").write_text(
+        json.dumps({"layers": layers, "hidden": hidden, "heads": heads, "kv_heads": kv_heads, "seed": seed,
+                    "vocab": len(hf_tok), "params": n_params, "dtype": dtype})
+    )
+    logger.info("built tiny llama at %s: %d params, vocab %d", out, n_params, len(hf_tok))
+    return out

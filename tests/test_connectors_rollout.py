@@ -1,0 +1,379 @@
+"""The rollout worker against real store servers: with the scripted engine (fast) and with real vLLM (slow).
+
+The real-engine tests run vLLM in subprocesses: ``python -m connectors.rollout`` (exact round trip of
+token ids and logprobs, and streaming to two nodes while generation runs), and this file run as a
+script (``__main__``: weight sync into the running engine, checked against a transformers forward).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import polars as pl
+import pyarrow as pa
+import pytest
+
+from connectors.fake_engine import FakeEngine
+from connectors.rollout import RolloutConfig, RolloutWorker, build_parser, max_unreleased
+from connectors.tasks import Prompt, mixed_prompts
+from flight_store.client import StoreClient
+from schemas.images import image_key, table_to_images
+from schemas.plan import PlannedSlice
+
+ROOT = Path(__file__).resolve().parents[1]
+ENGINE_ENV = {
+    "VLLM_CPU_KVCACHE_SPACE": "1",
+    "HF_HUB_OFFLINE": "1",
+    "TRANSFORMERS_OFFLINE": "1",
+    "VLLM_NO_USAGE_STATS": "1",
+    "DO_NOT_TRACK": "1",
+    "OMP_NUM_THREADS": "1",
+    "TOKENIZERS_PARALLELISM": "false",
+}
+
+
+def _env() -> dict[str, str]:
+    env = dict(os.environ, **ENGINE_ENV)
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")])
+    return env
+
+
+def _config(nodes: list[str], **kw: Any) -> RolloutConfig:
+    base: dict[str, Any] = {"model": "unused", "nodes": nodes, "group_size": 4, "max_groups": 16,
+                            "prompts_per_wave": 4, "version_poll_s": 0.0, "group_id_prefix": "t-"}
+    base.update(kw)
+    return RolloutConfig(**base)
+
+
+def _all_rows(client: StoreClient, frame: pl.DataFrame, columns: list[str]) -> pa.Table:
+    groups = frame.group_by(["node", "group_id"]).agg(pl.len().alias("n")).sort("group_id")
+    slices = [PlannedSlice(node=n, group_id=g, start=0, stop=k) for n, g, k in groups.iter_rows()]
+    return client.fetch(slices, columns=columns)
+
+
+# ---- scripted engine, real stores ---------------------------------------------------------------
+
+
+@pytest.mark.parametrize("async_writes", [False, True])
+def test_worker_streams_scored_groups_to_two_nodes(store_nodes, async_writes: bool) -> None:  # type: ignore[no-untyped-def]
+    servers = store_nodes(2)
+    nodes = [s.location for s in servers]
+    with StoreClient(nodes) as client:
+        client.publish_version(3)
+        engine = FakeEngine(max_steps=5)
+        seen_during_run: list[int] = []
+
+        class Spy(RolloutWorker):
+            def _write_group(self, batch: pa.RecordBatch, node: str, *, aborted: bool) -> None:
+                super()._write_group(batch, node, aborted=aborted)
+                if self.report.groups == 8 and not async_writes:  # half-way: the store has what was written
+                    seen_during_run.append(client.scan_metadata(columns=["group_id"])["group_id"].n_unique())
+
+        with Spy(_config(nodes, async_writes=async_writes), client=client, engine=engine) as worker:
+            report = worker.run()
+        assert report.groups == 16 and report.rows == 64 and report.aborted_groups == 0
+        assert len(report.write_times) == 16 and report.write_times == sorted(report.write_times)
+        assert seen_during_run == ([] if async_writes else [8])
+        assert engine.max_running <= 4  # prompts_per_wave bounds what is in the engine
+        frame = client.scan_metadata()
+        assert frame.height == 64 and frame["group_id"].n_unique() == 16
+        assert set(frame["node"].unique()) == set(nodes)  # groups hashed over both nodes
+        assert set(frame["policy_version"].unique()) == {3}
+        assert set(frame["data_source"].unique()) <= {"add_small", "mul_large"}
+        # the fake answers correctly on even sample indices only
+        assert frame.filter(pl.col("sample_idx") % 2 == 0)["reward"].to_list() == [1.0] * 32
+        assert frame.filter(pl.col("sample_idx") % 2 == 1)["reward"].to_list() == [0.0] * 32
+        table = _all_rows(client, frame, ["group_id", "sample_idx", "response_ids", "response_logprobs"])
+        assert all(len(r) > 0 for r in table.column("response_ids").to_pylist())
+        assert report.to_dict()["groups_per_s"] > 0
+
+
+def test_refused_and_unfinished_groups_are_written_as_aborted(store_nodes) -> None:  # type: ignore[no-untyped-def]
+    (server,) = store_nodes(1)
+    prompts = iter([Prompt(data_source="s", text="ok 1", sample={"answer": "1"}),
+                    Prompt(data_source="s", text="REFUSE me", sample={"answer": "1"}),
+                    Prompt(data_source="s", text="ok 2", sample={"answer": "1"})])
+    with StoreClient(server.location) as client:
+        engine = FakeEngine(max_steps=10**9, refuse="REFUSE")  # never finishes on its own
+        cfg = _config([server.location], max_groups=3, max_seconds=0.3)
+        report = RolloutWorker(cfg, client=client, engine=engine, prompts=prompts).run()
+        assert report.groups == 3 and report.aborted_groups == 3
+        assert sorted(engine.aborted) == ["t-0", "t-2"]
+        frame = client.scan_metadata().sort(["group_id", "sample_idx"])
+        assert frame.height == 12
+        assert set(frame["status"].unique()) == {"aborted"}
+        reasons = frame.group_by("group_id").agg(pl.col("finish_reason").first()).sort("group_id")
+        assert reasons["finish_reason"].to_list() == ["abort", "error", "abort"]
+
+
+def test_lookahead_limit_pauses_dispatch_until_groups_are_released(store_nodes) -> None:  # type: ignore[no-untyped-def]
+    (server,) = store_nodes(1)
+    with StoreClient(server.location) as client:
+        cfg = _config([server.location], max_groups=12, prompts_per_wave=2, max_unreleased_groups=6,
+                      lookahead_poll_s=0.01)
+        worker = RolloutWorker(cfg, client=client, engine=FakeEngine(max_steps=2))
+        result: dict[str, Any] = {}
+        thread = threading.Thread(target=lambda: result.setdefault("report", worker.run()), daemon=True)
+        thread.start()
+        stalled_at = None
+        for _ in range(100):
+            time.sleep(0.05)
+            n = int(client.stats()[server.location]["groups"]["stored"])
+            if n >= 6 and stalled_at == n:
+                break
+            stalled_at = n
+        assert thread.is_alive(), "the worker should be paused by the lookahead limit"
+        assert stalled_at is not None and 6 <= stalled_at < 12
+        client.release(client.scan_metadata(columns=["group_id"])["group_id"].unique().to_list())
+        thread.join(timeout=10)
+        assert not thread.is_alive()
+        assert result["report"].groups == 12
+    assert max_unreleased(2)({"a": {"groups": {"stored": 1}}, "b": {"groups": {"stored": 1}}})
+    assert not max_unreleased(3)({"a": {"groups": {"stored": 1}}, "b": {"groups": {"stored": 1}}})
+
+
+def test_images_are_stored_once_and_referenced_by_every_row(store_nodes) -> None:  # type: ignore[no-untyped-def]
+    (server,) = store_nodes(1)
+    rng = np.random.default_rng(0)
+    shared = rng.integers(0, 255, (3, 16, 16), dtype=np.uint8)
+    own = [rng.random((3, 8, 8), dtype=np.float32) for _ in range(3)]
+    prompts = [Prompt(data_source="mm", text=f"describe {i}", sample={"answer": "0"},
+                      images=(shared, own[i], shared)) for i in range(3)]
+    with StoreClient(server.location) as client:
+        report = RolloutWorker(_config([server.location], max_groups=3), client=client, engine=FakeEngine(),
+                               prompts=iter(prompts)).run()
+        assert report.groups == 3
+        assert report.images_written == 6  # 2 distinct per prompt, dedup inside the prompt
+        stats = client.stats()[server.location]
+        assert stats["images"] == 4  # the shared image once across prompts
+        frame = client.scan_metadata()
+        assert set(frame["num_images"].to_list()) == {3}
+        table = _all_rows(client, frame, ["group_id", "image_keys"])
+        text_of = {f"t-{i}": i for i in range(3)}
+        for gid, keys in zip(table.column("group_id").to_pylist(), table.column("image_keys").to_pylist(),
+                             strict=True):
+            i = text_of[gid]
+            assert keys == [image_key(shared), image_key(own[i]), image_key(shared)]
+        want = {image_key(shared): shared, **{image_key(a): a for a in own}}
+        got = table_to_images(client.fetch_images({server.location: list(want)}))
+        assert set(got) == set(want)
+        for k, a in want.items():
+            np.testing.assert_array_equal(got[k], a)
+
+
+def test_weight_sync_loads_published_weights_and_tags_versions(store_nodes) -> None:  # type: ignore[no-untyped-def]
+    (server,) = store_nodes(1)
+    weights = pa.table({"name": ["lm_head.weight"], "shape": [[2]], "dtype": ["float32"],
+                        "data": [np.float32([1, 2]).tobytes()]},
+                       schema=pa.schema([("name", pa.string()), ("shape", pa.list_(pa.int32())),
+                                         ("dtype", pa.string()), ("data", pa.large_binary())]))
+    with StoreClient(server.location) as client:
+        client.put_weights(weights, 2)
+        client.publish_version(2)
+        engine = FakeEngine()
+        report = RolloutWorker(_config([server.location], max_groups=4, weight_sync=True), client=client,
+                               engine=engine).run()
+        assert len(engine.loaded) == 1 and engine.loaded[0].column("name").to_pylist() == ["lm_head.weight"]
+        assert report.policy_versions == [2]
+
+
+def test_config_and_cli_parser_refuse_bad_values() -> None:
+    with pytest.raises(ValueError, match="nodes is empty"):
+        RolloutConfig(model="m", nodes=[])
+    with pytest.raises(ValueError, match="group_size=0"):
+        RolloutConfig(model="m", nodes=["grpc://x:1"], group_size=0)
+    with pytest.raises(ValueError, match="logprobs_mode"):
+        RolloutConfig(model="m", nodes=["grpc://x:1"], logprobs_mode="raw_logits")
+    args = build_parser().parse_args(["--model", "m", "--nodes", "grpc://a:1,grpc://b:2", "--data-sources",
+                                      "add_small=3,mul_large=1"])
+    assert args.data_sources == {"add_small": 3.0, "mul_large": 1.0}
+    assert next(mixed_prompts(args.data_sources)).data_source in {"add_small", "mul_large"}
+
+
+# ---- real vLLM ----------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    out = tmp_path_factory.mktemp("tiny") / "llama"
+    code = f"from connectors.tiny_model import build_tiny_llama; build_tiny_llama({str(out)!r}, hidden=128, seed=0)"
+    subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=_env(), check=True, timeout=120,
+                   capture_output=True)
+    return out
+
+
+def _perturbed_weights(model_dir: Path) -> pa.Table:
+    """The tiny model's tensors plus noise, as a weights table (numpy only, no torch in this process)."""
+    from safetensors.numpy import load_file
+
+    rng = np.random.default_rng(1)
+    tensors = load_file(str(model_dir / "model.safetensors"))
+    names = sorted(tensors)
+    arrays = [(tensors[k] + 0.05 * rng.standard_normal(tensors[k].shape)).astype(np.float32) for k in names]
+    return pa.table({"name": names, "shape": [list(a.shape) for a in arrays], "dtype": ["float32"] * len(names),
+                     "data": [a.tobytes() for a in arrays]},
+                    schema=pa.schema([("name", pa.string()), ("shape", pa.list_(pa.int32())),
+                                      ("dtype", pa.string()), ("data", pa.large_binary())]))
+
+
+@pytest.mark.vllm
+@pytest.mark.slow
+def test_real_vllm_round_trip_is_exact_and_streams_to_two_nodes(store_nodes, tiny_model: Path,  # type: ignore[no-untyped-def]
+                                                                  tmp_path: Path) -> None:
+    servers = store_nodes(2)
+    nodes = [s.location for s in servers]
+    report_path, raw_path = tmp_path / "report.json", tmp_path / "raw.jsonl"
+    groups = 64
+    cmd = [sys.executable, "-m", "connectors.rollout", "--model", str(tiny_model), "--nodes", ",".join(nodes),
+           "--groups", str(groups), "--group-size", "4", "--max-tokens", "32", "--prompts-per-wave", "8",
+           "--group-id-prefix", "v-", "--report-json", str(report_path), "--dump-raw", str(raw_path),
+           "--weight-sync", "--initial-version", "7", "--version-poll-s", "0.05"]
+    polls: list[tuple[float, int]] = []
+    with StoreClient(nodes) as client:
+        client.publish_version(7)
+        with subprocess.Popen(cmd, cwd=ROOT, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                              text=True) as proc:
+            lines: list[str] = []
+            reader = threading.Thread(target=lambda: lines.extend(proc.stdout or []), daemon=True)
+            reader.start()
+            deadline = time.monotonic() + 300
+            published = False
+            while proc.poll() is None and time.monotonic() < deadline:
+                n = client.scan_metadata(columns=["group_id"])["group_id"].n_unique()
+                polls.append((time.time(), n))
+                if n and not published:  # the trainer publishes new weights while the rollout runs
+                    client.put_weights(_perturbed_weights(tiny_model), 8)
+                    client.publish_version(8)
+                    published = True
+                time.sleep(0.05)
+            if proc.poll() is None:
+                proc.kill()
+            rc = proc.wait(timeout=30)
+            reader.join(timeout=10)
+        assert rc == 0, "".join(lines[-40:])
+        report = json.loads(report_path.read_text())
+
+        # streaming: the planner-side scan saw groups while the worker was still generating
+        assert report["groups"] == groups and report["aborted_groups"] == 0
+        partial = [(t, n) for t, n in polls if 0 < n < groups and t < report["last_write_at"]]
+        assert len({n for _, n in partial}) >= 2, f"no partial scans before the last write: {polls[-5:]}"
+        assert report["write_times"] == sorted(report["write_times"])
+        assert report["write_times"][0] < report["last_write_at"] - 0.05
+
+        frame = client.scan_metadata()
+        assert frame.height == groups * 4
+        assert set(frame["node"].unique()) == set(nodes)
+        # weights of version 8 reached the running engine: later groups carry it
+        assert report["policy_versions"] == [7, 8]
+        assert set(frame["policy_version"].unique()) == {7, 8}
+        assert (frame["policy_version_min"] <= frame["policy_version"]).all()
+        # once the engine runs version 8, no later group is tagged with the old version
+        by_completion = frame.sort("completed_at")["policy_version"].to_list()
+        assert by_completion == sorted(by_completion)
+        assert set(frame["status"].unique()) == {"completed"}
+        assert set(frame["data_source"].unique()) == {"add_small", "mul_large"}
+
+        # exactness: what the store serves equals what vLLM returned, token for token, bit for bit
+        table = _all_rows(client, frame, ["group_id", "sample_idx", "prompt_ids", "response_ids",
+                                          "response_logprobs", "finish_reason"])
+        stored = {(g, i): (p, r, lp, f) for g, i, p, r, lp, f in zip(*(table.column(c).to_pylist()
+                  for c in table.column_names), strict=True)}
+        raw = [json.loads(line) for line in raw_path.read_text().splitlines()]
+        assert len(raw) == groups
+        n_tokens = 0
+        for doc in raw:
+            for s in doc["samples"]:
+                p, r, lp, f = stored[(doc["group_id"], s["index"])]
+                assert p == doc["prompt_token_ids"]
+                assert r == s["token_ids"] == s["flat_token_ids"]  # logprobs=0: one entry per position
+                assert s["start_indices"] == list(range(len(r)))
+                np.testing.assert_array_equal(np.float32(lp), np.float32(s["flat_logprobs"]))
+                assert f == s["finish_reason"]
+                n_tokens += len(r)
+        assert n_tokens == report["response_tokens"] > 0
+
+
+@pytest.mark.vllm
+@pytest.mark.slow
+def test_real_vllm_weight_sync_matches_a_transformers_forward(store_nodes, tiny_model: Path,  # type: ignore[no-untyped-def]
+                                                              tmp_path: Path) -> None:
+    (server,) = store_nodes(1)
+    out = tmp_path / "weights.json"
+    res = subprocess.run([sys.executable, __file__, str(tiny_model), server.location, str(out)], cwd=ROOT,
+                         env=_env(), capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    doc = json.loads(out.read_text())
+    # before: vLLM agrees with transformers on the original weights
+    assert doc["before_vs_hf"] < 1e-4
+    # after loading weights fetched from the store, vLLM agrees with transformers on the NEW weights ...
+    assert doc["after_vs_hf_new"] < 1e-4
+    # ... and no longer with the old ones
+    assert doc["after_vs_hf_old"] > 1e-2
+    assert doc["tensors_loaded"] == doc["tensors_in_model"]
+
+
+def _weights_driver(model: str, location: str, out: str) -> None:
+    """Start vLLM on ``model``; perturb the weights in transformers; move them through the store; reload."""
+    for k, v in ENGINE_ENV.items():
+        os.environ.setdefault(k, v)
+    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    import torch
+    from transformers import AutoModelForCausalLM
+    from vllm import LLM, SamplingParams
+
+    from connectors.weights import WORKER_EXTENSION, load_weights_into_llm, weights_to_table
+
+    llm = LLM(model=model, dtype="float32", max_model_len=256, seed=0, enforce_eager=True, max_num_seqs=8,
+              distributed_executor_backend="uni", worker_extension_cls=WORKER_EXTENSION)
+    hf = AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32)
+    old = {k: v.clone() for k, v in hf.state_dict().items()}
+    prompt = "What is 3 + 4? Give only the final number. Answer:"
+    sp = SamplingParams(temperature=0.0, max_tokens=12, logprobs=0, flat_logprobs=True)
+
+    def vllm_run() -> tuple[list[int], list[int], list[float]]:
+        o = llm.generate([prompt], sp, use_tqdm=False)[0]
+        return list(o.prompt_token_ids), list(o.outputs[0].token_ids), list(o.outputs[0].logprobs.logprobs)
+
+    def hf_logprobs(state: dict[str, Any], p: list[int], r: list[int]) -> np.ndarray:
+        hf.load_state_dict(state)
+        with torch.no_grad():
+            logits = hf(torch.tensor([p + r])).logits[0]
+        lp = torch.log_softmax(logits.double(), -1)
+        return np.array([lp[len(p) - 1 + i, t].item() for i, t in enumerate(r)])
+
+    p, r, lp = vllm_run()
+    before = float(np.abs(hf_logprobs(old, p, r) - lp).max())
+    g = torch.Generator().manual_seed(1)
+    new = {k: v + 0.05 * torch.randn(v.shape, generator=g) for k, v in old.items()}
+    from flight_store.client import StoreClient
+
+    with StoreClient(location) as client:
+        client.put_weights(weights_to_table(new.items()), 1)
+        client.publish_version(1)
+        table = client.get_weights(client.get_version())
+    loaded = load_weights_into_llm(llm, table)
+    p2, r2, lp2 = vllm_run()
+    doc = {
+        "before_vs_hf": before,
+        "after_vs_hf_new": float(np.abs(hf_logprobs(new, p2, r2) - lp2).max()),
+        "after_vs_hf_old": float(np.abs(hf_logprobs(old, p2, r2) - lp2).max()),
+        "tensors_loaded": loaded,
+        "tensors_in_model": len(old),
+    }
+    Path(out).write_text(json.dumps(doc))
+
+
+def _main(argv: list[str]) -> None:
+    _weights_driver(*argv)
+
+
+if __name__ == "__main__":
+    _main(sys.argv[1:])
