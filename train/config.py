@@ -1,0 +1,225 @@
+"""Typed configuration of the trainer: model shape, parallelism, optimizer, GRPO loss, run control.
+
+Small ``@dataclass(kw_only=True, slots=True)`` objects, one per concern, checked when built. Model
+shapes follow the Llama architecture (RMSNorm, SwiGLU, RoPE, GQA, untied output layer, no linear
+biases) so the trained weights map one to one onto a Hugging Face ``LlamaForCausalLM`` and a vLLM
+engine (see ``train.weights``). ``MODEL_PRESETS`` names the shapes: ``tiny`` for tests and the CPU
+demo, real models for GPU machines.
+
+Importing this module needs no torch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+from typing import Literal
+
+PackMode = Literal["padded", "thd"]
+
+
+@dataclass(kw_only=True, slots=True)
+class ModelConfig:
+    """Shape of a Llama-architecture GPT (Megatron ``TransformerConfig`` + ``GPTModel`` arguments).
+
+    Example:
+        >>> ModelConfig.preset("tiny").num_query_groups
+        2
+    """
+
+    num_layers: int = 2
+    """Transformer layers."""
+    hidden_size: int = 64
+    """Model width."""
+    ffn_hidden_size: int = 128
+    """Width of the SwiGLU MLP (the gate and up projections each have this many rows)."""
+    num_attention_heads: int = 4
+    """Query heads."""
+    num_query_groups: int = 2
+    """Key/value heads (GQA); must divide ``num_attention_heads``."""
+    vocab_size: int = 128
+    """Vocabulary size (must be divisible by the tensor-parallel size)."""
+    max_sequence_length: int = 512
+    """Longest prompt + response, in tokens."""
+    rotary_base: int = 10000
+    """RoPE theta."""
+    norm_epsilon: float = 1e-5
+    """RMSNorm epsilon."""
+    init_method_std: float = 0.02
+    """Std of the random initialisation."""
+    dtype: Literal["float32", "bfloat16"] = "float32"
+    """Parameter dtype; bfloat16 needs a GPU."""
+    spec: Literal["auto", "local", "te"] = "auto"
+    """Layer implementation: Megatron-core local modules or TransformerEngine; ``auto`` = TE when importable."""
+
+    def __post_init__(self) -> None:
+        for name in ("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads", "num_query_groups",
+                     "vocab_size", "max_sequence_length"):
+            if getattr(self, name) <= 0:
+                msg = f"ModelConfig.{name} must be positive, got {getattr(self, name)}"
+                raise ValueError(msg)
+        if self.num_attention_heads % self.num_query_groups:
+            msg = (f"num_query_groups={self.num_query_groups} must divide "
+                   f"num_attention_heads={self.num_attention_heads}")
+            raise ValueError(msg)
+        if self.hidden_size % self.num_attention_heads:
+            msg = f"num_attention_heads={self.num_attention_heads} must divide hidden_size={self.hidden_size}"
+            raise ValueError(msg)
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden_size // self.num_attention_heads
+
+    @staticmethod
+    def preset(name: str) -> ModelConfig:
+        """A named shape from ``MODEL_PRESETS`` (a copy, safe to modify)."""
+        if name not in MODEL_PRESETS:
+            msg = f"unknown model preset {name!r}; known: {sorted(MODEL_PRESETS)}"
+            raise ValueError(msg)
+        return replace(MODEL_PRESETS[name])
+
+
+MODEL_PRESETS: dict[str, ModelConfig] = {
+    # tests and the CPU demo: 2 layers, GQA 4 query heads over 2 KV groups
+    "tiny": ModelConfig(),
+    # GPU shapes (bfloat16); token ids must come from the matching tokenizer
+    "smollm2-135m": ModelConfig(num_layers=30, hidden_size=576, ffn_hidden_size=1536, num_attention_heads=9,
+                                num_query_groups=3, vocab_size=49152, max_sequence_length=8192,
+                                rotary_base=100000, dtype="bfloat16"),
+    "llama-3.2-1b": ModelConfig(num_layers=16, hidden_size=2048, ffn_hidden_size=8192, num_attention_heads=32,
+                                num_query_groups=8, vocab_size=128256, max_sequence_length=8192,
+                                rotary_base=500000, dtype="bfloat16"),
+    "qwen2.5-7b-shape": ModelConfig(num_layers=28, hidden_size=3584, ffn_hidden_size=18944, num_attention_heads=28,
+                                    num_query_groups=4, vocab_size=152064, max_sequence_length=8192,
+                                    rotary_base=1000000, norm_epsilon=1e-6, dtype="bfloat16"),
+}
+"""Named model shapes. Real-model shapes are for GPU machines (``tiny`` is the only CPU one)."""
+
+
+@dataclass(kw_only=True, slots=True)
+class ParallelConfig:
+    """How the world is split. The data-parallel size is ``world / (tp * pp)``."""
+
+    tensor_parallel: int = 1
+    """Tensor-parallel size."""
+    pipeline_parallel: int = 1
+    """Pipeline-parallel size (only 1 is supported by the trainer loop)."""
+    backend: Literal["auto", "gloo", "nccl"] = "auto"
+    """torch.distributed backend; ``auto`` = NCCL when CUDA exists, else gloo."""
+    timeout_s: float = 600.0
+    """Timeout of collectives (the planner rank may wait this long for admissible data)."""
+
+    def __post_init__(self) -> None:
+        if self.tensor_parallel < 1:
+            msg = f"tensor_parallel must be >= 1, got {self.tensor_parallel}"
+            raise ValueError(msg)
+        if self.pipeline_parallel != 1:
+            msg = f"pipeline_parallel={self.pipeline_parallel} is not supported by the trainer loop (use 1)"
+            raise ValueError(msg)
+
+
+@dataclass(kw_only=True, slots=True)
+class OptimConfig:
+    """Megatron optimizer (Adam) settings."""
+
+    lr: float = 1e-3
+    """Learning rate."""
+    weight_decay: float = 0.0
+    """Decoupled weight decay."""
+    clip_grad: float = 1.0
+    """Global gradient-norm clip (0 disables)."""
+    adam_beta2: float = 0.999
+    """Adam beta2."""
+
+    def __post_init__(self) -> None:
+        if self.lr <= 0:
+            msg = f"lr must be positive, got {self.lr}"
+            raise ValueError(msg)
+        if self.clip_grad < 0:
+            msg = f"clip_grad must be >= 0, got {self.clip_grad}"
+            raise ValueError(msg)
+
+
+@dataclass(kw_only=True, slots=True)
+class LossConfig:
+    """GRPO/PPO clipped policy-gradient loss."""
+
+    clip_low: float = 0.2
+    """Lower clip: ratio is clipped to ``1 - clip_low``."""
+    clip_high: float = 0.2
+    """Upper clip: ratio is clipped to ``1 + clip_high`` (DAPO uses a larger value)."""
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.clip_low < 1 or self.clip_high < 0:
+            msg = f"clip range must satisfy 0 <= clip_low < 1 and clip_high >= 0, got {self.clip_low}, {self.clip_high}"
+            raise ValueError(msg)
+
+
+@dataclass(kw_only=True, slots=True)
+class TrainConfig:
+    """Everything one trainer run needs.
+
+    Example:
+        >>> cfg = TrainConfig(stores=["grpc://127.0.0.1:8815"], max_steps=4)
+        >>> cfg.model.num_layers
+        2
+    """
+
+    stores: list[str]
+    """Flight locations of every store node (``grpc://host:port``)."""
+    token: str | None = None
+    """Bearer token for the stores, if they require one."""
+    model: ModelConfig = field(default_factory=ModelConfig)
+    """Model shape."""
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    """Parallel layout and backend."""
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    """Optimizer."""
+    loss: LossConfig = field(default_factory=LossConfig)
+    """Policy-gradient loss."""
+    planner: str = "admission:Planner"
+    """``module:callable`` building the planner on rank 0, called as ``factory(admission_config)``."""
+    planner_options: dict[str, object] = field(default_factory=dict)
+    """Keyword arguments of the planner's config (``admission.AdmissionConfig`` for the default planner)."""
+    max_steps: int = 0
+    """Stop after this many optimizer steps (0 = until idle)."""
+    idle_timeout_s: float = 60.0
+    """Stop when no mini-batch becomes admissible for this long."""
+    poll_interval_s: float = 0.05
+    """Pause between metadata scans while waiting for admissible data."""
+    pack: PackMode = "padded"
+    """Micro-batch layout: right-padded ``[rows, max_len]`` or one packed row (THD) with cu_seqlens."""
+    prefetch_depth: int = 1
+    """Micro-batches fetched ahead of the one computing (0 = fetch on demand, no overlap)."""
+    initial_version: int = 0
+    """Policy version of the starting weights."""
+    publish_weights: bool = False
+    """After each step, also DoPut the weights (HF Llama names) to the stores."""
+    save_dir: str | None = None
+    """Megatron dist-checkpoint folder written at the end of the run."""
+    load_dir: str | None = None
+    """Megatron dist-checkpoint folder loaded before the first step."""
+    report_path: str | None = None
+    """Each rank writes a JSON report here (``{rank}`` in the path is replaced by the global rank)."""
+    seed: int = 1234
+    """Seed of the model initialisation."""
+
+    def __post_init__(self) -> None:
+        if not self.stores:
+            msg = "TrainConfig.stores is empty; give at least one store location"
+            raise ValueError(msg)
+        if self.max_steps < 0:
+            msg = f"max_steps must be >= 0, got {self.max_steps}"
+            raise ValueError(msg)
+        if self.prefetch_depth < 0:
+            msg = f"prefetch_depth must be >= 0, got {self.prefetch_depth}"
+            raise ValueError(msg)
+        if self.pack not in ("padded", "thd"):
+            msg = f"pack must be 'padded' or 'thd', got {self.pack!r}"
+            raise ValueError(msg)
+        if self.parallel.timeout_s <= self.idle_timeout_s:
+            msg = (f"parallel.timeout_s={self.parallel.timeout_s} must exceed idle_timeout_s={self.idle_timeout_s} "
+                   "(the other ranks wait in a collective while rank 0 waits for data)")
+            raise ValueError(msg)
+        if ":" not in self.planner:
+            msg = f"planner must be 'module:callable', got {self.planner!r}"
+            raise ValueError(msg)

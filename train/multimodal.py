@@ -1,0 +1,106 @@
+"""Vision-encoder deduplication: each distinct image is encoded once per mini-batch on a rank.
+
+The backbone's micro-batches reference images by content key (``image_keys``). Instead of running
+the vision encoder once per reference (every response of a prompt group carries the same images),
+a rank:
+
+1. gathers the distinct keys of all its micro-batches in the mini-batch (``distinct_image_keys``)
+   and fetches each image once;
+2. runs the encoder ONCE over the distinct images (``DedupVisionEncoder.begin``), keeping the
+   autograd graph, and exposes the encodings as one leaf tensor;
+3. lets every backbone micro-batch index that leaf (``lookup``); their backward passes accumulate
+   into the leaf's gradient;
+4. after the last micro-batch, back-propagates the accumulated gradient through the encoder once
+   (``finish``), so the encoder's parameter gradients equal those of the non-deduplicated
+   computation (every micro-batch still contributes its gradient).
+
+``forward_images`` counts images that went through the encoder, so a test (and the benchmark)
+can show one encoder pass per distinct image. Torch is imported lazily by the caller's module;
+this module needs torch only when an encoder is used.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    import torch
+
+
+def distinct_image_keys(per_micro_batch: Iterable[Iterable[Sequence[bytes]]]) -> list[bytes]:
+    """Distinct keys over micro-batches -> rows -> keys, in first-seen order."""
+    seen: dict[bytes, None] = {}
+    for micro_batch in per_micro_batch:
+        for row_keys in micro_batch:
+            for k in row_keys:
+                seen.setdefault(bytes(k), None)
+    return list(seen)
+
+
+class DedupVisionEncoder:
+    """Encode distinct images once per mini-batch; hand every micro-batch a view of the result.
+
+    Example:
+        >>> enc = DedupVisionEncoder(vision_model)                     # doctest: +SKIP
+        >>> enc.begin({k: pixels[k] for k in distinct_image_keys(mbs)})  # one encoder pass
+        >>> for mb in micro_batches:                                    # backbone forward/backward
+        ...     feats = enc.lookup(mb.image_keys)                       # indexes the shared leaf
+        >>> enc.finish()                                                # one backward through the encoder
+    """
+
+    def __init__(self, encoder: Callable[[torch.Tensor], torch.Tensor]) -> None:
+        self.encoder = encoder
+        self.forward_images = 0
+        """Images that went through the encoder so far (one per distinct image per mini-batch)."""
+        self.encoder_calls = 0
+        self._index: dict[bytes, int] = {}
+        self._encoded: torch.Tensor | None = None
+        self._leaf: torch.Tensor | None = None
+
+    def begin(self, images: Mapping[bytes, torch.Tensor]) -> torch.Tensor:
+        """Encode ``images`` (distinct keys -> pixel tensors of one shape) in one pass; returns the leaf."""
+        import torch
+
+        if self._leaf is not None:
+            msg = "begin() called twice without finish(): the previous mini-batch's encoder gradient is pending"
+            raise RuntimeError(msg)
+        if not images:
+            msg = "begin() needs at least one image"
+            raise ValueError(msg)
+        keys = list(images)
+        self._index = {k: i for i, k in enumerate(keys)}
+        pixels = torch.stack([images[k] for k in keys])
+        self._encoded = self.encoder(pixels)
+        self.encoder_calls += 1
+        self.forward_images += len(keys)
+        self._leaf = self._encoded.detach().requires_grad_(self._encoded.requires_grad)
+        return self._leaf
+
+    def lookup(self, keys: Sequence[bytes]) -> torch.Tensor:
+        """Encodings of ``keys`` (repeats allowed), stacked; gradients flow into the shared leaf."""
+        import torch
+
+        if self._leaf is None:
+            msg = "lookup() before begin(): no encodings for this mini-batch"
+            raise RuntimeError(msg)
+        try:
+            idx = [self._index[bytes(k)] for k in keys]
+        except KeyError as exc:
+            msg = f"image key {bytes(exc.args[0]).hex()} was not among this mini-batch's images"
+            raise KeyError(msg) from None
+        return self._leaf[torch.as_tensor(idx, dtype=torch.long)]
+
+    def finish(self) -> None:
+        """Back-propagate the accumulated encoding gradient through the encoder, once."""
+        encoded, leaf = self._encoded, self._leaf
+        self._encoded = self._leaf = None
+        self._index = {}
+        if encoded is None or leaf is None:
+            msg = "finish() without begin()"
+            raise RuntimeError(msg)
+        if leaf.grad is not None and encoded.requires_grad:
+            encoded.backward(leaf.grad)
+
+    def stats(self) -> dict[str, Any]:
+        return {"encoder_calls": self.encoder_calls, "forward_images": self.forward_images}

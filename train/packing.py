@@ -1,0 +1,153 @@
+"""Arrow trajectory slices -> the tensors of one micro-batch, without per-element Python loops.
+
+List columns are read as numpy views over Arrow buffers (list offsets + flat values); rows are
+placed with one vectorised scatter. Two layouts:
+
+``padded``
+    right-padded ``[rows, max_len]``; the causal mask alone keeps real tokens off the padding.
+``thd``
+    all rows concatenated into one packed row ``[1, total]`` with ``cu_seqlens`` (int32, rows+1);
+    attention must stay within each sequence (TransformerEngine ``PackedSeqParams`` on GPU, a
+    block-diagonal causal mask with the local layer spec). RoPE depends only on relative
+    positions inside a sequence, so packing does not change the result.
+
+Token alignment: a row is ``prompt ++ response`` of length ``L = P + R``; position ``t`` predicts
+``tokens[t + 1]``, so response token ``j`` is scored at position ``P - 1 + j``. ``rollout_logprobs``,
+``loss_mask`` and ``advantages`` sit at those positions, zero elsewhere.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import pyarrow as pa
+
+from train.config import PackMode
+
+PACK_COLUMNS: tuple[str, ...] = ("group_id", "sample_idx", "prompt_ids", "response_ids", "response_logprobs",
+                                 "loss_mask")
+"""Trajectory columns a trainer rank fetches."""
+
+
+def list_arrays(column: pa.ChunkedArray | pa.Array) -> tuple[np.ndarray, np.ndarray]:
+    """``(offsets, values)`` of a list column as numpy, offsets starting at 0 (zero-copy where Arrow allows)."""
+    arr = column.combine_chunks() if isinstance(column, pa.ChunkedArray) else column
+    if arr.null_count:
+        msg = f"list column has {arr.null_count} null rows"
+        raise ValueError(msg)
+    offsets = arr.offsets.to_numpy(zero_copy_only=False)
+    values = arr.flatten().to_numpy(zero_copy_only=False)  # respects the array's slice offset
+    return offsets - offsets[0], values
+
+
+@dataclass(slots=True)
+class PackedBatch:
+    """Numpy arrays of one micro-batch (shapes ``[B, S]``; ``B = 1`` for thd)."""
+
+    tokens: np.ndarray  # int64, input token ids (0 = padding)
+    labels: np.ndarray  # int64, next token at each position
+    position_ids: np.ndarray  # int64, position inside its own sequence
+    rollout_logprobs: np.ndarray  # float32, logprob the rollout engine gave the label token
+    loss_mask: np.ndarray  # float32, 1 where the label is a trained response token
+    advantages: np.ndarray  # float32, the row's advantage at its response positions
+    cu_seqlens: np.ndarray | None  # int32 [rows + 1] for thd, else None
+    rows: int
+    tokens_total: int  # prompt + response tokens of the rows (no padding)
+
+    def to_torch(self, device: Any = None) -> dict[str, Any]:
+        """The arrays as torch tensors (zero-copy on CPU), plus the attention mask the layout needs."""
+        import torch
+
+        out: dict[str, Any] = {
+            name: torch.from_numpy(getattr(self, name)).to(device)
+            for name in ("tokens", "labels", "position_ids", "rollout_logprobs", "loss_mask", "advantages")
+        }
+        out["cu_seqlens"] = None if self.cu_seqlens is None else torch.from_numpy(self.cu_seqlens).to(device)
+        return out
+
+
+def pack(table: pa.Table, advantages: np.ndarray | list[float], *, mode: PackMode = "padded",
+         pad_to_multiple: int = 1) -> PackedBatch:
+    """Pack fetched trajectory rows (in plan order) and their advantages into one micro-batch."""
+    n = table.num_rows
+    adv = np.asarray(advantages, dtype=np.float32)
+    if adv.shape != (n,):
+        msg = f"got {adv.shape[0] if adv.ndim else 0} advantages for {n} rows"
+        raise ValueError(msg)
+    if n == 0:
+        msg = "cannot pack an empty micro-batch"
+        raise ValueError(msg)
+    p_off, p_val = list_arrays(table.column("prompt_ids"))
+    r_off, r_val = list_arrays(table.column("response_ids"))
+    l_off, l_val = list_arrays(table.column("response_logprobs"))
+    m_off, m_val = list_arrays(table.column("loss_mask"))
+    plen = np.diff(p_off)
+    rlen = np.diff(r_off)
+    if not (np.array_equal(np.diff(l_off), rlen) and np.array_equal(np.diff(m_off), rlen)):
+        msg = "response_logprobs / loss_mask lengths differ from response_ids lengths"
+        raise ValueError(msg)
+    if np.any(plen < 1):
+        msg = "every trajectory needs at least one prompt token"
+        raise ValueError(msg)
+    seqlen = plen + rlen
+    row_of_p = np.repeat(np.arange(n), plen)
+    row_of_r = np.repeat(np.arange(n), rlen)
+    col_p = np.arange(p_val.size) - np.repeat(p_off[:-1], plen)  # position inside the row
+    col_r = np.arange(r_val.size) - np.repeat(r_off[:-1], rlen) + plen[row_of_r]
+
+    if mode == "padded":
+        width = int(seqlen.max())
+        width = -(-width // pad_to_multiple) * pad_to_multiple
+        shape: tuple[int, int] = (n, width)
+        at_p = (row_of_p, col_p)
+        at_r = (row_of_r, col_r)
+        at_r_prev = (row_of_r, col_r - 1)
+        cu = None
+        pos = np.broadcast_to(np.arange(width, dtype=np.int64), shape).copy()
+        last = (np.arange(n), seqlen - 1)
+    elif mode == "thd":
+        cu = np.zeros(n + 1, dtype=np.int32)
+        np.cumsum(seqlen, out=cu[1:])
+        total = int(cu[-1])
+        width = -(-total // pad_to_multiple) * pad_to_multiple
+        shape = (1, width)
+        zeros_p = np.zeros(p_val.size, dtype=np.int64)
+        zeros_r = np.zeros(r_val.size, dtype=np.int64)
+        at_p = (zeros_p, cu[:-1][row_of_p] + col_p)
+        at_r = (zeros_r, cu[:-1][row_of_r] + col_r)
+        at_r_prev = (zeros_r, at_r[1] - 1)
+        pos = np.zeros(shape, dtype=np.int64)
+        row_of_tok = np.repeat(np.arange(n), seqlen)
+        pos[0, :total] = np.arange(total) - cu[:-1][row_of_tok]
+        last = (np.zeros(n, dtype=np.int64), cu[1:] - 1)
+    else:
+        msg = f"unknown pack mode {mode!r}"
+        raise ValueError(msg)
+
+    tokens = np.zeros(shape, dtype=np.int64)
+    tokens[at_p] = p_val
+    tokens[at_r] = r_val
+    labels = np.zeros(shape, dtype=np.int64)
+    labels[:, :-1] = tokens[:, 1:]
+    labels[last] = 0  # the last token of a sequence predicts nothing (thd: not the next sequence)
+    rollout = np.zeros(shape, dtype=np.float32)
+    rollout[at_r_prev] = l_val
+    mask = np.zeros(shape, dtype=np.float32)
+    mask[at_r_prev] = m_val
+    advs = np.zeros(shape, dtype=np.float32)
+    advs[at_r_prev] = adv[row_of_r]
+    return PackedBatch(tokens=tokens, labels=labels, position_ids=pos, rollout_logprobs=rollout, loss_mask=mask,
+                       advantages=advs, cu_seqlens=cu, rows=n, tokens_total=int(seqlen.sum()))
+
+
+def block_causal_mask(cu_seqlens: Any, width: int) -> Any:
+    """``[1, 1, width, width]`` bool mask, True = masked: causal and within each packed sequence."""
+    import torch
+
+    cu = cu_seqlens.to(torch.int64)
+    seg = torch.bucketize(torch.arange(width), cu[1:], right=True)  # sequence index of each position
+    same = seg.unsqueeze(0) == seg.unsqueeze(1)
+    causal = torch.ones(width, width, dtype=torch.bool).tril()
+    return ~(same & causal).view(1, 1, width, width)
