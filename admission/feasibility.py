@@ -21,12 +21,21 @@ flight). The objective (minimise ``sum weight[c] x[c]``) only chooses among feas
 from __future__ import annotations
 
 import logging
+from typing import Any
 
 import numpy as np
-from scipy.optimize import Bounds, LinearConstraint, milp
-from scipy.sparse import coo_array
 
 log = logging.getLogger(__name__)
+
+
+def _scipy() -> Any:
+    """scipy's milp pieces, imported on first use (``pip install knittrans[admission]``)."""
+    try:
+        from scipy import optimize, sparse
+    except ImportError as exc:  # pragma: no cover - depends on the environment
+        msg = "the admission planner's feasibility test needs scipy: pip install 'knittrans[admission]'"
+        raise ImportError(msg) from exc
+    return optimize, sparse
 
 
 def solve_composition(
@@ -94,13 +103,14 @@ def solve_composition(
             add_row([(c + int(j), 1.0) for j in members], float(nq[v]), float(nq[v]))
     for j in range(c):  # z_j - x_j >= 0
         add_row([(c + j, 1.0), (j, -1.0)], 0.0, np.inf)
-    a = coo_array((vals, (rows, cols)), shape=(r, 2 * c)).tocsr()
+    optimize, sparse = _scipy()
+    a = sparse.coo_array((vals, (rows, cols)), shape=(r, 2 * c)).tocsr()
     obj = np.zeros(2 * c)
     if weight is not None:
         obj[:c] = np.asarray(weight, dtype=np.float64)
     ub = np.concatenate([avail, avail + supply]).astype(np.float64)
-    res = milp(obj, constraints=LinearConstraint(a, np.array(lo), np.array(hi)),
-               integrality=np.ones(2 * c), bounds=Bounds(np.zeros(2 * c), ub),
+    res = optimize.milp(obj, constraints=optimize.LinearConstraint(a, np.array(lo), np.array(hi)),
+               integrality=np.ones(2 * c), bounds=optimize.Bounds(np.zeros(2 * c), ub),
                options={"presolve": True})
     if res.status != 0 or res.x is None:
         if res.status not in (0, 2):  # 2 = infeasible
