@@ -31,7 +31,47 @@ received by the driver process; 0 on the on-demand path), plus the raw, non-over
 ``ratios.fetch_speedup_no_overlap``) so that the gain from
 overlap and the gain from the path itself can be told apart.
 
-``--multimodal`` is the hook for the image workload (a later issue); it is refused for now.
+``--multimodal``: the image workload (``python -m bench.transfer --multimodal [--quick] --out F.json``).
+Every prompt group references ``images_per_group`` images (default one image of a 448x448 RGB
+picture as a Qwen2-VL-style processor ships it, 1024 patches x 1176 values in fp16, which is what
+verl's DataProto carries in ``multi_modal_inputs``; ``--image-format pixels-uint8``: the raw
+3x448x448 uint8 pixels instead, 4x fewer bytes). Each image is DoPut once to the node of its
+group (content key), whatever G (default 8).
+
+baseline (verl, kept faithful, and as fast as we could make it)
+    the driver fetches the train batch's trajectories AND their distinct images from the stores,
+    replicates each image into every trajectory that references it (DataProto rows carry their
+    own pixel tensors; verl's ``repeat(G)`` does this), adds them to the DataProto layout above as
+    one ``pixel_values`` tensor (a single tensor, cheaper to pickle than verl's per-row dicts),
+    serialises one shard per rank, ``ray.put``s; each rank ``ray.get``s and ``torch.load``s.
+on-demand (knittrans)
+    per mini-batch, each rank DoGets its micro-batches' slices (one DoGet per node, packing
+    columns plus ``image_keys``), collects the distinct keys of ALL its micro-batches, and DoGets
+    each distinct image once (one DoGet per node; ``train.mm_data.fetch_mm_mini_batch``), on the
+    prefetch thread, one mini-batch ahead.
+
+Two phases, each with one warm-up step per path that is not counted:
+
+transfer (calibrated compute stand-in, as in the text mode)
+    ``ratios.mm_transfer_speedup`` = baseline transfer (driver's first fetch until every rank
+    holds its tensors) / on-demand exposed wait (time the step loop blocked on data, prefetch
+    on; max over ranks), per train step. ``ratios.mm_transfer_speedup_raw`` = the same baseline /
+    the on-demand fetch time with no overlap credited (the prefetch thread's DoGets + packing +
+    image decoding, summed over the rank's mini-batches; max over ranks).
+    ``ratios.mm_bytes_reduction`` = 1 - bytes moved on-demand / baseline, per train step: the
+    baseline moves the store->driver payload (Arrow bytes) plus the serialised shards
+    driver->ranks; on-demand moves the Arrow bytes the ranks receive (trajectories + images).
+transfer + train (real compute on CPU: the tiny encoder and backbone of :func:`tiny_models`)
+    baseline: the path above, then each rank encodes every trajectory's image copy (dedup off)
+    per micro-batch and trains the backbone, one Adam step per mini-batch; time = driver's
+    first fetch until every rank finished the train batch. On-demand: dedup on
+    (``train.multimodal.DedupVisionEncoder``: one encoder pass per distinct image per
+    mini-batch, one backward through it), prefetch on; time = the rank's step loop (exposed
+    wait + compute), max over ranks. ``ratios.mm_transfer_plus_train_speedup`` = baseline /
+    on-demand. There is no gradient all-reduce in either path (same work on both sides).
+    ``metrics.encoder_passes`` (images through the encoder on-demand) and
+    ``metrics.distinct_images`` (distinct images summed over ranks and mini-batches) should be
+    equal; ``metrics.baseline_encoder_passes`` counts the baseline's per-trajectory passes.
 """
 
 from __future__ import annotations
@@ -56,6 +96,10 @@ from schemas.plan import MiniBatchPlan, PlannedSlice
 
 log = logging.getLogger(__name__)
 ROOT = Path(__file__).resolve().parents[1]
+IMAGE_FORMATS: dict[str, tuple[tuple[int, ...], str]] = {
+    "pixels-uint8": ((3, 448, 448), "uint8"),  # a raw 448x448 RGB image
+    "patches-fp16": ((1024, 1176), "float16"),  # what a Qwen2-VL-style processor makes of it (14x14x3x2 values)
+}
 
 
 @dataclass(kw_only=True, slots=True)
@@ -85,7 +129,21 @@ class Workload:
     prefetch_depth: int = 1
     """Micro-batches fetched ahead on each rank."""
     multimodal: bool = False
-    """Image workload (later issue)."""
+    """Image workload: every group references ``images_per_group`` images (``--multimodal``)."""
+    image_shape: tuple[int, ...] = (3, 448, 448)
+    """Shape of one image: ``(C, H, W)`` pixels, or ``(patches, values)`` as a processor's patch tensor."""
+    image_dtype: str = "uint8"
+    """Element type of an image: ``uint8`` pixels or ``float16`` patch values."""
+    images_per_group: int = 1
+    """Distinct images a prompt group's prompt carries (shared by its G responses)."""
+    train_steps: int = 2
+    """Measured train steps of the transfer-plus-train phase (multimodal), after one warm-up step."""
+    encoder_width: int = 32
+    """Channels of the tiny vision encoder's patch embedding (multimodal train phase)."""
+    encoder_patch: int = 14
+    """Patch size of the tiny vision encoder."""
+    backbone_width: int = 16
+    """Width of the tiny backbone (multimodal train phase)."""
     seed: int = 0
     """RNG seed of the synthetic trajectories."""
 
@@ -93,16 +151,21 @@ class Workload:
         if self.groups % self.mini_batches or self.groups // self.mini_batches < self.ranks:
             msg = f"groups={self.groups} must split into mini_batches={self.mini_batches} of >= ranks={self.ranks}"
             raise ValueError(msg)
-        if self.multimodal:
-            msg = "--multimodal comes with the multimodal workload issue; not available yet"
-            raise NotImplementedError(msg)
+        if self.images_per_group < 1 or self.train_steps < 1:
+            msg = f"images_per_group={self.images_per_group} and train_steps={self.train_steps} must be >= 1"
+            raise ValueError(msg)
+        if len(self.image_shape) not in (2, 3) or self.image_dtype not in ("uint8", "float16"):
+            msg = (f"image_shape={self.image_shape} must be (C, H, W) or (patches, values) and "
+                   f"image_dtype={self.image_dtype!r} uint8 or float16")
+            raise ValueError(msg)
 
 
 # ---- data ------------------------------------------------------------------------------------------
 
 
-def make_group(group_id: str, w: Workload, rng: np.random.Generator) -> pa.RecordBatch:
-    """One prompt group straight from numpy (lognormal response lengths; shared prompt)."""
+def make_group(group_id: str, w: Workload, rng: np.random.Generator,
+               image_keys: Sequence[bytes] = ()) -> pa.RecordBatch:
+    """One prompt group straight from numpy (lognormal response lengths; shared prompt and images)."""
     g = w.group_size
     sigma = 0.8
     lens = np.clip(rng.lognormal(np.log(w.response_mean) - sigma**2 / 2, sigma, g), 8, w.response_max).astype(np.int32)
@@ -119,13 +182,13 @@ def make_group(group_id: str, w: Workload, rng: np.random.Generator) -> pa.Recor
         "data_source": pa.array(["bench"] * g), "prompt_len": pa.array(np.full(g, w.prompt_len, dtype=np.int32)),
         "response_len": pa.array(lens), "reward": pa.array(rng.random(g, dtype=np.float32)),
         "finish_reason": pa.array(["stop"] * g), "status": pa.array(["completed"] * g),
-        "num_images": pa.array(np.zeros(g, dtype=np.int16)), "created_at": pa.array(np.full(g, now)),
+        "num_images": pa.array(np.full(g, len(image_keys), dtype=np.int16)), "created_at": pa.array(np.full(g, now)),
         "completed_at": pa.array(np.full(g, now)), "bytes": pa.array(np.zeros(g, dtype=np.int64)),
         "prompt_ids": pa.ListArray.from_arrays(pa.array(p_off), pa.array(np.tile(prompt, g))),
         "response_ids": pa.ListArray.from_arrays(pa.array(r_off), pa.array(rng.integers(0, 32000, n, np.int32))),
         "response_logprobs": pa.ListArray.from_arrays(pa.array(r_off), pa.array(-rng.random(n, dtype=np.float32))),
         "loss_mask": pa.ListArray.from_arrays(pa.array(r_off), pa.array(np.ones(n, dtype=np.uint8))),
-        "image_keys": pa.array([[]] * g, type=pa.list_(pa.binary(32))),
+        "image_keys": pa.array([list(image_keys)] * g, type=pa.list_(pa.binary(32))),
     }
     return pa.RecordBatch.from_pydict(cols, schema=TRAJECTORY_SCHEMA)
 
@@ -174,6 +237,59 @@ def serialize(shard: dict[str, Any]) -> bytes:
     buf = io.BytesIO()
     torch.save(shard, buf)
     return buf.getvalue()
+
+
+# ---- multimodal: the tiny models of the transfer-plus-train phase -------------------------------------
+
+_MODELS: tuple[Any, Any] | None = None
+
+
+def tiny_models() -> tuple[Any, Any]:
+    """``(TinyVisionEncoder, TinyBackbone)`` classes (torch imported on first use).
+
+    The encoder is a ViT-style patch embedding (a ``patch x patch`` stride-``patch`` convolution over
+    uint8 pixels scaled to [0, 1], 1024 patches for a 448x448 image), a GELU MLP over the patches,
+    mean-pooled and projected to the backbone width. The backbone embeds every token, adds its row's
+    pooled image features, and regresses a per-token value onto the advantages (masked MSE): small
+    but real, so the loss depends on the encodings and the encoder gets gradients.
+    """
+    global _MODELS
+    if _MODELS is not None:
+        return _MODELS
+    import torch
+    import torch.nn.functional as F
+
+    class TinyVisionEncoder(torch.nn.Module):
+        def __init__(self, image_shape: tuple[int, ...], width: int, patch: int, out: int) -> None:
+            super().__init__()
+            self.pixels = len(image_shape) == 3
+            self.patch: torch.nn.Module = (torch.nn.Conv2d(image_shape[0], width, patch, stride=patch) if self.pixels
+                                           else torch.nn.Linear(image_shape[1], width))
+            self.mix = torch.nn.Linear(width, width)
+            self.proj = torch.nn.Linear(width, out)
+
+        def forward(self, images: torch.Tensor) -> torch.Tensor:
+            if self.pixels:  # uint8 [N, C, H, W] -> [N, patches, width]
+                h = self.patch(images.float() / 255.0).flatten(2).transpose(1, 2)
+            else:  # a processor's patch values [N, patches, values]
+                h = self.patch(images.float())
+            return self.proj(F.gelu(self.mix(F.gelu(h))).mean(1))
+
+    class TinyBackbone(torch.nn.Module):
+        def __init__(self, vocab: int, width: int) -> None:
+            super().__init__()
+            self.emb = torch.nn.Embedding(vocab, width)
+            self.mix = torch.nn.Linear(width, width)
+            self.head = torch.nn.Linear(width, 1)
+
+        def loss(self, tokens: torch.Tensor, feats: torch.Tensor, target: torch.Tensor,
+                 mask: torch.Tensor) -> torch.Tensor:
+            h = self.emb(tokens) + feats[:, None, :]
+            pred = self.head(torch.tanh(self.mix(h))).squeeze(-1)
+            return (((pred - target) ** 2) * mask).sum() / mask.sum().clamp(min=1.0)
+
+    _MODELS = (TinyVisionEncoder, TinyBackbone)
+    return _MODELS
 
 
 # ---- the ranks (Ray actors) -------------------------------------------------------------------------
@@ -253,6 +369,133 @@ class RankWorker:
             pf.close()
         return out
 
+    # ---- multimodal --------------------------------------------------------------------------
+
+    def _mm_models(self) -> tuple[Any, Any, Any]:
+        """The tiny vision encoder, the tiny backbone and one Adam over both (same seed on every path)."""
+        import torch
+
+        torch.manual_seed(self.w.seed)
+        encoder_cls, backbone_cls = tiny_models()
+        enc = encoder_cls(tuple(self.w.image_shape), self.w.encoder_width, self.w.encoder_patch,
+                                self.w.backbone_width)
+        backbone = backbone_cls(32000, self.w.backbone_width)
+        opt = torch.optim.Adam([*enc.parameters(), *backbone.parameters()], lr=1e-3)
+        return enc, backbone, opt
+
+    def _mm_fetch(self, micro: Any) -> dict[str, Any]:
+        import torch
+
+        from train.mm_data import fetch_mm_mini_batch
+
+        t0 = time.perf_counter()
+        mb = fetch_mm_mini_batch(self.client, micro, mode="padded")
+        t1 = time.perf_counter()
+        tensors = [p.to_torch() for p in mb.packed]
+        images = {k: torch.from_numpy(np.array(v)) for k, v in mb.images.items()}  # own, writable copies
+        return {"mb": mb, "tensors": tensors, "images": images, "convert_s": time.perf_counter() - t1,
+                "fetch_mm_s": t1 - t0}
+
+    def run_mm_ondemand(self, steps: list[list[str]], train: bool) -> list[dict[str, Any]]:
+        """Multimodal on-demand: per mini-batch, fetch own slices + each distinct image once (prefetched).
+
+        ``train=False``: the calibrated compute stand-in per micro-batch. ``train=True``: the tiny encoder
+        runs once per distinct image (``DedupVisionEncoder``), every micro-batch's backbone indexes the
+        shared encodings, one backward through the encoder, one optimizer step per mini-batch.
+        """
+        import torch
+
+        from train.mm_data import pooled_row_features
+        from train.multimodal import DedupVisionEncoder
+        from train.prefetch import Prefetcher
+
+        plans = [[MiniBatchPlan.model_validate_json(p) for p in step] for step in steps]
+        enc: Any = None
+        backbone: Any = None
+        opt: Any = None
+        if train:
+            enc, backbone, opt = self._mm_models()
+        dedup = DedupVisionEncoder(enc) if enc is not None else None
+        pf = Prefetcher(self._mm_fetch, depth=self.w.prefetch_depth)
+        out = []
+        try:
+            for step in plans:
+                pf.submit(plan.for_rank(self.rank).micro_batches for plan in step)
+            for step in plans:
+                t0 = time.perf_counter()
+                rec = {"wait_s": 0.0, "fetch_s": 0.0, "traj_bytes": 0, "image_bytes": 0, "tokens": 0, "rows": 0,
+                       "distinct_images": 0, "image_refs": 0, "doget_s": 0.0, "image_doget_s": 0.0,
+                       "pack_s": 0.0, "convert_s": 0.0, "compute_s": 0.0, "micro_batches": 0}
+                passes0 = dedup.forward_images if dedup is not None else 0
+                for _ in step:
+                    got = pf.get(timeout=120)
+                    v, mb = got.value, got.value["mb"]
+                    rec["wait_s"] += got.wait_s
+                    rec["fetch_s"] += got.fetch_s
+                    rec["traj_bytes"] += mb.trajectory_bytes
+                    rec["image_bytes"] += mb.image_bytes
+                    rec["distinct_images"] += len(mb.images)
+                    rec["image_refs"] += mb.references
+                    for k in ("doget_s", "image_doget_s", "pack_s"):
+                        rec[k] += getattr(mb, k)
+                    rec["convert_s"] += v["convert_s"]
+                    rec["micro_batches"] += len(v["tensors"])
+                    rec["tokens"] += sum(p.tokens_total for p in mb.packed)
+                    rec["rows"] += sum(p.rows for p in mb.packed)
+                    tc = time.perf_counter()
+                    if dedup is None:
+                        _ = sum(float(img.sum()) for img in v["images"].values())  # touch every pixel once
+                        for t, p in zip(v["tensors"], mb.packed, strict=True):
+                            self._compute(t, p.tokens_total)
+                    else:
+                        opt.zero_grad()
+                        dedup.begin(v["images"])
+                        for t, keys in zip(v["tensors"], mb.row_keys, strict=True):
+                            feats = pooled_row_features(dedup, keys, self.w.backbone_width)
+                            backbone.loss(t["tokens"], feats, t["advantages"], t["loss_mask"]).backward()
+                        dedup.finish()
+                        opt.step()
+                    rec["compute_s"] += time.perf_counter() - tc
+                rec["step_s"] = time.perf_counter() - t0
+                rec["encoder_passes"] = (dedup.forward_images - passes0) if dedup is not None else 0
+                out.append(rec)
+        finally:
+            pf.close()
+        del torch
+        return out
+
+    def load_mm_baseline(self, refs: list[Any], train: bool, micro_batches: int) -> dict[str, Any]:
+        """ray.get + torch.load the shard (images replicated per row); with ``train``, encode every row's copy."""
+        import ray
+        import torch
+
+        t0 = time.perf_counter()
+        shard = torch.load(io.BytesIO(ray.get(refs[0])), weights_only=True)
+        loaded = time.time()
+        rows = int(shard["input_ids"].shape[0])
+        passes = 0
+        tc = time.perf_counter()
+        if train:
+            enc, backbone, opt = self._mm_models()
+            chunks = np.array_split(np.arange(rows), self.w.mini_batches)
+            for mini in chunks:
+                opt.zero_grad()
+                for idx in np.array_split(mini, micro_batches):
+                    ix = torch.as_tensor(idx)
+                    width = int(shard["attention_mask"][ix].sum(1).max())
+                    tokens = shard["input_ids"][ix, :width]
+                    mask = shard["attention_mask"][ix, :width].float()
+                    adv = shard["advantages"][ix, :1].expand(-1, width)
+                    pix = shard["pixel_values"][ix]  # [rows, images, C, H, W]: one copy per trajectory
+                    feats = enc(pix.flatten(0, 1)).view(len(idx), pix.shape[1], -1).mean(1)  # dedup off
+                    passes += int(pix.shape[0] * pix.shape[1])
+                    backbone.loss(tokens, feats, adv, mask).backward()
+                opt.step()
+        else:
+            _ = float(shard["pixel_values"].sum())  # touch every pixel once, as the on-demand path does
+        return {"load_s": tc - t0, "rows": rows, "loaded": loaded, "end": time.time(),
+                "compute_s": time.perf_counter() - tc, "encoder_passes": passes}
+
 
 # ---- the two paths ------------------------------------------------------------------------------
 
@@ -305,6 +548,213 @@ def baseline_step(driver: CountingClient, ranks: list[Any], slices: list[Planned
             "serialized_bytes": sum(len(b) for b in blobs), "driver_payload_bytes": table.nbytes}
 
 
+# ---- multimodal: the driver side ----------------------------------------------------------------------
+
+
+class CountingImageClient(CountingClient):
+    """The driver's client, counting trajectory and image payload bytes it receives."""
+
+    def fetch_images(self, keys_by_node: Any) -> pa.Table:
+        t = self.client.fetch_images(keys_by_node)
+        self.payload_bytes += t.nbytes
+        return t
+
+
+def mm_baseline_step(driver: CountingImageClient, ranks: list[Any], slices: list[PlannedSlice], w: Workload, *,
+                     train: bool, micro_batches: int) -> dict[str, Any]:
+    """verl's path with images: the driver gathers the batch, replicates each image into every trajectory
+    (DataProto rows carry their own pixel tensors), serialises one shard per rank, ray.put; ranks load it."""
+    import ray
+    import torch
+
+    from schemas.images import table_to_images
+    from train.mm_data import MM_COLUMNS
+
+    t0 = time.perf_counter()
+    wall0 = time.time()
+    before = driver.payload_bytes
+    table = driver.fetch(slices, columns=[*MM_COLUMNS, "reward"])
+    row_keys = table.column("image_keys").to_pylist()
+    node_of_row = [s.node for s in slices for _ in range(s.rows)]
+    by_node: dict[str, dict[bytes, None]] = {}
+    for node, keys in zip(node_of_row, row_keys, strict=True):
+        for k in keys:
+            by_node.setdefault(node, {}).setdefault(k, None)
+    images = table_to_images(driver.fetch_images({n: list(ks) for n, ks in by_node.items()}))
+    t_fetch = time.perf_counter()
+    shards = dataproto_shards(table, group_advantages(table), w.ranks)
+    pixels = np.stack([np.stack([images[k] for k in keys]) for keys in row_keys])  # replicated per trajectory
+    for shard, idx in zip(shards, np.array_split(np.arange(table.num_rows), w.ranks), strict=True):
+        shard["pixel_values"] = torch.from_numpy(pixels[idx])
+    blobs = [serialize(s) for s in shards]
+    refs = [ray.put(b) for b in blobs]
+    t_put = time.perf_counter()
+    done = ray.get([r.load_mm_baseline.remote([ref], train, micro_batches) for r, ref in zip(ranks, refs, strict=True)])
+    transfer = max(max(d["loaded"] for d in done) - wall0, 0.0)
+    return {"transfer_s": transfer, "total_s": max(max(d["end"] for d in done) - wall0, time.perf_counter() - t0),
+            "fetch_s": t_fetch - t0, "build_put_s": t_put - t_fetch, "serialized_bytes": sum(len(b) for b in blobs),
+            "driver_payload_bytes": driver.payload_bytes - before, "rows": table.num_rows,
+            "compute_s": max(d["compute_s"] for d in done), "encoder_passes": sum(d["encoder_passes"] for d in done)}
+
+
+def main_multimodal(args: argparse.Namespace, w: Workload) -> int:
+    """``--multimodal``: the image workload, transfer alone, then transfer plus the tiny encoder and backbone."""
+    import ray
+
+    from admission import AdmissionConfig, Planner
+    from bench.flight_throughput import start_store_process, stop_store_process
+    from flight_store.client import StoreClient, node_for
+    from schemas.images import images_to_table
+
+    procs = [start_store_process() for _ in range(2)]
+    stores = [loc for _, loc in procs]
+    ray.init(num_cpus=4, include_dashboard=False, _node_ip_address="127.0.0.1", logging_level=logging.WARNING)
+    total_a, total_b = w.steps + 1, w.train_steps + 1  # one warm-up step per path and phase
+    try:
+        rng = np.random.default_rng(w.seed)
+        client = StoreClient(stores)
+        group_ids = [[f"s{s}-g{g}" for g in range(w.groups)] for s in range(total_a + total_b)]
+        node_of: dict[str, str] = {}
+        image_bytes_stored = 0
+        for ids in group_ids:
+            for gid in ids:
+                node = node_for(gid, stores)
+                imgs = [rng.integers(0, 256, w.image_shape, dtype=np.uint8) if w.image_dtype == "uint8"
+                        else rng.standard_normal(w.image_shape, dtype=np.float32).astype(np.float16)
+                        for _ in range(w.images_per_group)]
+                table, keys = images_to_table(imgs)
+                client.put_images(table, node=node)  # once per group, whatever G
+                image_bytes_stored += table.nbytes
+                node_of[gid] = client.put_group(make_group(gid, w, rng, keys), node=node)
+        actor = ray.remote(num_cpus=1)(RankWorker)
+        ranks: list[Any] = [actor.remote(r, stores, asdict(w)) for r in range(w.ranks)]  # type: ignore[attr-defined]
+        ray.get([r.ready.remote() for r in ranks])
+
+        planner = Planner(AdmissionConfig(train_batch_groups=w.groups, group_size=w.group_size,
+                                          mini_batches=w.mini_batches, dp_ranks=w.ranks, token_budget=w.token_budget,
+                                          policy="train_batch"))
+        driver = CountingImageClient(client)
+        plans = planner.update(driver.scan_new(), current_version=0)
+        if len(plans) != (total_a + total_b) * w.mini_batches:
+            msg = f"planner admitted {len(plans)} mini-batches, expected {(total_a + total_b) * w.mini_batches}"
+            raise RuntimeError(msg)
+        steps = [[p.model_dump_json() for p in plans[s * w.mini_batches:(s + 1) * w.mini_batches]]
+                 for s in range(total_a + total_b)]
+        micro = max(1, round(statistics.mean(len(r.micro_batches) for p in plans for r in p.ranks)))
+
+        def slices_of(s: int) -> list[PlannedSlice]:
+            return [PlannedSlice(node=node_of[g], group_id=g, start=0, stop=w.group_size) for g in group_ids[s]]
+
+        # phase A, transfer: baseline (driver, images replicated per trajectory) vs on-demand (by reference)
+        base_a = [mm_baseline_step(driver, ranks, slices_of(s), w, train=False, micro_batches=micro)
+                  for s in range(total_a)][1:]
+        p0 = driver.payload_bytes
+        od_a = ray.get([r.run_mm_ondemand.remote(steps[:total_a], False) for r in ranks])
+        driver_payload_ondemand = driver.payload_bytes - p0  # the driver scanned metadata only
+        # phase B, transfer + train: baseline with dedup off vs on-demand with dedup on
+        base_b = [mm_baseline_step(driver, ranks, slices_of(s), w, train=True, micro_batches=micro)
+                  for s in range(total_a, total_a + total_b)][1:]
+        p0 = driver.payload_bytes
+        od_b = ray.get([r.run_mm_ondemand.remote(steps[total_a:], True) for r in ranks])
+        driver_payload_ondemand += driver.payload_bytes - p0
+        client.release([g for ids in group_ids for g in ids])
+        left = {n: int(st["images"]) for n, st in client.stats().items()}
+        client.close()
+    finally:
+        ray.shutdown()
+        for p, _ in procs:
+            stop_store_process(p)
+
+    od_a_steps = [[rank[s] for rank in od_a] for s in range(1, total_a)]  # drop the warm-up step
+    od_b_all = [[rank[s] for rank in od_b] for s in range(total_b)]
+    od_b_steps = od_b_all[1:]
+    base_ms = [1e3 * b["transfer_s"] for b in base_a]
+    od_ms = [1e3 * max(r["wait_s"] for r in step) for step in od_a_steps]
+    od_raw_ms = [1e3 * max(r["fetch_s"] for r in step) for step in od_a_steps]
+    base_bytes = statistics.mean(b["driver_payload_bytes"] + b["serialized_bytes"] for b in base_a)
+    od_bytes = statistics.mean(sum(r["traj_bytes"] + r["image_bytes"] for r in step) for step in od_a_steps)
+    base_train_ms = [1e3 * b["total_s"] for b in base_b]
+    od_train_ms = [1e3 * max(r["step_s"] for r in step) for step in od_b_steps]
+    encoder_passes = sum(r["encoder_passes"] for step in od_b_all for r in step)
+    distinct = sum(r["distinct_images"] for step in od_b_all for r in step)
+    metrics = {
+        "baseline_transfer_ms": statistics.mean(base_ms),
+        "baseline_transfer_ms_per_step": base_ms,
+        "baseline_driver_fetch_ms": 1e3 * statistics.mean(b["fetch_s"] for b in base_a),
+        "baseline_replicate_serialize_put_ms": 1e3 * statistics.mean(b["build_put_s"] for b in base_a),
+        "baseline_driver_payload_bytes_per_step": int(statistics.mean(b["driver_payload_bytes"] for b in base_a)),
+        "baseline_serialized_bytes_per_step": int(statistics.mean(b["serialized_bytes"] for b in base_a)),
+        "baseline_bytes_moved_per_step": int(base_bytes),
+        "ondemand_transfer_ms": statistics.mean(od_ms),
+        "ondemand_transfer_ms_per_step": od_ms,
+        "ondemand_fetch_ms_no_overlap": statistics.mean(od_raw_ms),
+        "ondemand_fetch_ms_no_overlap_per_step": od_raw_ms,
+        "ondemand_doget_ms": 1e3 * statistics.mean(max(r["doget_s"] for r in st) for st in od_a_steps),
+        "ondemand_image_doget_ms": 1e3 * statistics.mean(max(r["image_doget_s"] for r in st) for st in od_a_steps),
+        "ondemand_bytes_moved_per_step": int(od_bytes),
+        "ondemand_image_bytes_per_step": int(statistics.mean(sum(r["image_bytes"] for r in st) for st in od_a_steps)),
+        "ondemand_step_ms_standin": 1e3 * statistics.mean(max(r["step_s"] for r in st) for st in od_a_steps),
+        "driver_payload_bytes_ondemand": driver_payload_ondemand,
+        "image_bytes_stored": image_bytes_stored,
+        "images_left_after_release": left,
+        "baseline_transfer_plus_train_ms": statistics.mean(base_train_ms),
+        "baseline_train_compute_ms": 1e3 * statistics.mean(b["compute_s"] for b in base_b),
+        "ondemand_transfer_plus_train_ms": statistics.mean(od_train_ms),
+        "ondemand_train_exposed_wait_ms": 1e3 * statistics.mean(max(r["wait_s"] for r in st) for st in od_b_steps),
+        "ondemand_train_compute_ms": 1e3 * statistics.mean(max(r["compute_s"] for r in st) for st in od_b_steps),
+        "encoder_passes": encoder_passes,
+        "distinct_images": distinct,
+        "image_references": sum(r["image_refs"] for step in od_b_all for r in step),
+        "baseline_encoder_passes": sum(b["encoder_passes"] for b in base_b),
+        "micro_batches_per_rank_mini_batch": micro,
+    }
+    ratios = {
+        "mm_transfer_speedup": metrics["baseline_transfer_ms"] / max(metrics["ondemand_transfer_ms"], 1e-3),
+        "mm_transfer_speedup_raw": metrics["baseline_transfer_ms"] / max(metrics["ondemand_fetch_ms_no_overlap"], 1e-3),
+        "mm_bytes_reduction": 1.0 - od_bytes / base_bytes,
+        "mm_transfer_plus_train_speedup": metrics["baseline_transfer_plus_train_ms"]
+        / max(metrics["ondemand_transfer_plus_train_ms"], 1e-3),
+    }
+    params = {**asdict(w), "quick": args.quick,
+              "compute": "transfer phase: calibrated stand-in; train phase: tiny encoder + backbone on CPU"}
+    out = Path(args.out)
+    write_result(out, metrics, ratios, params)
+    _plot_mm(out.with_suffix(".png"), metrics)
+    ok = (ratios["mm_transfer_speedup"] >= 100 and ratios["mm_transfer_speedup_raw"] >= 10
+          and ratios["mm_bytes_reduction"] >= 0.85 and encoder_passes == distinct
+          and ratios["mm_transfer_plus_train_speedup"] >= 3)
+    print(f"multimodal: baseline {metrics['baseline_transfer_ms']:.1f} ms/step, on-demand exposed "
+          f"{metrics['ondemand_transfer_ms']:.2f} ms/step (raw {metrics['ondemand_fetch_ms_no_overlap']:.1f} ms): "
+          f"speedup {ratios['mm_transfer_speedup']:.0f}x (raw {ratios['mm_transfer_speedup_raw']:.1f}x), "
+          f"bytes -{100 * ratios['mm_bytes_reduction']:.1f}%, transfer+train "
+          f"{metrics['baseline_transfer_plus_train_ms']:.0f} vs {metrics['ondemand_transfer_plus_train_ms']:.0f} ms "
+          f"({ratios['mm_transfer_plus_train_speedup']:.1f}x), encoder passes {encoder_passes} for {distinct} "
+          f"distinct images (baseline {metrics['baseline_encoder_passes']}) -> {'OK' if ok else 'TARGETS MISSED'}")
+    return 0 if ok else 1
+
+
+def _plot_mm(path: Path, m: dict[str, Any]) -> None:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:  # plotting is optional
+        return
+    fig, (a, b) = plt.subplots(1, 2, figsize=(11, 3.8))
+    a.bar(["verl DataProto\n(replicated)", "on-demand raw\n(by reference)", "on-demand exposed\n(prefetch)"],
+          [m["baseline_transfer_ms"], m["ondemand_fetch_ms_no_overlap"], max(m["ondemand_transfer_ms"], 1e-3)])
+    a.set_yscale("log")
+    a.set_ylabel("transfer ms per train step")
+    b.bar(["baseline\n(dedup off)", "on-demand\n(dedup on)"],
+          [m["baseline_transfer_plus_train_ms"], m["ondemand_transfer_plus_train_ms"]])
+    b.set_ylabel("transfer + train ms per train step")
+    fig.suptitle("Multimodal transfer (2 ranks, images by reference)")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the benchmark; returns 0 when every target of ``--quick`` is met."""
     parser = argparse.ArgumentParser(prog="python -m bench.transfer", description=__doc__.splitlines()[0])
@@ -313,14 +763,21 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--steps", type=int, default=None)
     parser.add_argument("--compute-ms-per-ktok", type=float, default=10.0)
     parser.add_argument("--prefetch-depth", type=int, default=1)
-    parser.add_argument("--multimodal", action="store_true", help="image workload (later issue)")
+    parser.add_argument("--multimodal", action="store_true", help="image workload (images shared by reference)")
+    parser.add_argument("--image-format", choices=sorted(IMAGE_FORMATS), default="patches-fp16",
+                        help="multimodal: 1024x1176 fp16 patch values (what DataProto carries), or 3x448x448 uint8")
     args = parser.parse_args(list(argv) if argv is not None else None)
     w = Workload(steps=args.steps or (3 if args.quick else 8), compute_ms_per_ktok=args.compute_ms_per_ktok,
-                 prefetch_depth=args.prefetch_depth, multimodal=args.multimodal)
+                 prefetch_depth=args.prefetch_depth, multimodal=args.multimodal,
+                 train_steps=2 if args.quick else 4, image_shape=IMAGE_FORMATS[args.image_format][0],
+                 image_dtype=IMAGE_FORMATS[args.image_format][1])
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
     os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
     os.environ["OMP_NUM_THREADS"] = "1"
     os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH", "")) if p)
+
+    if w.multimodal:
+        return main_multimodal(args, w)
 
     import ray
 

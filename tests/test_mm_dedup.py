@@ -91,3 +91,51 @@ def test_misuse_is_reported() -> None:
     dedup.finish()
     with pytest.raises(RuntimeError, match="without begin"):
         dedup.finish()
+
+
+def test_per_reference_encoder_is_the_same_computation_with_a_pass_per_reference() -> None:
+    from train.multimodal import PerReferenceEncoder
+
+    keys, images, mbs, enc, head, targets = _setup()
+    grads = []
+    for cls in (PerReferenceEncoder, DedupVisionEncoder):
+        enc.zero_grad(set_to_none=True)
+        wrapped = cls(enc)
+        wrapped.begin({k: images[k] for k in distinct_image_keys(mbs)})
+        for mb, target in zip(mbs, targets, strict=True):
+            _loss([wrapped.lookup(row) for row in mb], head, target).backward()
+        wrapped.finish()
+        grads.append((_grads(enc), wrapped.forward_images))
+    (ref, ref_passes), (got, passes) = grads
+    assert ref_passes == sum(len(r) for mb in mbs for r in mb) == 14 and passes == len(keys) == 5
+    for name, g in got.items():
+        torch.testing.assert_close(g, ref[name], rtol=1e-5, atol=1e-7)
+
+
+def test_pooled_row_features_means_each_rows_images() -> None:
+    from train.mm_data import pooled_row_features
+
+    keys, images, _, enc, _, _ = _setup()
+    dedup = DedupVisionEncoder(enc)
+    leaf = dedup.begin(images)
+    rows = [[keys[0], keys[1]], [], [keys[2]], [keys[0], keys[0], keys[3]]]
+    feats = pooled_row_features(dedup, rows, 16)
+    torch.testing.assert_close(feats[0], (leaf[0] + leaf[1]) / 2)
+    torch.testing.assert_close(feats[1], torch.zeros(16))
+    torch.testing.assert_close(feats[3], (2 * leaf[0] + leaf[3]) / 3)
+    feats.sum().backward()
+    assert leaf.grad is not None and leaf.grad[0].sum() != 0 and leaf.grad[4].abs().sum() == 0
+    dedup.finish()
+    assert pooled_row_features(dedup, [[], []], 16).shape == (2, 16)
+
+
+def test_vision_config_checks_its_values() -> None:
+    from train.config import VisionConfig
+
+    assert VisionConfig(img_h=56, img_w=28).patches == 8
+    with pytest.raises(ValueError, match="patch_dim=5"):
+        VisionConfig(patch_dim=5)
+    with pytest.raises(ValueError, match="num_attention_heads=3"):
+        VisionConfig(num_attention_heads=3)
+    with pytest.raises(ValueError, match="num_layers"):
+        VisionConfig(num_layers=0)

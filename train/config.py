@@ -81,6 +81,8 @@ class ModelConfig:
 MODEL_PRESETS: dict[str, ModelConfig] = {
     # tests and the CPU demo: 2 layers, GQA 4 query heads over 2 KV groups
     "tiny": ModelConfig(),
+    # `knit run`: the tiny Llama vLLM runs on CPU (its CPU attention needs head_dim >= 32); vocab set from the tokenizer
+    "tiny-vllm": ModelConfig(hidden_size=128, ffn_hidden_size=256, vocab_size=512),
     # GPU shapes (bfloat16); token ids must come from the matching tokenizer
     "smollm2-135m": ModelConfig(num_layers=30, hidden_size=576, ffn_hidden_size=1536, num_attention_heads=9,
                                 num_query_groups=3, vocab_size=49152, max_sequence_length=8192,
@@ -202,6 +204,10 @@ class TrainConfig:
     """Each rank writes a JSON report here (``{rank}`` in the path is replaced by the global rank)."""
     seed: int = 1234
     """Seed of the model initialisation."""
+    progress_path: str | None = None
+    """Rank 0 appends one JSON line per optimizer step here (step, version, loss, staleness of the step, ...)."""
+    consumed_path: str | None = None
+    """Rank 0 writes the planner's consumed trajectories (keys, step, versions, staleness) here as Parquet."""
 
     def __post_init__(self) -> None:
         if not self.stores:
@@ -223,3 +229,44 @@ class TrainConfig:
         if ":" not in self.planner:
             msg = f"planner must be 'module:callable', got {self.planner!r}"
             raise ValueError(msg)
+
+
+@dataclass(kw_only=True, slots=True)
+class VisionConfig:
+    """The vision encoder of the multimodal trainer (Megatron-core ``CLIPViTModel`` + a projection).
+
+    Example:
+        >>> VisionConfig().patches
+        4
+    """
+
+    num_layers: int = 2
+    """ViT transformer layers."""
+    hidden_size: int = 16
+    """ViT width."""
+    num_attention_heads: int = 2
+    """ViT attention heads."""
+    img_h: int = 28
+    """Image height in pixels (images are uint8 ``[3, img_h, img_w]``)."""
+    img_w: int = 28
+    """Image width in pixels."""
+    patch_dim: int = 14
+    """Patch size (must divide ``img_h`` and ``img_w``)."""
+    dedup: bool = True
+    """Encode each distinct image once per mini-batch (False: once per reference, the baseline)."""
+
+    def __post_init__(self) -> None:
+        for name in ("num_layers", "hidden_size", "num_attention_heads", "img_h", "img_w", "patch_dim"):
+            if getattr(self, name) <= 0:
+                msg = f"VisionConfig.{name} must be positive, got {getattr(self, name)}"
+                raise ValueError(msg)
+        if self.img_h % self.patch_dim or self.img_w % self.patch_dim:
+            msg = f"patch_dim={self.patch_dim} must divide img_h={self.img_h} and img_w={self.img_w}"
+            raise ValueError(msg)
+        if self.hidden_size % self.num_attention_heads:
+            msg = f"num_attention_heads={self.num_attention_heads} must divide hidden_size={self.hidden_size}"
+            raise ValueError(msg)
+
+    @property
+    def patches(self) -> int:
+        return (self.img_h // self.patch_dim) * (self.img_w // self.patch_dim)

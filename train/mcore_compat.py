@@ -15,6 +15,11 @@ applies the few process-wide patches Megatron-core needs on a CPU-only torch bui
     Megatron's CUDA RNG tracker on the CPU generator.
 ``clip_grads``
     the optimizer's gradient clipping checks for ``torch.cuda.FloatTensor``; a CPU version.
+``vit_norm`` (opt-in: :func:`apply_vit_norm_patch`, for vision models)
+    without TransformerEngine, ``CLIPViTModel``'s default ``ln_pre``/``ln_post`` is
+    ``torch.nn.LayerNorm``, which Megatron's ``build_module`` cannot construct (it passes
+    ``config=``); the defaults become Megatron's ``WrappedTorchNorm`` (``CLIPViTModel`` and
+    ``LLaVAModel``, which builds one inside). Harmless on GPU machines; applied only when asked.
 
 Known pitfalls (why the trainer is built the way it is): Megatron DDP keeps gradients in
 ``.main_grad``, so it needs the Megatron optimizer (a plain ``torch.optim.Adam`` silently never
@@ -134,6 +139,24 @@ def apply_cpu_patches() -> list[str]:
         mopt.clip_grad_by_total_norm_fp32 = _clip
         APPLIED.append("clip_grads")
     log.info("megatron CPU patches applied: %s", APPLIED)
+    return list(APPLIED)
+
+
+def apply_vit_norm_patch() -> list[str]:
+    """Make ``CLIPViTModel``'s default norms buildable without TransformerEngine (idempotent).
+
+    Only the ``torch.nn.LayerNorm`` defaults of ``CLIPViTModel.__init__`` are replaced (by
+    ``WrappedTorchNorm``); explicit ``ln_pre_impl``/``ln_post_impl`` arguments are untouched.
+    """
+    if "vit_norm" not in APPLIED:
+        import torch
+        from megatron.core.models.vision import clip_vit_model as cvm
+        from megatron.core.transformer.torch_norm import WrappedTorchNorm
+
+        init = cvm.CLIPViTModel.__init__
+        if init.__defaults__ is not None:
+            init.__defaults__ = tuple(WrappedTorchNorm if d is torch.nn.LayerNorm else d for d in init.__defaults__)
+        APPLIED.append("vit_norm")
     return list(APPLIED)
 
 

@@ -15,8 +15,9 @@ a rank:
    computation (every micro-batch still contributes its gradient).
 
 ``forward_images`` counts images that went through the encoder, so a test (and the benchmark)
-can show one encoder pass per distinct image. Torch is imported lazily by the caller's module;
-this module needs torch only when an encoder is used.
+can show one encoder pass per distinct image. ``PerReferenceEncoder`` has the same interface and
+encodes every reference separately inside each micro-batch's graph: the non-deduplicated baseline.
+Torch is imported lazily; this module needs torch only when an encoder is used.
 """
 
 from __future__ import annotations
@@ -104,3 +105,50 @@ class DedupVisionEncoder:
 
     def stats(self) -> dict[str, Any]:
         return {"encoder_calls": self.encoder_calls, "forward_images": self.forward_images}
+
+
+class PerReferenceEncoder(DedupVisionEncoder):
+    """The baseline with :class:`DedupVisionEncoder`'s interface: every reference is encoded, in its micro-batch.
+
+    ``lookup`` runs the encoder over the images of ``keys`` (repeats encoded again) inside the caller's
+    graph, so each micro-batch's backward reaches the encoder directly; ``finish`` has nothing to do.
+    """
+
+    def begin(self, images: Mapping[bytes, torch.Tensor]) -> torch.Tensor:
+        """Keep ``images`` for this mini-batch (nothing is encoded yet); returns them stacked."""
+        import torch
+
+        if self._leaf is not None:
+            msg = "begin() called twice without finish(): the previous mini-batch is still open"
+            raise RuntimeError(msg)
+        if not images:
+            msg = "begin() needs at least one image"
+            raise ValueError(msg)
+        keys = list(images)
+        self._index = {k: i for i, k in enumerate(keys)}
+        self._leaf = torch.stack([images[k] for k in keys])
+        return self._leaf
+
+    def lookup(self, keys: Sequence[bytes]) -> torch.Tensor:
+        """Encode the images of ``keys`` (one encoder pass per reference)."""
+        import torch
+
+        if self._leaf is None:
+            msg = "lookup() before begin(): no images for this mini-batch"
+            raise RuntimeError(msg)
+        try:
+            idx = [self._index[bytes(k)] for k in keys]
+        except KeyError as exc:
+            msg = f"image key {bytes(exc.args[0]).hex()} was not among this mini-batch's images"
+            raise KeyError(msg) from None
+        self.encoder_calls += 1
+        self.forward_images += len(idx)
+        return self.encoder(self._leaf[torch.as_tensor(idx, dtype=torch.long)])
+
+    def finish(self) -> None:
+        """Close the mini-batch (gradients already reached the encoder in each micro-batch's backward)."""
+        if self._leaf is None:
+            msg = "finish() without begin()"
+            raise RuntimeError(msg)
+        self._leaf = None
+        self._index = {}
