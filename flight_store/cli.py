@@ -19,7 +19,8 @@ from types import FrameType
 from typing import cast
 
 LAZY_COMMANDS: dict[str, tuple[str, str]] = {
-    "run": ("flight_store.demo:main", "run the local demo: two store nodes, a few groups, a query, a fetch"),
+    "run": ("train.run:main", "run the RL loop: 2 store nodes, a vLLM rollout worker, a 2-rank Megatron trainer"),
+    "demo": ("flight_store.demo:main", "run the local demo: two store nodes, a few groups, a query, a fetch"),
     "train": ("train.entry:main", "run the Megatron-core trainer (one rank under torchrun, or --nproc N)"),
     "rollout": ("connectors.rollout:main", "run a vLLM rollout worker that streams prompt groups to the stores"),
     "meta": ("flight_store.query:main", "polars SQL over the live trajectory metadata of every node"),
@@ -58,6 +59,23 @@ def _parser() -> argparse.ArgumentParser:
         help="a slices answer of several batches under this size is sent as one copied batch (0 = never)",
     )
     serve.add_argument("--node-name", default=None, help="name reported by health/stats (default: the location)")
+    serve.add_argument("--tls-cert", default=None, metavar="FILE", help="PEM certificate: serve grpc+tls")
+    serve.add_argument("--tls-key", default=None, metavar="FILE", help="PEM private key of --tls-cert")
+    serve.add_argument(
+        "--auth-token-file",
+        default=None,
+        metavar="FILE",
+        help="file holding the bearer token every client must send (authorization: Bearer <token>)",
+    )
+    serve.add_argument(
+        "--spill-dir",
+        default=None,
+        metavar="DIR",
+        help="durable spill log: every write is fsynced there before it is acknowledged, replayed on restart",
+    )
+    serve.add_argument(
+        "--metrics-port", type=int, default=None, metavar="PORT", help="serve Prometheus /metrics here (0 = free port)"
+    )
     serve.add_argument("--log-level", default="INFO", help="logging level (default INFO)")
     for name in LAZY_COMMANDS:
         sub.add_parser(name, help=_target(name)[1], add_help=False)
@@ -66,16 +84,33 @@ def _parser() -> argparse.ArgumentParser:
 
 def serve(args: argparse.Namespace) -> int:
     """Run one store node until SIGINT/SIGTERM."""
-    from flight_store.server import StoreServer
+    from flight_store.server import StoreServer, read_token_file
 
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if (args.tls_cert is None) != (args.tls_key is None):
+        print("knit serve: --tls-cert and --tls-key must be given together", file=sys.stderr)
+        return 2
+    tls_cert = tls_key = None
+    if args.tls_cert is not None:
+        with open(args.tls_cert, "rb") as f:
+            tls_cert = f.read()
+        with open(args.tls_key, "rb") as f:
+            tls_key = f.read()
+    token = read_token_file(args.auth_token_file) if args.auth_token_file else None
     server = StoreServer(
-        f"grpc://{args.host}:{args.port}",
+        f"{'grpc+tls' if tls_cert else 'grpc'}://{args.host}:{args.port}",
         memory_budget=args.memory_budget,
         node_name=args.node_name,
         coalesce_below=args.coalesce_below,
+        tls_cert=tls_cert,
+        tls_key=tls_key,
+        auth_token=token,
+        spill_dir=args.spill_dir,
+        metrics_port=args.metrics_port,
     )
     print(f"knit serve: listening on {server.location}", flush=True)
+    if server.metrics_port is not None:
+        print(f"knit serve: metrics on http://{args.host}:{server.metrics_port}/metrics", flush=True)
     stop = threading.Event()
 
     def on_signal(signum: int, frame: FrameType | None) -> None:

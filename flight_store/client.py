@@ -4,14 +4,22 @@ Node name = the location string (``"grpc://host:port"``). Every call that concer
 nodes fans out concurrently on a thread pool. Errors come back as the project's typed errors
 (:mod:`flight_store.errors`); a node that cannot be reached raises
 :class:`NodeUnavailableError` naming it.
+
+Node failure: ``scan_metadata(partial=True)`` / ``scan_new(partial=True)`` return the rows of the
+nodes that answered and record the others in :attr:`StoreClient.last_failed_nodes` (the default
+stays strict: the first unreachable node raises). :meth:`StoreClient.fetch` retries a node that
+is unavailable ``retries`` times with exponential backoff, then raises
+:class:`NodeUnavailableError` naming the node and the groups it held.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import os
 import threading
+import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar, cast
@@ -20,7 +28,7 @@ import polars as pl
 import pyarrow as pa
 import pyarrow.flight as flight
 
-from flight_store.errors import from_flight_error
+from flight_store.errors import NodeUnavailableError, from_flight_error
 from schemas.arrow import IMAGE_SCHEMA, METADATA_SCHEMA, TRAJECTORY_SCHEMA
 from schemas.plan import PlannedSlice
 from schemas.wire import (
@@ -38,6 +46,7 @@ from schemas.wire import (
 )
 
 T = TypeVar("T")
+log = logging.getLogger(__name__)
 
 
 def node_for(group_id: str, nodes: Sequence[str]) -> str:
@@ -57,6 +66,8 @@ class StoreClient:
         token: bearer token sent as ``authorization: Bearer <token>``; ``None`` reads ``KNIT_TOKEN``.
         tls_root_certs: PEM root certificates for ``grpc+tls://`` locations.
         timeout: seconds per call (``None`` = no limit).
+        retries: extra attempts of a fetch from a node that is unavailable (0 = fail at once).
+        backoff: seconds before the first retry; doubled for each further one (capped at 5 s).
 
     Example:
         >>> from flight_store.server import StoreServer
@@ -79,7 +90,18 @@ class StoreClient:
         token: str | None = None,
         tls_root_certs: bytes | None = None,
         timeout: float | None = 30.0,
+        retries: int = 3,
+        backoff: float = 0.1,
     ) -> None:
+        if retries < 0 or backoff < 0:
+            msg = f"retries and backoff must be >= 0, got retries={retries}, backoff={backoff}"
+            raise ValueError(msg)
+        self.retries = retries
+        """Extra attempts of a fetch from an unavailable node."""
+        self.backoff = backoff
+        """Seconds before the first fetch retry (doubled each time, at most 5 s)."""
+        self.last_failed_nodes: list[str] = []
+        """Nodes that did not answer the latest ``scan_metadata(partial=True)`` / ``scan_new(partial=True)``."""
         locs = [locations] if isinstance(locations, str) else list(locations)
         if not locs:
             msg = "StoreClient needs at least one location"
@@ -89,6 +111,9 @@ class StoreClient:
             raise ValueError(msg)
         self._nodes = locs
         token = token if token is not None else os.environ.get("KNIT_TOKEN") or None
+        if token is not None and not (token.isascii() and token.isprintable()):
+            msg = "token must be printable ASCII (it travels as a gRPC header value)"
+            raise ValueError(msg)
         headers = [(b"authorization", b"Bearer " + token.encode())] if token else []
         self._options = flight.FlightCallOptions(timeout=timeout, headers=headers)
         kwargs: dict[str, Any] = {}
@@ -200,9 +225,19 @@ class StoreClient:
         return frame.with_columns(pl.lit(None, dtype=pl.String).alias("node")).clear()
 
     def scan_metadata(
-        self, since: Mapping[str, int] | None = None, columns: Sequence[str] | None = None
+        self,
+        since: Mapping[str, int] | None = None,
+        columns: Sequence[str] | None = None,
+        *,
+        partial: bool = False,
     ) -> pl.DataFrame:
-        """Metadata rows with ``seq >= since[node]`` from every node, with a ``node`` column (pl.String)."""
+        """Metadata rows with ``seq >= since[node]`` from every node, with a ``node`` column (pl.String).
+
+        Raises:
+            NodeUnavailableError: a node cannot be reached (only when ``partial`` is False; with
+                ``partial=True`` the rows of the reachable nodes are returned and the others are
+                listed in :attr:`last_failed_nodes`).
+        """
         since = since or {}
         # ``node`` is added here, not stored: asking for it is harmless
         cols = [c for c in columns if c != "node"] if columns is not None else None
@@ -212,19 +247,32 @@ class StoreClient:
 
         futures = {n: self._pool.submit(self._get, n, ticket(n)) for n in self._nodes}
         frames = []
+        failed: list[str] = []
         for n, f in futures.items():
-            table = f.result()
+            try:
+                table = f.result()
+            except NodeUnavailableError as exc:
+                if not partial:
+                    raise
+                log.warning("metadata scan: node %s is unavailable (%s); its groups are left out", n, exc)
+                failed.append(n)
+                continue
             if table.num_rows:
                 frame = cast(pl.DataFrame, pl.from_arrow(table))
                 frames.append(frame.with_columns(pl.lit(n, dtype=pl.String).alias("node")))
+        self.last_failed_nodes = failed
         if not frames:
             return self._empty_metadata(cols)
         return pl.concat(frames, how="vertical")
 
-    def scan_new(self, columns: Sequence[str] | None = None) -> pl.DataFrame:
-        """Metadata rows not returned by an earlier ``scan_new`` of this client (a cursor per node)."""
+    def scan_new(self, columns: Sequence[str] | None = None, *, partial: bool = False) -> pl.DataFrame:
+        """Metadata rows not returned by an earlier ``scan_new`` of this client (a cursor per node).
+
+        With ``partial=True`` an unreachable node is skipped (see :meth:`scan_metadata`); its cursor
+        stays, so its rows arrive once it answers again.
+        """
         with self._cursor_lock:
-            frame = self.scan_metadata(since=dict(self._cursor), columns=columns)
+            frame = self.scan_metadata(since=dict(self._cursor), columns=columns, partial=partial)
             if frame.height:
                 for n, top in frame.group_by("node").agg(pl.col("seq").max()).iter_rows():
                     self._cursor[str(n)] = max(self._cursor[str(n)], int(top) + 1)
@@ -253,10 +301,11 @@ class StoreClient:
             ).to_bytes()
             for n, ss in per_node.items()
         }
+        groups = {n: list(dict.fromkeys(s.group_id for s in ss)) for n, ss in per_node.items()}
         if len(tickets) == 1:
             ((n, t),) = tickets.items()
-            return self._get(n, t)
-        futures = {n: self._pool.submit(self._get, n, t) for n, t in tickets.items()}
+            return self._get_retrying(n, t, groups[n])
+        futures = {n: self._pool.submit(self._get_retrying, n, t, groups[n]) for n, t in tickets.items()}
         tables = {n: f.result() for n, f in futures.items()}
         offsets = dict.fromkeys(tables, 0)
         parts = []
@@ -264,6 +313,27 @@ class StoreClient:
             parts.append(tables[s.node].slice(offsets[s.node], s.rows))
             offsets[s.node] += s.rows
         return pa.concat_tables(parts)
+
+    def _get_retrying(self, node: str, ticket: bytes, group_ids: list[str]) -> pa.Table:
+        """``_get`` retried with exponential backoff while ``node`` is unavailable."""
+        delay = self.backoff
+        for attempt in range(self.retries + 1):
+            try:
+                return self._get(node, ticket)
+            except NodeUnavailableError as exc:
+                if attempt == self.retries:
+                    more = f", ... ({len(group_ids)} in all)" if len(group_ids) > 8 else ""
+                    shown = ", ".join(group_ids[:8]) + more
+                    msg = (
+                        f"store node {node} is unavailable after {self.retries + 1} attempt(s); "
+                        f"cannot fetch group(s) {shown}: {exc}"
+                    )
+                    raise NodeUnavailableError(msg, node=node, group_ids=group_ids) from None
+                log.warning("fetch from %s failed (attempt %d): %s; retrying in %.2fs", node, attempt + 1, exc, delay)
+                time.sleep(delay)
+                delay = min(5.0, delay * 2)
+        msg = "unreachable"  # pragma: no cover - the loop returns or raises
+        raise AssertionError(msg)
 
     def fetch_images(self, keys_by_node: Mapping[str, Sequence[bytes]]) -> pa.Table:
         """Image rows by key from each node (node order of the mapping, key order within a node)."""
@@ -278,14 +348,29 @@ class StoreClient:
 
     # ---- control -------------------------------------------------------------------------------
 
-    def release(self, group_ids: Iterable[str]) -> dict[str, int]:
-        """Release groups on every node; returns how many groups each node freed."""
+    def release(self, group_ids: Iterable[str], *, partial: bool = False) -> dict[str, int]:
+        """Release groups on every node; returns how many groups each node freed.
+
+        With ``partial=True`` an unreachable node is skipped (listed in :attr:`last_failed_nodes`,
+        absent from the answer) instead of raising :class:`NodeUnavailableError`.
+        """
         ids = list(dict.fromkeys(group_ids))
         if not ids:
             return dict.fromkeys(self._nodes, 0)
         body = ReleaseBody(group_ids=ids).to_bytes()
         futures = {n: self._pool.submit(self._action, n, "release", body) for n in self._nodes}
-        return {n: int(f.result()["released"]) for n, f in futures.items()}
+        out: dict[str, int] = {}
+        failed: list[str] = []
+        for n, f in futures.items():
+            try:
+                out[n] = int(f.result()["released"])
+            except NodeUnavailableError:
+                if not partial:
+                    raise
+                failed.append(n)
+        if partial:
+            self.last_failed_nodes = failed
+        return out
 
     def publish_version(self, version: int) -> None:
         """Record the newest policy version on every node."""

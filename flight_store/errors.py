@@ -101,11 +101,15 @@ class BudgetExceededError(KnitError, flight.FlightUnavailableError):
 
 
 class NodeUnavailableError(KnitError, flight.FlightUnavailableError):
-    """A store node cannot be reached (connection refused, timed out). ``node`` names it."""
+    """A store node cannot be reached (connection refused, timed out). ``node`` names it.
+
+    ``group_ids`` lists the groups a failed fetch wanted from it (``None`` for other calls).
+    """
 
     retryable = True
-    _attrs = ("node",)
+    _attrs = ("node", "group_ids")
     node: str | None
+    group_ids: list[str] | None
 
 
 ERROR_CLASSES: dict[str, type[KnitError]] = {

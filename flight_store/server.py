@@ -4,12 +4,21 @@ All wire decoding lives in ``schemas.wire``; all state lives in ``flight_store.s
 module only maps RPCs to store calls and errors to Flight errors (project errors already are
 ``FlightError`` subclasses carrying ``extra_info = b"knit:<Class>..."``; a ``WireError`` becomes
 :class:`WireDecodeError`; anything else becomes ``FlightInternalError``).
+
+Security: with ``tls_cert``/``tls_key`` the node serves ``grpc+tls://``; with ``auth_token`` every
+call must carry ``authorization: Bearer <token>`` (checked in constant time by a server
+middleware before any RPC runs), otherwise it fails with ``FlightUnauthenticatedError`` and sees
+nothing. Metrics: with ``metrics_port`` each RPC is timed and its bytes counted
+(:class:`flight_store.metrics.StoreMetrics`), served as Prometheus text on ``/metrics``.
 """
 
 from __future__ import annotations
 
+import contextlib
+import hmac
 import json
 import logging
+import os
 from collections.abc import Callable, Iterator
 from typing import Any, TypeVar
 
@@ -55,6 +64,46 @@ def _guard(what: str, fn: Callable[[], T]) -> T:
         raise flight.FlightInternalError(msg) from None
 
 
+class _TokenAuthFactory(flight.ServerMiddlewareFactory):  # type: ignore[misc]
+    """Refuses every call whose ``authorization`` header is not ``Bearer <token>`` (constant-time compare)."""
+
+    def __init__(self, token: str) -> None:
+        super().__init__()
+        self._expected = b"Bearer " + token.encode()
+
+    def start_call(self, info: flight.CallInfo, headers: dict[str, list[Any]]) -> None:
+        values = headers.get("authorization", [])
+        for v in values:
+            got = v.encode() if isinstance(v, str) else bytes(v)
+            if hmac.compare_digest(got, self._expected):
+                return None
+        what = "no bearer token" if not values else "a wrong bearer token"
+        msg = f"unauthenticated: the call to {info.method} carried {what}"
+        raise flight.FlightUnauthenticatedError(msg)
+
+
+class _NoRecord:
+    __slots__ = ("bytes_in", "bytes_out")
+
+    def __init__(self) -> None:
+        self.bytes_in = 0
+        self.bytes_out = 0
+
+
+def _valid_token(token: str) -> bool:
+    return bool(token) and token.isascii() and token.isprintable() and token.strip() == token
+
+
+def read_token_file(path: str | os.PathLike[str]) -> str:
+    """The bearer token in ``path`` (surrounding whitespace stripped); refuses an empty file."""
+    with open(path, encoding="utf-8") as f:
+        token = f.read().strip()
+    if not token:
+        msg = f"auth token file {str(path)!r} is empty"
+        raise ValueError(msg)
+    return token
+
+
 def _descriptor_bytes(descriptor: flight.FlightDescriptor) -> bytes:
     if descriptor.descriptor_type == flight.DescriptorType.CMD:
         return bytes(descriptor.command)
@@ -70,6 +119,19 @@ class StoreServer(flight.FlightServerBase):
 
     The server listens as soon as it is constructed (``location`` with port 0 picks a free port;
     read it back from :attr:`location`).
+
+    Args:
+        location: ``grpc://host:port`` (``grpc+tls://`` is used whenever ``tls_cert`` is given).
+        store: an existing store to serve (default: a new one from ``memory_budget``/``spill_dir``).
+        memory_budget: bytes of payload the node may hold (``None`` = unlimited).
+        node_name: name reported by health/stats (default: the location).
+        coalesce_below: a DoGet of several slices under this many bytes is sent as one copied batch.
+        tls_cert: PEM certificate chain (bytes) to serve TLS with; needs ``tls_key``.
+        tls_key: PEM private key of ``tls_cert``.
+        auth_token: when set, every call must send ``authorization: Bearer <auth_token>``.
+        spill_dir: directory of the durable spill log (replayed if it holds one).
+        metrics_port: serve Prometheus ``/metrics`` on this port (0 = a free one, read
+            :attr:`metrics_port`); ``None`` = no metrics.
 
     Example:
         >>> with StoreServer("grpc://127.0.0.1:0", memory_budget=1 << 30) as server:
@@ -87,8 +149,28 @@ class StoreServer(flight.FlightServerBase):
         memory_budget: int | None = None,
         node_name: str | None = None,
         coalesce_below: int = 1 << 20,
+        tls_cert: bytes | None = None,
+        tls_key: bytes | None = None,
+        auth_token: str | None = None,
+        spill_dir: str | os.PathLike[str] | None = None,
+        metrics_port: int | None = None,
         **flight_kwargs: Any,
     ) -> None:
+        if (tls_cert is None) != (tls_key is None):
+            msg = "tls_cert and tls_key must be given together"
+            raise ValueError(msg)
+        if auth_token is not None and not _valid_token(auth_token):
+            msg = "auth_token must be a non-empty string of printable ASCII characters (a gRPC header value) or None"
+            raise ValueError(msg)
+        if tls_cert is not None:
+            flight_kwargs["tls_certificates"] = [flight.CertKeyPair(tls_cert, tls_key)]
+            scheme, _, rest = location.partition("://")
+            if scheme in ("grpc", "grpc+tcp"):
+                location = f"grpc+tls://{rest}"
+        if auth_token is not None:
+            middleware = dict(flight_kwargs.pop("middleware", None) or {})
+            middleware["knit_auth"] = _TokenAuthFactory(auth_token)
+            flight_kwargs["middleware"] = middleware
         super().__init__(location, **flight_kwargs)
         self.coalesce_below = coalesce_below
         """A DoGet of several slices under this many bytes is sent as one copied batch (0 = never)."""
@@ -96,10 +178,32 @@ class StoreServer(flight.FlightServerBase):
         host = rest.rsplit(":", 1)[0] if rest else "127.0.0.1"
         self.location = f"{scheme}://{host}:{self.port}"
         """Where clients connect (the real port when constructed with port 0)."""
-        self.store = store if store is not None else Store(memory_budget=memory_budget)
+        self.store = store if store is not None else Store(memory_budget=memory_budget, spill_dir=spill_dir)
         if node_name is not None or store is None:
             self.store.config.node_name = node_name or self.location
         self.node_name = self.store.config.node_name
+        self.metrics: Any = None
+        """The node's :class:`~flight_store.metrics.StoreMetrics` when ``metrics_port`` was given."""
+        self.metrics_port: int | None = None
+        """Port of ``/metrics`` (``None`` without metrics)."""
+        if metrics_port is not None:
+            from flight_store.metrics import StoreMetrics
+
+            self.metrics = StoreMetrics(node=self.node_name, stats=self._metric_stats)
+            self.metrics_port = self.metrics.serve(metrics_port)
+
+    def _metric_stats(self) -> dict[str, Any]:
+        s = self.store.stats()
+        groups = s.get("groups")
+        return {**s, "groups_by_state": groups if isinstance(groups, dict) else {}}
+
+    @contextlib.contextmanager
+    def _observe(self, rpc: str) -> Iterator[Any]:
+        if self.metrics is None:
+            yield _NoRecord()
+            return
+        with self.metrics.observe(rpc) as rec:
+            yield rec
 
     # ---- DoPut ---------------------------------------------------------------------------------
 
@@ -113,6 +217,7 @@ class StoreServer(flight.FlightServerBase):
         def run() -> dict[str, Any]:
             doc = decode_descriptor(_descriptor_bytes(descriptor))
             table = reader.read_all()
+            rec.bytes_in += table.nbytes
             if isinstance(doc, PutGroup):
                 rows = self.store.put_group(doc.group_id, table.to_batches())
                 return {"group_id": doc.group_id, "rows_added": rows}
@@ -123,30 +228,32 @@ class StoreServer(flight.FlightServerBase):
             msg = f"unsupported descriptor {doc!r}"  # pragma: no cover - the union is exhaustive
             raise WireError(msg)
 
-        answer = _guard("DoPut", run)
+        with self._observe("do_put") as rec:
+            answer = _guard("DoPut", run)
         writer.write(pa.py_buffer(json.dumps(answer).encode()))
 
     # ---- DoGet ---------------------------------------------------------------------------------
 
     def do_get(self, context: flight.ServerCallContext, ticket: flight.Ticket) -> flight.FlightDataStream:
-        def run() -> flight.FlightDataStream:
+        def run() -> pa.Table:
             doc = decode_ticket(ticket.ticket)
             if isinstance(doc, MetadataTicket):
-                return flight.RecordBatchStream(self.store.metadata(doc.since, doc.columns))
+                return self.store.metadata(doc.since, doc.columns)
             if isinstance(doc, SlicesTicket):
                 refs = [(s.group_id, s.start, s.stop) for s in doc.slices]
                 batches = self.store.slices(refs, doc.columns, coalesce_below=self.coalesce_below)
-                schema = batches[0].schema
-                return flight.RecordBatchStream(pa.Table.from_batches(batches, schema=schema))
+                return pa.Table.from_batches(batches, schema=batches[0].schema)
             if isinstance(doc, ImagesTicket):
-                return flight.RecordBatchStream(self.store.images([bytes.fromhex(k) for k in doc.keys]))
+                return self.store.images([bytes.fromhex(k) for k in doc.keys])
             if isinstance(doc, WeightsTicket):
-                table, _ = self.store.weights(doc.version)
-                return flight.RecordBatchStream(table)
+                return self.store.weights(doc.version)[0]
             msg = f"unsupported ticket {doc!r}"  # pragma: no cover
             raise WireError(msg)
 
-        return _guard("DoGet", run)
+        with self._observe("do_get") as rec:
+            table = _guard("DoGet", run)
+            rec.bytes_out += table.nbytes
+        return flight.RecordBatchStream(table)
 
     # ---- actions -------------------------------------------------------------------------------
 
@@ -169,7 +276,8 @@ class StoreServer(flight.FlightServerBase):
             msg = f"unknown action {action.type!r}"  # pragma: no cover - decode_action_body checks
             raise WireError(msg)
 
-        answer = _guard(f"action {action.type!r}", run)
+        with self._observe(f"action_{action.type}" if action.type in ACTION_DESCRIPTIONS else "action_unknown"):
+            answer = _guard(f"action {action.type!r}", run)
         return iter([json.dumps(answer).encode()])
 
     # ---- ListFlights / GetFlightInfo -----------------------------------------------------------
@@ -202,6 +310,14 @@ class StoreServer(flight.FlightServerBase):
 
     def __enter__(self) -> StoreServer:
         return self
+
+    def shutdown(self) -> None:
+        """Stop serving, then close the metrics endpoint and the spill log."""
+        super().shutdown()
+        if self.metrics is not None:
+            self.metrics.close()
+            self.metrics = None
+        self.store.close()
 
     def __exit__(self, *exc: object) -> None:
         self.shutdown()

@@ -17,11 +17,20 @@ Guarantees: writes are validated first and committed atomically (nothing of a re
 stored); idempotent per ``(group_id, sample_idx)``; a full memory budget refuses writes with the
 retryable :class:`BudgetExceededError` and never drops data; one lock makes every method
 thread-safe.
+
+Durability (optional ``spill_dir``): every committed group, image set, weights table, release and
+published version is appended to the node's :class:`~flight_store.spill.SpillLog` and fsynced
+BEFORE it is committed in memory (so before DoPut returns). A store opened on an existing spill
+directory replays the log: unreleased groups come back with the same ``seq`` for their metadata
+rows (numbering continues after them), released groups stay released (their metadata history is
+kept), images, weights and the published version are restored. Replay ignores the memory budget
+(everything in the log was accepted once).
 """
 
 from __future__ import annotations
 
 import logging
+import os
 import threading
 import time
 from collections.abc import Iterable, Sequence
@@ -38,6 +47,7 @@ from flight_store.errors import (
     UnknownImageError,
     UnknownWeightsError,
 )
+from flight_store.spill import SpillLog, decode_batches, encode_batches
 from flight_store.validate import normalize_images, normalize_stream
 from schemas.arrow import METADATA_COLUMNS, METADATA_SCHEMA, SCHEMA_VERSION, TRAJECTORY_SCHEMA
 
@@ -56,6 +66,8 @@ class StoreConfig:
     """Bytes of payload, images and weights the node may hold; ``None`` = unlimited."""
     node_name: str = "local"
     """Name reported by ``health``/``stats`` (the server sets it to its location)."""
+    spill_dir: str | None = None
+    """Directory of the durable spill log (created if missing); ``None`` = memory only."""
 
     def __post_init__(self) -> None:
         if self.memory_budget is not None and self.memory_budget <= 0:
@@ -94,8 +106,16 @@ class Store:
         [1, 2]
     """
 
-    def __init__(self, *, memory_budget: int | None = None, node_name: str = "local") -> None:
-        self.config = StoreConfig(memory_budget=memory_budget, node_name=node_name)
+    def __init__(
+        self,
+        *,
+        memory_budget: int | None = None,
+        node_name: str = "local",
+        spill_dir: str | os.PathLike[str] | None = None,
+    ) -> None:
+        self.config = StoreConfig(
+            memory_budget=memory_budget, node_name=node_name, spill_dir=None if spill_dir is None else str(spill_dir)
+        )
         self._lock = threading.RLock()
         self._groups: dict[str, _Group] = {}
         self._meta_batches: list[pa.RecordBatch] = []
@@ -112,12 +132,71 @@ class Store:
         self.bytes_in = 0
         self.bytes_out = 0
         self.started = time.time()
+        self._spill: SpillLog | None = None
+        self._replaying = False
+        self.recovered: dict[str, int] = {}
+        """What replaying the spill log restored: records, groups (unreleased), released groups, rows."""
+        if spill_dir is not None:
+            self._spill = SpillLog(spill_dir)
+            self._replay()
+
+    # ---- durability ----------------------------------------------------------------------------
+
+    def _log(self, header: dict[str, object], body: bytes = b"") -> None:
+        """Append one record to the spill log (fsynced) unless there is none or it is being replayed."""
+        if self._spill is not None and not self._replaying:
+            self._spill.append(header, body)
+
+    def _replay(self) -> None:
+        if self._spill is None:  # pragma: no cover - only called with a spill log
+            return
+        t0 = time.perf_counter()
+        records = 0
+        self._replaying = True
+        try:
+            with self._lock:
+                for header, body in self._spill.replay():
+                    records += 1
+                    kind = header.get("kind")
+                    if kind == "group":
+                        self._commit_group(str(header["group_id"]), decode_batches(body))
+                    elif kind == "release":
+                        self.release([str(g) for g in header.get("group_ids", [])])
+                    elif kind == "images":
+                        self._commit_images(decode_batches(body))
+                    elif kind == "weights":
+                        self.put_weights(pa.Table.from_batches(decode_batches(body)), int(header["version"]))
+                    elif kind == "version":
+                        self.publish_version(int(header["version"]))
+                    else:
+                        log.warning("spill log %s: skipping a record of unknown kind %r", self._spill.path, kind)
+        finally:
+            self._replaying = False
+        released = sum(1 for g in self._groups.values() if g.released)
+        self.recovered = {
+            "records": records,
+            "groups": len(self._groups) - released,
+            "released": released,
+            "rows": self._seq,
+        }
+        if records:
+            log.info(
+                "node %s: replayed %d spill records from %s in %.3fs: %d groups, %d released, %d metadata rows",
+                self.config.node_name, records, self._spill.path, time.perf_counter() - t0,
+                self.recovered["groups"], released, self._seq,
+            )
+
+    def close(self) -> None:
+        """Close the spill log (a memory-only store has nothing to close)."""
+        if self._spill is not None:
+            self._spill.close()
+            self._spill = None
 
     # ---- budget --------------------------------------------------------------------------------
 
     def _reserve(self, needed: int, what: str) -> None:
         budget = self.config.memory_budget
-        if budget is not None and self._used + needed > budget:
+        if budget is not None and not self._replaying and self._used + needed > budget:
             available = max(0, budget - self._used)
             msg = (
                 f"memory budget of node {self.config.node_name} is full: {what} needs {needed} bytes, "
@@ -158,29 +237,35 @@ class Store:
             if group is not None and group.released:
                 msg = f"group {group_id!r} was already released; refusing {sum(b.num_rows for b in fresh)} new rows"
                 raise GroupReleasedError(msg, group_id=group_id)
-            needed = sum(b.nbytes for b in fresh)
-            self._reserve(needed, f"group {group_id!r}")
-            if group is None:
-                group = self._groups[group_id] = _Group()
-            meta: list[pa.RecordBatch] = []
-            for b in fresh:
-                bno = len(group.batches)
-                group.batches.append(b)
-                for off, s in enumerate(b.column("sample_idx").to_numpy().tolist()):
-                    group.index[s] = (bno, off)
-                meta.append(self._metadata_rows(b))
-                for keys in b.column("image_keys").to_pylist():
-                    for k in set(keys) - group.image_keys:
-                        group.image_keys.add(k)
-                        self._image_refs[k] = self._image_refs.get(k, 0) + 1
-            group.nbytes += needed
-            self._used += needed
-            self.bytes_in += needed
-            rows = sum(b.num_rows for b in fresh)
-            self._rows += rows
-            self._meta_batches.extend(meta)
-            self._meta_cache = None
-            return rows
+            self._reserve(sum(b.nbytes for b in fresh), f"group {group_id!r}")
+            self._log({"kind": "group", "group_id": group_id}, encode_batches(fresh))
+            return self._commit_group(group_id, fresh)
+
+    def _commit_group(self, group_id: str, fresh: list[pa.RecordBatch]) -> int:
+        """Add already validated, deduplicated batches of ``group_id`` (caller holds the lock)."""
+        needed = sum(b.nbytes for b in fresh)
+        group = self._groups.get(group_id)
+        if group is None:
+            group = self._groups[group_id] = _Group()
+        meta: list[pa.RecordBatch] = []
+        for b in fresh:
+            bno = len(group.batches)
+            group.batches.append(b)
+            for off, s in enumerate(b.column("sample_idx").to_numpy().tolist()):
+                group.index[s] = (bno, off)
+            meta.append(self._metadata_rows(b))
+            for keys in b.column("image_keys").to_pylist():
+                for k in set(keys) - group.image_keys:
+                    group.image_keys.add(k)
+                    self._image_refs[k] = self._image_refs.get(k, 0) + 1
+        group.nbytes += needed
+        self._used += needed
+        self.bytes_in += needed
+        rows = sum(b.num_rows for b in fresh)
+        self._rows += rows
+        self._meta_batches.extend(meta)
+        self._meta_cache = None
+        return rows
 
     def _compact_metadata(self) -> None:
         """Merge the small per-write metadata batches that arrived since the last read into one.
@@ -231,7 +316,6 @@ class Store:
                     msg = f"unknown column {c!r} requested; the trajectory schema has {TRAJECTORY_SCHEMA.names}"
                     raise SchemaMismatchError(msg, column=c)
         out: list[pa.RecordBatch] = []
-        estimate = 0
         with self._lock:
             for group_id, start, stop in refs:
                 group = self._groups.get(group_id)
@@ -255,11 +339,13 @@ class Store:
                     run_b, run_off, run_len = loc[0], loc[1], 1
                 if run_len:
                     out.append(group.batches[run_b].slice(run_off, run_len))
-                estimate += group.nbytes * (stop - start) // max(1, len(group.index))
-            self.bytes_out += estimate
         if columns is not None:
             out = [b.select(list(columns)) for b in out]
-        if 0 < estimate < coalesce_below and len(out) > 1:
+        # bytes of the buffer ranges the projected slices reference (what is actually sent)
+        served = sum(b.nbytes for b in out)
+        with self._lock:
+            self.bytes_out += served
+        if 0 < served < coalesce_below and len(out) > 1:
             out = pa.Table.from_batches(out).combine_chunks().to_batches()
         return out
 
@@ -270,10 +356,11 @@ class Store:
         """
         freed = 0
         with self._lock:
-            for gid in group_ids:
-                group = self._groups.get(gid)
-                if group is None or group.released:
-                    continue
+            todo = [g for g in dict.fromkeys(group_ids) if g in self._groups and not self._groups[g].released]
+            if todo:
+                self._log({"kind": "release", "group_ids": todo})
+            for gid in todo:
+                group = self._groups[gid]
                 group.released = True
                 group.batches = []
                 self._used -= group.nbytes
@@ -349,21 +436,34 @@ class Store:
             BudgetExceededError: the new images do not fit the memory budget (none stored).
         """
         t = normalize_images(table)
-        batches = t.to_batches()
         with self._lock:
-            new: dict[bytes, _Image] = {}
-            for b in batches:
-                for i, k in enumerate(b.column("image_key").to_pylist()):
-                    if k in self._images or k in new:
-                        continue
-                    row = b.slice(i, 1)
-                    new[k] = _Image(row=row, nbytes=row.nbytes)
+            new = self._new_images(t.to_batches())
             needed = sum(v.nbytes for v in new.values())
             self._reserve(needed, f"{len(new)} image(s)")
-            self._images.update(new)
-            self._used += needed
-            self.bytes_in += needed
-            return len(new)
+            if new:
+                self._log({"kind": "images"}, encode_batches([v.row for v in new.values()]))
+            return self._commit_images([], new)
+
+    def _new_images(self, batches: list[pa.RecordBatch]) -> dict[bytes, _Image]:
+        """The image rows of ``batches`` whose key is not stored yet (caller holds the lock)."""
+        new: dict[bytes, _Image] = {}
+        for b in batches:
+            for i, k in enumerate(b.column("image_key").to_pylist()):
+                if k in self._images or k in new:
+                    continue
+                row = b.slice(i, 1)
+                new[k] = _Image(row=row, nbytes=row.nbytes)
+        return new
+
+    def _commit_images(self, batches: list[pa.RecordBatch], new: dict[bytes, _Image] | None = None) -> int:
+        """Add new image rows (from ``batches``, or the ``new`` already selected); caller holds the lock."""
+        if new is None:
+            new = self._new_images(batches)
+        needed = sum(v.nbytes for v in new.values())
+        self._images.update(new)
+        self._used += needed
+        self.bytes_in += needed
+        return len(new)
 
     def images(self, keys: Sequence[bytes]) -> pa.Table:
         """Image rows for ``keys``, in key order. Raises :class:`UnknownImageError` naming a missing key."""
@@ -393,6 +493,7 @@ class Store:
                 return False
             old = self._weights.nbytes if self._weights is not None else 0
             self._reserve(max(0, table.nbytes - old), f"weights v{version}")
+            self._log({"kind": "weights", "version": int(version)}, encode_batches(table.to_batches(), table.schema))
             self._used += table.nbytes - old
             self._weights, self._weights_version = table, version
             self.bytes_in += table.nbytes
@@ -414,7 +515,9 @@ class Store:
     def publish_version(self, version: int) -> int:
         """Record the newest policy version (monotonic: an older one is ignored); returns the stored one."""
         with self._lock:
-            self._version = max(self._version, int(version))
+            if int(version) > self._version:
+                self._log({"kind": "version", "version": int(version)})
+                self._version = int(version)
             return self._version
 
     def get_version(self) -> int:

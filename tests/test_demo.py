@@ -26,7 +26,7 @@ def test_knit_run_dispatches_lazily(capsys, monkeypatch) -> None:
     assert cli.main(["echo", "a", "--b"]) == 3
     assert capsys.readouterr().out.strip() == "['a', '--b']"
     assert cli.main(["echo2"]) == 3
-    assert cli.main(["run", "--groups", "3"]) == 0
+    assert cli.main(["demo", "--groups", "3"]) == 0
 
 
 def _echo(argv: list[str]) -> int:

@@ -1,0 +1,76 @@
+"""Prometheus /metrics of a node: bytes, latency and group gauges move with a write, a fetch, a release."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import urllib.request
+
+import pytest
+
+from flight_store.client import StoreClient
+from flight_store.server import StoreServer
+from schemas.plan import PlannedSlice
+
+pytest.importorskip("prometheus_client")
+
+
+def _scrape(port: int) -> dict[str, float]:
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as resp:
+        text = resp.read().decode()
+    out: dict[str, float] = {}
+    for line in text.splitlines():
+        if line and not line.startswith("#"):
+            name, _, value = line.rpartition(" ")
+            out[name] = float(value)
+    return out
+
+
+def test_metrics_follow_write_fetch_release(make_group) -> None:
+    with StoreServer(metrics_port=0, memory_budget=1 << 24) as server:
+        assert server.metrics_port is not None and server.metrics_port > 0
+        before = _scrape(server.metrics_port)
+        assert before['knit_groups{state="stored"}'] == 0
+        assert before["knit_memory_budget"] == 1 << 24
+        with StoreClient(server.location) as client:
+            node = client.put_group(make_group("g", size=4, response_len=32))
+            mid = _scrape(server.metrics_port)
+            table = client.fetch([PlannedSlice(node=node, group_id="g", start=0, stop=2)], columns=["response_ids"])
+            after = _scrape(server.metrics_port)
+            client.release(["g"])
+            released = _scrape(server.metrics_port)
+    assert mid['knit_groups{state="stored"}'] == 1 and mid["knit_bytes"] > 0 and mid["knit_rows"] == 4
+    assert mid['knit_bytes_in_total{rpc="do_put"}'] >= mid["knit_bytes"]
+    assert mid['knit_request_seconds_count{outcome="ok",rpc="do_put"}'] == 1
+    assert mid['knit_request_seconds_sum{outcome="ok",rpc="do_put"}'] > 0
+    assert after['knit_bytes_out_total{rpc="do_get"}'] == pytest.approx(table.nbytes, rel=0.01)
+    assert after['knit_request_seconds_count{outcome="ok",rpc="do_get"}'] == 1
+    assert released['knit_groups{state="stored"}'] == 0 and released['knit_groups{state="released"}'] == 1
+    assert released["knit_memory_used"] == 0
+
+
+def test_failed_rpc_is_counted_as_error() -> None:
+    with StoreServer(metrics_port=0) as server, StoreClient(server.location) as client:
+        with pytest.raises(Exception, match="ghost"):
+            client.fetch([PlannedSlice(node=server.location, group_id="ghost", start=0, stop=1)])
+        assert server.metrics_port is not None
+        assert _scrape(server.metrics_port)['knit_request_seconds_count{outcome="error",rpc="do_get"}'] == 1
+
+
+def test_knit_serve_metrics_port() -> None:
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "flight_store", "serve", "--port", "0", "--metrics-port", "0"],
+        stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
+    )
+    try:
+        assert proc.stdout is not None
+        assert "listening on grpc://" in proc.stdout.readline()
+        line = proc.stdout.readline()
+        assert "metrics on http://" in line, line
+        port = int(line.rsplit(":", 1)[1].split("/")[0])
+        assert "knit_memory_used" in _scrape(port)
+    finally:
+        proc.terminate()
+        proc.wait(timeout=20)
+        if proc.stdout is not None:
+            proc.stdout.close()
