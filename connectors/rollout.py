@@ -173,6 +173,8 @@ class RolloutWorker:
         self._next_version_poll = 0.0
         self._next_lookahead_poll = 0.0
         self._paused = False
+        self._stored_at_poll = 0  # unreleased groups in the stores at the last lookahead poll
+        self._written_since_poll = 0
         self._dispatched = 0
         self._stop = False
         self._rewards: dict[str, list[float]] = {}
@@ -214,6 +216,8 @@ class RolloutWorker:
         rep.started_at = time.time()
         t_start = time.perf_counter()
         deadline = t_start + cfg.max_seconds if cfg.max_seconds is not None else None
+        if cfg.weight_sync and cfg.wait_initial_weights_s is not None:
+            self._load_initial_weights(cfg.wait_initial_weights_s)
         self._poll_version(force=True)
         exhausted = False
         while True:
@@ -261,12 +265,36 @@ class RolloutWorker:
                 self._next_lookahead_poll = now + cfg.lookahead_poll_s
                 self.flush()  # the stores' counts must include this worker's queued writes
                 stats = self.client.stats()
+                self._stored_at_poll = sum(int(s.get("groups", {}).get("stored", 0)) for s in stats.values())
+                self._written_since_poll = 0
                 paused = any(h(stats) for h in self._hooks)
                 if paused != self._paused:
                     logger.info("rollout dispatch %s by the lookahead limit", "paused" if paused else "resumed")
                 self._paused = paused
+            if cfg.lookahead_counts_running and cfg.max_unreleased_groups is not None:
+                # between polls: what the stores held, plus what this worker wrote since, plus what runs
+                outstanding = self._stored_at_poll + self._written_since_poll + len(self._pending)
+                if outstanding >= cfg.max_unreleased_groups:
+                    return False
             return not self._paused
         return True
+
+    def _load_initial_weights(self, timeout_s: float) -> None:
+        """Wait for the weights of ``initial_version`` in the stores and load them into the engine."""
+        version = self.config.initial_version
+        deadline = time.perf_counter() + timeout_s
+        while not self._stop:
+            try:
+                table = self.client.get_weights(version)
+            except Exception as exc:  # not published yet
+                if time.perf_counter() >= deadline:
+                    msg = f"no weights of version {version} in the stores after {timeout_s} s: {exc}"
+                    raise TimeoutError(msg) from None
+                time.sleep(0.2)
+                continue
+            self.engine.load_weights(table)
+            logger.info("loaded the initial weights (version %d) into the engine", version)
+            return
 
     def _poll_version(self, *, force: bool = False) -> None:
         now = time.perf_counter()
@@ -403,6 +431,7 @@ class RolloutWorker:
     def _write_group(self, batch: pa.RecordBatch, node: str, *, aborted: bool) -> None:
         rep = self.report
         rep.groups += 1
+        self._written_since_poll += 1
         rep.aborted_groups += int(aborted)
         rep.rows += batch.num_rows
         rep.prompt_tokens += int(pc.sum(batch.column("prompt_len")).as_py() or 0)
@@ -476,7 +505,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--prompts-file", default=None, help="JSONL prompts instead of the built-in tasks")
     p.add_argument("--reward-fn", default=None, help="module:function reward (default: exact match)")
     p.add_argument("--max-unreleased-groups", type=int, default=None, help="lookahead limit")
+    p.add_argument("--lookahead-counts-running", action="store_true",
+                   help="count groups running in the engine toward --max-unreleased-groups")
+    p.add_argument("--lookahead-poll-s", type=float, default=0.5, help="seconds between two lookahead checks")
     p.add_argument("--weight-sync", action="store_true", help="load newly published weights into the engine")
+    p.add_argument("--wait-initial-weights", type=float, default=None, metavar="SECONDS",
+                   help="with --weight-sync: wait this long for the weights of --initial-version, load them, start")
     p.add_argument("--initial-version", type=int, default=0, help="policy version of the weights in --model")
     p.add_argument("--version-poll-s", type=float, default=1.0, help="seconds between two get_version calls")
     p.add_argument("--local-node-only", action="store_true", help="write every group to the first node")
@@ -515,6 +549,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         prompts_file=args.prompts_file,
         reward_fn=args.reward_fn,
         max_unreleased_groups=args.max_unreleased_groups,
+        lookahead_counts_running=args.lookahead_counts_running,
+        lookahead_poll_s=args.lookahead_poll_s,
+        wait_initial_weights_s=args.wait_initial_weights,
         weight_sync=args.weight_sync,
         version_poll_s=args.version_poll_s,
         initial_version=args.initial_version,

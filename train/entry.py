@@ -60,6 +60,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--load-dir", default=None, help="load a dist checkpoint before the first step")
     p.add_argument("--report", default=None, help="per-rank JSON report path ({rank} is replaced)")
     p.add_argument("--seed", type=int, default=1234)
+    p.add_argument("--progress", default=None, help="rank 0 appends one JSON line per step to this file")
+    p.add_argument("--consumed", default=None, help="rank 0 writes the consumed trajectories here (Parquet)")
     p.add_argument("--nproc", type=int, default=1, help="ranks to start locally when not under torchrun")
     p.add_argument("--log-level", default="INFO")
     return p
@@ -79,7 +81,8 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
         planner=args.planner, planner_options=dict(args.planner_option), max_steps=args.max_steps,
         idle_timeout_s=args.idle_timeout, pack=args.pack, prefetch_depth=args.prefetch_depth,
         initial_version=args.initial_version, publish_weights=args.publish_weights, save_dir=args.save_dir,
-        load_dir=args.load_dir, report_path=args.report, seed=args.seed,
+        load_dir=args.load_dir, report_path=args.report, seed=args.seed, progress_path=args.progress,
+        consumed_path=args.consumed,
     )
 
 

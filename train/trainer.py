@@ -42,7 +42,7 @@ def run(cfg: TrainConfig) -> list[dict[str, Any]]:
     if cfg.load_dir:
         model.load_checkpoint(built.gpt, cfg.load_dir)
     client = StoreClient(cfg.stores, token=cfg.token)
-    source = None
+    source, planner = None, None
     if env["rank"] == 0:
         planner = load_planner(cfg.planner, dict(cfg.planner_options), env["dp_size"])
         source = PlanSource(client, planner)
@@ -53,13 +53,18 @@ def run(cfg: TrainConfig) -> list[dict[str, Any]]:
     history: list[dict[str, Any]] = []
     consumed: list[list[Any]] = []
     log.info("rank %d ready: %s", env["rank"], env)
+    if cfg.publish_weights:  # the rollout starts from the trainer's weights (version initial_version)
+        publish_weights(built, client, version, env)
+    plan_wait = 0.0
 
     try:
         while True:
             # scan + plan on rank 0, broadcast (every rank knows the queue, so all skip or all join)
             if not cfg.max_steps or len(history) + len(queue) < cfg.max_steps:
+                t_plan = time.perf_counter()
                 new = exchange_plans(source, version, block=not queue, idle_timeout_s=cfg.idle_timeout_s,
                                      poll_interval_s=cfg.poll_interval_s)
+                plan_wait += time.perf_counter() - t_plan
                 for plan in new:
                     queue.append(plan)
                     fetcher.submit(plan.for_rank(env["dp_rank"]).micro_batches)  # fetch: on the prefetch thread
@@ -68,13 +73,19 @@ def run(cfg: TrainConfig) -> list[dict[str, Any]]:
             plan = queue.popleft()
             metrics = train_step(built, plan, fetcher, cfg, env, consumed)  # step
             version += 1
+            t_pub = time.perf_counter()
             if cfg.publish_weights:
                 publish_weights(built, client, version, env)
             if env["rank"] == 0:
                 client.publish_version(version)
                 client.release(plan.group_ids)
             metrics["version"] = version
+            metrics["publish_s"] = time.perf_counter() - t_pub
+            metrics["plan_wait_s"], plan_wait = plan_wait, 0.0
+            metrics["t_end"] = time.time()
             history.append(metrics)
+            if cfg.progress_path and env["rank"] == 0:
+                write_progress(cfg.progress_path, metrics, source, planner)
             log.info("step %d loss %.4f ratio %.4f wait %.1f ms (%d micro-batches) %.0f ms", plan.step,
                      metrics["loss"], metrics["ratio"], 1e3 * sum(metrics["exposed_wait_s"]),
                      len(metrics["exposed_wait_s"]), 1e3 * metrics["step_time_s"])
@@ -87,6 +98,8 @@ def run(cfg: TrainConfig) -> list[dict[str, Any]]:
         client.close()
     if cfg.report_path:
         write_report(cfg, env, history, consumed)
+    if cfg.consumed_path and planner is not None:
+        write_consumed(cfg.consumed_path, planner)
     mcore_compat.shutdown()
     return history
 
@@ -201,3 +214,29 @@ def write_report(cfg: TrainConfig, env: dict[str, int], history: list[dict[str, 
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     with open(path, "w") as f:
         json.dump({"env": env, "steps": history, "consumed": consumed}, f)
+
+
+def write_progress(path: str, metrics: dict[str, Any], source: Any, planner: Any) -> None:
+    """Rank 0: append one JSON line for the step just taken (with its staleness, from the planner)."""
+    line = {k: metrics[k] for k in ("step", "train_batch", "position", "version", "loss", "rows", "abs_logp_diff",
+                                    "plan_wait_s", "step_time_s", "t_end")}
+    line["admitted_groups"] = getattr(source, "admitted_groups", None)
+    if planner is not None and hasattr(planner, "consumed_frame"):
+        import polars as pl
+
+        frame = planner.consumed_frame().filter(pl.col("step") == metrics["step"])
+        if frame.height:
+            line["arch_staleness_mean"] = float(frame["arch_staleness"].mean())  # type: ignore[arg-type]
+            line["arch_staleness_max"] = int(frame["arch_staleness"].max())  # type: ignore[arg-type]
+            line["reward_mean"] = float(frame["reward"].mean())  # type: ignore[arg-type]
+    with open(path, "a") as f:
+        f.write(json.dumps(line) + "\n")
+
+
+def write_consumed(path: str, planner: Any) -> None:
+    """Rank 0: the planner's consumed trajectories (keys, step, versions, staleness) as Parquet."""
+    if not hasattr(planner, "consumed_frame"):
+        log.warning("planner %r keeps no consumed frame; %s not written", planner, path)
+        return
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    planner.consumed_frame().write_parquet(path)

@@ -1,0 +1,101 @@
+"""Live progress of ``knit run`` (rich) and the final summary table.
+
+On a terminal: a live panel with progress bars (groups written by the rollout, admitted by the
+planner, consumed by the trainer; optimizer steps) and a status line (policy version, architectural
+staleness so far, phase). Elsewhere (logs, tests, ``--plain``): one plain line every few seconds.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from collections.abc import Callable, Iterator
+from typing import Any
+
+
+class Display:
+    """Progress output of the driver.
+
+    Example:
+        >>> d = Display(plain=True)
+        >>> with d.live("mini_batch", total_groups=24, total_steps=6) as update:  # doctest: +SKIP
+        ...     update(state)
+    """
+
+    def __init__(self, *, plain: bool = False) -> None:
+        from rich.console import Console
+
+        self.console = Console()
+        self.plain = plain or not self.console.is_terminal
+
+    def note(self, text: str) -> None:
+        """One line of output."""
+        if self.plain:
+            print(text, flush=True)
+        else:
+            self.console.print(text, highlight=False)
+
+    @contextlib.contextmanager
+    def live(self, policy: str, total_groups: int, total_steps: int) -> Iterator[Callable[[Any], None]]:
+        """A context whose value is ``update(state)`` (state: ``train.run.LiveState``)."""
+        if self.plain:
+            last = [0.0]
+
+            def update_plain(state: Any) -> None:
+                now = time.monotonic()
+                if now - last[0] < 5.0 and state.phase != "finishing":
+                    return
+                last[0] = now
+                print(f"[{policy}] {state.phase}: written {state.written}/{total_groups} admitted {state.admitted} "
+                      f"consumed {state.consumed} steps {len(state.steps)}/{total_steps} version v{state.version} "
+                      f"arch staleness mean {state.staleness_mean:.2f} max {state.staleness_max} "
+                      f"({now - state.started:.0f} s)", flush=True)
+
+            yield update_plain
+            return
+
+        from rich.console import Group
+        from rich.live import Live
+        from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+        from rich.text import Text
+
+        bars = Progress(TextColumn("{task.description:<26}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                        console=self.console)
+        written = bars.add_task("groups written (rollout)", total=total_groups)
+        admitted = bars.add_task("groups admitted (planner)", total=total_groups)
+        consumed = bars.add_task("groups consumed (trainer)", total=total_groups)
+        steps = bars.add_task("optimizer steps", total=total_steps)
+        status = Text("")
+
+        def update(state: Any) -> None:
+            bars.update(written, completed=state.written)
+            bars.update(admitted, completed=state.admitted)
+            bars.update(consumed, completed=state.consumed)
+            bars.update(steps, completed=len(state.steps))
+            loss = state.steps[-1]["loss"] if state.steps else float("nan")
+            status.plain = (f"{policy}: {state.phase} | policy version v{state.version} | arch. staleness so far: "
+                            f"mean {state.staleness_mean:.2f}, max {state.staleness_max} | last loss {loss:.4f}")
+
+        with Live(Group(bars, status), console=self.console, refresh_per_second=4, transient=False):
+            yield update
+
+    def summary(self, doc: dict[str, Any]) -> None:
+        """The summary table (rows: figures; columns: policies), then the staleness reduction."""
+        from rich.table import Table
+
+        from train.report import table_rows
+
+        results = doc["policies"]
+        table = Table(title="knit run: summary")
+        table.add_column("")
+        for name in results:
+            table.add_column(name)
+        per = {name: table_rows(r) for name, r in results.items()}
+        first = next(iter(per.values()))
+        for i, (label, _) in enumerate(first):
+            table.add_row(label, *(per[name][i][1] for name in results))
+        self.console.print(table)
+        if "arch_staleness_reduction" in doc:
+            self.console.print(f"architectural staleness: mini_batch is {100 * doc['arch_staleness_reduction']:.1f}% "
+                               f"lower than train_batch (throughput ratio {doc.get('throughput_ratio')})",
+                               highlight=False)

@@ -1,0 +1,248 @@
+"""The report of a ``knit run``: per-policy figures from the run folder, ``summary.json`` and PNG plots.
+
+Inputs (written by the processes of the run, see ``train.run``): ``trainer_rank{r}.json`` (per-step
+metrics and what each rank received), ``consumed.parquet`` (the planner's consumed trajectories with
+their architectural staleness), ``progress.jsonl``, ``rollout.json``, ``metadata.parquet`` (the
+stores' metadata at the end), ``store_stats.json``.
+
+Figures per policy (``policy_summary``):
+
+* architectural staleness (``admission.staleness``): mean, token-weighted mean, max, signed mean;
+* ``trajectories_consumed`` and ``duplicate_rows`` (rows a rank received twice; must be 0);
+* ``bytes_per_rank`` (payload each trainer rank fetched from the stores, over Flight);
+* ``driver_payload_bytes``: payload bytes that went through the driver (this process) or the
+  planner; both only read metadata and stats, so it is 0 on the on-demand path;
+* transfer latency (fetch time per micro-batch), exposed wait (time the step loop blocked on data),
+  trainer idle (time waiting for an admissible mini-batch, start-up excluded);
+* throughput (trajectories and tokens per second of the training window) and the reward trend
+  (mean reward per train batch).
+
+Plots: ``staleness_per_step.png``, ``time_breakdown.png``, ``reward_per_train_batch.png``; with
+two policies also ``staleness_compare.png`` in the top folder.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+from typing import Any
+
+import polars as pl
+
+log = logging.getLogger(__name__)
+
+
+def _quantile(values: list[float], q: float) -> float:
+    if not values:
+        return 0.0
+    s = sorted(values)
+    return float(s[min(len(s) - 1, round(q * (len(s) - 1)))])
+
+
+def _rank_reports(folder: Path) -> list[dict[str, Any]]:
+    out = []
+    for path in sorted(folder.glob("trainer_rank*.json"), key=lambda p: int(p.stem.removeprefix("trainer_rank"))):
+        out.append(json.loads(path.read_text()))
+    return out
+
+
+def policy_summary(folder: Path, *, config: dict[str, Any], wall_s: float,
+                   metrics_urls: list[str] | None = None) -> dict[str, Any]:
+    """The figures of one policy's run folder (JSON-serialisable)."""
+    from admission.staleness import summary as staleness_summary
+
+    ranks = _rank_reports(folder)
+    consumed_path = folder / "consumed.parquet"
+    consumed = pl.read_parquet(consumed_path) if consumed_path.exists() else pl.DataFrame()
+    rollout_path = folder / "rollout.json"
+    rollout = json.loads(rollout_path.read_text()) if rollout_path.exists() else {}
+    steps = ranks[0]["steps"] if ranks else []
+
+    stal = staleness_summary(consumed) if consumed.height else staleness_summary(pl.DataFrame())
+    rows = [(c[2], c[3]) for r in ranks for c in r["consumed"] if c[0] == "row"]
+    fetch_ms = [1e3 * f for r in ranks for s in r["steps"] for f in s["fetch_s"]]
+    waits = {str(r["env"]["rank"]): sum(sum(s["exposed_wait_s"]) for s in r["steps"]) for r in ranks}
+    idle = [s.get("plan_wait_s", 0.0) for s in steps[1:]]  # step 0 waits for start-up
+    window = steps[-1]["t_end"] - (steps[0]["t_end"] - steps[0]["step_time_s"]) if steps else 0.0
+    tokens = int(consumed["response_len"].sum()) if consumed.height else 0
+    reward = (consumed.group_by("train_batch").agg(pl.col("reward").mean()).sort("train_batch")["reward"].to_list()
+              if consumed.height else [])
+    result: dict[str, Any] = {
+        "policy": config.get("policy"),
+        "arch_staleness_mean": round(stal["arch_mean"], 4),
+        "arch_staleness_token_weighted": round(stal["arch_token_weighted"], 4),
+        "arch_staleness_max": int(stal["arch_max"]),
+        "signed_staleness_mean": round(stal["signed_mean"], 4),
+        "trajectories_consumed": int(consumed.height),
+        "rows_received": len(rows),
+        "duplicate_rows": len(rows) - len(set(rows)),
+        "steps": len(steps),
+        "final_version": int(steps[-1]["version"]) if steps else 0,
+        "bytes_per_rank": {str(r["env"]["rank"]): int(sum(s["bytes_fetched"] for s in r["steps"])) for r in ranks},
+        "driver_payload_bytes": 0,
+        "transfer_latency_ms": {"mean": round(sum(fetch_ms) / len(fetch_ms), 3) if fetch_ms else 0.0,
+                                "p50": round(_quantile(fetch_ms, 0.5), 3), "p95": round(_quantile(fetch_ms, 0.95), 3),
+                                "micro_batches": len(fetch_ms)},
+        "exposed_wait_s": {k: round(v, 4) for k, v in waits.items()},
+        "trainer_idle_s": round(sum(idle), 3),
+        "training_window_s": round(window, 3),
+        "throughput": {"trajectories_per_s": round(consumed.height / window, 3) if window > 0 else 0.0,
+                       "tokens_per_s": round(tokens / window, 1) if window > 0 else 0.0},
+        "reward_per_train_batch": [round(float(r), 4) for r in reward],
+        "abs_logp_diff_first_step": round(float(steps[0]["abs_logp_diff"]), 8) if steps else None,
+        "rollout": {k: rollout.get(k) for k in ("groups", "aborted_groups", "rows", "response_tokens", "tokens_per_s",
+                                                "engine_start_s", "generate_s", "policy_versions", "bytes_written")},
+        "wall_s": round(wall_s, 2),
+        "metrics_urls": metrics_urls or [],
+        "config": {k: (str(v) if isinstance(v, Path) else v) for k, v in config.items()},
+    }
+    if reward:
+        result["reward_trend"] = round(float(reward[-1]) - float(reward[0]), 4)
+    return result
+
+
+def write_summary(out: Path, results: dict[str, dict[str, Any]]) -> dict[str, Any]:
+    """``out/summary.json``: every policy's figures, and the staleness reduction when both ran."""
+    doc: dict[str, Any] = {"policies": results}
+    if "train_batch" in results and "mini_batch" in results:
+        base = results["train_batch"]["arch_staleness_mean"]
+        new = results["mini_batch"]["arch_staleness_mean"]
+        doc["arch_staleness_reduction"] = round((base - new) / base, 4) if base > 0 else 0.0
+        tb_tp = results["train_batch"]["throughput"]["trajectories_per_s"]
+        doc["throughput_ratio"] = round(results["mini_batch"]["throughput"]["trajectories_per_s"] / tb_tp, 4) \
+            if tb_tp else None
+        plot_compare(out, results)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "summary.json").write_text(json.dumps(doc, indent=1, default=str))
+    return doc
+
+
+# ---- plots ------------------------------------------------------------------------------------
+
+
+def _pyplot() -> Any:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError as exc:
+        msg = f"the run report's plots need matplotlib: pip install knittrans[run] ({exc})"
+        raise ImportError(msg) from exc
+    return plt
+
+
+def plot_policy(folder: Path, result: dict[str, Any]) -> list[Path]:
+    """The three PNGs of one policy's run; returns their paths."""
+    plt = _pyplot()
+    ranks = _rank_reports(folder)
+    steps = ranks[0]["steps"] if ranks else []
+    consumed_path = folder / "consumed.parquet"
+    consumed = pl.read_parquet(consumed_path) if consumed_path.exists() else pl.DataFrame()
+    name = result.get("policy") or "run"
+    paths = []
+
+    fig, ax = plt.subplots(figsize=(7, 3.5))
+    if consumed.height:
+        per = consumed.group_by("step").agg(pl.col("arch_staleness").mean().alias("mean"),
+                                            pl.col("arch_staleness").max().alias("max")).sort("step")
+        ax.bar(per["step"].to_list(), per["mean"].to_list(), color="tab:blue", label="mean")
+        ax.plot(per["step"].to_list(), per["max"].to_list(), "o--", color="tab:red", label="max")
+        ax.legend()
+    ax.set(xlabel="optimizer step", ylabel="architectural staleness (versions)",
+           title=f"{name}: architectural staleness per step")
+    paths.append(_save(fig, folder / "staleness_per_step.png"))
+
+    fig, ax = plt.subplots(figsize=(7, 3.5))
+    if steps:
+        x = [s["step"] for s in steps]
+        idle = [0.0] + [s.get("plan_wait_s", 0.0) for s in steps[1:]]
+        wait = [sum(s["exposed_wait_s"]) for s in steps]
+        compute = [max(0.0, s["step_time_s"] - w) for s, w in zip(steps, wait, strict=True)]
+        publish = [s.get("publish_s", 0.0) for s in steps]
+        bottom = [0.0] * len(x)
+        for label, vals, color in (("compute", compute, "tab:green"), ("exposed fetch wait", wait, "tab:orange"),
+                                   ("publish weights + release", publish, "tab:purple"),
+                                   ("idle: waiting for admission", idle, "tab:gray")):
+            ax.bar(x, vals, bottom=bottom, label=label, color=color)
+            bottom = [b + v for b, v in zip(bottom, vals, strict=True)]
+        ax.legend(fontsize=8)
+    ax.set(xlabel="optimizer step", ylabel="seconds (rank 0)", title=f"{name}: time per step")
+    paths.append(_save(fig, folder / "time_breakdown.png"))
+
+    fig, ax = plt.subplots(figsize=(7, 3.5))
+    reward = result.get("reward_per_train_batch") or []
+    ax.plot(range(len(reward)), reward, "o-")
+    ax.set(xlabel="train batch", ylabel="mean reward", title=f"{name}: reward per train batch")
+    paths.append(_save(fig, folder / "reward_per_train_batch.png"))
+    return paths
+
+
+def plot_compare(out: Path, results: dict[str, dict[str, Any]]) -> Path:
+    """Architectural staleness per step of every policy in one plot."""
+    plt = _pyplot()
+    fig, ax = plt.subplots(figsize=(7, 3.5))
+    for name in results:
+        path = out / name / "consumed.parquet"
+        if not path.exists():
+            continue
+        per = pl.read_parquet(path).group_by("step").agg(pl.col("arch_staleness").mean()).sort("step")
+        ax.plot(per["step"].to_list(), per["arch_staleness"].to_list(), "o-",
+                label=f"{name} (mean {results[name]['arch_staleness_mean']:.2f})")
+    ax.legend()
+    ax.set(xlabel="optimizer step", ylabel="mean architectural staleness", title="train_batch vs mini_batch")
+    return _save(fig, out / "staleness_compare.png")
+
+
+def _save(fig: Any, path: Path) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    import matplotlib.pyplot as plt
+
+    plt.close(fig)
+    return path
+
+
+# ---- the printed table ------------------------------------------------------------------------
+
+ROWS: tuple[tuple[str, str], ...] = (
+    ("arch. staleness mean", "arch_staleness_mean"),
+    ("arch. staleness token-weighted", "arch_staleness_token_weighted"),
+    ("arch. staleness max", "arch_staleness_max"),
+    ("trajectories consumed", "trajectories_consumed"),
+    ("optimizer steps / final version", "steps_version"),
+    ("bytes moved per rank (MB)", "bytes_per_rank"),
+    ("driver payload bytes", "driver_payload_bytes"),
+    ("transfer latency p50 / p95 (ms)", "latency"),
+    ("exposed wait per rank (s)", "exposed_wait_s"),
+    ("trainer idle, start-up excl. (s)", "trainer_idle_s"),
+    ("throughput (traj/s, tok/s)", "throughput"),
+    ("reward, first -> last train batch", "reward_per_train_batch"),
+    ("wall time (s)", "wall_s"),
+)
+
+
+def table_rows(result: dict[str, Any]) -> list[tuple[str, str]]:
+    """(label, text) rows of the summary table for one policy."""
+    out = []
+    for label, key in ROWS:
+        if key == "steps_version":
+            text = f"{result['steps']} / v{result['final_version']}"
+        elif key == "bytes_per_rank":
+            text = ", ".join(f"r{k}: {v / 1e6:.3f}" for k, v in result[key].items())
+        elif key == "latency":
+            lat = result["transfer_latency_ms"]
+            text = f"{lat['p50']:.2f} / {lat['p95']:.2f}"
+        elif key == "exposed_wait_s":
+            text = ", ".join(f"r{k}: {v:.3f}" for k, v in result[key].items())
+        elif key == "throughput":
+            text = f"{result[key]['trajectories_per_s']:.2f}, {result[key]['tokens_per_s']:.0f}"
+        elif key == "reward_per_train_batch":
+            rewards = result[key]
+            text = f"{rewards[0]:.3f} -> {rewards[-1]:.3f} ({len(rewards)} batches)" if rewards else "-"
+        else:
+            text = str(result[key])
+        out.append((label, text))
+    return out
