@@ -108,16 +108,17 @@ def serve(args: argparse.Namespace) -> int:
         spill_dir=args.spill_dir,
         metrics_port=args.metrics_port,
     )
-    print(f"knit serve: listening on {server.location}", flush=True)
-    if server.metrics_port is not None:
-        print(f"knit serve: metrics on http://{args.host}:{server.metrics_port}/metrics", flush=True)
     stop = threading.Event()
 
     def on_signal(signum: int, frame: FrameType | None) -> None:
         stop.set()
 
+    # handlers first: whoever reads the "listening" line may signal at once, and must get a clean stop
     signal.signal(signal.SIGINT, on_signal)
     signal.signal(signal.SIGTERM, on_signal)
+    print(f"knit serve: listening on {server.location}", flush=True)
+    if server.metrics_port is not None:
+        print(f"knit serve: metrics on http://{args.host}:{server.metrics_port}/metrics", flush=True)
     while not stop.wait(0.5):
         pass
     server.shutdown()
