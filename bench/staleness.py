@@ -3,7 +3,7 @@
 ``python -m bench.staleness [--quick] [--math-sigma 0.9] --out results/staleness.json``
 
 Variant flags (to locate what bounds the reduction): ``--math-sigma`` (tail length), ``--sync
-per_train_batch`` (sync granularity), ``--version-at complete`` (version semantics: in-flight weight
+per_train_batch`` (sync granularity), ``--version-at start`` (version semantics: no in-flight weight
 updates), ``--trainer-slowdown F`` (optimizer-step time relative to generation latency: F times the
 calibrated trainer), ``--loader-order slow_first``. Each run reports the lookahead search it did.
 
@@ -17,13 +17,15 @@ Model:
   B/2 ``chat``, shuffled). Every prompt has G responses whose lengths are drawn up front: ``math``
   lognormal with median 1200 tokens and sigma 0.9 (``--math-sigma``), ``chat`` median 400, sigma
   0.5, both capped at 8192; prompts 64-512 tokens.
-* **Rollout**: ``slots`` (512) concurrent sequences; a group starts when G slots are free and takes
-  the rollout's current policy version (the version of a prompt is the version when it starts); each
+* **Rollout**: ``slots`` (512) concurrent sequences; a group starts when G slots are free; each
   sequence occupies its slot for ``gen_s_per_token * response_len`` seconds; a group is complete
-  when all G sequences are.
+  when all G sequences are. New weights reach the running engine (in-flight weight updates, as the
+  rollout worker in ``connectors.rollout`` does), so a group records the version at its completion
+  as ``policy_version`` and the version at its start as ``policy_version_min``
+  (``--version-at start`` records the start version instead).
 * **Lookahead**: at most L groups may be dispatched but not yet trained. ``train_batch`` runs
-  one-step-off-policy with L = 2B; ``mini_batch`` uses the smallest L, searched in steps of one
-  mini-batch, whose throughput is at least ``train_batch``'s (matched throughput); ``colocated``
+  one-step-off-policy with L = 2B; ``mini_batch`` uses the smallest L (searched in steps of one
+  mini-batch, then bisected down to one group) whose throughput is at least ``train_batch``'s (matched throughput); ``colocated``
   dispatches train batch t only when the weights of version tK exist (L = B, rollout and trainer
   alternate).
 * **Planner**: called after every group completion and every optimizer step, with the metadata
@@ -93,10 +95,11 @@ class SimParams:
     token_budget: int = 16384
     sync: str = "per_step"
     """``per_step`` or ``per_train_batch``."""
-    version_at: str = "start"
-    """Recorded ``policy_version`` of a group: the rollout version when it ``start``s (default), or when it
-    ``complete``s (in-flight weight updates: the newest weights that produced tokens; ``policy_version_min``
-    stays the start version)."""
+    version_at: str = "complete"
+    """Recorded ``policy_version`` of a group: the rollout version when it ``complete``s (default: what the
+    project's rollout worker records, since it loads each new version into the running engine, so the
+    newest weights produced the last tokens; ``policy_version_min`` stays the start version), or when it
+    ``start``s (variant: a rollout that never updates weights under running requests)."""
     loader_order: str = "shuffled"
     """Dispatch order: ``shuffled`` (default), ``slow_first`` (math before chat inside a chunk) or
     ``math_ahead`` (each chunk's math dispatched one chunk early; see :func:`_dispatch_order`)."""
@@ -380,8 +383,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap.add_argument("--out", required=True, help="result JSON path (PNG written beside it)")
     ap.add_argument("--math-sigma", type=float, default=0.9, help="lognormal sigma of math response lengths")
     ap.add_argument("--sync", choices=["per_step", "per_train_batch"], default="per_step")
-    ap.add_argument("--version-at", choices=["start", "complete"], default="start",
-                    help="policy_version of a group: rollout version at its start (default) or at its completion")
+    ap.add_argument("--version-at", choices=["start", "complete"], default="complete",
+                    help="policy_version of a group: rollout version at its completion (default, in-flight weight "
+                         "updates as the rollout worker does) or at its start")
     ap.add_argument("--trainer-slowdown", type=float, default=1.0,
                     help="multiply the calibrated trainer time (variant: trainer-bound pipeline)")
     ap.add_argument("--loader-order", choices=["shuffled", "slow_first", "math_ahead"], default="shuffled",
@@ -403,17 +407,36 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             "colocated": run_policy(p, "colocated", b, seeds),
         }
         search: list[dict[str, float]] = []
-        found = None
-        for lookahead in range(m, 4 * b + 1, m):
+
+        def try_lookahead(lookahead: int) -> dict[str, Any]:
             r = run_policy(p, "mini_batch", lookahead, seeds)
             search.append({"lookahead": lookahead, "throughput": r["throughput"], "arch_mean": r["arch_mean"]})
             print(f"  mini_batch L={lookahead}: throughput {r['throughput']:.2f} vs train_batch "
                   f"{res['train_batch']['throughput']:.2f}, arch_mean {r['arch_mean']:.3f}", flush=True)
-            if r["throughput"] >= res["train_batch"]["throughput"]:
+            return r
+
+        def matched(r: dict[str, Any]) -> bool:
+            return bool(r["throughput"] >= res["train_batch"]["throughput"])
+
+        # coarse: steps of one mini-batch; then bisect down to one group between the last miss and the hit
+        found, low = None, 0
+        for lookahead in range(m, 4 * b + 1, m):
+            r = try_lookahead(lookahead)
+            if matched(r):
                 found = r
                 break
+            low = lookahead
         if found is None:
             found = r
+        else:
+            high = found["lookahead_groups"]
+            while high - low > 1:
+                mid = (low + high) // 2
+                r = try_lookahead(mid)
+                if matched(r):
+                    found, high = r, mid
+                else:
+                    low = mid
         res["mini_batch"] = found
         plan_ms = plan_ms_p50_100k()
     tb, mb = res["train_batch"], res["mini_batch"]
