@@ -54,6 +54,8 @@ log = logging.getLogger(__name__)
 ROOT = Path(__file__).resolve().parents[1]
 POLICIES = ("mini_batch", "train_batch")
 MODEL_PRESET = "tiny-vllm"
+DEFAULT_TRAIN_BATCHES = 300
+"""`knit run` without --quick: about 3-5 minutes on 2 cores (600 optimizer steps)."""
 CHILD_ENV = {
     "OMP_NUM_THREADS": "1",
     "TOKENIZERS_PARALLELISM": "false",
@@ -116,7 +118,7 @@ class RunConfig:
 
     policy: str = "mini_batch"
     """Admission policy of the trainer's planner: ``mini_batch`` or ``train_batch``."""
-    train_batches: int = 150
+    train_batches: int = DEFAULT_TRAIN_BATCHES
     """Train batches to run (the trainer takes ``train_batches * mini_batches`` optimizer steps)."""
     groups: int = 8
     """B: prompt groups per train batch."""
@@ -529,7 +531,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--policy", choices=POLICIES, default="mini_batch", help="admission policy (default mini_batch)")
     p.add_argument("--compare", action="store_true", help="run train_batch then mini_batch on the same seeds")
     p.add_argument("--quick", action="store_true", help="3 train batches (under 2 minutes on 2 cores)")
-    p.add_argument("--train-batches", type=int, default=None, help="train batches per policy (default 150; quick 3)")
+    p.add_argument("--train-batches", type=int, default=None,
+                   help=f"train batches per policy (default {DEFAULT_TRAIN_BATCHES}; quick 3)")
     p.add_argument("--groups", type=int, default=8, help="B, prompt groups per train batch")
     p.add_argument("--group-size", type=int, default=4, help="G, responses per prompt")
     p.add_argument("--mini-batches", type=int, default=2, help="K, optimizer steps per train batch")
@@ -554,7 +557,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(list(argv) if argv is not None else None)
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     out = (args.out or ROOT / "runs" / time.strftime("%Y%m%d-%H%M%S")).resolve()
-    batches = args.train_batches or (3 if args.quick else 150)
+    batches = args.train_batches or (3 if args.quick else DEFAULT_TRAIN_BATCHES)
     policies = ["train_batch", "mini_batch"] if args.compare else [args.policy]
     base: dict[str, Any] = {"train_batches": batches, "groups": args.groups, "group_size": args.group_size,
                             "mini_batches": args.mini_batches, "max_tokens": args.max_tokens, "lr": args.lr,
