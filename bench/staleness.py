@@ -25,9 +25,9 @@ Model:
   (``--version-at start`` records the start version instead).
 * **Lookahead**: at most L groups may be dispatched but not yet trained. ``train_batch`` runs
   one-step-off-policy with L = 2B; ``mini_batch`` uses the smallest L (searched in steps of one
-  mini-batch, then bisected down to one group) whose throughput is at least ``train_batch``'s (matched throughput); ``colocated``
-  dispatches train batch t only when the weights of version tK exist (L = B, rollout and trainer
-  alternate).
+  mini-batch, then bisected down to one group) whose throughput is at least ``train_batch``'s
+  (matched throughput); ``colocated`` dispatches train batch t only when the weights of version
+  tK exist (L = B, rollout and trainer alternate).
 * **Planner**: called after every group completion and every optimizer step, with the metadata
   rows of completed, not yet admitted groups and, as ``inflight``, the groups dispatched but not
   complete plus the loader's prompts committed for the current and next chunk (the loader yields
