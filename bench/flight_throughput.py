@@ -9,7 +9,8 @@ In one run:
     on a free port), against the baseline: copying the same bytes in-process into newly
     allocated buffers, interleaved with the fetches (same load on a shared machine), both kept
     alive for the pass. The headline pair runs in a child process with the system allocator and
-    a fixed mmap threshold, so every buffer on BOTH sides is fresh memory (first-touch pages);
+    a fixed mmap threshold, so every buffer on BOTH sides is fresh memory (first-touch pages; the
+    heap below that threshold is recycled normally, see ``FRESH_MEMORY_ENV``);
     ``*_pool_gbps`` repeats it in this process with the default Arrow pool (recycled, hot pages);
 (b) the time of a full metadata scan when every row carries 1 KiB of payload, against 256 KiB
     per row, same row count (the metadata log never touches payload, so the ratio should be ~1);
@@ -260,8 +261,27 @@ def plot(path: Path, metrics: dict, latencies: list[float]) -> None:
     plt.close(fig)
 
 
-FRESH_MEMORY_ENV = {"ARROW_DEFAULT_MEMORY_POOL": "system", "MALLOC_MMAP_THRESHOLD_": "131072"}
-"""Part (a) runs in a child with these: every buffer over 128 KiB is a fresh mmap, on both sides."""
+FRESH_MEMORY_ENV = {
+    "ARROW_DEFAULT_MEMORY_POOL": "system",
+    "MALLOC_MMAP_THRESHOLD_": "131072",
+    "MALLOC_TRIM_THRESHOLD_": "67108864",
+}
+"""Part (a) runs in a child with these: every buffer over 128 KiB is a fresh mmap, on both sides.
+
+Smaller allocations come from the malloc heap, on both sides, and are recycled as in any process.
+The trim threshold says so explicitly: fixing ``M_MMAP_THRESHOLD`` also freezes glibc's trim
+threshold at its 128 KiB default (mallopt(3): setting either disables their dynamic adjustment),
+so every ``free`` that leaves more than 128 KiB free at the top of a heap hands it back to the
+kernel (``madvise``/``sbrk``) and the next allocation faults it in again. That hit only the DoGet
+side: gRPC receives into 64 KiB heap slices, ~2.4 MB of them per micro-batch, freed as soon as
+the message is assembled, so each fetch re-faulted much of its receive buffer (measured: ~270
+page faults and ~1.3 ``madvise`` calls more per micro-batch, ~15% of the client's CPU, ~0.5 ms;
+on top of the first touch of the result, which stays: ~580 faults, as many as the copy's). With glibc's
+defaults the trim threshold follows the largest freed mmap (twice it: ~4.8 MB once a 2.4 MB result
+is freed, at most 64 MiB), so a trainer never re-faults these; 64 MiB is that ceiling. Buffers over
+128 KiB -- the DoGet results and the copies -- are still fresh mmaps, unmapped when freed, whatever
+the trim threshold.
+"""
 
 
 def run_doget(params: dict, seed: int) -> dict:
