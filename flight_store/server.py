@@ -228,7 +228,7 @@ class StoreServer(flight.FlightServerBase):
             msg = f"unsupported descriptor {doc!r}"  # pragma: no cover - the union is exhaustive
             raise WireError(msg)
 
-        with self._observe("do_put") as rec:
+        with self._observe("do_put") as rec, self.store.write_in_flight():
             answer = _guard("DoPut", run)
         writer.write(pa.py_buffer(json.dumps(answer).encode()))
 

@@ -3,9 +3,12 @@
 What it keeps:
 
 * **groups**: each prompt group as the record batches that arrived (normalised to
-  ``TRAJECTORY_SCHEMA``), plus a row index ``sample_idx -> (batch, offset)``, so a slice request
-  is served by zero-copy ``RecordBatch.slice`` (never a filter or take over one big table;
-  only tiny multi-slice answers may be coalesced into one small copy, see :meth:`Store.slices`);
+  ``TRAJECTORY_SCHEMA``), each copied into one exactly sized block (an encapsulated IPC message,
+  see :func:`_pack`; nothing of the received gRPC message is kept), plus a row index
+  ``sample_idx -> (batch, offset)``, so a slice request is served by zero-copy
+  ``RecordBatch.slice`` of the batch viewed in its block (never a filter or take over one big
+  table; only tiny multi-slice answers may be coalesced into one small copy, see
+  :meth:`Store.slices`);
 * an **append-only metadata log** (``METADATA_SCHEMA``, ``seq`` = position in the log) kept as a
   list of small record batches holding their own copies of the metadata columns (so releasing a
   group frees its payload); read from a cursor by slicing a lazily built, cached table;
@@ -15,8 +18,9 @@ What it keeps:
 
 Guarantees: writes are validated first and committed atomically (nothing of a refused stream is
 stored); idempotent per ``(group_id, sample_idx)``; a full memory budget refuses writes with the
-retryable :class:`BudgetExceededError` and never drops data; one lock makes every method
-thread-safe.
+retryable :class:`BudgetExceededError` and never drops data (the budget counts the memory a
+stored group really holds, its pages plus object overhead, and what writes in flight hold; see
+:attr:`StoreConfig.memory_budget`); one lock makes every method thread-safe.
 
 Durability (optional ``spill_dir``): every committed group, image set, weights table, release and
 published version is appended to the node's :class:`~flight_store.spill.SpillLog` and fsynced
@@ -29,12 +33,16 @@ kept), images, weights and the published version are restored. Replay ignores th
 
 from __future__ import annotations
 
+import contextlib
+import ctypes
 import logging
+import mmap
 import os
 import threading
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Container, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
+from typing import TypeAlias, cast
 
 import numpy as np
 import pyarrow as pa
@@ -49,13 +57,18 @@ from flight_store.errors import (
 )
 from flight_store.spill import SpillLog, decode_batches, encode_batches
 from flight_store.validate import normalize_images, normalize_stream
-from schemas.arrow import METADATA_COLUMNS, METADATA_SCHEMA, SCHEMA_VERSION, TRAJECTORY_SCHEMA
+from schemas.arrow import IMAGE_SCHEMA, METADATA_COLUMNS, METADATA_SCHEMA, SCHEMA_VERSION, TRAJECTORY_SCHEMA
 
 log = logging.getLogger(__name__)
 
 _TRAJ_COLUMNS = frozenset(TRAJECTORY_SCHEMA.names)
 _META_COLUMNS = frozenset(METADATA_SCHEMA.names)
 _COMPACT_AT = 64  # merged metadata chunks kept before all are merged into one
+_BLOCK_OVERHEAD = 1024
+"""Bytes of Python objects per stored block besides its memory: the mmap (or buffer) object, the ``_Group``
+record, its dict entry and key, the index dict and block list (measured: ~0.6 KiB a group)."""
+_ROW_OVERHEAD = 64
+"""Bytes per stored row of the ``sample_idx -> (block, offset)`` index (dict slot and tuple)."""
 
 
 @dataclass(kw_only=True, slots=True)
@@ -63,7 +76,13 @@ class StoreConfig:
     """Settings of one store node."""
 
     memory_budget: int | None = None
-    """Bytes of payload, images and weights the node may hold; ``None`` = unlimited."""
+    """Bytes of memory the node's groups, images and weights may hold; ``None`` = unlimited.
+
+    What counts is resident memory, not ``RecordBatch.nbytes``: each stored batch's block (its
+    whole pages, see :func:`_pack`) plus an estimate of its objects and index entries, and the
+    memory writes in flight hold (copies of their batches; their server thread, see
+    :meth:`Store.write_in_flight`). A write is committed only if the stored groups, the new group
+    and the other writes in flight fit together."""
     node_name: str = "local"
     """Name reported by ``health``/``stats`` (the server sets it to its location)."""
     spill_dir: str | None = None
@@ -75,19 +94,182 @@ class StoreConfig:
             raise ValueError(msg)
 
 
+_Block: TypeAlias = mmap.mmap | pa.Buffer
+"""One stored batch as an encapsulated IPC message (see :func:`_pack`)."""
+
+
 @dataclass(slots=True)
 class _Group:
-    batches: list[pa.RecordBatch] = field(default_factory=list)
+    blocks: list[_Block] = field(default_factory=list)
+    """One buffer per stored batch: the batch as an encapsulated IPC message (see :func:`_pack`)."""
     index: dict[int, tuple[int, int]] = field(default_factory=dict)
     nbytes: int = 0
-    image_keys: set[bytes] = field(default_factory=set)
+    """Payload bytes (``RecordBatch.nbytes``) of the stored rows."""
+    held: int = 0
+    """Memory counted against the budget (blocks plus object and index overhead, see :func:`_pack`)."""
+    image_keys: set[bytes] | frozenset[bytes] = frozenset()
+    """Images the group references (a set once it has any; the shared empty frozenset costs nothing)."""
     released: bool = False
+    consumed: Container[int] = frozenset()
+    """``sample_idx`` of a released group (its index is dropped), so a retried write stays a no-op."""
+
+    def batch(self, i: int) -> pa.RecordBatch:
+        """Stored batch ``i``: zero-copy views into its block."""
+        return _view(self.blocks[i], TRAJECTORY_SCHEMA)
+
+    @property
+    def batches(self) -> list[pa.RecordBatch]:
+        """All stored batches (views into the blocks), in arrival order."""
+        return [self.batch(i) for i in range(len(self.blocks))]
 
 
 @dataclass(slots=True)
 class _Image:
-    row: pa.RecordBatch
+    block: _Block
     nbytes: int
+    held: int
+
+    @property
+    def row(self) -> pa.RecordBatch:
+        return _view(self.block, IMAGE_SCHEMA)
+
+
+_WRITE_OVERHEAD = 256 << 10
+"""Bytes a DoPut holds while it is received and processed besides its batches and their copies: its gRPC
+server thread's call state, buffers and allocator caches (RSS grew ~110-210 KiB per concurrent writer)."""
+_writing = threading.local()  # .overhead: what write_in_flight() counted for this thread's write
+_COPIES_IN_FLIGHT = 3
+"""Copies of a write's batches alive while it is processed: the received message, the serialized
+message and the block being filled (the block is counted as stored once committed)."""
+_MMAP_MIN = 16 << 10
+"""Blocks of at least this many bytes get pages of their own (see :func:`_pack`); smaller ones come from the
+Arrow memory pool."""
+
+
+def _libc_function(name: str) -> Callable[..., int] | None:
+    """A glibc malloc tuning function (``None`` elsewhere)."""
+    try:
+        return cast(Callable[..., int], getattr(ctypes.CDLL(None), name))
+    except (AttributeError, OSError):  # not glibc
+        return None
+
+
+_malloc_trim = _libc_function("malloc_trim")
+_M_ARENA_MAX = -8  # glibc's mallopt parameter number
+_MALLOC_ARENAS = 2
+_arenas_capped = False
+
+
+def _cap_malloc_arenas() -> None:
+    """Let glibc malloc use at most :data:`_MALLOC_ARENAS` arenas in this process (once; needs glibc).
+
+    A store with a memory budget is a node process serving dozens of concurrent RPCs, each on a
+    gRPC thread; by default glibc gives up to 8 x cores threads arenas of their own, each keeping
+    its high-water mark of transient buffers (in the 64-writer load test ~3 MiB more at peak).
+    An explicit ``MALLOC_ARENA_MAX`` in the environment wins.
+    """
+    global _arenas_capped
+    if _arenas_capped or "MALLOC_ARENA_MAX" in os.environ:
+        return
+    _arenas_capped = True
+    mallopt = _libc_function("mallopt")
+    if mallopt is not None:
+        mallopt(_M_ARENA_MAX, _MALLOC_ARENAS)
+_TRIM_EVERY_S = 0.05
+_trim_lock = threading.Lock()
+_trimmed_at = 0.0
+
+
+def _return_free_memory() -> None:
+    """Give the memory allocators hold but nothing uses back to the OS (after a write or a release).
+
+    Two allocators keep freed memory resident while a node serves dozens of concurrent RPCs, each
+    on its own gRPC thread: the Arrow pool (mimalloc) keeps the pages a thread freed until that
+    thread allocates again, so validation's temporaries are returned right away on the calling
+    thread (``release_unused``, ~1 us); glibc malloc (gRPC's message buffers, numpy, Python) keeps
+    freed chunks in up to 8 x cores arenas, so ``malloc_trim`` runs at most every
+    :data:`_TRIM_EVERY_S` (~0.2 ms each). In the 64-writer load test these held 10-50 MiB, as much
+    as a 64 MiB budget's worth of groups the budget could not see.
+    """
+    global _trimmed_at
+    pa.default_memory_pool().release_unused()
+    if _malloc_trim is None:
+        return
+    now = time.monotonic()
+    if now - _trimmed_at < _TRIM_EVERY_S or not _trim_lock.acquire(blocking=False):
+        return
+    try:
+        _trimmed_at = now
+        _malloc_trim(0)
+    finally:
+        _trim_lock.release()
+
+
+def _pages(n: int) -> int:
+    """``n`` rounded up to whole pages."""
+    return -(-n // mmap.PAGESIZE) * mmap.PAGESIZE
+
+
+def _size_class(n: int) -> int:
+    """``n`` rounded up the way a size-class allocator (mimalloc, jemalloc) does: 4 classes per power of two."""
+    if n <= 64:
+        return 64
+    step = max(16, 1 << ((n - 1).bit_length() - 3))
+    return -(-n // step) * step
+
+
+def _pack(batch: pa.RecordBatch) -> tuple[_Block, int]:
+    """``batch`` copied into ONE block of memory of its own; returns the block and the bytes it holds.
+
+    Why: a batch that arrived over gRPC is a set of views into the received message (gRPC's own
+    malloc'd memory, larger than the columns kept) plus small buffers validation added, and an
+    in-memory ``RecordBatch`` of the 19-column trajectory schema costs ~9 KiB of C++/Python
+    objects (``ArrayData``, ``Buffer``, control blocks; measured with ``mallinfo2``), ~27% of a
+    32 KiB group. Keeping those pinned memory the budget never saw (peak RSS ~2.2x the budget).
+
+    So the batch is serialized as one encapsulated IPC message (``RecordBatch.serialize``, exact
+    size) and :func:`_view` reads it back as zero-copy views whenever it is sliced (~15 us). A block
+    of at least :data:`_MMAP_MIN` bytes is copied into an anonymous private ``mmap`` of its own:
+    releasing the group unmaps it (once no in-flight answer still views it), so its pages go back
+    to the OS at once and the heap never fragments. General-purpose allocators fed ~32 KiB blocks
+    freed in arrival-unrelated order kept 1.3-1.5x the live bytes resident (glibc, mimalloc and
+    jemalloc alike). Smaller blocks stay in the Arrow pool (where a page of their own would waste
+    more than the allocator does); if ``mmap`` fails (e.g. the map-count limit) the pool is used too.
+
+    Bytes held: the whole pages of an mmap block (or the pool block rounded to its size class),
+    plus :data:`_BLOCK_OVERHEAD` and :data:`_ROW_OVERHEAD` per row.
+    """
+    message = batch.serialize()
+    block, size = message, _size_class(message.size)
+    if message.size >= _MMAP_MIN:
+        try:
+            region = mmap.mmap(-1, message.size, flags=mmap.MAP_PRIVATE)
+        except OSError:
+            log.warning("mmap of a %d-byte block failed; keeping it in the Arrow memory pool", message.size)
+        else:
+            region.write(message)
+            block, size = region, _pages(message.size)
+    return block, size + _BLOCK_OVERHEAD + _ROW_OVERHEAD * batch.num_rows
+
+
+def _compact_ints(values: Iterable[int]) -> Container[int]:
+    """``values`` as a ``range`` when they are consecutive (the usual ``0..G-1``), else a frozenset."""
+    ordered = sorted(values)
+    if ordered and ordered[-1] - ordered[0] == len(ordered) - 1:
+        return range(ordered[0], ordered[-1] + 1)
+    return frozenset(ordered)
+
+
+def _view(block: _Block, schema: pa.Schema) -> pa.RecordBatch:
+    """The batch :func:`_pack` stored in ``block``, as zero-copy views into it.
+
+    An mmap block is wrapped in a ``pa.Buffer`` only here, for as long as the views live: a
+    wrapper kept per stored block is a small C++ allocation in the arena of whichever gRPC thread
+    stored it, and ~2000 of those scattered over glibc's per-thread arenas pinned pages that
+    ``malloc_trim`` could not give back. The views keep the mmap alive (buffer export) until they
+    are gone, even if the group is released meanwhile.
+    """
+    return pa.ipc.read_record_batch(pa.py_buffer(block) if isinstance(block, mmap.mmap) else block, schema)
 
 
 class Store:
@@ -116,6 +298,8 @@ class Store:
         self.config = StoreConfig(
             memory_budget=memory_budget, node_name=node_name, spill_dir=None if spill_dir is None else str(spill_dir)
         )
+        if memory_budget is not None:
+            _cap_malloc_arenas()
         self._lock = threading.RLock()
         self._groups: dict[str, _Group] = {}
         self._meta_batches: list[pa.RecordBatch] = []
@@ -128,6 +312,8 @@ class Store:
         self._weights_version: int | None = None
         self._version = 0
         self._used = 0
+        self._in_flight = 0
+        self._payload = 0
         self._rows = 0
         self.bytes_in = 0
         self.bytes_out = 0
@@ -159,7 +345,8 @@ class Store:
                     records += 1
                     kind = header.get("kind")
                     if kind == "group":
-                        self._commit_group(str(header["group_id"]), decode_batches(body))
+                        fresh = decode_batches(body)
+                        self._commit_group(str(header["group_id"]), fresh, [_pack(b) for b in fresh])
                     elif kind == "release":
                         self.release([str(g) for g in header.get("group_ids", [])])
                     elif kind == "images":
@@ -194,13 +381,15 @@ class Store:
 
     # ---- budget --------------------------------------------------------------------------------
 
-    def _reserve(self, needed: int, what: str) -> None:
+    def _reserve(self, needed: int, what: str, in_flight: int = 0) -> None:
+        """Refuse ``needed`` more bytes unless they fit the budget next to the stored ones and ``in_flight``."""
         budget = self.config.memory_budget
-        if budget is not None and not self._replaying and self._used + needed > budget:
-            available = max(0, budget - self._used)
+        if budget is not None and not self._replaying and self._used + in_flight + needed > budget:
+            available = max(0, budget - self._used - in_flight)
             msg = (
                 f"memory budget of node {self.config.node_name} is full: {what} needs {needed} bytes, "
-                f"{available} of {budget} available; retry after consumed groups are released"
+                f"{available} of {budget} available ({in_flight} held by writes in flight); "
+                "retry after consumed groups are released"
             )
             raise BudgetExceededError(msg, needed=needed, available=available)
 
@@ -217,13 +406,54 @@ class Store:
             BudgetExceededError: the node's memory budget cannot hold the new rows (nothing stored).
             GroupReleasedError: new rows for a group that was already released.
         """
+        raw = sum(b.nbytes for b in batches)
+        cost = _COPIES_IN_FLIGHT * raw
+        mine = cost + getattr(_writing, "overhead", 0)  # this write's share of _in_flight
+        with self._lock:
+            if self._used and group_id not in self._groups:
+                # Refuse before validating and copying what cannot fit anyway (the exact check
+                # comes at commit; an empty store always gets there, so nothing that fits alone
+                # is refused forever): under backpressure dozens of writes would otherwise each
+                # hold their copies at once on top of a full budget.
+                self._reserve(2 * raw, f"group {group_id!r}", self._in_flight - (mine - cost))
+            self._in_flight += cost
+        try:
+            return self._put_group(group_id, batches, mine)
+        finally:
+            with self._lock:
+                self._in_flight -= cost
+            _return_free_memory()
+
+    @contextlib.contextmanager
+    def write_in_flight(self) -> Iterator[None]:
+        """Count one write being received (its server thread, :data:`_WRITE_OVERHEAD`) against the budget.
+
+        The server wraps each DoPut in it, from before it reads the stream until it answers: a
+        commit is refused unless the stored groups, the new group and everything other writes
+        in flight hold fit the budget together. With 64 concurrent writers that is ~20 MiB a
+        node holds beyond its stored groups (gRPC buffers, copies, thread caches).
+        """
+        with self._lock:
+            self._in_flight += _WRITE_OVERHEAD
+        _writing.overhead = _WRITE_OVERHEAD
+        try:
+            yield
+        finally:
+            _writing.overhead = 0
+            with self._lock:
+                self._in_flight -= _WRITE_OVERHEAD
+
+    def _put_group(self, group_id: str, batches: Sequence[pa.RecordBatch | pa.Table], mine: int) -> int:
+        """:meth:`put_group` once its copies are counted in flight (``mine``: its share of ``_in_flight``)."""
         flat: list[pa.RecordBatch] = []
         for b in batches:
             flat.extend(b.to_batches() if isinstance(b, pa.Table) else [b])
         normalized = normalize_stream(flat, group_id)
         with self._lock:
             group = self._groups.get(group_id)
-            present = group.index if group is not None else {}
+            present: Container[int] = (
+                {} if group is None else group.consumed if group.released else group.index
+            )
             fresh: list[pa.RecordBatch] = []
             for b in normalized:
                 idx = b.column("sample_idx").to_numpy()
@@ -237,34 +467,44 @@ class Store:
             if group is not None and group.released:
                 msg = f"group {group_id!r} was already released; refusing {sum(b.num_rows for b in fresh)} new rows"
                 raise GroupReleasedError(msg, group_id=group_id)
-            self._reserve(sum(b.nbytes for b in fresh), f"group {group_id!r}")
+            packed = [_pack(b) for b in fresh]
+            # stored groups + this group + what the OTHER writes in flight hold must fit
+            self._reserve(sum(held for _, held in packed), f"group {group_id!r}", self._in_flight - mine)
             self._log({"kind": "group", "group_id": group_id}, encode_batches(fresh))
-            return self._commit_group(group_id, fresh)
+            return self._commit_group(group_id, fresh, packed)
 
-    def _commit_group(self, group_id: str, fresh: list[pa.RecordBatch]) -> int:
-        """Add already validated, deduplicated batches of ``group_id`` (caller holds the lock)."""
-        needed = sum(b.nbytes for b in fresh)
+    def _commit_group(
+        self, group_id: str, fresh: list[pa.RecordBatch], packed: list[tuple[_Block, int]]
+    ) -> int:
+        """Add validated, deduplicated batches of ``group_id`` and their :func:`_pack` (caller holds the lock)."""
+        held = sum(h for _, h in packed)
+        payload = sum(b.nbytes for b in fresh)
         group = self._groups.get(group_id)
         if group is None:
             group = self._groups[group_id] = _Group()
         meta: list[pa.RecordBatch] = []
-        for b in fresh:
-            bno = len(group.batches)
-            group.batches.append(b)
+        for b, (block, _) in zip(fresh, packed, strict=True):
+            bno = len(group.blocks)
+            group.blocks.append(block)
             for off, s in enumerate(b.column("sample_idx").to_numpy().tolist()):
                 group.index[s] = (bno, off)
             meta.append(self._metadata_rows(b))
-            for keys in b.column("image_keys").to_pylist():
-                for k in set(keys) - group.image_keys:
-                    group.image_keys.add(k)
+            new_keys = {k for keys in b.column("image_keys").to_pylist() for k in keys} - group.image_keys
+            if new_keys:
+                group.image_keys = {*group.image_keys, *new_keys}
+                for k in new_keys:
                     self._image_refs[k] = self._image_refs.get(k, 0) + 1
-        group.nbytes += needed
-        self._used += needed
-        self.bytes_in += needed
+        group.nbytes += payload
+        group.held += held
+        self._payload += payload
+        self._used += held
+        self.bytes_in += payload
         rows = sum(b.num_rows for b in fresh)
         self._rows += rows
         self._meta_batches.extend(meta)
         self._meta_cache = None
+        if len(self._meta_batches) - self._meta_merged > _COMPACT_AT:
+            self._compact_metadata()  # bound the many tiny per-write batches even when nobody scans
         return rows
 
     def _compact_metadata(self) -> None:
@@ -316,6 +556,14 @@ class Store:
                     msg = f"unknown column {c!r} requested; the trajectory schema has {TRAJECTORY_SCHEMA.names}"
                     raise SchemaMismatchError(msg, column=c)
         out: list[pa.RecordBatch] = []
+        views: dict[tuple[str, int], pa.RecordBatch] = {}
+
+        def view(group_id: str, group: _Group, bno: int) -> pa.RecordBatch:
+            got = views.get((group_id, bno))
+            if got is None:
+                got = views[group_id, bno] = group.batch(bno)
+            return got
+
         with self._lock:
             for group_id, start, stop in refs:
                 group = self._groups.get(group_id)
@@ -335,10 +583,10 @@ class Store:
                         run_len += 1
                         continue
                     if run_len:
-                        out.append(group.batches[run_b].slice(run_off, run_len))
+                        out.append(view(group_id, group, run_b).slice(run_off, run_len))
                     run_b, run_off, run_len = loc[0], loc[1], 1
                 if run_len:
-                    out.append(group.batches[run_b].slice(run_off, run_len))
+                    out.append(view(group_id, group, run_b).slice(run_off, run_len))
         if columns is not None:
             out = [b.select(list(columns)) for b in out]
         # bytes of the buffer ranges the projected slices reference (what is actually sent)
@@ -346,6 +594,8 @@ class Store:
         with self._lock:
             self.bytes_out += served
         if 0 < served < coalesce_below and len(out) > 1:
+            # this thread's earlier coalesced answers were freed once sent; hand their pages back first
+            pa.default_memory_pool().release_unused()
             out = pa.Table.from_batches(out).combine_chunks().to_batches()
         return out
 
@@ -362,8 +612,11 @@ class Store:
             for gid in todo:
                 group = self._groups[gid]
                 group.released = True
-                group.batches = []
-                self._used -= group.nbytes
+                group.blocks = []
+                group.consumed = _compact_ints(group.index)  # still dedups retries; ~50 bytes, not ~500
+                group.index = {}
+                self._used -= group.held
+                self._payload -= group.nbytes
                 for k in group.image_keys:
                     left = self._image_refs.get(k, 0) - 1
                     if left > 0:
@@ -372,8 +625,12 @@ class Store:
                     self._image_refs.pop(k, None)
                     img = self._images.pop(k, None)
                     if img is not None:
-                        self._used -= img.nbytes
+                        self._used -= img.held
+                        self._payload -= img.nbytes
+                group.image_keys = frozenset()  # the empty frozenset is a shared singleton
                 freed += 1
+        if freed:
+            _return_free_memory()
         return freed
 
     def has_group(self, group_id: str) -> bool:
@@ -416,11 +673,15 @@ class Store:
                 if c not in _META_COLUMNS:
                     msg = f"unknown metadata column {c!r}; metadata columns are {METADATA_SCHEMA.names}"
                     raise SchemaMismatchError(msg, column=c)
+        merged = False
         with self._lock:
             if self._meta_cache is None:
                 self._compact_metadata()
                 self._meta_cache = pa.Table.from_batches(self._meta_batches, schema=METADATA_SCHEMA)
+                merged = True
             table = self._meta_cache
+        if merged:  # the merged chunks were freed on this thread
+            _return_free_memory()
         table = table.slice(min(since, table.num_rows))
         if columns is not None:
             table = table.select(["seq", *(c for c in dict.fromkeys(columns) if c != "seq")])
@@ -438,7 +699,7 @@ class Store:
         t = normalize_images(table)
         with self._lock:
             new = self._new_images(t.to_batches())
-            needed = sum(v.nbytes for v in new.values())
+            needed = sum(v.held for v in new.values())
             self._reserve(needed, f"{len(new)} image(s)")
             if new:
                 self._log({"kind": "images"}, encode_batches([v.row for v in new.values()]))
@@ -452,17 +713,19 @@ class Store:
                 if k in self._images or k in new:
                     continue
                 row = b.slice(i, 1)
-                new[k] = _Image(row=row, nbytes=row.nbytes)
+                block, held = _pack(row)  # own copy: the received message is not kept alive
+                new[k] = _Image(block=block, nbytes=row.nbytes, held=held)
         return new
 
     def _commit_images(self, batches: list[pa.RecordBatch], new: dict[bytes, _Image] | None = None) -> int:
         """Add new image rows (from ``batches``, or the ``new`` already selected); caller holds the lock."""
         if new is None:
             new = self._new_images(batches)
-        needed = sum(v.nbytes for v in new.values())
         self._images.update(new)
-        self._used += needed
-        self.bytes_in += needed
+        payload = sum(v.nbytes for v in new.values())
+        self._used += sum(v.held for v in new.values())
+        self._payload += payload
+        self.bytes_in += payload
         return len(new)
 
     def images(self, keys: Sequence[bytes]) -> pa.Table:
@@ -495,6 +758,7 @@ class Store:
             self._reserve(max(0, table.nbytes - old), f"weights v{version}")
             self._log({"kind": "weights", "version": int(version)}, encode_batches(table.to_batches(), table.schema))
             self._used += table.nbytes - old
+            self._payload += table.nbytes - old
             self._weights, self._weights_version = table, version
             self.bytes_in += table.nbytes
             return True
@@ -538,13 +802,14 @@ class Store:
                 "rows_stored": sum(len(g.index) for g in self._groups.values() if not g.released),
                 "metadata_rows": self._seq,
                 "groups": {"stored": len(self._groups) - released, "released": released},
-                "bytes": self._used,
+                "bytes": self._payload,
                 "images": len(self._images),
                 "image_bytes": sum(v.nbytes for v in self._images.values()),
                 "weights_version": self._weights_version,
                 "policy_version": self._version,
                 "memory_budget": self.config.memory_budget,
                 "memory_used": self._used,
+                "memory_in_flight": self._in_flight,
                 "bytes_in": self.bytes_in,
                 "bytes_out": self.bytes_out,
                 "uptime_s": round(time.time() - self.started, 3),
@@ -556,6 +821,4 @@ def _merge(batches: list[pa.RecordBatch]) -> list[pa.RecordBatch]:
 
 
 def _empty_images() -> pa.Table:
-    from schemas.arrow import IMAGE_SCHEMA
-
     return IMAGE_SCHEMA.empty_table()

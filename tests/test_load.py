@@ -3,15 +3,25 @@
 Writers meet the retryable BudgetExceededError and retry with backoff; a consumer thread scans, fetches and
 releases; every group is consumed exactly once; each node's peak RSS growth stays within budget + 20%.
 
-RSS check: ``VmHWM`` (peak resident set) minus ``VmRSS`` right after the node started (interpreter, pyarrow,
-polars and gRPC already loaded), both read from ``/proc/PID/status``, must be at most ``RSS_FACTOR * budget``.
-KNOWN GAP: the issue's target is 1.2 x budget; measured growth is 2.1-2.6 x (the budget counts Arrow payload
-bytes only, not the per-group objects, metadata copies and allocator retention), so RSS_FACTOR is 3.0 for now.
+RSS check: ``VmHWM`` (peak resident set) minus the node's idle ``VmRSS`` (both from ``/proc/PID/status``)
+must be at most ``RSS_FACTOR * budget`` (target: budget + 20%, see ``RSS_FACTOR``). "Idle" is measured after
+a warm-up in which the same 64 writers each put, and the consumer fetches and releases, one group: the node
+then holds no data, but its code paths and its gRPC server threads have run once (interpreter, pyarrow,
+polars, gRPC loaded; compute kernels and IPC code paged in), so the growth measured is what holding and
+moving data costs.
+
+What brings it near 1.2x (``flight_store.store``): every stored batch is copied out of the received gRPC message
+into one block of its own pages (unmapped on release, so nothing fragments), and the budget counts what a
+group really holds (whole pages plus object/index overhead) and what writes in flight hold (their gRPC
+thread, the received message and its copy); the Arrow pool and glibc malloc hand freed memory back. Before
+that, growth was 2.1-2.6x: the budget counted ``RecordBatch.nbytes`` while the batches pinned their gRPC
+messages and ~9 KiB of C++ objects each, and the allocators kept the freed memory.
 """
 
 from __future__ import annotations
 
 import collections
+import contextlib
 import os
 import random
 import subprocess
@@ -33,10 +43,10 @@ GROUPS_PER_WRITER = 100
 GROUP_SIZE = 4
 RESPONSE_LEN = 900  # ~ 4 x 900 x 9 bytes = ~32 KiB of payload per group
 BUDGET = 64 << 20  # per node; 2 nodes hold 128 MiB, the run writes ~200 MiB
-RSS_FACTOR = 3.0
-"""Allowed peak RSS growth / budget. The issue asks for 1.2; measured growth is ~2.1-2.6x the budget (per-group
-Arrow/C++ object and allocator overhead that the budget does not count), so this guards against regressions
-only. OPEN: make the budget count real memory (see the module docstring)."""
+RSS_FACTOR = 1.35
+"""Allowed peak RSS growth / budget. The target is budget + 20% (1.2): measured growth is 1.07-1.17x on a
+quiet 2-core machine, but 1.23-1.26x in 2 of ~25 runs on a heavily loaded one, so the test holds 1.35 to
+stay deterministic in CI; the remaining gap (allocator retention under load) is open."""
 
 pytestmark = pytest.mark.skipif(not Path("/proc/self/status").exists(), reason="needs /proc for RSS")
 
@@ -60,17 +70,52 @@ def _start_node() -> tuple[subprocess.Popen[str], str]:
     return proc, line.split("listening on ")[1].strip()
 
 
+def _consume(client: StoreClient, frame: pl.DataFrame) -> list[str]:
+    """Fetch the groups of a scanned metadata ``frame`` 64 at a time, release them; returns their ids."""
+    groups = frame.group_by("group_id", "node", maintain_order=True).agg(pl.len().alias("n"))
+    assert (groups["n"] == GROUP_SIZE).all()
+    rows = list(groups.iter_rows())
+    done: list[str] = []
+    for k in range(0, len(rows), 64):
+        chunk = rows[k : k + 64]
+        slices = [PlannedSlice(node=n, group_id=g, start=0, stop=GROUP_SIZE) for g, n, _ in chunk]
+        table = client.fetch(slices, columns=["group_id", "sample_idx", "response_ids"])
+        assert table.num_rows == GROUP_SIZE * len(chunk)
+        got = table.column("group_id").to_pylist()[::GROUP_SIZE]
+        assert got == [g for g, _, _ in chunk]
+        client.release(got)
+        done.extend(got)
+    return done
+
+
+def _warm_up(wclient: StoreClient, cclient: StoreClient, template: pa.Table, gid_index: int) -> None:
+    """The 64 writers put one group each at once; the consumer fetches and releases them (nodes end empty)."""
+
+    def put(w: int) -> None:
+        gid = f"warm-{w:02d}"
+        wclient.put_group(template.set_column(gid_index, "group_id", pa.array([gid] * GROUP_SIZE)), group_id=gid)
+
+    threads = [threading.Thread(target=put, args=(w,)) for w in range(WRITERS)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=60)
+    assert len(_consume(cclient, cclient.scan_new(columns=["group_id", "sample_idx"]))) == WRITERS
+
+
 @pytest.mark.slow
 def test_64_writers_budget_backpressure_nothing_dropped_rss_bounded(make_group) -> None:
     procs = [_start_node() for _ in range(2)]
     locs = [loc for _, loc in procs]
+    clients = contextlib.ExitStack()
     try:
-        with StoreClient(locs, timeout=30) as probe:  # load gRPC paths once before the baseline
-            assert all(h["ok"] for h in probe.health().values())
-        time.sleep(0.2)
-        baseline = {p.pid: _status_kib(p.pid, "VmRSS") for p, _ in procs}
+        wclient = clients.enter_context(StoreClient(locs, timeout=30))
+        cclient = clients.enter_context(StoreClient(locs, timeout=30))
         template = pa.Table.from_batches([make_group("t", size=GROUP_SIZE, response_len=RESPONSE_LEN)])
         gid_index = template.schema.get_field_index("group_id")
+        _warm_up(wclient, cclient, template, gid_index)
+        time.sleep(0.5)
+        baseline = {p.pid: _status_kib(p.pid, "VmRSS") for p, _ in procs}
         total = WRITERS * GROUPS_PER_WRITER
         retries = collections.Counter[int]()
         acked: list[str] = []
@@ -78,6 +123,7 @@ def test_64_writers_budget_backpressure_nothing_dropped_rss_bounded(make_group) 
         consumed = collections.Counter[str]()
         failures: list[BaseException] = []
         done = threading.Event()
+        pushed_back = threading.Event()
 
         def writer(w: int, client: StoreClient) -> None:
             rng = random.Random(w)
@@ -92,6 +138,7 @@ def test_64_writers_budget_backpressure_nothing_dropped_rss_bounded(make_group) 
                             break
                         except BudgetExceededError:
                             retries[w] += 1
+                            pushed_back.set()
                             time.sleep(delay * (0.5 + rng.random()))
                             delay = min(0.25, delay * 2)
                     with acked_lock:
@@ -100,42 +147,32 @@ def test_64_writers_budget_backpressure_nothing_dropped_rss_bounded(make_group) 
                 failures.append(exc)
 
         def consumer(client: StoreClient) -> None:
+            pushed_back.wait(timeout=60)  # let the writers fill the budget first: backpressure is certain
             try:
                 while len(consumed) < total and not done.is_set():
                     frame = client.scan_new(columns=["group_id", "sample_idx"])
                     if frame.height == 0:
                         time.sleep(0.02)
                         continue
-                    groups = frame.group_by("group_id", "node").agg(pl.len().alias("n"))
-                    assert (groups["n"] == GROUP_SIZE).all()
-                    rows = list(groups.iter_rows())
-                    for k in range(0, len(rows), 64):
-                        chunk = rows[k : k + 64]
-                        slices = [PlannedSlice(node=n, group_id=g, start=0, stop=GROUP_SIZE) for g, n, _ in chunk]
-                        table = client.fetch(slices, columns=["group_id", "sample_idx", "response_ids"])
-                        assert table.num_rows == GROUP_SIZE * len(chunk)
-                        got = table.column("group_id").to_pylist()[::GROUP_SIZE]
-                        assert got == [g for g, _, _ in chunk]
-                        client.release([g for g, _, _ in chunk])
-                        consumed.update(got)
+                    consumed.update(_consume(client, frame))
             except BaseException as exc:
                 failures.append(exc)
 
         t0 = time.monotonic()
-        with StoreClient(locs, timeout=30) as wclient, StoreClient(locs, timeout=30) as cclient:
-            threads = [threading.Thread(target=writer, args=(w, wclient)) for w in range(WRITERS)]
-            cons = threading.Thread(target=consumer, args=(cclient,))
-            cons.start()
-            for t in threads:
-                t.start()
-            for t in threads:
-                t.join(timeout=150)
-            cons.join(timeout=max(1.0, 150 - (time.monotonic() - t0)))
-            done.set()
-            elapsed = time.monotonic() - t0
-            stats = wclient.stats()
+        threads = [threading.Thread(target=writer, args=(w, wclient)) for w in range(WRITERS)]
+        cons = threading.Thread(target=consumer, args=(cclient,))
+        cons.start()
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout=150)
+        cons.join(timeout=max(1.0, 150 - (time.monotonic() - t0)))
+        done.set()
+        elapsed = time.monotonic() - t0
+        stats = wclient.stats()
         peaks = {p.pid: _status_kib(p.pid, "VmHWM") for p, _ in procs}
     finally:
+        clients.close()
         for p, _ in procs:
             p.terminate()
         for p, _ in procs:
@@ -149,7 +186,8 @@ def test_64_writers_budget_backpressure_nothing_dropped_rss_bounded(make_group) 
     assert sum(retries.values()) > 0, "the budget never pushed back: the test does not test backpressure"
     for s in stats.values():
         assert s["groups"] == {"stored": 0, "released": s["groups"]["released"]} and s["memory_used"] == 0
-    assert sum(s["groups"]["released"] for s in stats.values()) == total
+        assert s["memory_in_flight"] == 0
+    assert sum(s["groups"]["released"] for s in stats.values()) == total + WRITERS  # + the warm-up's
     growth = {pid: (peaks[pid] - baseline[pid]) * 1024 for pid in peaks}
     report = {
         "elapsed_s": round(elapsed, 1),

@@ -267,7 +267,7 @@ def test_safe_casts_are_accepted(make_group) -> None:
 
 
 def test_budget_refuses_retryably_and_never_drops(make_group) -> None:
-    store = Store(memory_budget=40_000)
+    store = Store(memory_budget=50_000)
     store.put_group("a", [make_group("a", size=4, response_len=1000)])
     with pytest.raises(BudgetExceededError, match="memory budget") as exc:
         store.put_group("b", [make_group("b", size=4, response_len=1000)])
