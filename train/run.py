@@ -55,7 +55,7 @@ ROOT = Path(__file__).resolve().parents[1]
 POLICIES = ("mini_batch", "train_batch")
 MODEL_PRESET = "tiny-vllm"
 DEFAULT_TRAIN_BATCHES = 300
-"""`knit run` without --quick: about 3-5 minutes on 2 cores (600 optimizer steps)."""
+"""`knit run` without --quick: 600 optimizer steps, ~2.5 minutes on a quiet 2-core machine (5+ when shared)."""
 CHILD_ENV = {
     "OMP_NUM_THREADS": "1",
     "TOKENIZERS_PARALLELISM": "false",
