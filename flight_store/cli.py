@@ -49,7 +49,8 @@ def _parser() -> argparse.ArgumentParser:
         type=int,
         default=None,
         metavar="BYTES",
-        help="bytes of payload the node may hold; writes beyond it are refused (retryable)",
+        help="bytes of memory the node may hold: stored data, writes in flight, and its process's resident "
+        "memory above its start; writes beyond it are refused (retryable)",
     )
     serve.add_argument(
         "--coalesce-below",
@@ -107,6 +108,7 @@ def serve(args: argparse.Namespace) -> int:
         auth_token=token,
         spill_dir=args.spill_dir,
         metrics_port=args.metrics_port,
+        rss_guard=True,  # the node owns its process: hold its resident memory to the budget too
     )
     stop = threading.Event()
 

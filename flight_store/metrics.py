@@ -61,6 +61,9 @@ class StoreMetrics:
                     ("bytes", "payload bytes held"),
                     ("memory_budget", "memory budget in bytes (0 = unlimited)"),
                     ("memory_used", "bytes counted against the memory budget"),
+                    ("memory_in_flight", "bytes writes in flight hold"),
+                    ("memory_rss", "resident memory of the node process (with the RSS guard)"),
+                    ("memory_rss_limit", "resident memory above which writes are refused (with the RSS guard)"),
                     ("images", "distinct images held"),
                     ("policy_version", "newest published policy version"),
                 ):

@@ -132,6 +132,8 @@ class StoreServer(flight.FlightServerBase):
         spill_dir: directory of the durable spill log (replayed if it holds one).
         metrics_port: serve Prometheus ``/metrics`` on this port (0 = a free one, read
             :attr:`metrics_port`); ``None`` = no metrics.
+        rss_guard: also hold the process's resident memory to ``memory_budget`` (see
+            :attr:`~flight_store.store.StoreConfig.rss_guard`; ``knit serve`` turns it on).
 
     Example:
         >>> with StoreServer("grpc://127.0.0.1:0", memory_budget=1 << 30) as server:
@@ -154,6 +156,7 @@ class StoreServer(flight.FlightServerBase):
         auth_token: str | None = None,
         spill_dir: str | os.PathLike[str] | None = None,
         metrics_port: int | None = None,
+        rss_guard: bool = False,
         **flight_kwargs: Any,
     ) -> None:
         if (tls_cert is None) != (tls_key is None):
@@ -178,8 +181,11 @@ class StoreServer(flight.FlightServerBase):
         host = rest.rsplit(":", 1)[0] if rest else "127.0.0.1"
         self.location = f"{scheme}://{host}:{self.port}"
         """Where clients connect (the real port when constructed with port 0)."""
-        self.store = store if store is not None else Store(memory_budget=memory_budget, spill_dir=spill_dir)
-        if node_name is not None or store is None:
+        own_store = store is None
+        self.store = store if store is not None else Store(
+            memory_budget=memory_budget, spill_dir=spill_dir, rss_guard=rss_guard
+        )
+        if node_name is not None or own_store:
             self.store.config.node_name = node_name or self.location
         self.node_name = self.store.config.node_name
         self.metrics: Any = None

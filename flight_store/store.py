@@ -87,6 +87,12 @@ class StoreConfig:
     """Name reported by ``health``/``stats`` (the server sets it to its location)."""
     spill_dir: str | None = None
     """Directory of the durable spill log (created if missing); ``None`` = memory only."""
+    rss_guard: bool = False
+    """Also hold the process's resident memory to the budget (for a store that owns its process, as a
+    ``knit serve`` node does): a group or image write is refused, retryably, while the process's RSS is more
+    than ``memory_budget`` above what it was when the store opened, unless the store holds nothing (so a
+    write is never refused forever). This covers what no count sees (gRPC buffers, thread stacks, allocator
+    caches, the metadata history); needs ``/proc/self/statm`` and a budget, else it is off."""
 
     def __post_init__(self) -> None:
         if self.memory_budget is not None and self.memory_budget <= 0:
@@ -252,6 +258,24 @@ def _pack(batch: pa.RecordBatch) -> tuple[_Block, int]:
     return block, size + _BLOCK_OVERHEAD + _ROW_OVERHEAD * batch.num_rows
 
 
+@dataclass(slots=True)
+class _ResidentMemory:
+    """The process's resident set size, read from ``/proc/self/statm`` (~2 us a read)."""
+
+    fd: int
+
+    @classmethod
+    def open(cls) -> _ResidentMemory | None:
+        try:
+            return cls(os.open("/proc/self/statm", os.O_RDONLY))
+        except OSError:  # not Linux: the guard is off
+            log.warning("no /proc/self/statm: the store's resident-memory guard is off")
+            return None
+
+    def read(self) -> int:
+        return int(os.pread(self.fd, 128, 0).split()[1]) * mmap.PAGESIZE
+
+
 def _compact_ints(values: Iterable[int]) -> Container[int]:
     """``values`` as a ``range`` when they are consecutive (the usual ``0..G-1``), else a frozenset."""
     ordered = sorted(values)
@@ -294,12 +318,19 @@ class Store:
         memory_budget: int | None = None,
         node_name: str = "local",
         spill_dir: str | os.PathLike[str] | None = None,
+        rss_guard: bool = False,
     ) -> None:
         self.config = StoreConfig(
-            memory_budget=memory_budget, node_name=node_name, spill_dir=None if spill_dir is None else str(spill_dir)
+            memory_budget=memory_budget,
+            node_name=node_name,
+            spill_dir=None if spill_dir is None else str(spill_dir),
+            rss_guard=rss_guard,
         )
         if memory_budget is not None:
             _cap_malloc_arenas()
+        self._rss = _ResidentMemory.open() if rss_guard and memory_budget is not None else None
+        self._rss_limit = 0 if self._rss is None else self._rss.read() + memory_budget  # type: ignore[operator]
+        self._rss_refusals = 0
         self._lock = threading.RLock()
         self._groups: dict[str, _Group] = {}
         self._meta_batches: list[pa.RecordBatch] = []
@@ -378,6 +409,9 @@ class Store:
         if self._spill is not None:
             self._spill.close()
             self._spill = None
+        if self._rss is not None:
+            os.close(self._rss.fd)
+            self._rss = None
 
     # ---- budget --------------------------------------------------------------------------------
 
@@ -392,6 +426,32 @@ class Store:
                 "retry after consumed groups are released"
             )
             raise BudgetExceededError(msg, needed=needed, available=available)
+
+    def _check_rss(self, needed: int, what: str) -> None:
+        """With :attr:`StoreConfig.rss_guard`: refuse ``needed`` more bytes while the process's RSS is too high.
+
+        The limit is the RSS at opening plus the budget; a store holding nothing is never refused (the
+        consumer cannot free anything more, and one write must always get through).
+        """
+        if self._rss is None or self._replaying or not self._used:
+            return
+        rss = self._rss.read()
+        if rss + needed <= self._rss_limit:
+            return
+        self._rss_refusals += 1
+        budget = cast(int, self.config.memory_budget)
+        if self._rss_refusals % 1000 == 1 and self._used + self._in_flight < budget // 2:
+            log.warning(
+                "node %s: resident memory is %d MiB above its start while stored data counts %d MiB of a %d MiB "
+                "budget; memory outside the stored groups (metadata history, allocator caches) limits the node",
+                self.config.node_name, (rss - self._rss_limit + budget) >> 20, self._used >> 20, budget >> 20,
+            )
+        msg = (
+            f"memory budget of node {self.config.node_name} is full: {what} needs {needed} bytes, the node's "
+            f"resident memory is {max(0, self._rss_limit - rss)} bytes below its limit (start + budget of "
+            f"{budget}); retry after consumed groups are released"
+        )
+        raise BudgetExceededError(msg, needed=needed, available=max(0, self._rss_limit - rss))
 
     # ---- groups --------------------------------------------------------------------------------
 
@@ -416,6 +476,7 @@ class Store:
                 # is refused forever): under backpressure dozens of writes would otherwise each
                 # hold their copies at once on top of a full budget.
                 self._reserve(2 * raw, f"group {group_id!r}", self._in_flight - (mine - cost))
+                self._check_rss(2 * raw, f"group {group_id!r}")
             self._in_flight += cost
         try:
             return self._put_group(group_id, batches, mine)
@@ -470,6 +531,7 @@ class Store:
             packed = [_pack(b) for b in fresh]
             # stored groups + this group + what the OTHER writes in flight hold must fit
             self._reserve(sum(held for _, held in packed), f"group {group_id!r}", self._in_flight - mine)
+            self._check_rss(0, f"group {group_id!r}")  # the packed blocks' pages are resident already
             self._log({"kind": "group", "group_id": group_id}, encode_batches(fresh))
             return self._commit_group(group_id, fresh, packed)
 
@@ -702,6 +764,8 @@ class Store:
             needed = sum(v.held for v in new.values())
             self._reserve(needed, f"{len(new)} image(s)")
             if new:
+                self._check_rss(needed, f"{len(new)} image(s)")
+            if new:
                 self._log({"kind": "images"}, encode_batches([v.row for v in new.values()]))
             return self._commit_images([], new)
 
@@ -810,6 +874,8 @@ class Store:
                 "memory_budget": self.config.memory_budget,
                 "memory_used": self._used,
                 "memory_in_flight": self._in_flight,
+                "memory_rss": None if self._rss is None else self._rss.read(),
+                "memory_rss_limit": None if self._rss is None else self._rss_limit,
                 "bytes_in": self.bytes_in,
                 "bytes_out": self.bytes_out,
                 "uptime_s": round(time.time() - self.started, 3),

@@ -59,7 +59,8 @@ def test_failed_rpc_is_counted_as_error() -> None:
 
 def test_knit_serve_metrics_port() -> None:
     proc = subprocess.Popen(
-        [sys.executable, "-m", "flight_store", "serve", "--port", "0", "--metrics-port", "0"],
+        [sys.executable, "-m", "flight_store", "serve", "--port", "0", "--metrics-port", "0",
+         "--memory-budget", str(1 << 30)],
         stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
     )
     try:
@@ -68,7 +69,10 @@ def test_knit_serve_metrics_port() -> None:
         line = proc.stdout.readline()
         assert "metrics on http://" in line, line
         port = int(line.rsplit(":", 1)[1].split("/")[0])
-        assert "knit_memory_used" in _scrape(port)
+        scraped = _scrape(port)
+        assert "knit_memory_used" in scraped
+        # a node process guards its resident memory: the limit is its RSS at start + the budget
+        assert 0 < scraped["knit_memory_rss"] < scraped["knit_memory_rss_limit"] - (1 << 29)
     finally:
         proc.terminate()
         proc.wait(timeout=20)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import threading
 
 import numpy as np
@@ -276,6 +277,27 @@ def test_budget_refuses_retryably_and_never_drops(make_group) -> None:
     store.release(["a"])
     assert store.put_group("b", [make_group("b", size=4, response_len=1000)]) == 4
 
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/statm"), reason="the RSS guard reads /proc/self/statm")
+def test_rss_guard_refuses_while_the_process_outgrows_the_budget(make_group) -> None:
+    budget = 16 << 20
+    store = Store(memory_budget=budget, rss_guard=True)
+    assert store.put_group("a", [make_group("a", size=2)]) == 2  # counted use is tiny
+    ballast = np.ones(3 * budget // 8, dtype=np.int64)  # 48 MiB resident that no count sees
+    s = store.stats()
+    assert s["memory_rss"] > s["memory_rss_limit"] and s["memory_used"] < budget // 100
+    with pytest.raises(BudgetExceededError, match="resident memory") as exc:
+        store.put_group("b", [make_group("b", size=2)])
+    assert exc.value.retryable
+    assert store.group_ids() == ["a"]
+    store.release(["a"])
+    assert store.put_group("b", [make_group("b", size=2)]) == 2  # an empty store always takes one write
+    del ballast
+    assert store.put_group("c", [make_group("c", size=2)]) == 2  # the memory went back: writes flow again
+    assert store.group_ids() == ["b", "c"]
+    store.close()
+    assert Store(memory_budget=budget).stats()["memory_rss"] is None  # off unless asked for
 
 # ---- images, weights, version ------------------------------------------------------------------
 
