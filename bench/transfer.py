@@ -15,8 +15,10 @@ baseline (verl, kept faithful)
 on-demand (knittrans)
     the driver scans metadata only and runs the admission planner; each rank DoGets exactly its
     micro-batch slices on a prefetch thread (``train.prefetch``, ``train.packing``) while the
-    compute of the previous micro-batch runs. Transfer time per train step = the time the rank's
-    step loop was blocked on data (exposed wait), max over ranks.
+    compute of the previous micro-batch runs: as the trainer does, one DoGet per node streams a
+    rank's micro-batches of a mini-batch, read one micro-batch at a time (``StoreClient.stream``).
+    Transfer time per train step = the time the rank's step loop was blocked on data (exposed
+    wait), max over ranks.
 
 Compute is a calibrated stand-in for the accelerator: each micro-batch touches every token it
 received (a reduction over the tensors) and then holds the rank for ``compute_ms_per_ktok`` per
@@ -335,9 +337,10 @@ class RankWorker:
         from train.packing import PACK_COLUMNS, pack
         from train.prefetch import Prefetcher
 
-        def fetch(mb: Any) -> dict[str, Any]:
+        def fetch(item: Any) -> dict[str, Any]:
+            tables, mb = item  # as the trainer: one stream (DoGet per node) per mini-batch, read in order
             t0 = time.perf_counter()
-            table = self.client.fetch(mb.slices, columns=PACK_COLUMNS)
+            table = next(tables)
             t1 = time.perf_counter()
             p = pack(table, mb.advantages, mode="padded")
             return {"tensors": p.to_torch(), "tokens": p.tokens_total, "bytes": table.nbytes, "doget_s": t1 - t0,
@@ -348,7 +351,10 @@ class RankWorker:
         out = []
         try:
             for step in plans:  # submit everything known; the lookahead stays bounded by depth
-                pf.submit(mb for plan in step for mb in plan.for_rank(self.rank).micro_batches)
+                for plan in step:
+                    mbs = plan.for_rank(self.rank).micro_batches
+                    tables = self.client.stream([mb.slices for mb in mbs], columns=PACK_COLUMNS)
+                    pf.submit((tables, mb) for mb in mbs)
             for step in plans:
                 t0 = time.perf_counter()
                 waits, fetches, nbytes, tokens, doget, packing = [], [], 0, 0, 0.0, 0.0

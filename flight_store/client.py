@@ -20,7 +20,8 @@ import logging
 import os
 import threading
 import time
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections import deque
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar, cast
 
@@ -28,7 +29,7 @@ import polars as pl
 import pyarrow as pa
 import pyarrow.flight as flight
 
-from flight_store.errors import NodeUnavailableError, from_flight_error
+from flight_store.errors import NodeUnavailableError, WireDecodeError, from_flight_error
 from schemas.arrow import IMAGE_SCHEMA, METADATA_SCHEMA, TRAJECTORY_SCHEMA
 from schemas.plan import PlannedSlice
 from schemas.wire import (
@@ -47,6 +48,80 @@ from schemas.wire import (
 
 T = TypeVar("T")
 log = logging.getLogger(__name__)
+
+
+def _empty(cols: list[str] | None) -> pa.Table:
+    schema = TRAJECTORY_SCHEMA if cols is None else pa.schema([TRAJECTORY_SCHEMA.field(c) for c in cols])
+    return schema.empty_table()
+
+
+def _by_node(slices: Iterable[PlannedSlice]) -> dict[str, list[PlannedSlice]]:
+    per_node: dict[str, list[PlannedSlice]] = {}
+    for s in slices:
+        per_node.setdefault(s.node, []).append(s)
+    return per_node
+
+
+def _group_ids(slices: Iterable[PlannedSlice]) -> list[str]:
+    return list(dict.fromkeys(s.group_id for s in slices))
+
+
+def _slices_ticket(slices: Iterable[PlannedSlice], cols: list[str] | None) -> bytes:
+    refs = [SliceRef(group_id=s.group_id, start=s.start, stop=s.stop) for s in slices]
+    return SlicesTicket(slices=refs, columns=cols).to_bytes()
+
+
+def _in_order(slices: Sequence[PlannedSlice], tables: dict[str, pa.Table]) -> pa.Table:
+    """The rows of ``slices`` in their order, from one table per node holding that node's rows in order."""
+    if len(tables) == 1:
+        return next(iter(tables.values()))
+    offsets = dict.fromkeys(tables, 0)
+    parts = []
+    for s in slices:
+        parts.append(tables[s.node].slice(offsets[s.node], s.rows))
+        offsets[s.node] += s.rows
+    return pa.concat_tables(parts)
+
+
+class _NodeStream:
+    """One node's DoGet answer of several micro-batches, read a given number of rows at a time."""
+
+    def __init__(self, reader: flight.FlightStreamReader, node: str) -> None:
+        self.reader = reader
+        self.node = node
+        self._pending: deque[pa.RecordBatch] = deque()
+        self._rows = 0  # rows in _pending
+
+    def take(self, rows: int) -> pa.Table:
+        """The next ``rows`` rows (zero-copy slices of the received batches)."""
+        while self._rows < rows:
+            try:
+                batch = self.reader.read_chunk().data
+            except StopIteration:
+                msg = f"node {self.node} ended its stream {rows - self._rows} rows short"
+                raise WireDecodeError(msg) from None
+            self._pending.append(batch)
+            self._rows += batch.num_rows
+        out: list[pa.RecordBatch] = []
+        need = rows
+        while need:
+            batch = self._pending.popleft()
+            if batch.num_rows > need:
+                self._pending.appendleft(batch.slice(need))
+                batch = batch.slice(0, need)
+            out.append(batch)
+            need -= batch.num_rows
+        self._rows -= rows
+        return pa.Table.from_batches(out, schema=self.reader.schema)
+
+    def finish(self, _client: object = None) -> None:
+        """Check that the stream ends here (no rows beyond the ones asked for)."""
+        extra = self._rows
+        for chunk in self.reader:
+            extra += chunk.data.num_rows
+        if extra:
+            msg = f"node {self.node} streamed {extra} rows more than asked for"
+            raise WireDecodeError(msg)
 
 
 def node_for(group_id: str, nodes: Sequence[str]) -> str:
@@ -115,6 +190,8 @@ class StoreClient:
             msg = "token must be printable ASCII (it travels as a gRPC header value)"
             raise ValueError(msg)
         headers = [(b"authorization", b"Bearer " + token.encode())] if token else []
+        self._timeout = timeout
+        self._headers = headers
         self._options = flight.FlightCallOptions(timeout=timeout, headers=headers)
         kwargs: dict[str, Any] = {}
         if tls_root_certs is not None:
@@ -288,31 +365,79 @@ class StoreClient:
         """The rows of ``slices`` (ONE DoGet per node, concurrently), in the order of ``slices``."""
         cols = list(columns) if columns is not None else None
         if not slices:
-            schema = TRAJECTORY_SCHEMA if cols is None else pa.schema([TRAJECTORY_SCHEMA.field(c) for c in cols])
-            return schema.empty_table()
-        per_node: dict[str, list[PlannedSlice]] = {}
-        for s in slices:
-            per_node.setdefault(s.node, []).append(s)
+            return _empty(cols)
+        per_node = _by_node(slices)
         for n in per_node:
             self._client(n)
-        tickets = {
-            n: SlicesTicket(
-                slices=[SliceRef(group_id=s.group_id, start=s.start, stop=s.stop) for s in ss], columns=cols
-            ).to_bytes()
-            for n, ss in per_node.items()
-        }
-        groups = {n: list(dict.fromkeys(s.group_id for s in ss)) for n, ss in per_node.items()}
+        tickets = {n: _slices_ticket(ss, cols) for n, ss in per_node.items()}
         if len(tickets) == 1:
             ((n, t),) = tickets.items()
-            return self._get_retrying(n, t, groups[n])
-        futures = {n: self._pool.submit(self._get_retrying, n, t, groups[n]) for n, t in tickets.items()}
-        tables = {n: f.result() for n, f in futures.items()}
-        offsets = dict.fromkeys(tables, 0)
-        parts = []
-        for s in slices:
-            parts.append(tables[s.node].slice(offsets[s.node], s.rows))
-            offsets[s.node] += s.rows
-        return pa.concat_tables(parts)
+            return self._get_retrying(n, t, _group_ids(per_node[n]))
+        futures = {n: self._pool.submit(self._get_retrying, n, t, _group_ids(per_node[n])) for n, t in tickets.items()}
+        return _in_order(slices, {n: f.result() for n, f in futures.items()})
+
+    def stream(
+        self, micro_batches: Sequence[Sequence[PlannedSlice]], columns: Sequence[str] | None = None
+    ) -> Iterator[pa.Table]:
+        """The rows of each micro-batch's slices, one table per micro-batch in order, over ONE DoGet per node.
+
+        A trainer rank's share of a mini-batch costs one call per node instead of one per
+        micro-batch and node: each node streams its slices of all the micro-batches in order, so
+        micro-batch ``i`` is read while the next ones arrive (prefetch), and the node runs at most
+        gRPC's flow-control window (a few MB) ahead of the reader. The calls open at the first
+        ``next()``; each has the client's ``timeout`` per micro-batch.
+
+        A node that fails on the way (unavailable, deadline passed) is fetched one micro-batch at a
+        time from then on, with :meth:`fetch`'s retries and errors; any other error (unknown or
+        released group, bad column) is raised as :meth:`fetch` raises it.
+        """
+        cols = list(columns) if columns is not None else None
+        mbs = [list(m) for m in micro_batches]
+        per_node = _by_node([s for m in mbs for s in m])
+        for n in per_node:
+            self._client(n)
+        timeout = None if self._timeout is None else self._timeout * max(1, len(mbs))
+        options = flight.FlightCallOptions(timeout=timeout, headers=self._headers)
+        streams: dict[str, _NodeStream | None] = {}
+
+        def take(n: str, node_slices: list[PlannedSlice]) -> pa.Table:
+            node_stream, rows = streams[n], sum(s.rows for s in node_slices)
+            if node_stream is not None:
+                try:
+                    return self._call(n, lambda _c: node_stream.take(rows))
+                except NodeUnavailableError as exc:
+                    log.warning("stream from %s broke (%s); fetching its slices one micro-batch at a time", n, exc)
+                    streams[n] = None
+                    node_stream.reader.cancel()
+            return self._get_retrying(n, _slices_ticket(node_slices, cols), _group_ids(node_slices))
+
+        def open_stream(n: str, node_slices: list[PlannedSlice]) -> _NodeStream:
+            ticket = flight.Ticket(_slices_ticket(node_slices, cols))
+
+            def run(c: flight.FlightClient) -> _NodeStream:
+                return _NodeStream(c.do_get(ticket, options), n)
+
+            return self._call(n, run)
+
+        try:
+            for n, ss in per_node.items():
+                try:
+                    streams[n] = open_stream(n, ss)
+                except NodeUnavailableError as exc:
+                    log.warning("cannot open a stream from %s (%s); fetching one micro-batch at a time", n, exc)
+                    streams[n] = None
+            for i, m in enumerate(mbs):
+                table = _in_order(m, {n: take(n, ss) for n, ss in _by_node(m).items()}) if m else _empty(cols)
+                if i == len(mbs) - 1:  # read each stream's end now: a caller stops after the last table
+                    for n, node_stream in streams.items():
+                        if node_stream is not None:
+                            self._call(n, node_stream.finish)
+                            streams[n] = None
+                yield table
+        finally:
+            for node_stream in streams.values():
+                if node_stream is not None:  # left early (error, or the caller stopped reading)
+                    node_stream.reader.cancel()
 
     def _get_retrying(self, node: str, ticket: bytes, group_ids: list[str]) -> pa.Table:
         """``_get`` retried with exponential backoff while ``node`` is unavailable."""

@@ -46,6 +46,7 @@ from typing import TypeAlias, cast
 
 import numpy as np
 import pyarrow as pa
+import pyarrow.compute as pc
 
 from flight_store.errors import (
     BudgetExceededError,
@@ -67,8 +68,10 @@ _COMPACT_AT = 64  # merged metadata chunks kept before all are merged into one
 _BLOCK_OVERHEAD = 1024
 """Bytes of Python objects per stored block besides its memory: the mmap (or buffer) object, the ``_Group``
 record, its dict entry and key, the index dict and block list (measured: ~0.6 KiB a group)."""
-_ROW_OVERHEAD = 64
-"""Bytes per stored row of the ``sample_idx -> (block, offset)`` index (dict slot and tuple)."""
+_ROW_OVERHEAD = 64 + 4 * len(TRAJECTORY_SCHEMA)
+"""Bytes per stored row of the ``sample_idx -> (block, offset)`` index (dict slot and tuple) and of its
+payload sizes (:func:`_row_bytes`)."""
+_COLUMN_INDEX = {name: i for i, name in enumerate(TRAJECTORY_SCHEMA.names)}
 
 
 @dataclass(kw_only=True, slots=True)
@@ -109,6 +112,8 @@ class _Group:
     blocks: list[_Block] = field(default_factory=list)
     """One buffer per stored batch: the batch as an encapsulated IPC message (see :func:`_pack`)."""
     index: dict[int, tuple[int, int]] = field(default_factory=dict)
+    row_bytes: list[np.ndarray] = field(default_factory=list)
+    """Per stored batch: payload bytes of each row and column (:func:`_row_bytes`), for ``bytes_out``."""
     nbytes: int = 0
     """Payload bytes (``RecordBatch.nbytes``) of the stored rows."""
     held: int = 0
@@ -274,6 +279,27 @@ class _ResidentMemory:
 
     def read(self) -> int:
         return int(os.pread(self.fd, 128, 0).split()[1]) * mmap.PAGESIZE
+
+
+def _row_bytes(batch: pa.RecordBatch) -> np.ndarray:
+    """Payload bytes of each row (axis 0) and column (axis 1) of a trajectory batch, as int32.
+
+    A fixed-width value counts its width; a string or list counts its offset (4) and its values.
+    Summing rows is exact for any split (``RecordBatch.nbytes`` of a slice costs ~40 us a batch of
+    this schema and counts one offset more per list column).
+    """
+    out = np.empty((batch.num_rows, batch.num_columns), dtype=np.int32)
+    for j, col in enumerate(batch.columns):
+        t = col.type
+        if pa.types.is_string(t) or pa.types.is_binary(t):
+            out[:, j] = pc.binary_length(col).to_numpy() + 4
+        elif pa.types.is_list(t):
+            value = t.value_type
+            width = value.byte_width if pa.types.is_fixed_size_binary(value) else value.bit_width // 8
+            out[:, j] = pc.list_value_length(col).to_numpy() * width + 4
+        else:
+            out[:, j] = t.bit_width // 8
+    return out
 
 
 def _compact_ints(values: Iterable[int]) -> Container[int]:
@@ -548,6 +574,7 @@ class Store:
         for b, (block, _) in zip(fresh, packed, strict=True):
             bno = len(group.blocks)
             group.blocks.append(block)
+            group.row_bytes.append(_row_bytes(b))
             for off, s in enumerate(b.column("sample_idx").to_numpy().tolist()):
                 group.index[s] = (bno, off)
             meta.append(self._metadata_rows(b))
@@ -617,14 +644,18 @@ class Store:
                 if c not in _TRAJ_COLUMNS:
                     msg = f"unknown column {c!r} requested; the trajectory schema has {TRAJECTORY_SCHEMA.names}"
                     raise SchemaMismatchError(msg, column=c)
+        cols = slice(None) if columns is None else [_COLUMN_INDEX[c] for c in columns]
         out: list[pa.RecordBatch] = []
+        served = 0  # payload bytes of the projected rows (see _row_bytes)
         views: dict[tuple[str, int], pa.RecordBatch] = {}
 
-        def view(group_id: str, group: _Group, bno: int) -> pa.RecordBatch:
+        def add(group_id: str, group: _Group, bno: int, off: int, rows: int) -> None:
+            nonlocal served
             got = views.get((group_id, bno))
             if got is None:
                 got = views[group_id, bno] = group.batch(bno)
-            return got
+            out.append(got.slice(off, rows))
+            served += int(group.row_bytes[bno][off : off + rows, cols].sum())
 
         with self._lock:
             for group_id, start, stop in refs:
@@ -645,16 +676,13 @@ class Store:
                         run_len += 1
                         continue
                     if run_len:
-                        out.append(view(group_id, group, run_b).slice(run_off, run_len))
+                        add(group_id, group, run_b, run_off, run_len)
                     run_b, run_off, run_len = loc[0], loc[1], 1
                 if run_len:
-                    out.append(view(group_id, group, run_b).slice(run_off, run_len))
+                    add(group_id, group, run_b, run_off, run_len)
+            self.bytes_out += served
         if columns is not None:
             out = [b.select(list(columns)) for b in out]
-        # bytes of the buffer ranges the projected slices reference (what is actually sent)
-        served = sum(b.nbytes for b in out)
-        with self._lock:
-            self.bytes_out += served
         if 0 < served < coalesce_below and len(out) > 1:
             # this thread's earlier coalesced answers were freed once sent; hand their pages back first
             pa.default_memory_pool().release_unused()
@@ -675,6 +703,7 @@ class Store:
                 group = self._groups[gid]
                 group.released = True
                 group.blocks = []
+                group.row_bytes = []
                 group.consumed = _compact_ints(group.index)  # still dedups retries; ~50 bytes, not ~500
                 group.index = {}
                 self._used -= group.held

@@ -12,8 +12,9 @@ import pyarrow.flight as flight
 import pytest
 from polars.testing import assert_frame_equal
 
+from flight_store import client as client_mod
 from flight_store.client import StoreClient, node_for
-from flight_store.errors import NodeUnavailableError
+from flight_store.errors import NodeUnavailableError, UnknownGroupError
 from flight_store.server import StoreServer
 from schemas.arrow import METADATA_SCHEMA
 from schemas.images import images_to_table
@@ -104,6 +105,86 @@ def test_fetch_one_doget_per_node_in_slice_order(make_group) -> None:
     finally:
         for s in servers:
             s.shutdown()
+
+
+def _keys(table: pa.Table) -> list[tuple[str, int]]:
+    return list(zip(table["group_id"].to_pylist(), table["sample_idx"].to_pylist(), strict=True))
+
+
+@pytest.mark.parametrize("coalesce_below", [0, 1 << 20])  # one batch per slice run / all slices in one batch
+def test_stream_one_doget_per_node_yields_each_micro_batch_in_order(make_group, coalesce_below: int) -> None:
+    servers = [_CountingServer(coalesce_below=coalesce_below) for _ in range(2)]
+    try:
+        locs = [s.location for s in servers]
+        with StoreClient(locs) as client:
+            for i in range(10):
+                client.put_group(make_group(f"g{i}", size=4, response_len=3 + i), node=locs[i % 2])
+            rng = np.random.default_rng(2)
+            micro_batches = []
+            for _ in range(5):  # mixed nodes, partial groups, uneven sizes
+                picks = rng.choice(10, size=int(rng.integers(1, 4)), replace=False)
+                micro_batches.append([
+                    PlannedSlice(node=locs[int(i) % 2], group_id=f"g{i}", start=a, stop=a + int(rng.integers(1, 5 - a)))
+                    for i in picks for a in [int(rng.integers(0, 3))]
+                ])
+            micro_batches.insert(2, [])  # an empty micro-batch yields an empty table
+            cols = ["group_id", "sample_idx", "response_ids"]
+            before = [s.doget_calls for s in servers]
+            got = list(client.stream(micro_batches, columns=cols))
+            assert [s.doget_calls - b for s, b in zip(servers, before, strict=True)] == [1, 1]
+            assert len(got) == len(micro_batches)
+            for mb, table in zip(micro_batches, got, strict=True):
+                assert table.column_names == cols
+                assert _keys(table) == [(s.group_id, k) for s in mb for k in range(s.start, s.stop)]
+                if mb:  # the same rows and bytes fetch() returns
+                    assert table.equals(client.fetch(mb, columns=cols))
+    finally:
+        for s in servers:
+            s.shutdown()
+
+
+def test_stream_errors_are_typed_and_an_abandoned_stream_is_cancelled(store_nodes, make_group) -> None:
+    (server,) = store_nodes(1)
+    node = server.location
+    with StoreClient(node) as client:
+        for i in range(4):
+            client.put_group(make_group(f"g{i}", size=4, response_len=4096))
+        mbs = [[PlannedSlice(node=node, group_id=f"g{i}", start=0, stop=4)] for i in range(4)]
+        with pytest.raises(UnknownGroupError, match="ghost"):
+            list(client.stream([*mbs, [PlannedSlice(node=node, group_id="ghost", start=0, stop=1)]]))
+        stream = client.stream(mbs)
+        assert _keys(next(stream))[0] == ("g0", 0)
+        stream.close()  # the caller stops early: the DoGet is cancelled, the node keeps serving
+        assert [_keys(t)[0] for t in client.stream(mbs)] == [(f"g{i}", 0) for i in range(4)]
+
+
+def test_stream_falls_back_to_per_micro_batch_fetch_when_a_node_stream_breaks(
+    store_nodes, make_group, monkeypatch
+) -> None:
+    servers = store_nodes(2)
+    locs = [s.location for s in servers]
+    with StoreClient(locs, backoff=0.01) as client:
+        for i in range(6):
+            client.put_group(make_group(f"g{i}", size=2), node=locs[i % 2])
+        mbs = [[PlannedSlice(node=locs[i % 2], group_id=f"g{i}", start=0, stop=2) for i in (k, k + 1)]
+               for k in (0, 2, 4)]
+        broken = {"calls": 0}
+        real_take = client_mod._NodeStream.take
+
+        def flaky_take(self, rows):  # type: ignore[no-untyped-def]
+            if self.node == locs[1]:
+                broken["calls"] += 1
+                raise flight.FlightUnavailableError("connection reset (injected)")
+            return real_take(self, rows)
+
+        monkeypatch.setattr(client_mod._NodeStream, "take", flaky_take)
+        got = [_keys(t) for t in client.stream(mbs)]
+        assert got == [[(f"g{i}", 0), (f"g{i}", 1), (f"g{i + 1}", 0), (f"g{i + 1}", 1)] for i in (0, 2, 4)]
+        assert broken["calls"] == 1  # after the break, node 1 is fetched per micro-batch
+        servers[1].shutdown()
+        with pytest.raises(NodeUnavailableError, match=re.escape(locs[1])) as exc:
+            list(client.stream(mbs))
+        assert exc.value.group_ids == ["g1"]
 
 
 def test_images_release_version_and_weights(store_nodes, make_group) -> None:

@@ -19,6 +19,7 @@ import logging
 import os
 import time
 from collections import deque
+from collections.abc import Iterator
 from functools import partial
 from typing import Any
 
@@ -46,7 +47,7 @@ def run(cfg: TrainConfig) -> list[dict[str, Any]]:
     if env["rank"] == 0:
         planner = load_planner(cfg.planner, dict(cfg.planner_options), env["dp_size"])
         source = PlanSource(client, planner)
-    fetcher = Prefetcher(partial(fetch_micro_batch, client, cfg, keep_keys=cfg.report_path is not None),
+    fetcher = Prefetcher(partial(fetch_micro_batch, cfg, keep_keys=cfg.report_path is not None),
                          depth=cfg.prefetch_depth)
     queue: deque[MiniBatchPlan] = deque()
     version = cfg.initial_version
@@ -67,7 +68,10 @@ def run(cfg: TrainConfig) -> list[dict[str, Any]]:
                 plan_wait += time.perf_counter() - t_plan
                 for plan in new:
                     queue.append(plan)
-                    fetcher.submit(plan.for_rank(env["dp_rank"]).micro_batches)  # fetch: on the prefetch thread
+                    # one DoGet per node for the rank's micro-batches, read one at a time on the prefetch thread
+                    mbs = plan.for_rank(env["dp_rank"]).micro_batches
+                    tables = client.stream([mb.slices for mb in mbs], columns=PACK_COLUMNS)
+                    fetcher.submit((tables, mb) for mb in mbs)
             if not queue:
                 break  # idle for idle_timeout_s, or max_steps reached
             plan = queue.popleft()
@@ -104,9 +108,19 @@ def run(cfg: TrainConfig) -> list[dict[str, Any]]:
     return history
 
 
-def fetch_micro_batch(client: Any, cfg: TrainConfig, mb: MicroBatch, *, keep_keys: bool = False) -> dict[str, Any]:
-    """Prefetch thread: DoGet exactly the micro-batch's slices and pack them (numpy, zero-copy into torch)."""
-    table = client.fetch(mb.slices, columns=PACK_COLUMNS)
+def fetch_micro_batch(
+    cfg: TrainConfig, item: tuple[Iterator[Any], MicroBatch], *, keep_keys: bool = False
+) -> dict[str, Any]:
+    """Prefetch thread: read exactly the micro-batch's slices from its mini-batch's stream and pack them.
+
+    ``item`` is the rank's :meth:`~flight_store.client.StoreClient.stream` of the mini-batch (one DoGet
+    per node, read in micro-batch order) and the micro-batch; packing is numpy, zero-copy into torch.
+    """
+    tables, mb = item
+    table = next(tables, None)
+    if table is None:
+        msg = "the mini-batch stream ended before this micro-batch (an earlier micro-batch failed)"
+        raise RuntimeError(msg)
     if table.num_rows != mb.rows:
         msg = f"fetched {table.num_rows} rows for a micro-batch of {mb.rows}"
         raise RuntimeError(msg)
