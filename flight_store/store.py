@@ -285,8 +285,8 @@ def _row_bytes(batch: pa.RecordBatch) -> np.ndarray:
     """Payload bytes of each row (axis 0) and column (axis 1) of a trajectory batch, as int32.
 
     A fixed-width value counts its width; a string or list counts its offset (4) and its values.
-    Summing rows is exact for any split (``RecordBatch.nbytes`` of a slice costs ~40 us a batch of
-    this schema and counts one offset more per list column).
+    For a whole stored batch the sum equals ``RecordBatch.nbytes``; summing rows is exact for any
+    split, and cheap (``RecordBatch.nbytes`` of a slice costs ~40 us for this schema).
     """
     out = np.empty((batch.num_rows, batch.num_columns), dtype=np.int32)
     for j, col in enumerate(batch.columns):

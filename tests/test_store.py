@@ -45,6 +45,23 @@ def test_slices_are_zero_copy_views_of_the_stored_batch(make_group) -> None:
     assert [b.address for b in got if b is not None] == [b.address for b in want if b is not None]
 
 
+def test_bytes_out_counts_the_projected_rows_and_adds_up_over_any_split(make_group) -> None:
+    store = Store()
+    batch = make_group("g", size=8, response_len=10)
+    store.put_group("g", [batch])
+
+    def served(refs: list[tuple[str, int, int]], columns: list[str] | None = None) -> int:
+        before = store.bytes_out
+        store.slices(refs, columns)
+        return store.bytes_out - before
+
+    whole = served([("g", 0, 8)])
+    assert whole == sum(served([("g", a, a + 1)]) for a in range(8)) == served([("g", 0, 3), ("g", 3, 8)])
+    assert whole == batch.nbytes
+    assert served([("g", 2, 5)], ["sample_idx", "reward"]) == 3 * (4 + 4)
+    assert served([("g", 0, 2)], ["response_ids"]) == 2 * (4 + 10 * 4)  # offset + 10 int32 tokens per row
+
+
 def test_slices_follow_request_order_across_appended_batches(make_group) -> None:
     store = Store()
     assert store.put_group("g", [make_group("g", size=2)]) == 2
