@@ -686,7 +686,7 @@ class Store:
         if 0 < served < coalesce_below and len(out) > 1:
             # this thread's earlier coalesced answers were freed once sent; hand their pages back first
             pa.default_memory_pool().release_unused()
-            out = pa.Table.from_batches(out).combine_chunks().to_batches()
+            out = [pa.concat_batches(out)]
         return out
 
     def release(self, group_ids: Iterable[str]) -> int:
