@@ -431,7 +431,10 @@ class StoreClient:
                 if i == len(mbs) - 1:  # read each stream's end now: a caller stops after the last table
                     for n, node_stream in streams.items():
                         if node_stream is not None:
-                            self._call(n, node_stream.finish)
+                            try:
+                                self._call(n, node_stream.finish)
+                            except NodeUnavailableError as exc:  # every row arrived; only the end is missing
+                                log.info("stream from %s did not end cleanly (%s); all its rows had arrived", n, exc)
                             streams[n] = None
                 yield table
         finally:

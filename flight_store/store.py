@@ -355,7 +355,7 @@ class Store:
         if memory_budget is not None:
             _cap_malloc_arenas()
         self._rss = _ResidentMemory.open() if rss_guard and memory_budget is not None else None
-        self._rss_limit = 0 if self._rss is None else self._rss.read() + memory_budget  # type: ignore[operator]
+        self._rss_limit = 0 if self._rss is None or memory_budget is None else self._rss.read() + memory_budget
         self._rss_refusals = 0
         self._lock = threading.RLock()
         self._groups: dict[str, _Group] = {}
@@ -794,7 +794,6 @@ class Store:
             self._reserve(needed, f"{len(new)} image(s)")
             if new:
                 self._check_rss(needed, f"{len(new)} image(s)")
-            if new:
                 self._log({"kind": "images"}, encode_batches([v.row for v in new.values()]))
             return self._commit_images([], new)
 
