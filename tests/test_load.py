@@ -15,7 +15,7 @@ into one block of its own pages (unmapped on release, so nothing fragments); the
 really holds (whole pages plus object/index overhead) and what writes in flight hold; the Arrow pool and glibc
 malloc hand freed memory back; and a ``knit serve`` node also refuses writes while its process's RSS is more
 than the budget above its start (``StoreConfig.rss_guard``), which bounds what no count sees (gRPC buffers,
-thread stacks, allocator caches). Measured growth: 0.73-0.86x the budget on a quiet 2-core machine, up to 0.9x
+thread stacks, allocator caches). Measured growth: 0.73-0.88x the budget on a quiet 2-core machine, up to 0.89x
 with both cores busy with other work (without the guard: 1.07-1.17x quiet, up to 1.26x loaded; before the
 block copies: 2.1-2.6x).
 """
