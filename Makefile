@@ -22,7 +22,8 @@ $(STAMP): pyproject.toml Makefile
 
 lint: setup
 	$(BIN)/ruff check .
-	$(BIN)/mypy schemas flight_store admission
+	$(BIN)/mypy schemas flight_store admission connectors train bench launcher
+	$(BIN)/lint-imports --no-cache
 
 test: lint
 	$(BIN)/python -m pytest -q

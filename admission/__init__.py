@@ -12,9 +12,9 @@ Example:
 
 from __future__ import annotations
 
-from admission.config import AdmissionConfig, Filters, Quota
+from admission.config import AdmissionConfig, Filters, GrpoConfig, Quota
 from admission.feasibility import solve_composition
-from admission.packing import balance_groups, pack_micro_batches, trajectory_cost
+from admission.packing import advantage_expr, balance_groups, pack_micro_batches, trajectory_cost
 from admission.planner import REQUIRED_COLUMNS, Inflight, Planner, PlanResult, plan
 from admission.staleness import per_step, staleness_exprs, summary
 from admission.state import PlannerState
@@ -23,11 +23,13 @@ __all__ = [
     "REQUIRED_COLUMNS",
     "AdmissionConfig",
     "Filters",
+    "GrpoConfig",
     "Inflight",
     "PlanResult",
     "Planner",
     "PlannerState",
     "Quota",
+    "advantage_expr",
     "balance_groups",
     "pack_micro_batches",
     "per_step",

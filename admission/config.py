@@ -1,4 +1,4 @@
-"""Admission configuration: batch geometry, quotas, filters, staleness bound, cost model, policy.
+"""Admission configuration: batch geometry, quotas, filters, staleness bound, cost model, policy, GRPO.
 
 Everything the planner needs to know about *what* may be admitted is declared here, not coded per
 policy (DESIGN.md, Admission). Values are checked when the objects are built; errors name the
@@ -91,6 +91,43 @@ class Filters:
 
 
 @dataclass(kw_only=True, slots=True, frozen=True)
+class GrpoConfig:
+    """GRPO settings, in one place: the planner's group-relative advantages and the trainer's clipped loss.
+
+    The advantage of a trajectory is its reward minus its group's mean reward, divided by the group's
+    reward std (ddof 1) plus ``eps`` when ``normalize_std``; the trainer clips the importance ratio to
+    ``[1 - clip_low, 1 + clip_high]``.
+
+    Example:
+        >>> GrpoConfig(clip_high=0.28)  # DAPO's clip-higher
+        GrpoConfig(normalize_std=True, eps=1e-06, clip_low=0.2, clip_high=0.28)
+    """
+
+    normalize_std: bool = True
+    """Divide group-centred rewards by the group's std (GRPO); False = centre only (Dr. GRPO)."""
+    eps: float = 1e-6
+    """Added to the group's reward std before dividing."""
+    clip_low: float = 0.2
+    """Lower clip of the importance ratio: it is clipped to ``1 - clip_low`` (in [0, 1))."""
+    clip_high: float = 0.2
+    """Upper clip of the importance ratio: it is clipped to ``1 + clip_high`` (DAPO uses a larger value)."""
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.normalize_std, bool):
+            msg = f"GrpoConfig.normalize_std must be a bool, got {self.normalize_std!r}"
+            raise ValueError(msg)
+        if not math.isfinite(self.eps) or self.eps < 0:
+            msg = f"GrpoConfig.eps must be finite and >= 0, got {self.eps!r}"
+            raise ValueError(msg)
+        if not 0 <= self.clip_low < 1:
+            msg = f"GrpoConfig.clip_low must be in [0, 1), got {self.clip_low!r}"
+            raise ValueError(msg)
+        if not math.isfinite(self.clip_high) or self.clip_high < 0:
+            msg = f"GrpoConfig.clip_high must be finite and >= 0, got {self.clip_high!r}"
+            raise ValueError(msg)
+
+
+@dataclass(kw_only=True, slots=True, frozen=True)
 class AdmissionConfig:
     """Geometry and constraints of admission.
 
@@ -130,10 +167,8 @@ class AdmissionConfig:
     prefer: Preference = "scarce"
     """Choice among feasible compositions: ``scarce`` (classes least covered by completed groups first, then
     oldest) or ``oldest`` (lowest policy version first)."""
-    normalize_advantage_std: bool = True
-    """Divide group-centred rewards by the group's std (GRPO); False = centre only (Dr. GRPO)."""
-    advantage_eps: float = 1e-6
-    """Added to the std before dividing."""
+    grpo: GrpoConfig = field(default_factory=GrpoConfig)
+    """GRPO advantages (computed by the planner) and the clip range of the trainer's loss."""
 
     def __post_init__(self) -> None:
         for name in ("train_batch_groups", "group_size", "mini_batches", "dp_ranks", "token_budget"):
@@ -167,9 +202,6 @@ class AdmissionConfig:
         cols = [q.column for q in self.quotas]
         if len(set(cols)) != len(cols):
             msg = f"AdmissionConfig.quotas: more than one quota on a column {cols}"
-            raise ValueError(msg)
-        if self.advantage_eps < 0:
-            msg = f"AdmissionConfig.advantage_eps must be >= 0, got {self.advantage_eps!r}"
             raise ValueError(msg)
         self.quota_counts()  # validates sums and integrality
 

@@ -67,9 +67,7 @@ Example:
 
 from __future__ import annotations
 
-import itertools
 import logging
-from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -77,19 +75,17 @@ import numpy as np
 import polars as pl
 
 from admission.config import AdmissionConfig
-from admission.feasibility import solve_composition
-from admission.packing import balance_groups, pack_micro_batches, trajectory_cost
+from admission.feasibility import Inflight, QuotaClasses, quota_classes, solve_composition
+from admission.packing import Batch, advantage_expr, build_plans
 from admission.staleness import per_step, staleness_exprs, summary
 from admission.state import PlannerState
-from schemas.plan import MicroBatch, MiniBatchPlan, PlannedSlice, RankPlan
+from schemas.plan import MiniBatchPlan
 
 log = logging.getLogger(__name__)
 
 REQUIRED_COLUMNS: tuple[str, ...] = (
     "group_id", "sample_idx", "policy_version", "prompt_len", "response_len", "reward", "status",
 )
-Inflight = pl.DataFrame | Mapping[Any, int] | int | None
-_MAX_CLASSES = 4096
 
 _CONSUMED_SCHEMA: dict[str, Any] = {
     "group_id": pl.String, "node": pl.String, "sample_idx": pl.Int64, "step": pl.Int64,
@@ -183,57 +179,70 @@ def _group_table(meta: pl.DataFrame, config: AdmissionConfig,
     return g.with_columns(reason.alias("reason"), complete.alias("complete")), meta
 
 
-def _class_key(values: Any, q: int) -> tuple[str, ...]:
-    if q == 1 and not isinstance(values, tuple):
-        return (str(values),)
-    if not isinstance(values, tuple) or len(values) != q:
-        msg = f"in-flight key {values!r} is not a tuple of {q} quota values"
-        raise ValueError(msg)
-    return tuple(str(v) for v in values)
-
-
-def _inflight_counts(inflight: Inflight, config: AdmissionConfig) -> dict[tuple[str, ...], int]:
-    q = len(config.quotas)
-    out: dict[tuple[str, ...], int] = {}
-    if inflight is None:
-        return out
-    if isinstance(inflight, int):
-        if q:
-            msg = f"inflight given as an int ({inflight}) but quotas on {config.quota_columns} need per-class counts"
-            raise ValueError(msg)
-        return {(): inflight}
-    if isinstance(inflight, pl.DataFrame):
-        cols = list(config.quota_columns)
-        missing = [c for c in cols if c not in inflight.columns]
-        if missing:
-            msg = f"inflight frame lacks quota column(s) {missing}"
-            raise ValueError(msg)
-        cnt = pl.col("count").sum() if "count" in inflight.columns else pl.len()
-        if not cols:
-            return {(): int(inflight.select(cnt).item())}
-        agg = inflight.group_by(cols).agg(cnt.alias("_n"))
-        for row in agg.iter_rows():
-            out[tuple(str(v) for v in row[:-1])] = int(row[-1])
-        return out
-    for k, n in inflight.items():
-        if n < 0:
-            msg = f"in-flight count for {k!r} is negative: {n}"
-            raise ValueError(msg)
-        key = _class_key(k, q) if q else ()
-        out[key] = out.get(key, 0) + int(n)
-    return out
-
-
 @dataclass(slots=True)
 class _Work:
-    """Mutable scratch of one plan() call."""
+    """Mutable scratch of one plan() call: where the train batch stands and what was decided."""
 
     t: int
     k: int
     used: dict[tuple[str, str], int]
-    admitted: set[str] = field(default_factory=set)
-    dropped: list[tuple[int, str]] = field(default_factory=list)
+    dropped: list[tuple[int, str]] = field(default_factory=list)  # (candidate index, reason)
     batches: list[tuple[int, int, int, list[int]]] = field(default_factory=list)  # (step, t, k, cand idx)
+
+    def admit(self, parts: list[list[int]], cand_keys: list[tuple[str, ...]], config: AdmissionConfig) -> None:
+        """Record mini-batches of candidates in order: steps, quota use, roll-over to the next train batch."""
+        for part in parts:
+            self.batches.append((self.t * config.mini_batches + self.k, self.t, self.k, part))
+            for i in part:
+                for qi, col in enumerate(config.quota_columns):
+                    kk = (col, cand_keys[i][qi])
+                    self.used[kk] = self.used.get(kk, 0) + 1
+            self.k += 1
+            if self.k == config.mini_batches:
+                self.t, self.k, self.used = self.t + 1, 0, {}
+
+
+def _need(config: AdmissionConfig, used: dict[tuple[str, str], int]) -> list[np.ndarray]:
+    """Per quota, the groups still owed to each of its values by the current train batch."""
+    return [np.array([n - used.get((q.column, v), 0) for v, n in counts.items()], dtype=np.int64)
+            for q, counts in zip(config.quotas, config.quota_counts(), strict=True)]
+
+
+def _admit(cands: pl.DataFrame, cand_keys: list[tuple[str, ...]], classes: QuotaClasses, config: AdmissionConfig,
+           w: _Work) -> None:
+    """Admit mini-batches (``mini_batch``) or whole train batches while feasible; drop stale candidates."""
+    vmin = cands["vmin"].to_numpy().astype(np.int64)
+    vsort = cands["vsort"].to_numpy().astype(np.float64)
+    alive = np.ones(cands.height, dtype=bool)
+    m, n_cls = config.groups_per_mini_batch, classes.values.shape[0]
+    limit = 0 if config.policy == "colocated" else config.max_staleness
+    while True:
+        if limit is not None:
+            stale = alive & (w.t * config.mini_batches - vmin > limit)
+            w.dropped.extend((int(i), "stale") for i in np.flatnonzero(stale))
+            alive &= ~stale
+        total = config.train_batch_groups - w.k * m
+        need = _need(config, w.used)
+        avail = np.bincount(classes.of[alive], minlength=n_cls).astype(np.int64)
+        if config.policy == "mini_batch":
+            size, supply = m, classes.supply
+        else:
+            size, supply = total, np.zeros(n_cls, dtype=np.int64)
+        if int(avail.sum()) < size:
+            return
+        weight = _preference(avail, classes.of, alive, vsort, classes.values, need, config.prefer)
+        x = solve_composition(avail=avail, supply=supply, class_values=classes.values, need=need,
+                              total=total, size=size, weight=weight)
+        if x is None:
+            return
+        chosen = sorted(int(i) for c in range(n_cls) if x[c]  # candidate order = oldest first
+                        for i in np.flatnonzero(alive & (classes.of == c))[: int(x[c])])
+        alive[chosen] = False
+        if config.policy == "mini_batch":
+            w.admit([chosen], cand_keys, config)
+        else:
+            by_completion = sorted(chosen, key=lambda i: int(cands["last_seq"][i]))
+            w.admit([by_completion[j: j + m] for j in range(0, len(by_completion), m)], cand_keys, config)
 
 
 def _preference(avail: np.ndarray, cls_of: np.ndarray, alive: np.ndarray, vsort: np.ndarray,
@@ -285,146 +294,48 @@ def plan(
     meta = _prepare(metadata, config)
     groups, meta = _group_table(meta, config, state)
     qcols = list(config.quota_columns)
-    drops0 = groups.filter(pl.col("reason").is_not_null())
     cands = groups.filter(pl.col("reason").is_null() & pl.col("complete")).sort(["vsort", "last_seq", "group_id"])
-    quota_counts = config.quota_counts()
-    value_lists = [list(c) for c in quota_counts]
-    inflight_counts = _inflight_counts(inflight, config)
-
-    # classes: every tuple of quota values seen among candidates or in flight
-    cand_keys = list(zip(*(cands[c].to_list() for c in qcols), strict=True)) if qcols else [()] * cands.height
-    classes: dict[tuple[str, ...], int] = {}
-    unbounded = inflight is None
-    if unbounded:  # unknown supply: every quota class may still arrive (if the product is small)
-        n_product = int(np.prod([len(v) for v in value_lists])) if value_lists else 1
-        extra_keys = list(itertools.product(*value_lists)) if n_product <= _MAX_CLASSES else []
-    else:
-        extra_keys = []
-    for key in [*cand_keys, *inflight_counts, *extra_keys]:
-        if key not in classes and all(key[i] in quota_counts[i] for i in range(len(qcols))):
-            classes[key] = len(classes)
-    if not qcols:
-        classes.setdefault((), 0)
-    n_cls = len(classes)
-    cls_of = np.array([classes[k] for k in cand_keys], dtype=np.int64)
-    class_values = np.array([[value_lists[i].index(key[i]) for i in range(len(qcols))] for key in classes],
-                            dtype=np.int64).reshape(n_cls, len(qcols))
-    supply_all = np.zeros(n_cls, dtype=np.int64)
-    for key, n in inflight_counts.items():
-        if key in classes:
-            supply_all[classes[key]] += n
-    if unbounded:
-        supply_all[:] = config.train_batch_groups
-    vmin = cands["vmin"].to_numpy().astype(np.int64)
-    vsort = cands["vsort"].to_numpy().astype(np.float64)
-    alive = np.ones(cands.height, dtype=bool)
-    big_k, m, big_b = config.mini_batches, config.groups_per_mini_batch, config.train_batch_groups
+    cand_keys: list[tuple[str, ...]] = (list(zip(*(cands[c].to_list() for c in qcols), strict=True)) if qcols
+                                        else [()] * cands.height)
     w = _Work(t=state.train_batch, k=state.position, used=state.used())
-    limit = 0 if config.policy == "colocated" else config.max_staleness
-
-    while True:
-        if limit is not None:
-            stale = alive & (w.t * big_k - vmin > limit)
-            for i in np.flatnonzero(stale):
-                w.dropped.append((int(i), "stale"))
-            alive &= ~stale
-        total = big_b - w.k * m
-        need = [np.array([counts[v] - w.used.get((q.column, v), 0) for v in value_lists[i]], dtype=np.int64)
-                for i, (q, counts) in enumerate(zip(config.quotas, quota_counts, strict=True))]
-        avail = np.bincount(cls_of[alive], minlength=n_cls).astype(np.int64)
-        if config.policy == "mini_batch":
-            size, supply = m, supply_all
-        else:
-            size, supply = total, np.zeros(n_cls, dtype=np.int64)
-        if int(avail.sum()) < size:
-            break
-        weight = _preference(avail, cls_of, alive, vsort, class_values, need, config.prefer)
-        x = solve_composition(avail=avail, supply=supply, class_values=class_values, need=need,
-                              total=total, size=size, weight=weight)
-        if x is None:
-            break
-        chosen: list[int] = []
-        for c in range(n_cls):
-            if x[c]:
-                idx = np.flatnonzero(alive & (cls_of == c))[: int(x[c])]
-                chosen.extend(int(i) for i in idx)
-        alive[chosen] = False
-        chosen.sort()  # candidate order = oldest first
-        if config.policy == "mini_batch":
-            parts = [chosen]
-        else:
-            by_completion = sorted(chosen, key=lambda i: int(cands["last_seq"][i]))
-            parts = [by_completion[j: j + m] for j in range(0, len(by_completion), m)]
-        for part in parts:
-            w.batches.append((w.t * big_k + w.k, w.t, w.k, part))
-            for i in part:
-                for qi, col in enumerate(qcols):
-                    kk = (col, cand_keys[i][qi])
-                    w.used[kk] = w.used.get(kk, 0) + 1
-            w.k += 1
-            if w.k == big_k:
-                w.t, w.k, w.used = w.t + 1, 0, {}
+    _admit(cands, cand_keys, quota_classes(cand_keys, config, inflight), config, w)
 
     gid = cands["group_id"].to_list()
-    plans, consumed = _build_plans(meta, cands, gid, w, config, current_version)
+    batches = [(step, t, k, [gid[i] for i in part]) for step, t, k, part in w.batches]
+    plans, consumed = _plans_and_consumed(meta, cands, batches, config, current_version)
     dropped = pl.concat([
-        drops0.select(["group_id", "node", "reason", *qcols]),
+        groups.filter(pl.col("reason").is_not_null()).select(["group_id", "node", "reason", *qcols]),
         cands[[i for i, _ in w.dropped]].select(["group_id", "node", *qcols]).with_columns(
             pl.Series("reason", [r for _, r in w.dropped], dtype=pl.String)).select(
             ["group_id", "node", "reason", *qcols]),
     ])
-    admitted = frozenset(gid[i] for _, _, _, part in w.batches for i in part)
+    admitted = frozenset(g for *_, names in batches for g in names)
     pairs = tuple(sorted((c, v, n) for (c, v), n in w.used.items() if n))
     new_state = replace(state, train_batch=w.t, position=w.k, admitted=state.admitted | admitted,
                         dropped=state.dropped | frozenset(dropped["group_id"].to_list()), quota_used=pairs)
     return PlanResult(plans=plans, state=new_state, dropped=dropped, consumed=consumed)
 
 
-def _build_plans(meta: pl.DataFrame, cands: pl.DataFrame, gid: list[str], w: _Work, config: AdmissionConfig,
-                 current_version: int) -> tuple[list[MiniBatchPlan], pl.DataFrame]:
-    if not w.batches:
+def _plans_and_consumed(meta: pl.DataFrame, cands: pl.DataFrame, batches: list[Batch], config: AdmissionConfig,
+                        current_version: int) -> tuple[list[MiniBatchPlan], pl.DataFrame]:
+    """The plans of the admitted mini-batches and one consumed row per admitted trajectory."""
+    if not batches:
         return [], pl.DataFrame(schema=_CONSUMED_SCHEMA)
-    assign = [(gid[i], step, t, k) for step, t, k, part in w.batches for i in part]
+    assign = [(name, step, t, k) for step, t, k, names in batches for name in names]
     a = pl.DataFrame({"group_id": [x[0] for x in assign], "step": [x[1] for x in assign],
                       "train_batch": [x[2] for x in assign], "position": [x[3] for x in assign]},
                      schema={"group_id": pl.String, "step": pl.Int64, "train_batch": pl.Int64, "position": pl.Int64})
     g = pl.col("group_id")
-    std = pl.col("reward").std(ddof=1).over(g).fill_null(0.0)
-    centred = pl.col("reward") - pl.col("reward").mean().over(g)
-    adv = centred / (std + config.advantage_eps) if config.normalize_advantage_std else centred
     rows = (
         meta.filter(g.is_in(a["group_id"].implode()))
         .select(["group_id", "node", "sample_idx", "policy_version", "policy_version_min", "prompt_len",
                  "response_len", "reward"])
-        .with_columns(pl.col("reward").cast(pl.Float64), adv.cast(pl.Float64).alias("advantage"),
+        .with_columns(pl.col("reward").cast(pl.Float64),
+                      advantage_expr(config.grpo).cast(pl.Float64).alias("advantage"),
                       (pl.col("prompt_len").cast(pl.Int64) + pl.col("response_len").cast(pl.Int64)).alias("_tok"))
         .sort(["group_id", "sample_idx"])
     )
-    by_group: dict[str, dict[str, list[Any]]] = {}
-    for key, sub in rows.partition_by("group_id", as_dict=True, maintain_order=True).items():
-        by_group[str(key[0])] = {
-            "node": sub["node"].to_list(), "idx": sub["sample_idx"].to_list(), "tok": sub["_tok"].to_list(),
-            "adv": sub["advantage"].to_list(),
-        }
-    plans: list[MiniBatchPlan] = []
-    rank_of: dict[str, int] = {}
-    for step, t, k, part in w.batches:
-        names = [gid[i] for i in part]
-        costs = np.array([trajectory_cost(np.array(by_group[n]["tok"]), config.cost_model).sum() for n in names])
-        split = balance_groups(costs, config.dp_ranks)
-        rank_rows: list[list[tuple[str, int]]] = []  # (group, row position)
-        for r, members in enumerate(split):
-            members = sorted(members, key=lambda i: names[i])
-            rank_rows.append([(names[i], j) for i in members for j in range(len(by_group[names[i]]["idx"]))])
-            for i in members:
-                rank_of[names[i]] = r
-        toks = [np.array([by_group[n]["tok"][j] for n, j in rr], dtype=np.int64) for rr in rank_rows]
-        packed = pack_micro_batches(toks, config.token_budget)
-        ranks = []
-        for r, (rr, mbs) in enumerate(zip(rank_rows, packed, strict=True)):
-            micro = [_micro_batch(by_group, [rr[i] for i in idxs], oversized) for idxs, oversized in mbs]
-            ranks.append(RankPlan(dp_rank=r, micro_batches=micro))
-        plans.append(MiniBatchPlan(step=step, train_batch=t, position=k, group_ids=names, ranks=ranks))
+    plans, rank_of = build_plans(rows, batches, config)
     ranks_frame = pl.DataFrame({"group_id": list(rank_of), "dp_rank": list(rank_of.values())},
                                schema={"group_id": pl.String, "dp_rank": pl.Int64})
     consumed = (
@@ -438,23 +349,6 @@ def _build_plans(meta: pl.DataFrame, cands: pl.DataFrame, gid: list[str], w: _Wo
         qv = cands.select(["group_id", *config.quota_columns])
         consumed = consumed.join(qv, on="group_id", how="left")
     return plans, consumed
-
-
-def _micro_batch(by_group: dict[str, dict[str, list[Any]]], rows: list[tuple[str, int]], oversized: bool) -> MicroBatch:
-    slices: list[PlannedSlice] = []
-    advs: list[float] = []
-    tokens = 0
-    for n, j in rows:  # rows come in (group, sample order): merge consecutive sample_idx into one slice
-        grp = by_group[n]
-        s = int(grp["idx"][j])
-        last = slices[-1] if slices else None
-        if last is not None and last.group_id == n and last.stop == s and last.node == grp["node"][j]:
-            slices[-1] = PlannedSlice(node=last.node, group_id=n, start=last.start, stop=s + 1)
-        else:
-            slices.append(PlannedSlice(node=str(grp["node"][j]), group_id=n, start=s, stop=s + 1))
-        advs.append(float(grp["adv"][j]))
-        tokens += int(grp["tok"][j])
-    return MicroBatch(slices=slices, advantages=advs, tokens=tokens, oversized=oversized)
 
 
 class Planner:

@@ -6,7 +6,7 @@ plus a few counters) and can be checkpointed with :meth:`PlannerState.to_dict`.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Any
 
 
@@ -16,10 +16,8 @@ class PlannerState:
 
     Example:
         >>> s = PlannerState()
-        >>> s.step_of(4), s.train_batch, s.position
-        (0, 0, 0)
-        >>> s.advance(mini_batches=4).position
-        1
+        >>> s.train_batch, s.position, s.used()
+        (0, 0, {})
     """
 
     train_batch: int = 0
@@ -38,23 +36,9 @@ class PlannerState:
             msg = f"PlannerState: negative train_batch={self.train_batch} or position={self.position}"
             raise ValueError(msg)
 
-    def step_of(self, mini_batches: int) -> int:
-        """Global optimizer step s = t*K + k of the next mini-batch."""
-        return self.train_batch * mini_batches + self.position
-
     def used(self) -> dict[tuple[str, str], int]:
         """Quota use of the current train batch as a dict."""
         return {(c, v): n for c, v, n in self.quota_used}
-
-    def advance(self, *, mini_batches: int, admitted: frozenset[str] = frozenset(),
-                used: dict[tuple[str, str], int] | None = None) -> PlannerState:
-        """State after admitting one mini-batch (rolls over to the next train batch after K)."""
-        pos = self.position + 1
-        t = self.train_batch
-        if pos >= mini_batches:
-            t, pos, used = t + 1, 0, {}
-        pairs = tuple(sorted((c, v, n) for (c, v), n in (used or {}).items() if n))
-        return replace(self, train_batch=t, position=pos, admitted=self.admitted | admitted, quota_used=pairs)
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-friendly form (for checkpoints)."""

@@ -5,7 +5,7 @@
 In one run:
 
 (a) DoGet of micro-batch slices (8 trajectories each) totalling >= 256 MiB (quick: 64 MiB) per
-    pass, best of 3 passes, from a store node in ANOTHER PROCESS (``python -m flight_store serve``
+    pass, best of 3 passes, from a store node in ANOTHER PROCESS (``python -m flight_store --config``
     on a free port), against the baseline: copying the same bytes in-process into newly
     allocated buffers, both kept alive for the pass. The headline DoGet is the trainer's path:
     one DoGet streams all the micro-batches, read one at a time (``StoreClient.stream``);
@@ -42,6 +42,8 @@ import pyarrow as pa
 
 from bench._common import timer, write_result
 from flight_store.client import StoreClient
+from flight_store.config import ServerConfig, StoreConfig
+from flight_store.node import NodeProcess
 from flight_store.server import StoreServer
 from schemas.arrow import TRAJECTORY_SCHEMA
 from schemas.plan import PlannedSlice
@@ -81,33 +83,9 @@ def make_group(group_id: str, size: int, response_tokens: int, rng: np.random.Ge
     return pa.RecordBatch.from_pydict(cols, schema=TRAJECTORY_SCHEMA)
 
 
-def start_store_process(memory_budget: int | None = None) -> tuple[subprocess.Popen[str], str]:
-    """``python -m flight_store serve --port 0`` in a subprocess; returns it and its location."""
-    cmd = [sys.executable, "-m", "flight_store", "serve", "--port", "0", "--log-level", "WARNING"]
-    if memory_budget:
-        cmd += ["--memory-budget", str(memory_budget)]
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True, env=env)
-    if proc.stdout is None:  # pragma: no cover - stdout=PIPE always sets it
-        msg = "no stdout from the store process"
-        raise RuntimeError(msg)
-    line = proc.stdout.readline()
-    if "listening on " not in line:
-        proc.kill()
-        msg = f"store process did not start: {line!r}"
-        raise RuntimeError(msg)
-    return proc, line.split("listening on ", 1)[1].strip()
-
-
-def stop_store_process(proc: subprocess.Popen[str]) -> None:
-    proc.terminate()
-    try:
-        proc.wait(timeout=20)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        proc.wait()
-    if proc.stdout is not None:
-        proc.stdout.close()
+def start_store_process(memory_budget: int | None = None) -> NodeProcess:
+    """A store node (port 0) in a subprocess."""
+    return NodeProcess(ServerConfig(log_level="WARNING", store=StoreConfig(memory_budget=memory_budget or None)))
 
 
 def fresh_copy(table: pa.Table, keep: list[pa.Buffer]) -> int:
@@ -321,19 +299,19 @@ the trim threshold.
 def run_doget(params: dict, seed: int) -> dict:
     """Part (a) against its own store process."""
     rng = np.random.default_rng(seed)
-    proc, location = start_store_process()
+    node = start_store_process()
     try:
-        with StoreClient(location, timeout=120) as client:
+        with StoreClient(node.location, timeout=120) as client:
             return bench_doget(
                 client,
-                location,
+                node.location,
                 params["doget_total_mib"] * MIB,
                 params["doget_response_tokens"],
                 params["doget_passes"],
                 rng,
             )
     finally:
-        stop_store_process(proc)
+        node.stop()
 
 
 def run_doget_fresh(params: dict, seed: int, out: Path) -> dict:
@@ -380,12 +358,8 @@ def main(argv: list[str] | None = None) -> int:
         a = run_doget_fresh(params, args.seed, Path(tmp) / "doget.json")
     pool = run_doget(params, args.seed)  # the same in this process: the Arrow pool recycles pages
     a.update({f"{k.replace('_gbps', '')}_pool_gbps": v for k, v in pool.items() if k.endswith("_gbps")})
-    proc, location = start_store_process()
-    try:
-        with StoreClient(location, timeout=120) as client:
-            c = bench_latency(client, location, params["latency_groups"], params["latency_fetches"], rng)
-    finally:
-        stop_store_process(proc)
+    with start_store_process() as node, StoreClient(node.location, timeout=120) as client:
+        c = bench_latency(client, node.location, params["latency_groups"], params["latency_fetches"], rng)
     b = bench_meta_scan(params["meta_rows"], params["meta_repeats"], rng)
 
     latencies = c.pop("latency_samples")

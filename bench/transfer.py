@@ -3,7 +3,7 @@
 ``python -m bench.transfer [--quick] --out results/transfer.json``
 
 Same data, same two trainer ranks (Ray actors), one run. Two store nodes run as separate
-processes (``python -m flight_store serve``) and hold every train batch before the clock starts.
+processes (``python -m flight_store --config``) and hold every train batch before the clock starts.
 
 baseline (verl, kept faithful)
     the driver fetches the whole train batch from the stores, builds DataProto's layout (right-padded
@@ -526,12 +526,13 @@ class CountingClient:
 
 
 def group_advantages(table: pa.Table) -> np.ndarray:
-    """GRPO advantages per row (rows of whole groups, in group order)."""
+    """GRPO advantages per row (rows of whole groups, in group order), as the planner computes them."""
     import polars as pl
 
+    from admission import GrpoConfig, advantage_expr
+
     df = cast(pl.DataFrame, pl.from_arrow(table.select(["group_id", "reward"])))
-    adv = df.select(((pl.col("reward") - pl.col("reward").mean().over("group_id"))
-                     / (pl.col("reward").std().over("group_id") + 1e-6)).alias("a"))
+    adv = df.select(advantage_expr(GrpoConfig()).alias("a"))
     return adv.get_column("a").to_numpy().astype(np.float32)
 
 
@@ -608,12 +609,12 @@ def main_multimodal(args: argparse.Namespace, w: Workload) -> int:
     import ray
 
     from admission import AdmissionConfig, Planner
-    from bench.flight_throughput import start_store_process, stop_store_process
+    from bench.flight_throughput import start_store_process
     from flight_store.client import StoreClient, node_for
     from schemas.images import images_to_table
 
-    procs = [start_store_process() for _ in range(2)]
-    stores = [loc for _, loc in procs]
+    nodes = [start_store_process() for _ in range(2)]
+    stores = [n.location for n in nodes]
     ray.init(num_cpus=4, include_dashboard=False, _node_ip_address="127.0.0.1", logging_level=logging.WARNING)
     total_a, total_b = w.steps + 1, w.train_steps + 1  # one warm-up step per path and phase
     try:
@@ -668,8 +669,8 @@ def main_multimodal(args: argparse.Namespace, w: Workload) -> int:
         client.close()
     finally:
         ray.shutdown()
-        for p, _ in procs:
-            stop_store_process(p)
+        for n in nodes:
+            n.stop()
 
     od_a_steps = [[rank[s] for rank in od_a] for s in range(1, total_a)]  # drop the warm-up step
     od_b_all = [[rank[s] for rank in od_b] for s in range(total_b)]
@@ -788,11 +789,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     import ray
 
     from admission import AdmissionConfig, Planner
-    from bench.flight_throughput import start_store_process, stop_store_process
+    from bench.flight_throughput import start_store_process
     from flight_store.client import StoreClient
 
-    procs = [start_store_process() for _ in range(2)]
-    stores = [loc for _, loc in procs]
+    nodes = [start_store_process() for _ in range(2)]
+    stores = [n.location for n in nodes]
     ray.init(num_cpus=4, include_dashboard=False, _node_ip_address="127.0.0.1", logging_level=logging.WARNING)
     try:
         rng = np.random.default_rng(w.seed)
@@ -838,8 +839,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         client.close()
     finally:
         ray.shutdown()
-        for p, _ in procs:
-            stop_store_process(p)
+        for n in nodes:
+            n.stop()
 
     base_ms = [1e3 * b["transfer_s"] for b in base]
     od_ms = [1e3 * max(r["wait_s"] for r in step) for step in ondemand]

@@ -1,10 +1,15 @@
 """Rollout-engine connectors: engine output -> trajectory record batches -> store nodes.
 
-* ``connectors.vllm``: vLLM ``RequestOutput`` -> one trajectory record batch per prompt group;
-* ``connectors.rollout``: the rollout worker (``RolloutWorker``, ``RolloutReport``, CLI ``main``);
-* ``connectors.config``: ``RolloutConfig`` and lookahead limit hooks;
+* ``connectors.rollout``: the rollout loop (``RolloutWorker``: dispatch -> step -> score -> write) and
+  ``run_rollout(config)``, one run as a process does it (``python -m connectors --config FILE``);
+* ``connectors.config``: ``RolloutConfig``, pure data (travels as a JSON document);
+* ``connectors.report``: ``RolloutReport``, what a run wrote, with throughput;
+* ``connectors.writer``: ``GroupWriter``, the ordered background DoPuts of images and groups;
+* ``connectors.lookahead``: ``LookaheadLimit``, when dispatch pauses for the trainer to catch up;
+* ``connectors.weight_sync``: ``WeightSync``, follows the published version, loads its weights;
 * ``connectors.engine``: the ``Engine`` protocol and ``VllmEngine`` (vLLM's step loop, in process);
-* ``connectors.tasks``: built-in verifiable tasks and the ``RewardFn`` hook;
+* ``connectors.vllm``: vLLM ``RequestOutput`` -> one trajectory record batch per prompt group;
+* ``connectors.tasks``: built-in verifiable tasks, the built-in rewards (``REWARDS``), user rewards;
 * ``connectors.weights``: weight sync into a running vLLM engine;
 * ``connectors.tiny_model``: a tiny random Llama built offline (tests, demos);
 * ``connectors.fake_engine``: a scripted engine for tests without a model.

@@ -4,10 +4,10 @@ Every fake of the connectors lives here (the real engine runs in the slow tests)
 
 * ``FakeFlatLogprobs``: the fields of vLLM's ``FlatLogprobs`` the adapter reads (``start_indices``,
   ``end_indices``, ``token_ids``, ``logprobs``), sampled token first at each position;
-* ``FakeLogprob``: vLLM's ``Logprob`` (``logprob``, ``rank``) for the dict-per-position list form;
+* ``FakeLogprob``: vLLM's ``Logprob`` (the ``logprob`` the adapter reads) for the dict-per-position list form;
 * ``FakeCompletion`` / ``FakeRequestOutput``: ``CompletionOutput`` / ``RequestOutput``;
-* ``FakeEngine``: the ``connectors.rollout.Engine`` protocol. Each prompt finishes after a number of
-  steps drawn from its id, so groups finish out of order like on a real engine; "tokens" are bytes of
+* ``FakeEngine``: the ``connectors.engine.Engine`` protocol. Each prompt finishes after a seeded random
+  number of steps, so groups finish out of order like on a real engine; "tokens" are bytes of
   a fixed answer text, logprobs are seeded random values.
 """
 
@@ -28,8 +28,6 @@ class FakeLogprob:
     """vLLM ``Logprob``."""
 
     logprob: float
-    rank: int | None = 1
-    decoded_token: str | None = None
 
 
 @dataclass(slots=True)
@@ -72,7 +70,6 @@ class FakeRequestOutput:
     request_id: str
     prompt_token_ids: list[int]
     outputs: list[FakeCompletion]
-    finished: bool = True
 
 
 class FakeEngine:

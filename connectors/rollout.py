@@ -1,45 +1,43 @@
-"""Rollout worker: prompts -> vLLM (G samples each) -> reward -> one DoPut per prompt group, streamed.
+"""The rollout loop: prompts -> engine (G samples each) -> reward -> one DoPut per prompt group, streamed.
 
 The loop, top to bottom (``RolloutWorker.run``):
 
 1. **dispatch**: keep up to ``prompts_per_wave`` prompt groups in the engine; a finished group frees
-   its slot at once (continuous batching, no wave barrier). Dispatch pauses while the lookahead hook
-   says too many groups are written but not yet consumed (``max_unreleased_groups`` or a callable
-   over the stores' ``stats``).
+   its slot at once (continuous batching, no wave barrier). Dispatch pauses while the lookahead limit
+   says too many groups are written but not yet consumed (``connectors.lookahead``).
 2. **step**: ``engine.step()``; every prompt whose n samples are all finished comes back as one output.
-3. **score**: the reward function of the prompt (``connectors.tasks``), on each decoded response.
+3. **score**: the reward of the prompt (``connectors.tasks``), on each decoded response.
 4. **write**: images first (each distinct image once, by content key), then the group's record batch
-   (``connectors.vllm.group_to_batch``) with one DoPut to the group's node, *the moment the group
-   finishes*, so the trainer's planner sees groups while generation is still running.
+   (``connectors.vllm.group_to_batch``) with one DoPut to the group's store, *the moment the group
+   finishes*, so the trainer's planner sees groups while generation is still running
+   (``connectors.writer``, off the step loop).
 
 Nothing is dropped silently: a prompt the engine refuses, or groups still running when the worker
-stops (``max_seconds`` or Ctrl-C), are written with status "aborted".
+stops (``max_seconds``, ``stop()`` or Ctrl-C), are written with status "aborted".
 
-Policy versions: the worker polls ``client.get_version()`` (the version the trainer publishes); with
-``weight_sync`` it loads the published weights into the running engine (``connectors.weights``) first.
-A group records the engine's version when it was dispatched (``policy_version_min``) and when it
-finished (``policy_version``).
+Policy versions (``connectors.weight_sync``): the worker follows the version the trainer publishes;
+with ``weight_sync`` it loads the published weights into the running engine first. A group records
+the engine's version when it was dispatched (``policy_version_min``) and when it finished
+(``policy_version``).
 
-CLI: ``python -m connectors.rollout --model DIR --nodes grpc://h:p[,grpc://h2:p2] --groups N
-[--report-json FILE]`` (also ``knit rollout``).
+``run_rollout(config)`` runs a worker start to finish as a process does (``python -m connectors``).
 
 Example:
-    >>> cfg = RolloutConfig(model="/models/tiny", nodes=["grpc://127.0.0.1:8815"], max_groups=64)
-    >>> report = RolloutWorker(cfg).run()  # doctest: +SKIP
+    >>> cfg = RolloutConfig(model="/models/tiny", stores=["grpc://127.0.0.1:8815"], max_groups=64)
+    >>> report = run_rollout(cfg)  # doctest: +SKIP
 """
 
 from __future__ import annotations
 
-import argparse
 import json
 import logging
+import os
 import signal
 import threading
 import time
-from collections import deque
-from collections.abc import Callable, Iterator, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import asdict, dataclass, field
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
@@ -47,16 +45,20 @@ from typing import Any
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from connectors.config import LookaheadHook, RolloutConfig, max_unreleased
+from connectors.config import RolloutConfig
 from connectors.engine import Engine, VllmEngine
+from connectors.lookahead import LookaheadHook, LookaheadLimit, StoreStats
+from connectors.report import RolloutReport
 from connectors.tasks import Prompt, RewardFn, jsonl_prompts, load_reward_fn, mixed_prompts
 from connectors.vllm import aborted_batch, group_to_batch
+from connectors.weight_sync import WeightSync
+from connectors.writer import GroupWriter
 from schemas.images import images_to_table
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["Engine", "LookaheadHook", "RolloutConfig", "RolloutReport", "RolloutWorker", "VllmEngine", "main",
-           "max_unreleased"]
+__all__ = ["RolloutConfig", "RolloutReport", "RolloutWorker", "run_rollout"]
+
 
 @dataclass(slots=True)
 class _Pending:
@@ -68,68 +70,21 @@ class _Pending:
     version_min: int
 
 
-@dataclass(slots=True)
-class RolloutReport:
-    """What a run generated and wrote, with throughput (JSON via ``to_dict``)."""
-
-    groups: int = 0
-    """Groups written (completed and aborted)."""
-    aborted_groups: int = 0
-    """Groups with at least one aborted row."""
-    rows: int = 0
-    """Trajectories written."""
-    prompt_tokens: int = 0
-    """Prompt tokens over all rows."""
-    response_tokens: int = 0
-    """Generated tokens over all rows."""
-    bytes_written: int = 0
-    """Arrow bytes of the written batches and images."""
-    images_written: int = 0
-    """Distinct images sent (before store-side dedup across groups)."""
-    engine_start_s: float = 0.0
-    """Seconds to start the engine (0 when given one)."""
-    generate_s: float = 0.0
-    """Seconds from the first dispatch to the last group written."""
-    write_s: float = 0.0
-    """Seconds spent in DoPut calls (images and groups)."""
-    started_at: float = 0.0
-    """Unix time of the first dispatch."""
-    first_write_at: float = 0.0
-    """Unix time the first group was written."""
-    last_write_at: float = 0.0
-    """Unix time the last group was written."""
-    write_times: list[float] = field(default_factory=list)
-    """Unix time of each group write, in write order."""
-    reward_mean: dict[str, float] = field(default_factory=dict)
-    """Mean reward of completed rows per data source."""
-    policy_versions: list[int] = field(default_factory=list)
-    """Distinct ``policy_version`` values written."""
-    logprobs_mode: str = ""
-    """The engine's logprob mode."""
-
-    def to_dict(self) -> dict[str, Any]:
-        """The report plus derived rates: tokens/s generated, groups/s and MB/s written."""
-        d = asdict(self)
-        gen = max(self.generate_s, 1e-9)
-        d["tokens_per_s"] = round(self.response_tokens / gen, 1)
-        d["groups_per_s"] = round(self.groups / gen, 2)
-        d["write_mb_per_s"] = round(self.bytes_written / max(self.write_s, 1e-9) / 1e6, 2)
-        d["stream_mb_per_s"] = round(self.bytes_written / gen / 1e6, 3)
-        return d
-
-
 class RolloutWorker:
-    """Generates prompt groups and streams each one to its store node as soon as it finishes.
+    """Generates prompt groups and streams each one to its store as soon as it finishes.
 
     Args:
         config: what to generate and where to write.
-        client: a ``flight_store.StoreClient`` over ``config.nodes`` (built when ``None``).
+        client: a ``flight_store.StoreClient`` over ``config.stores`` (built when ``None``).
         engine: a started engine (``VllmEngine(config)`` is started when ``None``).
         prompts: the prompt stream (default: ``config.prompts_file`` or the built-in task mix).
+        lookahead: an extra lookahead rule over the stores' stats (True pauses dispatch), checked
+            with ``config.max_unreleased_groups`` every ``config.lookahead_poll_s`` seconds.
 
     Example:
-        >>> cfg = RolloutConfig(model="/models/tiny", nodes=["grpc://127.0.0.1:8815"], max_groups=8)
-        >>> RolloutWorker(cfg).run().groups  # doctest: +SKIP
+        >>> cfg = RolloutConfig(model="/models/tiny", stores=["grpc://127.0.0.1:8815"], max_groups=8)
+        >>> with RolloutWorker(cfg) as worker:  # doctest: +SKIP
+        ...     worker.run().groups
         8
     """
 
@@ -140,13 +95,14 @@ class RolloutWorker:
         client: Any = None,
         engine: Engine | None = None,
         prompts: Iterator[Prompt] | None = None,
+        lookahead: LookaheadHook | None = None,
     ) -> None:
         self.config = config
         self._owns_client = client is None
         if client is None:
             from flight_store.client import StoreClient
 
-            client = StoreClient(config.nodes)
+            client = StoreClient(config.stores)
         self.client = client
         self.report = RolloutReport()
         t0 = time.perf_counter()
@@ -161,43 +117,29 @@ class RolloutWorker:
                 else mixed_prompts(config.data_sources, seed=config.seed)
             )
         self._prompts = prompts
-        self._reward: RewardFn = load_reward_fn(config.reward_fn)
-        hooks: list[LookaheadHook] = []
-        if config.max_unreleased_groups is not None:
-            hooks.append(max_unreleased(config.max_unreleased_groups))
-        if config.lookahead is not None:
-            hooks.append(config.lookahead)
-        self._hooks = hooks
+        self._reward: RewardFn = load_reward_fn(config.reward)
+        self._prefix = config.group_id_prefix or f"r{os.getpid()}-"
+        self._writer = GroupWriter(client, background=config.async_writes, max_queued=config.max_queued_writes)
+        self._lookahead = LookaheadLimit(self._flushed_stats, limit=config.max_unreleased_groups,
+                                         counts_running=config.lookahead_counts_running,
+                                         poll_s=config.lookahead_poll_s, hook=lookahead)
+        self._sync = WeightSync(client, self.engine, version=config.initial_version,
+                                poll_s=config.version_poll_s, load=config.weight_sync)
         self._pending: dict[str, _Pending] = {}
-        self._version = config.initial_version
-        self._next_version_poll = 0.0
-        self._next_lookahead_poll = 0.0
-        self._paused = False
-        self._stored_at_poll = 0  # unreleased groups in the stores at the last lookahead poll
-        self._written_since_poll = 0
         self._dispatched = 0
         self._stop = False
         self._rewards: dict[str, list[float]] = {}
         self._versions: set[int] = set()
-        self._writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="knit-rollout-writer") \
-            if config.async_writes else None
-        self._writes: deque[Future[None]] = deque()
-        self._write_lock = threading.Lock()
 
     # ---- public --------------------------------------------------------------------------------
 
-    def flush(self) -> None:
-        """Wait for every queued write; re-raise the first write error."""
-        while self._writes:
-            self._writes.popleft().result()
-
     def close(self) -> None:
-        """Flush, stop the writer thread, and close the store client if this worker opened it."""
-        self.flush()
-        if self._writer is not None:
-            self._writer.shutdown(wait=True)
-        if self._owns_client:
-            self.client.close()
+        """Flush the queued writes, stop the writer, and close the store client if this worker opened it."""
+        try:
+            self._writer.close()
+        finally:
+            if self._owns_client:
+                self.client.close()
 
     def __enter__(self) -> RolloutWorker:
         return self
@@ -212,13 +154,12 @@ class RolloutWorker:
     def run(self) -> RolloutReport:
         """Run until ``max_groups`` groups are written, ``max_seconds`` pass, or ``stop()``."""
         cfg = self.config
-        rep = self.report
-        rep.started_at = time.time()
+        self.report.started_at = time.time()
         t_start = time.perf_counter()
         deadline = t_start + cfg.max_seconds if cfg.max_seconds is not None else None
         if cfg.weight_sync and cfg.wait_initial_weights_s is not None:
-            self._load_initial_weights(cfg.wait_initial_weights_s)
-        self._poll_version(force=True)
+            self._sync.wait_initial(cfg.wait_initial_weights_s, stopped=lambda: self._stop)
+        self._sync.poll(force=True)
         exhausted = False
         while True:
             if deadline is not None and time.perf_counter() >= deadline:
@@ -226,134 +167,72 @@ class RolloutWorker:
             if self._stop:
                 self._abort_pending()
                 break
-            self._poll_version()
-            while not exhausted and self._may_dispatch():
-                try:
-                    prompt = next(self._prompts)
-                except StopIteration:
-                    exhausted = True
-                    break
-                self._dispatch(prompt)
+            self._sync.poll()
+            exhausted = exhausted or self._fill()
             if not self._pending:
-                if exhausted or (cfg.max_groups and self._dispatched >= cfg.max_groups):
+                if exhausted or self._quota_reached():
                     break
                 time.sleep(0.05)  # paused by the lookahead limit
                 continue
-            try:
-                for out in self.engine.step():
-                    self._complete(out)
-            except KeyboardInterrupt:
-                logger.warning("interrupted: aborting %d running groups", len(self._pending))
-                self._stop = True
-        self.flush()
-        rep.generate_s = round(time.perf_counter() - t_start, 4)
-        rep.reward_mean = {k: round(sum(v) / len(v), 4) for k, v in sorted(self._rewards.items()) if v}
-        rep.policy_versions = sorted(self._versions)
-        return rep
+            self._step()
+        self._writer.flush()
+        self._finish_report(time.perf_counter() - t_start)
+        return self.report
 
     # ---- loop parts ----------------------------------------------------------------------------
 
-    def _may_dispatch(self) -> bool:
-        cfg = self.config
-        if self._stop or len(self._pending) >= cfg.prompts_per_wave:
-            return False
-        if cfg.max_groups and self._dispatched >= cfg.max_groups:
-            return False
-        if self._hooks:
-            now = time.perf_counter()
-            if now >= self._next_lookahead_poll:
-                self._next_lookahead_poll = now + cfg.lookahead_poll_s
-                self.flush()  # the stores' counts must include this worker's queued writes
-                stats = self.client.stats()
-                self._stored_at_poll = sum(int(s.get("groups", {}).get("stored", 0)) for s in stats.values())
-                self._written_since_poll = 0
-                paused = any(h(stats) for h in self._hooks)
-                if paused != self._paused:
-                    logger.info("rollout dispatch %s by the lookahead limit", "paused" if paused else "resumed")
-                self._paused = paused
-            if cfg.lookahead_counts_running and cfg.max_unreleased_groups is not None:
-                # between polls: what the stores held, plus what this worker wrote since, plus what runs
-                outstanding = self._stored_at_poll + self._written_since_poll + len(self._pending)
-                if outstanding >= cfg.max_unreleased_groups:
-                    return False
-            return not self._paused
-        return True
+    def _quota_reached(self) -> bool:
+        return bool(self.config.max_groups) and self._dispatched >= self.config.max_groups
 
-    def _load_initial_weights(self, timeout_s: float) -> None:
-        """Wait for the weights of ``initial_version`` in the stores and load them into the engine."""
-        version = self.config.initial_version
-        deadline = time.perf_counter() + timeout_s
-        while not self._stop:
-            try:
-                table = self.client.get_weights(version)
-            except Exception as exc:  # not published yet
-                if time.perf_counter() >= deadline:
-                    msg = f"no weights of version {version} in the stores after {timeout_s} s: {exc}"
-                    raise TimeoutError(msg) from None
-                time.sleep(0.2)
-                continue
-            self.engine.load_weights(table)
-            logger.info("loaded the initial weights (version %d) into the engine", version)
-            return
+    def _fill(self) -> bool:
+        """Dispatch prompts while there is room; returns True when the prompt stream is exhausted."""
+        while not self._stop and len(self._pending) < self.config.prompts_per_wave and not self._quota_reached():
+            if not self._lookahead.allows(running=len(self._pending)):
+                return False
+            prompt = next(self._prompts, None)
+            if prompt is None:
+                return True
+            self._dispatch(prompt)
+        return False
 
-    def _poll_version(self, *, force: bool = False) -> None:
-        now = time.perf_counter()
-        if not force and now < self._next_version_poll:
-            return
-        self._next_version_poll = now + self.config.version_poll_s
-        published = int(self.client.get_version())
-        if published <= self._version:
-            return
-        if self.config.weight_sync:
-            try:
-                table = self.client.get_weights(published)
-            except Exception as exc:  # weights not there yet: keep generating with the old ones
-                logger.warning("version %d published but its weights are not readable yet: %s", published, exc)
-                return
-            self.engine.load_weights(table)
-            logger.info("loaded weights of version %d into the engine", published)
-        self._version = published
+    def _flushed_stats(self) -> StoreStats:
+        self._writer.flush()  # the stores' counts must include this worker's queued writes
+        stats: StoreStats = self.client.stats()
+        return stats
 
     def _node_for(self, group_id: str) -> str:
         if self.config.local_node_only:
-            return self.config.nodes[0]
+            return self.config.stores[0]
         return str(self.client.node_for(group_id))
 
     def _dispatch(self, prompt: Prompt) -> None:
         cfg = self.config
-        group_id = f"{cfg.group_id_prefix}{self._dispatched}"
+        group_id = f"{self._prefix}{self._dispatched}"
         self._dispatched += 1
         node = self._node_for(group_id)
         keys: list[bytes] = []
         if prompt.images:
             table, keys = images_to_table(prompt.images)
-            self._write_images(table, node)
-        pending = _Pending(
-            group_id=group_id,
-            prompt=prompt,
-            node=node,
-            image_keys=keys,
-            created_at=datetime.now(UTC),
-            version_min=self._version,
-        )
+            self.report.images_written += table.num_rows
+            self.report.bytes_written += table.nbytes
+            self._writer.put_images(table, node)
+        pending = _Pending(group_id=group_id, prompt=prompt, node=node, image_keys=keys,
+                           created_at=datetime.now(UTC), version_min=self._sync.version)
         try:
             self.engine.submit(group_id, prompt, cfg.group_size)
         except (ValueError, TypeError) as exc:  # refused by the engine (too long, bad input): record it
             logger.warning("engine refused group %s: %s", group_id, exc)
-            batch = aborted_batch(
-                group_id=group_id,
-                group_size=cfg.group_size,
-                prompt_token_ids=[],
-                policy_version=self._version,
-                data_source=prompt.data_source,
-                logprobs_mode=self.engine.logprobs_mode,
-                image_keys=keys,
-                created_at=pending.created_at,
-                finish_reason="error",
-            )
-            self._write_group(batch, node, aborted=True)
+            self._write_aborted(pending, finish_reason="error")
             return
         self._pending[group_id] = pending
+
+    def _step(self) -> None:
+        try:
+            for out in self.engine.step():
+                self._complete(out)
+        except KeyboardInterrupt:
+            logger.warning("interrupted: aborting %d running groups", len(self._pending))
+            self._stop = True
 
     def _complete(self, out: Any) -> None:
         pending = self._pending.pop(str(out.request_id), None)
@@ -372,7 +251,7 @@ class RolloutWorker:
         batch = group_to_batch(
             out,
             group_id=pending.group_id,
-            policy_version=self._version,
+            policy_version=self._sync.version,
             policy_version_min=pending.version_min,
             data_source=prompt.data_source,
             rewards=rewards,
@@ -390,66 +269,46 @@ class RolloutWorker:
         ids = list(self._pending)
         self.engine.abort(ids)
         for gid in ids:
-            p = self._pending.pop(gid)
-            batch = aborted_batch(
-                group_id=gid,
-                group_size=self.config.group_size,
-                prompt_token_ids=[],
-                policy_version=self._version,
-                data_source=p.prompt.data_source,
-                logprobs_mode=self.engine.logprobs_mode,
-                image_keys=p.image_keys,
-                created_at=p.created_at,
-            )
-            self._write_group(batch, p.node, aborted=True)
+            self._write_aborted(self._pending.pop(gid))
         logger.info("aborted %d running groups and wrote them as 'aborted'", len(ids))
 
     # ---- writes --------------------------------------------------------------------------------
 
-    def _submit(self, fn: Callable[[], None]) -> None:
-        if self._writer is None:
-            fn()
-            return
-        while self._writes and self._writes[0].done():
-            self._writes.popleft().result()  # surfaces a failed write promptly
-        while len(self._writes) >= self.config.max_queued_writes:
-            self._writes.popleft().result()
-        self._writes.append(self._writer.submit(fn))
-
-    def _write_images(self, table: pa.Table, node: str) -> None:
-        self.report.images_written += table.num_rows
-        self.report.bytes_written += table.nbytes
-
-        def put() -> None:
-            t0 = time.perf_counter()
-            self.client.put_images(table, node=node)
-            with self._write_lock:
-                self.report.write_s += time.perf_counter() - t0
-
-        self._submit(put)
+    def _write_aborted(self, pending: _Pending, *, finish_reason: str = "abort") -> None:
+        batch = aborted_batch(
+            group_id=pending.group_id,
+            group_size=self.config.group_size,
+            prompt_token_ids=[],
+            policy_version=self._sync.version,
+            data_source=pending.prompt.data_source,
+            logprobs_mode=self.engine.logprobs_mode,
+            image_keys=pending.image_keys,
+            created_at=pending.created_at,
+            finish_reason=finish_reason,
+        )
+        self._write_group(batch, pending.node, aborted=True)
 
     def _write_group(self, batch: pa.RecordBatch, node: str, *, aborted: bool) -> None:
         rep = self.report
         rep.groups += 1
-        self._written_since_poll += 1
         rep.aborted_groups += int(aborted)
         rep.rows += batch.num_rows
         rep.prompt_tokens += int(pc.sum(batch.column("prompt_len")).as_py() or 0)
         rep.response_tokens += int(pc.sum(batch.column("response_len")).as_py() or 0)
         rep.bytes_written += batch.nbytes
         self._versions.add(int(batch.column("policy_version")[0].as_py()))
+        self._lookahead.note_written()
+        self._writer.put_group(batch, node)
 
-        def put() -> None:
-            t0 = time.perf_counter()
-            self.client.put_group(batch, node=node)
-            now = time.time()
-            with self._write_lock:
-                rep.write_s += time.perf_counter() - t0
-                rep.write_times.append(now)
-                rep.first_write_at = rep.first_write_at or now
-                rep.last_write_at = now
-
-        self._submit(put)
+    def _finish_report(self, generate_s: float) -> None:
+        rep = self.report
+        rep.generate_s = round(generate_s, 4)
+        rep.reward_mean = {k: round(sum(v) / len(v), 4) for k, v in sorted(self._rewards.items()) if v}
+        rep.policy_versions = sorted(self._versions)
+        rep.write_s = self._writer.write_s
+        rep.write_times = list(self._writer.write_times)
+        if rep.write_times:
+            rep.first_write_at, rep.last_write_at = rep.write_times[0], rep.write_times[-1]
 
     def _dump_raw(self, group_id: str, out: Any) -> None:
         samples = []
@@ -471,114 +330,31 @@ class RolloutWorker:
             fh.write(json.dumps(doc) + "\n")
 
 
-# ---- CLI ---------------------------------------------------------------------------------------
+# ---- one run, as a process runs it ---------------------------------------------------------------
 
 
-def _parse_mix(text: str) -> dict[str, float]:
-    mix: dict[str, float] = {}
-    for part in text.split(","):
-        name, _, weight = part.partition("=")
-        try:
-            mix[name.strip()] = float(weight) if weight else 1.0
-        except ValueError:
-            msg = f"bad data-source weight in {part!r} (expected NAME=WEIGHT)"
-            raise argparse.ArgumentTypeError(msg) from None
-    return mix
-
-
-def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="knit rollout", description="Generate prompt groups with vLLM and stream them "
-                                "to knittrans store nodes.")
-    p.add_argument("--model", required=True, help="Hugging Face model directory")
-    p.add_argument("--tiny", action="store_true", help="build a tiny random Llama at --model first if missing")
-    p.add_argument("--nodes", required=True, help="comma-separated store locations, grpc://host:port")
-    p.add_argument("--groups", type=int, default=64, help="prompt groups to generate (0 = until stopped)")
-    p.add_argument("--group-size", type=int, default=4, help="G, samples per prompt")
-    p.add_argument("--max-tokens", type=int, default=64)
-    p.add_argument("--temperature", type=float, default=1.0)
-    p.add_argument("--top-p", type=float, default=1.0)
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--prompts-per-wave", type=int, default=16, help="most prompt groups in the engine at once")
-    p.add_argument("--max-seconds", type=float, default=None, help="stop (abort running groups) after this")
-    p.add_argument("--data-sources", type=_parse_mix, default={"add_small": 0.5, "mul_large": 0.5},
-                   help="built-in task mix, e.g. add_small=0.7,mul_large=0.3")
-    p.add_argument("--prompts-file", default=None, help="JSONL prompts instead of the built-in tasks")
-    p.add_argument("--reward-fn", default=None, help="module:function reward (default: exact match)")
-    p.add_argument("--max-unreleased-groups", type=int, default=None, help="lookahead limit")
-    p.add_argument("--lookahead-counts-running", action="store_true",
-                   help="count groups running in the engine toward --max-unreleased-groups")
-    p.add_argument("--lookahead-poll-s", type=float, default=0.5, help="seconds between two lookahead checks")
-    p.add_argument("--weight-sync", action="store_true", help="load newly published weights into the engine")
-    p.add_argument("--wait-initial-weights", type=float, default=None, metavar="SECONDS",
-                   help="with --weight-sync: wait this long for the weights of --initial-version, load them, start")
-    p.add_argument("--initial-version", type=int, default=0, help="policy version of the weights in --model")
-    p.add_argument("--version-poll-s", type=float, default=1.0, help="seconds between two get_version calls")
-    p.add_argument("--local-node-only", action="store_true", help="write every group to the first node")
-    p.add_argument("--group-id-prefix", default="")
-    p.add_argument("--logprobs-mode", default="raw_logprobs", choices=["raw_logprobs", "processed_logprobs"])
-    p.add_argument("--dtype", default="float32")
-    p.add_argument("--max-model-len", type=int, default=1024)
-    p.add_argument("--tensor-parallel-size", type=int, default=1)
-    p.add_argument("--ignore-eos", action="store_true")
-    p.add_argument("--sync-writes", action="store_true", help="DoPut inline in the step loop (no writer thread)")
-    p.add_argument("--dump-raw", default=None, help=argparse.SUPPRESS)
-    p.add_argument("--report-json", default=None, help="write the run report (throughput) to this JSON file")
-    return p
-
-
-def main(argv: Sequence[str] | None = None) -> int:
-    """``python -m connectors.rollout ...`` / ``knit rollout ...``; returns the exit status."""
-    args = build_parser().parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
-    if args.tiny and not (Path(args.model) / "config.json").exists():
-        from connectors.tiny_model import build_tiny_llama
-
-        build_tiny_llama(args.model, seed=args.seed)
-    cfg = RolloutConfig(
-        model=args.model,
-        nodes=[n.strip() for n in args.nodes.split(",") if n.strip()],
-        group_size=args.group_size,
-        max_tokens=args.max_tokens,
-        temperature=args.temperature,
-        top_p=args.top_p,
-        seed=args.seed,
-        prompts_per_wave=args.prompts_per_wave,
-        max_groups=args.groups,
-        max_seconds=args.max_seconds,
-        data_sources=args.data_sources,
-        prompts_file=args.prompts_file,
-        reward_fn=args.reward_fn,
-        max_unreleased_groups=args.max_unreleased_groups,
-        lookahead_counts_running=args.lookahead_counts_running,
-        lookahead_poll_s=args.lookahead_poll_s,
-        wait_initial_weights_s=args.wait_initial_weights,
-        weight_sync=args.weight_sync,
-        version_poll_s=args.version_poll_s,
-        initial_version=args.initial_version,
-        local_node_only=args.local_node_only,
-        group_id_prefix=args.group_id_prefix,
-        logprobs_mode=args.logprobs_mode,
-        dtype=args.dtype,
-        max_model_len=args.max_model_len,
-        ignore_eos=args.ignore_eos,
-        tensor_parallel_size=args.tensor_parallel_size,
-        dump_raw=args.dump_raw,
-        async_writes=not args.sync_writes,
-    )
-    worker = RolloutWorker(cfg)
-    previous = signal.signal(signal.SIGTERM, lambda *_: worker.stop())
+@contextmanager
+def _stop_on_signals(worker: RolloutWorker) -> Iterator[None]:
+    """SIGTERM / SIGINT ask ``worker`` to stop cleanly (only the main thread can install handlers)."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = {sig: signal.signal(sig, lambda *_: worker.stop()) for sig in (signal.SIGTERM, signal.SIGINT)}
     try:
-        report = worker.run()
+        yield
     finally:
-        signal.signal(signal.SIGTERM, previous)
-        worker.close()
-    out = report.to_dict()
-    summary = {k: v for k, v in out.items() if k != "write_times"}
-    print(json.dumps(summary))
-    if args.report_json:
-        Path(args.report_json).write_text(json.dumps(out, indent=1))
-    return 0
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
 
 
-if __name__ == "__main__":
-    raise SystemExit(main())
+def run_rollout(config: RolloutConfig, *, engine: Engine | None = None) -> RolloutReport:
+    """Run one rollout worker start to finish: what ``python -m connectors`` and ``knit rollout`` do.
+
+    Starts the engine (unless ``engine`` is given), stops cleanly on SIGTERM/SIGINT (running groups
+    are written as "aborted"), and writes the report to ``config.report_path`` when set.
+    """
+    with RolloutWorker(config, engine=engine) as worker, _stop_on_signals(worker):
+        report = worker.run()
+    if config.report_path:
+        Path(config.report_path).write_text(json.dumps(report.to_dict(), indent=1))
+    return report

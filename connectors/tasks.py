@@ -1,4 +1,4 @@
-"""Prompts and rewards: the built-in verifiable arithmetic task and the hook for user reward functions.
+"""Prompts and rewards: the built-in verifiable arithmetic task, the built-in rewards, and user rewards.
 
 Built-in data sources (integer arithmetic, exact-match reward):
 
@@ -8,9 +8,11 @@ Built-in data sources (integer arithmetic, exact-match reward):
 A prompt asks for the number; the reward is 1.0 when the decoded response contains the exact answer as
 a whole number (``12`` does not match inside ``123`` or ``-12``), else 0.0.
 
-User reward functions follow :class:`RewardFn`: ``fn(prompt, response, sample) -> float``, where
-``sample`` is the prompt's dict (``answer``, ``data_source`` and any field of a JSONL prompt file). Pass
-the function object, or a ``"package.module:function"`` string (``load_reward_fn``).
+Rewards follow :class:`RewardFn`: ``fn(prompt, response, sample) -> float``, where ``sample`` is the
+prompt's dict (``answer``, ``data_source`` and any field of a JSONL prompt file). A config names its
+reward by a string (``RolloutConfig.reward``): a built-in of :data:`REWARDS` (``"exact"``,
+``"digits"``), or ``"package.module:function"`` for a user's own. :func:`load_reward_fn` is the one
+place such a string is resolved to code.
 
 Example:
     >>> p = ARITHMETIC_TASKS["add_small"].make(random.Random(0))
@@ -104,14 +106,34 @@ def exact_match_reward(prompt: str, response: str, sample: dict[str, Any]) -> fl
     return 1.0 if re.search(pattern, response) else 0.0
 
 
-def load_reward_fn(spec: str | RewardFn | None) -> RewardFn:
-    """Resolve a reward function: ``None`` -> ``exact_match_reward``; a callable as is; "module:function"."""
-    if spec is None:
-        return exact_match_reward
-    if callable(spec):
-        return spec
-    if not isinstance(spec, str) or spec.count(":") != 1:
-        msg = f"reward function {spec!r} is not a callable nor a 'module:function' string"
+def digit_reward(prompt: str, response: str, sample: dict[str, Any]) -> float:
+    """Share of the response's non-space characters that are digits (partial credit, in [0, 1]).
+
+    The built-in arithmetic tasks are out of reach of a tiny random model (exact match is ~always 0,
+    so every GRPO advantage would be 0 and the weights would never change); this shaped reward
+    varies within a group, so the loop really learns: the reward per train batch rises.
+    """
+    del prompt, sample
+    chars = [c for c in response if not c.isspace()]
+    return sum(c.isdigit() for c in chars) / len(chars) if chars else 0.0
+
+
+REWARDS: dict[str, RewardFn] = {"exact": exact_match_reward, "digits": digit_reward}
+"""The built-in rewards, by the name a config gives (``RolloutConfig.reward``)."""
+
+
+def is_reward_spec(spec: str) -> bool:
+    """Whether ``spec`` names a reward: a key of :data:`REWARDS` or a ``"module:function"`` string."""
+    module_name, colon, attr = spec.partition(":")
+    return spec in REWARDS or bool(colon and module_name and attr and ":" not in attr)
+
+
+def load_reward_fn(spec: str) -> RewardFn:
+    """The reward named ``spec``: a built-in of :data:`REWARDS`, or a user's ``"module:function"``."""
+    if spec in REWARDS:
+        return REWARDS[spec]
+    if not is_reward_spec(spec):
+        msg = f"reward {spec!r} is neither a built-in ({', '.join(sorted(REWARDS))}) nor a 'module:function' string"
         raise ValueError(msg)
     module_name, _, attr = spec.partition(":")
     try:

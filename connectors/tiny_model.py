@@ -14,6 +14,7 @@ import json
 import logging
 import random
 from pathlib import Path
+from typing import Any
 
 logger = logging.getLogger(__name__)
 
@@ -68,37 +69,17 @@ def build_tiny_llama(
     Example:
         >>> path = build_tiny_llama("/tmp/tiny", layers=2, hidden=64, heads=4, kv_heads=2)  # doctest: +SKIP
     """
-    if hidden % heads:
-        msg = f"hidden={hidden} is not divisible by heads={heads}"
-        raise ValueError(msg)
-    if heads % kv_heads:
-        msg = f"kv_heads={kv_heads} does not divide heads={heads}"
-        raise ValueError(msg)
-    if vocab < 300:
-        msg = f"vocab={vocab} is too small for a byte-level BPE (needs >= 300)"
-        raise ValueError(msg)
+    _check_shape(hidden=hidden, heads=heads, kv_heads=kv_heads, vocab=vocab)
     try:
         import torch
-        from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-        from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+        from transformers import LlamaConfig, LlamaForCausalLM
     except ImportError as exc:
         msg = f"build_tiny_llama needs torch, transformers and tokenizers: pip install knittrans[vllm] ({exc})"
         raise ImportError(msg) from exc
 
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-
-    tok = Tokenizer(models.BPE(unk_token=None))
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=vocab,
-        special_tokens=["<pad>", "<s>", "</s>"],
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-        show_progress=False,
-    )
-    tok.train_from_iterator(_corpus(seed), trainer)
-    hf_tok = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>", pad_token="<pad>")
+    hf_tok = _train_tokenizer(vocab, seed)
     hf_tok.save_pretrained(str(out))
 
     cfg = LlamaConfig(
@@ -132,3 +113,33 @@ def build_tiny_llama(
     )
     logger.info("built tiny llama at %s: %d params, vocab %d", out, n_params, len(hf_tok))
     return out
+
+
+def _check_shape(*, hidden: int, heads: int, kv_heads: int, vocab: int) -> None:
+    if hidden % heads:
+        msg = f"hidden={hidden} is not divisible by heads={heads}"
+        raise ValueError(msg)
+    if heads % kv_heads:
+        msg = f"kv_heads={kv_heads} does not divide heads={heads}"
+        raise ValueError(msg)
+    if vocab < 300:
+        msg = f"vocab={vocab} is too small for a byte-level BPE (needs >= 300)"
+        raise ValueError(msg)
+
+
+def _train_tokenizer(vocab: int, seed: int) -> Any:
+    """A byte-level BPE of about ``vocab`` tokens trained on the synthetic corpus, as a transformers tokenizer."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE(unk_token=None))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab,
+        special_tokens=["<pad>", "<s>", "</s>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(_corpus(seed), trainer)
+    return PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>", pad_token="<pad>")

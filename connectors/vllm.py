@@ -35,6 +35,7 @@ from typing import Any, Protocol
 import numpy as np
 import pyarrow as pa
 
+from schemas import trajectory
 from schemas.arrow import IMAGE_KEY_BYTES, TRAJECTORY_SCHEMA
 
 LOGPROBS_MODE_KEY = b"knittrans.logprobs_mode"
@@ -45,19 +46,6 @@ LOGPROBS_MODES = ("raw_logprobs", "processed_logprobs")
 """vLLM logprob modes whose values are logprobs (the ``*_logits`` modes are refused)."""
 COMPLETED_FINISH_REASONS = frozenset({"stop", "length"})
 """Finish reasons of a sample that ran to its natural end; anything else is written as "aborted"."""
-
-
-class CompletionLike(Protocol):
-    """What the adapter reads from one sample (vLLM ``CompletionOutput``)."""
-
-    @property
-    def index(self) -> int: ...
-    @property
-    def token_ids(self) -> Sequence[int]: ...
-    @property
-    def logprobs(self) -> Any: ...
-    @property
-    def finish_reason(self) -> str | None: ...
 
 
 class RequestOutputLike(Protocol):
@@ -165,6 +153,45 @@ def _naive_utc(ts: datetime | None) -> datetime:
     return ts.astimezone(UTC).replace(tzinfo=None) if ts.tzinfo is not None else ts
 
 
+def _samples_by_index(output: RequestOutputLike, group_id: str, group_size: int | None,
+                      rewards: Sequence[float] | None, image_keys: Sequence[bytes]) -> tuple[int, dict[int, Any]]:
+    """``(G, {sample_idx: completion})`` of one output, checked: distinct indices in ``[0, G)``, one reward
+    per sample, image keys of the key size."""
+    samples = list(output.outputs)
+    g = group_size if group_size is not None else len(samples)
+    if g < 1 or len(samples) > g:
+        msg = f"group {group_id!r}: group_size {g} but the output has {len(samples)} samples"
+        raise ValueError(msg)
+    by_idx: dict[int, Any] = {int(c.index): c for c in samples}
+    if len(by_idx) != len(samples) or any(i < 0 or i >= g for i in by_idx):
+        msg = f"group {group_id!r}: sample indices {sorted(by_idx)} are not distinct values in [0, {g})"
+        raise ValueError(msg)
+    if rewards is not None and len(rewards) != g:
+        msg = f"group {group_id!r}: {len(rewards)} rewards for {g} samples"
+        raise ValueError(msg)
+    for k in image_keys:
+        if len(k) != IMAGE_KEY_BYTES:
+            msg = f"group {group_id!r}: image key of {len(k)} bytes (expected {IMAGE_KEY_BYTES})"
+            raise ValueError(msg)
+    return g, by_idx
+
+
+def _response(c: Any, status: str | None) -> tuple[np.ndarray, np.ndarray, str, str]:
+    """``(token ids, sampled logprobs, finish reason, status)`` of one sample (``c`` None = never produced)."""
+    if c is None:
+        return np.zeros(0, dtype=np.int32), np.zeros(0, dtype=np.float32), "abort", status or "aborted"
+    ids = np.asarray(c.token_ids, dtype=np.int32)
+    reason = c.finish_reason if c.finish_reason is not None else "abort"
+    row_status = status or ("completed" if reason in COMPLETED_FINISH_REASONS else "aborted")
+    try:
+        lps = sampled_logprobs(c.logprobs, c.token_ids)
+    except ValueError:
+        if row_status == "completed":
+            raise
+        lps = np.full(len(ids), np.nan, dtype=np.float32)  # partial, unusable: kept for the record
+    return ids, lps, reason, row_status
+
+
 def group_to_batch(
     output: RequestOutputLike,
     *,
@@ -181,6 +208,8 @@ def group_to_batch(
     group_size: int | None = None,
 ) -> pa.RecordBatch:
     """One trajectory record batch (one row per sample, ordered by ``sample_idx``) for one prompt group.
+
+    The batch is built and checked by the same rules the store applies (:mod:`schemas.trajectory`).
 
     Args:
         output: a finished vLLM ``RequestOutput`` (all n samples; use ``RequestOutputKind.FINAL_ONLY``
@@ -205,99 +234,43 @@ def group_to_batch(
         A batch with schema ``trajectory_schema(logprobs_mode)``.
 
     Raises:
-        ValueError: bad arguments, or logprobs missing/inconsistent for a completed sample.
+        ValueError: bad arguments, or logprobs missing/inconsistent for a completed sample (a
+            :class:`~schemas.trajectory.TrajectoryError` names the column a rule refused).
     """
     schema = trajectory_schema(logprobs_mode)
-    if status is not None and status not in ("completed", "aborted", "filtered"):
-        msg = f"status {status!r} is not one of ('completed', 'aborted', 'filtered')"
-        raise ValueError(msg)
-    samples = sorted(output.outputs, key=lambda c: int(c.index))
-    g = group_size if group_size is not None else len(samples)
-    if g < 1 or len(samples) > g:
-        msg = f"group {group_id!r}: group_size {g} but the output has {len(samples)} samples"
-        raise ValueError(msg)
-    by_idx: dict[int, Any] = {int(c.index): c for c in samples}
-    if len(by_idx) != len(samples) or any(i < 0 or i >= g for i in by_idx):
-        msg = f"group {group_id!r}: sample indices {sorted(by_idx)} are not distinct values in [0, {g})"
-        raise ValueError(msg)
-    if rewards is not None and len(rewards) != g:
-        msg = f"group {group_id!r}: {len(rewards)} rewards for {g} samples"
-        raise ValueError(msg)
-    keys = list(image_keys)
-    for k in keys:
-        if len(k) != IMAGE_KEY_BYTES:
-            msg = f"group {group_id!r}: image key of {len(k)} bytes (expected {IMAGE_KEY_BYTES})"
-            raise ValueError(msg)
-
+    g, by_idx = _samples_by_index(output, group_id, group_size, rewards, image_keys)
+    ids, lps, finish, statuses = zip(*(_response(by_idx.get(i), status) for i in range(g)), strict=True)
+    resp_len = np.array([len(p) for p in ids], dtype=np.int64)
     prompt = np.asarray(output.prompt_token_ids or [], dtype=np.int32)
-    resp_parts: list[np.ndarray] = []
-    lp_parts: list[np.ndarray] = []
-    finish: list[str] = []
-    statuses: list[str] = []
-    for i in range(g):
-        c = by_idx.get(i)
-        if c is None:
-            ids = np.zeros(0, dtype=np.int32)
-            lps = np.zeros(0, dtype=np.float32)
-            reason = "abort"
-        else:
-            ids = np.asarray(c.token_ids, dtype=np.int32)
-            reason = c.finish_reason if c.finish_reason is not None else "abort"
-            ok = reason in COMPLETED_FINISH_REASONS
-            try:
-                lps = sampled_logprobs(c.logprobs, c.token_ids)
-            except ValueError:
-                if ok and status != "aborted":
-                    raise
-                lps = np.full(len(ids), np.nan, dtype=np.float32)  # partial, unusable: kept for the record
-        row_status = status or ("completed" if reason in COMPLETED_FINISH_REASONS else "aborted")
-        resp_parts.append(ids)
-        lp_parts.append(lps)
-        finish.append(reason)
-        statuses.append(row_status)
-
-    resp_len = np.array([len(p) for p in resp_parts], dtype=np.int32)
-    resp_flat = np.concatenate(resp_parts) if resp_parts else np.zeros(0, np.int32)
-    lp_flat = np.concatenate(lp_parts) if lp_parts else np.zeros(0, np.float32)
-    masks = [np.full(len(p), s == "completed", dtype=np.uint8) for p, s in zip(resp_parts, statuses, strict=True)]
-    mask_flat = np.concatenate(masks) if masks else np.zeros(0, np.uint8)
-    prompt_len = np.full(g, len(prompt), dtype=np.int32)
-    created = _naive_utc(created_at)
-    completed = _naive_utc(completed_at)
+    keys = list(image_keys)
     version = int(policy_version)
-    version_min = int(policy_version_min) if policy_version_min is not None else version
-    if version < 0 or version_min < 0 or version_min > version:
-        msg = f"group {group_id!r}: bad policy versions min={version_min} > version={version} (or negative)"
-        raise ValueError(msg)
-
-    key_lengths = np.full(g, len(keys), dtype=np.int32)
-    key_values = pa.array(keys * g, pa.binary(IMAGE_KEY_BYTES))
-    key_offsets = pa.array(np.concatenate([[0], np.cumsum(key_lengths)]).astype(np.int32), pa.int32())
-    columns = {
+    cols = {
         "group_id": pa.array([group_id] * g, pa.string()),
         "sample_idx": pa.array(np.arange(g, dtype=np.int32)),
         "policy_version": pa.array(np.full(g, version, dtype=np.int64)),
-        "policy_version_min": pa.array(np.full(g, version_min, dtype=np.int64)),
+        "policy_version_min": pa.array(np.full(g, version if policy_version_min is None else int(policy_version_min),
+                                               dtype=np.int64)),
         "data_source": pa.array([data_source] * g, pa.string()),
-        "prompt_len": pa.array(prompt_len),
-        "response_len": pa.array(resp_len),
-        "reward": pa.array(
-            np.asarray(rewards if rewards is not None else np.zeros(g), dtype=np.float32), pa.float32()
-        ),
-        "finish_reason": pa.array(finish, pa.string()),
-        "status": pa.array(statuses, pa.string()),
-        "num_images": pa.array(np.full(g, len(keys), dtype=np.int16)),
-        "created_at": pa.array([created] * g, pa.timestamp("us")),
-        "completed_at": pa.array([completed] * g, pa.timestamp("us")),
-        "bytes": pa.array(np.zeros(g, dtype=np.int64)),
-        "prompt_ids": _list_array(np.tile(prompt, g), prompt_len, pa.int32()),
-        "response_ids": _list_array(resp_flat, resp_len, pa.int32()),
-        "response_logprobs": _list_array(lp_flat, resp_len, pa.float32()),
-        "loss_mask": _list_array(mask_flat, resp_len, pa.uint8()),
-        "image_keys": pa.ListArray.from_arrays(key_offsets, key_values),
+        "reward": pa.array(np.asarray(rewards if rewards is not None else np.zeros(g), dtype=np.float32)),
+        "finish_reason": pa.array(list(finish), pa.string()),
+        "status": pa.array(list(statuses), pa.string()),
+        "created_at": pa.array([_naive_utc(created_at)] * g, pa.timestamp("us")),
+        "completed_at": pa.array([_naive_utc(completed_at)] * g, pa.timestamp("us")),
+        "prompt_ids": _list_array(np.tile(prompt, g), np.full(g, len(prompt)), pa.int32()),
+        "response_ids": _list_array(np.concatenate(ids), resp_len, pa.int32()),
+        "response_logprobs": _list_array(np.concatenate(lps), resp_len, pa.float32()),
+        "loss_mask": _list_array(np.concatenate([np.full(n, s == "completed", np.uint8)
+                                                 for n, s in zip(resp_len, statuses, strict=True)]),
+                                 resp_len, pa.uint8()),
+        "image_keys": _list_array(np.array(keys * g, dtype=object), np.full(g, len(keys)),
+                                  pa.binary(IMAGE_KEY_BYTES)),
     }
-    arrays = [columns[f.name] for f in schema]
-    return pa.RecordBatch.from_arrays(arrays, schema=schema)
+    batch = trajectory.build_batch(cols, group_id, fillable=frozenset(_FILLED_BY_RULES))
+    return batch.replace_schema_metadata(schema.metadata)
+
+
+_FILLED_BY_RULES = ("prompt_len", "response_len", "num_images")
+"""Columns ``group_to_batch`` leaves to the shared defaults (each is the length of a list column)."""
 
 
 def aborted_batch(

@@ -1,4 +1,4 @@
-"""Node-local Arrow Flight store: the store, its Flight server, the client and typed errors.
+"""Node-local Arrow Flight store: the store, its Flight server, the client, typed errors, configs.
 
 Imports only pyarrow, polars, pydantic and numpy.
 """
@@ -6,6 +6,7 @@ Imports only pyarrow, polars, pydantic and numpy.
 from __future__ import annotations
 
 from flight_store.client import StoreClient, node_for
+from flight_store.config import ServerConfig, StoreConfig
 from flight_store.errors import (
     BudgetExceededError,
     GroupReleasedError,
@@ -17,8 +18,9 @@ from flight_store.errors import (
     UnknownWeightsError,
     WireDecodeError,
 )
+from flight_store.node import serve
 from flight_store.server import StoreServer
-from flight_store.store import Store, StoreConfig
+from flight_store.store import Store
 
 __all__ = [
     "BudgetExceededError",
@@ -26,6 +28,7 @@ __all__ = [
     "KnitError",
     "NodeUnavailableError",
     "SchemaMismatchError",
+    "ServerConfig",
     "Store",
     "StoreClient",
     "StoreConfig",
@@ -35,4 +38,5 @@ __all__ = [
     "UnknownWeightsError",
     "WireDecodeError",
     "node_for",
+    "serve",
 ]

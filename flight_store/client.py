@@ -20,7 +20,6 @@ import logging
 import os
 import threading
 import time
-from collections import deque
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar, cast
@@ -29,8 +28,9 @@ import polars as pl
 import pyarrow as pa
 import pyarrow.flight as flight
 
-from flight_store.errors import NodeUnavailableError, WireDecodeError, from_flight_error
-from schemas.arrow import IMAGE_SCHEMA, METADATA_SCHEMA, TRAJECTORY_SCHEMA
+from flight_store import streams
+from flight_store.errors import NodeUnavailableError, from_flight_error
+from schemas.arrow import IMAGE_SCHEMA, METADATA_SCHEMA
 from schemas.plan import PlannedSlice
 from schemas.wire import (
     EmptyBody,
@@ -41,87 +41,11 @@ from schemas.wire import (
     PutImages,
     PutWeights,
     ReleaseBody,
-    SliceRef,
-    SlicesTicket,
     WeightsTicket,
 )
 
 T = TypeVar("T")
 log = logging.getLogger(__name__)
-
-
-def _empty(cols: list[str] | None) -> pa.Table:
-    schema = TRAJECTORY_SCHEMA if cols is None else pa.schema([TRAJECTORY_SCHEMA.field(c) for c in cols])
-    return schema.empty_table()
-
-
-def _by_node(slices: Iterable[PlannedSlice]) -> dict[str, list[PlannedSlice]]:
-    per_node: dict[str, list[PlannedSlice]] = {}
-    for s in slices:
-        per_node.setdefault(s.node, []).append(s)
-    return per_node
-
-
-def _group_ids(slices: Iterable[PlannedSlice]) -> list[str]:
-    return list(dict.fromkeys(s.group_id for s in slices))
-
-
-def _slices_ticket(slices: Iterable[PlannedSlice], cols: list[str] | None) -> bytes:
-    refs = [SliceRef(group_id=s.group_id, start=s.start, stop=s.stop) for s in slices]
-    return SlicesTicket(slices=refs, columns=cols).to_bytes()
-
-
-def _in_order(slices: Sequence[PlannedSlice], tables: dict[str, pa.Table]) -> pa.Table:
-    """The rows of ``slices`` in their order, from one table per node holding that node's rows in order."""
-    if len(tables) == 1:
-        return next(iter(tables.values()))
-    offsets = dict.fromkeys(tables, 0)
-    parts = []
-    for s in slices:
-        parts.append(tables[s.node].slice(offsets[s.node], s.rows))
-        offsets[s.node] += s.rows
-    return pa.concat_tables(parts)
-
-
-class _NodeStream:
-    """One node's DoGet answer of several micro-batches, read a given number of rows at a time."""
-
-    def __init__(self, reader: flight.FlightStreamReader, node: str) -> None:
-        self.reader = reader
-        self.node = node
-        self._pending: deque[pa.RecordBatch] = deque()
-        self._rows = 0  # rows in _pending
-
-    def take(self, rows: int) -> pa.Table:
-        """The next ``rows`` rows (zero-copy slices of the received batches)."""
-        while self._rows < rows:
-            try:
-                batch = self.reader.read_chunk().data
-            except StopIteration:
-                msg = f"node {self.node} ended its stream {rows - self._rows} rows short"
-                raise WireDecodeError(msg) from None
-            self._pending.append(batch)
-            self._rows += batch.num_rows
-        out: list[pa.RecordBatch] = []
-        need = rows
-        while need:
-            batch = self._pending.popleft()
-            if batch.num_rows > need:
-                self._pending.appendleft(batch.slice(need))
-                batch = batch.slice(0, need)
-            out.append(batch)
-            need -= batch.num_rows
-        self._rows -= rows
-        return pa.Table.from_batches(out, schema=self.reader.schema)
-
-    def finish(self, _client: object = None) -> None:
-        """Check that the stream ends here (no rows beyond the ones asked for)."""
-        extra = self._rows
-        for chunk in self.reader:
-            extra += chunk.data.num_rows
-        if extra:
-            msg = f"node {self.node} streamed {extra} rows more than asked for"
-            raise WireDecodeError(msg)
 
 
 def node_for(group_id: str, nodes: Sequence[str]) -> str:
@@ -228,11 +152,34 @@ class StoreClient:
         except pa.ArrowException as exc:
             raise from_flight_error(exc, node=node) from None
 
-    def _fan_out(self, nodes: Sequence[str], fn: Callable[[flight.FlightClient], T]) -> dict[str, T]:
-        if len(nodes) == 1:
-            return {nodes[0]: self._call(nodes[0], fn)}
-        futures = {n: self._pool.submit(self._call, n, fn) for n in nodes}
-        return {n: f.result() for n, f in futures.items()}
+    def _fan_out(
+        self, nodes: Iterable[str], fn: Callable[[str], T], *, partial: bool = False, what: str = "call"
+    ) -> dict[str, T]:
+        """``fn(node)`` for every node, concurrently (one node: on this thread); answers in node order.
+
+        Strict (default): the error of the first node (in order) that failed is raised. With
+        ``partial``, a node that raises :class:`NodeUnavailableError` is left out of the answer and
+        listed in :attr:`last_failed_nodes` (set by every partial call); other errors still raise.
+        """
+        todo = list(nodes)
+        if len(todo) == 1:
+            only = todo[0]
+            futures: dict[str, Callable[[], T]] = {only: lambda: fn(only)}
+        else:
+            futures = {n: self._pool.submit(fn, n).result for n in todo}
+        out: dict[str, T] = {}
+        failed: list[str] = []
+        for n, result in futures.items():
+            try:
+                out[n] = result()
+            except NodeUnavailableError as exc:
+                if not partial:
+                    raise
+                log.warning("%s: node %s is unavailable (%s); its answer is left out", what, n, exc)
+                failed.append(n)
+        if partial:
+            self.last_failed_nodes = failed
+        return out
 
     def _action(self, node: str, name: str, body: bytes) -> dict[str, Any]:
         def run(c: flight.FlightClient) -> dict[str, Any]:
@@ -276,18 +223,14 @@ class StoreClient:
     def put_images(self, table: pa.Table | pa.RecordBatch, *, node: str | None = None) -> int:
         """DoPut image rows to ``node`` (default: every node); returns new (node, key) entries stored."""
         t = pa.Table.from_batches([table]) if isinstance(table, pa.RecordBatch) else table
-        nodes = [node] if node is not None else self._nodes
         desc = PutImages().to_bytes()
-        futures = {n: self._pool.submit(self._put, n, desc, t) for n in nodes}
-        return sum(int(f.result().get("stored", 0)) for f in futures.values())
+        answers = self._fan_out([node] if node is not None else self._nodes, lambda n: self._put(n, desc, t))
+        return sum(int(a.get("stored", 0)) for a in answers.values())
 
     def put_weights(self, table: pa.Table, version: int, *, node: str | None = None) -> None:
         """DoPut a weights table (``name``, ``shape``, ``dtype``, ``data``) to ``node`` (default: every node)."""
-        nodes = [node] if node is not None else self._nodes
         desc = PutWeights(version=version).to_bytes()
-        futures = [self._pool.submit(self._put, n, desc, table) for n in nodes]
-        for f in futures:
-            f.result()
+        self._fan_out([node] if node is not None else self._nodes, lambda n: self._put(n, desc, table))
 
     def get_weights(self, version: int | None = None, *, node: str | None = None) -> pa.Table:
         """The latest weights (exactly ``version`` when given) from ``node`` (default: the first node)."""
@@ -322,22 +265,14 @@ class StoreClient:
         def ticket(n: str) -> bytes:
             return MetadataTicket(since=int(since.get(n, 0)), columns=cols).to_bytes()
 
-        futures = {n: self._pool.submit(self._get, n, ticket(n)) for n in self._nodes}
-        frames = []
-        failed: list[str] = []
-        for n, f in futures.items():
-            try:
-                table = f.result()
-            except NodeUnavailableError as exc:
-                if not partial:
-                    raise
-                log.warning("metadata scan: node %s is unavailable (%s); its groups are left out", n, exc)
-                failed.append(n)
-                continue
-            if table.num_rows:
-                frame = cast(pl.DataFrame, pl.from_arrow(table))
-                frames.append(frame.with_columns(pl.lit(n, dtype=pl.String).alias("node")))
-        self.last_failed_nodes = failed
+        tables = self._fan_out(self._nodes, lambda n: self._get(n, ticket(n)), partial=partial, what="metadata scan")
+        if not partial:
+            self.last_failed_nodes = []  # a strict scan that returns reached every node
+        frames = [
+            cast(pl.DataFrame, pl.from_arrow(table)).with_columns(pl.lit(n, dtype=pl.String).alias("node"))
+            for n, table in tables.items()
+            if table.num_rows
+        ]
         if not frames:
             return self._empty_metadata(cols)
         return pl.concat(frames, how="vertical")
@@ -365,16 +300,16 @@ class StoreClient:
         """The rows of ``slices`` (ONE DoGet per node, concurrently), in the order of ``slices``."""
         cols = list(columns) if columns is not None else None
         if not slices:
-            return _empty(cols)
-        per_node = _by_node(slices)
+            return streams.empty_table(cols)
+        per_node = streams.by_node(slices)
         for n in per_node:
             self._client(n)
-        tickets = {n: _slices_ticket(ss, cols) for n, ss in per_node.items()}
-        if len(tickets) == 1:
-            ((n, t),) = tickets.items()
-            return self._get_retrying(n, t, _group_ids(per_node[n]))
-        futures = {n: self._pool.submit(self._get_retrying, n, t, _group_ids(per_node[n])) for n, t in tickets.items()}
-        return _in_order(slices, {n: f.result() for n, f in futures.items()})
+
+        def one(n: str) -> pa.Table:
+            return self._get_retrying(n, streams.slices_ticket(per_node[n], cols), streams.group_ids(per_node[n]))
+
+        tables = self._fan_out(per_node, one)
+        return streams.in_order(slices, tables)
 
     def stream(
         self, micro_batches: Sequence[Sequence[PlannedSlice]], columns: Sequence[str] | None = None
@@ -393,52 +328,55 @@ class StoreClient:
         """
         cols = list(columns) if columns is not None else None
         mbs = [list(m) for m in micro_batches]
-        per_node = _by_node([s for m in mbs for s in m])
+        per_node = streams.by_node([s for m in mbs for s in m])
         for n in per_node:
             self._client(n)
         timeout = None if self._timeout is None else self._timeout * max(1, len(mbs))
         options = flight.FlightCallOptions(timeout=timeout, headers=self._headers)
-        streams: dict[str, _NodeStream | None] = {}
+        readers: dict[str, streams.NodeStream | None] = {}
 
         def take(n: str, node_slices: list[PlannedSlice]) -> pa.Table:
-            node_stream, rows = streams[n], sum(s.rows for s in node_slices)
+            node_stream, rows = readers[n], sum(s.rows for s in node_slices)
             if node_stream is not None:
                 try:
                     return self._call(n, lambda _c: node_stream.take(rows))
                 except NodeUnavailableError as exc:
                     log.warning("stream from %s broke (%s); fetching its slices one micro-batch at a time", n, exc)
-                    streams[n] = None
+                    readers[n] = None
                     node_stream.reader.cancel()
-            return self._get_retrying(n, _slices_ticket(node_slices, cols), _group_ids(node_slices))
+            return self._get_retrying(n, streams.slices_ticket(node_slices, cols), streams.group_ids(node_slices))
 
-        def open_stream(n: str, node_slices: list[PlannedSlice]) -> _NodeStream:
-            ticket = flight.Ticket(_slices_ticket(node_slices, cols))
+        def open_stream(n: str, node_slices: list[PlannedSlice]) -> streams.NodeStream:
+            ticket = flight.Ticket(streams.slices_ticket(node_slices, cols))
 
-            def run(c: flight.FlightClient) -> _NodeStream:
-                return _NodeStream(c.do_get(ticket, options), n)
+            def run(c: flight.FlightClient) -> streams.NodeStream:
+                return streams.NodeStream(c.do_get(ticket, options), n)
 
             return self._call(n, run)
 
         try:
             for n, ss in per_node.items():
                 try:
-                    streams[n] = open_stream(n, ss)
+                    readers[n] = open_stream(n, ss)
                 except NodeUnavailableError as exc:
                     log.warning("cannot open a stream from %s (%s); fetching one micro-batch at a time", n, exc)
-                    streams[n] = None
+                    readers[n] = None
             for i, m in enumerate(mbs):
-                table = _in_order(m, {n: take(n, ss) for n, ss in _by_node(m).items()}) if m else _empty(cols)
+                if m:
+                    table = streams.in_order(m, {n: take(n, ss) for n, ss in streams.by_node(m).items()})
+                else:
+                    table = streams.empty_table(cols)
                 if i == len(mbs) - 1:  # read each stream's end now: a caller stops after the last table
-                    for n, node_stream in streams.items():
+                    for n, node_stream in readers.items():
                         if node_stream is not None:
                             try:
                                 self._call(n, node_stream.finish)
                             except NodeUnavailableError as exc:  # every row arrived; only the end is missing
                                 log.info("stream from %s did not end cleanly (%s); all its rows had arrived", n, exc)
-                            streams[n] = None
+                            readers[n] = None
                 yield table
         finally:
-            for node_stream in streams.values():
+            for node_stream in readers.values():
                 if node_stream is not None:  # left early (error, or the caller stopped reading)
                     node_stream.reader.cancel()
 
@@ -468,11 +406,8 @@ class StoreClient:
         todo = {n: ks for n, ks in keys_by_node.items() if ks}
         if not todo:
             return IMAGE_SCHEMA.empty_table()
-        futures = {
-            n: self._pool.submit(self._get, n, ImagesTicket(keys=[k.hex() for k in ks]).to_bytes())
-            for n, ks in todo.items()
-        }
-        return pa.concat_tables([f.result() for f in futures.values()])
+        tables = self._fan_out(todo, lambda n: self._get(n, ImagesTicket(keys=[k.hex() for k in todo[n]]).to_bytes()))
+        return pa.concat_tables(list(tables.values()))
 
     # ---- control -------------------------------------------------------------------------------
 
@@ -486,36 +421,24 @@ class StoreClient:
         if not ids:
             return dict.fromkeys(self._nodes, 0)
         body = ReleaseBody(group_ids=ids).to_bytes()
-        futures = {n: self._pool.submit(self._action, n, "release", body) for n in self._nodes}
-        out: dict[str, int] = {}
-        failed: list[str] = []
-        for n, f in futures.items():
-            try:
-                out[n] = int(f.result()["released"])
-            except NodeUnavailableError:
-                if not partial:
-                    raise
-                failed.append(n)
-        if partial:
-            self.last_failed_nodes = failed
-        return out
+        return self._fan_out(
+            self._nodes, lambda n: int(self._action(n, "release", body)["released"]), partial=partial, what="release"
+        )
 
     def publish_version(self, version: int) -> None:
         """Record the newest policy version on every node."""
         body = PublishVersionBody(version=version).to_bytes()
-        for f in [self._pool.submit(self._action, n, "publish_version", body) for n in self._nodes]:
-            f.result()
+        self._fan_out(self._nodes, lambda n: self._action(n, "publish_version", body))
 
     def get_version(self) -> int:
         """The newest published policy version (max over nodes)."""
         body = EmptyBody().to_bytes()
-        futures = [self._pool.submit(self._action, n, "get_version", body) for n in self._nodes]
-        return max(int(f.result()["version"]) for f in futures)
+        answers = self._fan_out(self._nodes, lambda n: self._action(n, "get_version", body))
+        return max(int(a["version"]) for a in answers.values())
 
     def stats(self) -> dict[str, dict[str, Any]]:
         """The ``stats`` answer of every node."""
-        futures = {n: self._pool.submit(self._action, n, "stats", b"") for n in self._nodes}
-        return {n: f.result() for n, f in futures.items()}
+        return self._fan_out(self._nodes, lambda n: self._action(n, "stats", b""))
 
     def health(self) -> dict[str, dict[str, Any]]:
         """The ``health`` answer of every node; an unreachable node answers ``{"ok": False, "error": ...}``."""
@@ -526,8 +449,7 @@ class StoreClient:
             except Exception as exc:  # health reports, it does not raise
                 return {"ok": False, "node": n, "error": str(exc)}
 
-        futures = {n: self._pool.submit(one, n) for n in self._nodes}
-        return {n: f.result() for n, f in futures.items()}
+        return self._fan_out(self._nodes, one)
 
     def close(self) -> None:
         """Close every connection and the thread pool."""

@@ -28,10 +28,15 @@ class StoreMetrics:
     """Request, byte and state metrics of one node.
 
     Example:
-        >>> m = StoreMetrics(node="n0", stats=lambda: {"rows": 3})  # doctest: +SKIP
+        >>> import urllib.request
+        >>> m = StoreMetrics(node="n0", stats=lambda: {"rows": 3})
         >>> with m.observe("do_get") as rec:
         ...     rec.bytes_out += 1024
         >>> port = m.serve(0)
+        >>> text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
+        >>> 'knit_bytes_out_total{rpc="do_get"} 1024.0' in text, "knit_rows 3.0" in text
+        (True, True)
+        >>> m.close()
     """
 
     def __init__(self, *, node: str, stats: Callable[[], Mapping[str, Any]]) -> None:
@@ -73,9 +78,9 @@ class StoreMetrics:
         self.registry.register(_StateCollector())  # type: ignore[arg-type]
 
     @contextmanager
-    def observe(self, rpc: str) -> Iterator[_Record]:
+    def observe(self, rpc: str) -> Iterator[Record]:
         """Time one RPC; the caller adds the bytes it moved to the yielded record."""
-        rec = _Record()
+        rec = Record()
         t0 = time.perf_counter()
         outcome = "ok"
         try:
@@ -103,13 +108,10 @@ class StoreMetrics:
             self._server.server_close()
             self._server = None
 
-    def render(self) -> bytes:
-        """The text exposition format (what ``/metrics`` serves)."""
-        prom = _import_prometheus()
-        return bytes(prom.generate_latest(self.registry))
 
+class Record:
+    """The bytes one RPC moved (the server adds to it; :meth:`StoreMetrics.observe` counts it)."""
 
-class _Record:
     __slots__ = ("bytes_in", "bytes_out")
 
     def __init__(self) -> None:

@@ -5,16 +5,18 @@ module only maps RPCs to store calls and errors to Flight errors (project errors
 ``FlightError`` subclasses carrying ``extra_info = b"knit:<Class>..."``; a ``WireError`` becomes
 :class:`WireDecodeError`; anything else becomes ``FlightInternalError``).
 
-Security: with ``tls_cert``/``tls_key`` the node serves ``grpc+tls://``; with ``auth_token`` every
-call must carry ``authorization: Bearer <token>`` (checked in constant time by a server
-middleware before any RPC runs), otherwise it fails with ``FlightUnauthenticatedError`` and sees
-nothing. Metrics: with ``metrics_port`` each RPC is timed and its bytes counted
-(:class:`flight_store.metrics.StoreMetrics`), served as Prometheus text on ``/metrics``.
+Security: with ``tls_cert_file``/``tls_key_file`` (:class:`~flight_store.config.ServerConfig`) the
+node serves ``grpc+tls://``; with ``auth_token_file`` every call must carry ``authorization: Bearer
+<token>`` (checked in constant time by a server middleware before any RPC runs), otherwise it fails
+with ``FlightUnauthenticatedError`` and sees nothing. Metrics: with ``metrics_port`` each RPC is
+timed and its bytes counted (:class:`flight_store.metrics.StoreMetrics`), served as Prometheus text
+on ``/metrics``.
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import hmac
 import json
 import logging
@@ -25,7 +27,9 @@ from typing import Any, TypeVar
 import pyarrow as pa
 import pyarrow.flight as flight
 
+from flight_store.config import ServerConfig
 from flight_store.errors import KnitError, SchemaMismatchError, WireDecodeError
+from flight_store.metrics import Record, StoreMetrics
 from flight_store.store import Store
 from schemas.arrow import SCHEMA_VERSION, TRAJECTORY_SCHEMA
 from schemas.wire import (
@@ -82,26 +86,25 @@ class _TokenAuthFactory(flight.ServerMiddlewareFactory):  # type: ignore[misc]
         raise flight.FlightUnauthenticatedError(msg)
 
 
-class _NoRecord:
-    __slots__ = ("bytes_in", "bytes_out")
-
-    def __init__(self) -> None:
-        self.bytes_in = 0
-        self.bytes_out = 0
-
-
-def _valid_token(token: str) -> bool:
-    return bool(token) and token.isascii() and token.isprintable() and token.strip() == token
-
-
 def read_token_file(path: str | os.PathLike[str]) -> str:
-    """The bearer token in ``path`` (surrounding whitespace stripped); refuses an empty file."""
+    """The bearer token in ``path`` (surrounding whitespace stripped); refuses an empty file or a bad token."""
     with open(path, encoding="utf-8") as f:
         token = f.read().strip()
     if not token:
         msg = f"auth token file {str(path)!r} is empty"
         raise ValueError(msg)
+    if not (token.isascii() and token.isprintable()):
+        msg = (
+            f"the auth token in {str(path)!r} must be a non-empty string of printable ASCII characters "
+            "(a gRPC header value)"
+        )
+        raise ValueError(msg)
     return token
+
+
+def _read_bytes(path: str) -> bytes:
+    with open(path, "rb") as f:
+        return f.read()
 
 
 def _descriptor_bytes(descriptor: flight.FlightDescriptor) -> bytes:
@@ -115,88 +118,50 @@ def _descriptor_bytes(descriptor: flight.FlightDescriptor) -> bytes:
 
 
 class StoreServer(flight.FlightServerBase):
-    """A store node: a :class:`Store` served over Arrow Flight.
+    """A store node: a :class:`Store` served over Arrow Flight, configured by one :class:`ServerConfig`.
 
-    The server listens as soon as it is constructed (``location`` with port 0 picks a free port;
-    read it back from :attr:`location`).
-
-    Args:
-        location: ``grpc://host:port`` (``grpc+tls://`` is used whenever ``tls_cert`` is given).
-        store: an existing store to serve (default: a new one from ``memory_budget``/``spill_dir``).
-        memory_budget: bytes of payload the node may hold (``None`` = unlimited).
-        node_name: name reported by health/stats (default: the location).
-        coalesce_below: a DoGet of several slices under this many bytes is sent as one copied batch.
-        tls_cert: PEM certificate chain (bytes) to serve TLS with; needs ``tls_key``.
-        tls_key: PEM private key of ``tls_cert``.
-        auth_token: when set, every call must send ``authorization: Bearer <auth_token>``.
-        spill_dir: directory of the durable spill log (replayed if it holds one).
-        metrics_port: serve Prometheus ``/metrics`` on this port (0 = a free one, read
-            :attr:`metrics_port`); ``None`` = no metrics.
-        rss_guard: also hold the process's resident memory to ``memory_budget`` (see
-            :attr:`~flight_store.store.StoreConfig.rss_guard`; ``knit serve`` turns it on).
+    The server listens as soon as it is constructed (port 0 picks a free port; read it back from
+    :attr:`location`). With ``tls_cert_file``/``tls_key_file`` it serves ``grpc+tls://``; with
+    ``auth_token_file`` every call must carry that token (both files are read here). Its store is
+    ``config.store`` named ``config.node_name`` (default: the location); the RSS guard stays as
+    ``config.store`` says (:func:`flight_store.node.serve`, which owns its process, turns it on).
 
     Example:
-        >>> with StoreServer("grpc://127.0.0.1:0", memory_budget=1 << 30) as server:
+        >>> from flight_store.config import StoreConfig
+        >>> with StoreServer(ServerConfig(store=StoreConfig(memory_budget=1 << 30))) as server:
         ...     from flight_store.client import StoreClient
         ...     with StoreClient(server.location) as client:
         ...         client.health()[server.location]["ok"]
         True
     """
 
-    def __init__(
-        self,
-        location: str = "grpc://127.0.0.1:0",
-        *,
-        store: Store | None = None,
-        memory_budget: int | None = None,
-        node_name: str | None = None,
-        coalesce_below: int = 1 << 20,
-        tls_cert: bytes | None = None,
-        tls_key: bytes | None = None,
-        auth_token: str | None = None,
-        spill_dir: str | os.PathLike[str] | None = None,
-        metrics_port: int | None = None,
-        rss_guard: bool = False,
-        **flight_kwargs: Any,
-    ) -> None:
-        if (tls_cert is None) != (tls_key is None):
-            msg = "tls_cert and tls_key must be given together"
-            raise ValueError(msg)
-        if auth_token is not None and not _valid_token(auth_token):
-            msg = "auth_token must be a non-empty string of printable ASCII characters (a gRPC header value) or None"
-            raise ValueError(msg)
-        if tls_cert is not None:
-            flight_kwargs["tls_certificates"] = [flight.CertKeyPair(tls_cert, tls_key)]
-            scheme, _, rest = location.partition("://")
-            if scheme in ("grpc", "grpc+tcp"):
-                location = f"grpc+tls://{rest}"
-        if auth_token is not None:
-            middleware = dict(flight_kwargs.pop("middleware", None) or {})
-            middleware["knit_auth"] = _TokenAuthFactory(auth_token)
-            flight_kwargs["middleware"] = middleware
-        super().__init__(location, **flight_kwargs)
-        self.coalesce_below = coalesce_below
+    def __init__(self, config: ServerConfig | None = None) -> None:
+        config = config if config is not None else ServerConfig()
+        self.config = config
+        """What this node was started with."""
+        kwargs: dict[str, Any] = {}
+        if config.tls_cert_file is not None and config.tls_key_file is not None:
+            kwargs["tls_certificates"] = [
+                flight.CertKeyPair(_read_bytes(config.tls_cert_file), _read_bytes(config.tls_key_file))
+            ]
+        if config.auth_token_file is not None:
+            kwargs["middleware"] = {"knit_auth": _TokenAuthFactory(read_token_file(config.auth_token_file))}
+        super().__init__(config.location, **kwargs)
+        self.coalesce_below = config.coalesce_below
         """A DoGet of several slices under this many bytes is sent as one copied batch (0 = never)."""
-        scheme, _, rest = location.partition("://")
-        host = rest.rsplit(":", 1)[0] if rest else "127.0.0.1"
-        self.location = f"{scheme}://{host}:{self.port}"
-        """Where clients connect (the real port when constructed with port 0)."""
-        own_store = store is None
-        self.store = store if store is not None else Store(
-            memory_budget=memory_budget, spill_dir=spill_dir, rss_guard=rss_guard
-        )
-        if node_name is not None or own_store:
-            self.store.config.node_name = node_name or self.location
-        self.node_name = self.store.config.node_name
-        self.metrics: Any = None
+        scheme = config.location.partition("://")[0]
+        self.location = f"{scheme}://{config.host}:{self.port}"
+        """Where clients connect (the real port when configured with port 0)."""
+        self.node_name = config.node_name or self.location
+        """Name reported by health/stats and in error messages."""
+        self.store = Store(dataclasses.replace(config.store, node_name=self.node_name))
+        self.metrics: StoreMetrics | None = None
         """The node's :class:`~flight_store.metrics.StoreMetrics` when ``metrics_port`` was given."""
         self.metrics_port: int | None = None
         """Port of ``/metrics`` (``None`` without metrics)."""
-        if metrics_port is not None:
-            from flight_store.metrics import StoreMetrics
-
+        if config.metrics_port is not None:
             self.metrics = StoreMetrics(node=self.node_name, stats=self._metric_stats)
-            self.metrics_port = self.metrics.serve(metrics_port)
+            self.metrics_port = self.metrics.serve(config.metrics_port)
 
     def _metric_stats(self) -> dict[str, Any]:
         s = self.store.stats()
@@ -204,9 +169,9 @@ class StoreServer(flight.FlightServerBase):
         return {**s, "groups_by_state": groups if isinstance(groups, dict) else {}}
 
     @contextlib.contextmanager
-    def _observe(self, rpc: str) -> Iterator[Any]:
+    def _observe(self, rpc: str) -> Iterator[Record]:
         if self.metrics is None:
-            yield _NoRecord()
+            yield Record()
             return
         with self.metrics.observe(rpc) as rec:
             yield rec

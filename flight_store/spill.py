@@ -64,8 +64,10 @@ class SpillLog:
         >>> spill = SpillLog(d)
         >>> spill.append({"kind": "version", "version": 3})
         >>> spill.close()
-        >>> [h for h, _ in SpillLog(d).replay()]
+        >>> again = SpillLog(d)
+        >>> [h for h, _ in again.replay()]
         [{'kind': 'version', 'version': 3}]
+        >>> again.close()
     """
 
     def __init__(self, directory: str | os.PathLike[str]) -> None:
@@ -137,11 +139,6 @@ class SpillLog:
                 with contextlib.suppress(OSError):  # the disk is gone: replay drops the torn tail
                     self._file.truncate(offset)
                 raise
-
-    def size(self) -> int:
-        """Bytes in the log."""
-        with self._lock:
-            return self._file.seek(0, os.SEEK_END)
 
     def close(self) -> None:
         """Close the file (appends after this fail)."""

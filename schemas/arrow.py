@@ -91,8 +91,3 @@ IMAGE_SCHEMA = pa.schema(
     metadata={"knittrans.schema_version": str(SCHEMA_VERSION), "knittrans.table": "image"},
 )
 """One row per distinct image; written once whatever the group size."""
-
-
-def field_names(schema: pa.Schema) -> list[str]:
-    """Column names of ``schema`` in order."""
-    return [f.name for f in schema]

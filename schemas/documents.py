@@ -19,7 +19,6 @@ Example:
 from __future__ import annotations
 
 import dataclasses
-import functools
 import json
 import typing
 from pathlib import Path
@@ -34,9 +33,13 @@ class ConfigDocumentError(ValueError):
     """A config document that is not valid JSON, has an unknown field, or a value of the wrong type."""
 
 
-@functools.cache
+_ADAPTERS: dict[type[Any], TypeAdapter[Any]] = {}
+
+
 def _adapter(cls: type[Any]) -> TypeAdapter[Any]:
-    return TypeAdapter(cls)
+    if cls not in _ADAPTERS:
+        _ADAPTERS[cls] = TypeAdapter(cls)
+    return _ADAPTERS[cls]
 
 
 def _dataclasses_in(tp: Any) -> list[type[Any]]:

@@ -92,7 +92,3 @@ class MiniBatchPlan(BaseModel):
                 return r
         msg = f"plan for step {self.step} has no dp_rank {dp_rank}"
         raise KeyError(msg)
-
-    @property
-    def num_micro_batches(self) -> int:
-        return len(self.ranks[0].micro_batches) if self.ranks else 0

@@ -9,21 +9,18 @@ from __future__ import annotations
 
 import builtins
 from collections.abc import Sequence
-from datetime import UTC, datetime
+from datetime import datetime
 from typing import Annotated
 
 import pyarrow as pa
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field
 
-from schemas.arrow import IMAGE_KEY_BYTES, STATUSES, TRAJECTORY_SCHEMA
+from schemas import trajectory
+from schemas.arrow import IMAGE_KEY_BYTES, OPTIONAL_ON_WRITE, TRAJECTORY_SCHEMA
 
 Int32 = Annotated[int, Field(ge=-(2**31), lt=2**31)]
 NonNeg32 = Annotated[int, Field(ge=0, lt=2**31)]
 Int16 = Annotated[int, Field(ge=0, lt=2**15)]
-
-
-def _utcnow() -> datetime:
-    return datetime.now(UTC).replace(tzinfo=None)
 
 
 class TrajectoryRecord(BaseModel):
@@ -45,53 +42,39 @@ class TrajectoryRecord(BaseModel):
     # metadata
     policy_version: Annotated[int, Field(ge=0)]
     policy_version_min: Annotated[int, Field(ge=0)] | None = None  # defaults to policy_version
-    data_source: str = "default"
+    data_source: str | None = None  # defaults to "default"
     prompt_len: NonNeg32 | None = None  # defaults to len(prompt_ids)
     response_len: NonNeg32 | None = None  # defaults to len(response_ids)
     reward: float = 0.0
-    finish_reason: str = "stop"
-    status: str = "completed"
+    finish_reason: str | None = None  # defaults to "stop"
+    status: str | None = None  # defaults to "completed"
     num_images: Int16 | None = None  # defaults to len(image_keys)
-    created_at: datetime = Field(default_factory=_utcnow)
-    completed_at: datetime = Field(default_factory=_utcnow)
-    bytes: Annotated[int, Field(ge=0)] = 0  # the store recomputes it
+    created_at: datetime | None = None  # UTC; defaults to now
+    completed_at: datetime | None = None  # UTC; defaults to now
+    bytes: Annotated[int, Field(ge=0)] = 0  # recomputed from the payload
     # payload
     prompt_ids: list[Int32]  # [prompt_len] token ids
     response_ids: list[Int32]  # [response_len] token ids
     response_logprobs: list[float]  # [response_len] sampled-token logprobs, float32
-    loss_mask: list[Annotated[int, Field(ge=0, le=1)]] | None = None  # [response_len]; defaults to all ones
+    loss_mask: list[Annotated[int, Field(ge=0, le=1)]] | None = None  # [response_len] 1 = trained on; defaults to ones
     image_keys: list[Annotated[builtins.bytes, Field(min_length=IMAGE_KEY_BYTES, max_length=IMAGE_KEY_BYTES)]] = []
-
-    @model_validator(mode="after")
-    def _fill_and_check(self) -> TrajectoryRecord:
-        if self.status not in STATUSES:
-            msg = f"status {self.status!r} is not one of {STATUSES}"
-            raise ValueError(msg)
-        n = len(self.response_ids)
-        if len(self.response_logprobs) != n:
-            msg = f"response_logprobs has {len(self.response_logprobs)} values for {n} response_ids"
-            raise ValueError(msg)
-        if self.loss_mask is None:
-            self.loss_mask = [1] * n
-        elif len(self.loss_mask) != n:
-            msg = f"loss_mask has {len(self.loss_mask)} values for {n} response_ids"
-            raise ValueError(msg)
-        if self.policy_version_min is None:
-            self.policy_version_min = self.policy_version
-        if self.prompt_len is None:
-            self.prompt_len = len(self.prompt_ids)
-        if self.response_len is None:
-            self.response_len = n
-        if self.num_images is None:
-            self.num_images = len(self.image_keys)
-        return self
 
 
 def records_to_batch(records: Sequence[TrajectoryRecord]) -> pa.RecordBatch:
-    """Build one trajectory-schema record batch from records (columns in schema order)."""
+    """Build one trajectory-schema record batch from the records of one group (columns in schema order).
+
+    Fields left unset get the same defaults the store gives a missing column, and the batch is
+    checked by the same rules (:mod:`schemas.trajectory`).
+
+    Raises:
+        ValueError: no records, or a rule is broken (a :class:`~schemas.trajectory.TrajectoryError`
+            naming the column).
+    """
     if not records:
         msg = "records_to_batch needs at least one record"
         raise ValueError(msg)
     rows = [r.model_dump() for r in records]
-    cols = {f.name: [row[f.name] for row in rows] for f in TRAJECTORY_SCHEMA}
-    return pa.RecordBatch.from_pydict(cols, schema=TRAJECTORY_SCHEMA)
+    cols = {f.name: pa.array([row[f.name] for row in rows], type=f.type)
+            for f in TRAJECTORY_SCHEMA if f.name != "bytes"}
+    return trajectory.build_batch(cols, str(rows[0]["group_id"]), nulls_are_missing=True,
+                                  fillable=OPTIONAL_ON_WRITE | {"prompt_len", "response_len"})

@@ -41,23 +41,48 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 
 @pytest.fixture
 def store_nodes():  # type: ignore[no-untyped-def]
-    """Factory: ``store_nodes(n, **server_kwargs)`` starts n real StoreServer nodes on port 0 in-process.
+    """Factory: ``store_nodes(n, config=None)`` starts n real StoreServer nodes in-process.
 
+    Each node runs ``config`` (a ``ServerConfig``; default: loopback, port 0, unlimited memory).
     Returns the list of servers (``server.location`` is each node's name); all are shut down after
     the test.
     """
+    from flight_store.config import ServerConfig
     from flight_store.server import StoreServer
 
     started: list[StoreServer] = []
 
-    def start(n: int = 1, **kwargs: object) -> list[StoreServer]:
-        servers = [StoreServer("grpc://127.0.0.1:0", **kwargs) for _ in range(n)]  # type: ignore[arg-type]
+    def start(n: int = 1, config: ServerConfig | None = None) -> list[StoreServer]:
+        servers = [StoreServer(config) for _ in range(n)]
         started.extend(servers)
         return servers
 
     yield start
     for server in started:
         server.shutdown()
+
+
+@pytest.fixture
+def node_process(tmp_path_factory):  # type: ignore[no-untyped-def]
+    """Factory: ``node_process(config) -> (proc, location)`` runs ``python -m flight_store --config FILE``.
+
+    ``config`` (a ``ServerConfig``) is written as a document to a fresh temporary file; the factory
+    returns once the node printed ``knit serve: listening on <location>`` (its stdout stays open for
+    further lines, stderr is discarded). Nodes still running after the test are terminated.
+    """
+    from flight_store.node import NodeProcess
+
+    started: list[NodeProcess] = []
+
+    def start(config: object) -> tuple[object, str]:
+        node = NodeProcess(config, tmp_path_factory.mktemp("node"))  # type: ignore[arg-type]
+        started.append(node)
+        return node.proc, node.location
+
+    yield start
+    for node in started:
+        node.stop()
+
 
 
 @pytest.fixture

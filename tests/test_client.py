@@ -12,8 +12,9 @@ import pyarrow.flight as flight
 import pytest
 from polars.testing import assert_frame_equal
 
-from flight_store import client as client_mod
+from flight_store import streams as streams_mod
 from flight_store.client import StoreClient, node_for
+from flight_store.config import ServerConfig
 from flight_store.errors import NodeUnavailableError, UnknownGroupError
 from flight_store.server import StoreServer
 from schemas.arrow import METADATA_SCHEMA
@@ -113,7 +114,7 @@ def _keys(table: pa.Table) -> list[tuple[str, int]]:
 
 @pytest.mark.parametrize("coalesce_below", [0, 1 << 20])  # one batch per slice run / all slices in one batch
 def test_stream_one_doget_per_node_yields_each_micro_batch_in_order(make_group, coalesce_below: int) -> None:
-    servers = [_CountingServer(coalesce_below=coalesce_below) for _ in range(2)]
+    servers = [_CountingServer(ServerConfig(coalesce_below=coalesce_below)) for _ in range(2)]
     try:
         locs = [s.location for s in servers]
         with StoreClient(locs) as client:
@@ -169,7 +170,7 @@ def test_stream_falls_back_to_per_micro_batch_fetch_when_a_node_stream_breaks(
         mbs = [[PlannedSlice(node=locs[i % 2], group_id=f"g{i}", start=0, stop=2) for i in (k, k + 1)]
                for k in (0, 2, 4)]
         broken = {"calls": 0}
-        real_take = client_mod._NodeStream.take
+        real_take = streams_mod.NodeStream.take
 
         def flaky_take(self, rows):  # type: ignore[no-untyped-def]
             if self.node == locs[1]:
@@ -177,7 +178,7 @@ def test_stream_falls_back_to_per_micro_batch_fetch_when_a_node_stream_breaks(
                 raise flight.FlightUnavailableError("connection reset (injected)")
             return real_take(self, rows)
 
-        monkeypatch.setattr(client_mod._NodeStream, "take", flaky_take)
+        monkeypatch.setattr(streams_mod.NodeStream, "take", flaky_take)
         got = [_keys(t) for t in client.stream(mbs)]
         assert got == [[(f"g{i}", 0), (f"g{i}", 1), (f"g{i + 1}", 0), (f"g{i + 1}", 1)] for i in (0, 2, 4)]
         assert broken["calls"] == 1  # after the break, node 1 is fetched per micro-batch
@@ -214,25 +215,25 @@ def test_images_release_version_and_weights(store_nodes, make_group) -> None:
         assert set(stats) == set(locs) and all(s["weights_version"] == 3 for s in stats.values())
 
 
-class _HeaderRecorder(flight.ServerMiddlewareFactory):
-    def __init__(self) -> None:
-        self.seen: list[str] = []
-
-    def start_call(self, info, headers):  # type: ignore[no-untyped-def]
-        self.seen.extend(headers.get("authorization", []))
-        return None
-
-
-def test_token_is_sent_as_bearer_header(monkeypatch) -> None:
-    recorder = _HeaderRecorder()
-    with StoreServer(middleware={"rec": recorder}) as server:
-        with StoreClient(server.location, token="s3cret") as client:
-            client.health()
-        assert recorder.seen[-1] == "Bearer s3cret"
+def test_token_is_sent_as_bearer_header(monkeypatch, tmp_path) -> None:
+    # a node requiring a token answers only a call whose header is exactly "Bearer <token>"
+    servers = []
+    for token in ("s3cret", "from-env"):
+        (tmp_path / token).write_text(token, encoding="utf-8")
+        servers.append(StoreServer(ServerConfig(auth_token_file=str(tmp_path / token))))
+    try:
+        explicit, from_env = (s.location for s in servers)
+        monkeypatch.delenv("KNIT_TOKEN", raising=False)
+        with StoreClient(explicit, token="s3cret") as client:
+            assert client.health()[explicit]["ok"] is True
         monkeypatch.setenv("KNIT_TOKEN", "from-env")
-        with StoreClient(server.location) as client:
-            client.stats()
-        assert recorder.seen[-1] == "Bearer from-env"
+        with StoreClient(from_env) as client:
+            assert client.stats()[from_env]["rows"] == 0
+        with StoreClient(explicit) as client, pytest.raises(flight.FlightUnauthenticatedError):
+            client.stats()  # the environment's token, not the explicit one
+    finally:
+        for s in servers:
+            s.shutdown()
 
 
 def test_unreachable_node(store_nodes) -> None:

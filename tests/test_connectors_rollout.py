@@ -1,14 +1,15 @@
 """The rollout worker against real store servers: with the scripted engine (fast) and with real vLLM (slow).
 
-The real-engine tests run vLLM in subprocesses: ``python -m connectors.rollout`` (exact round trip of
-token ids and logprobs, and streaming to two nodes while generation runs), and this file run as a
-script (``__main__``: weight sync into the running engine, checked against a transformers forward).
+The real-engine tests run vLLM in subprocesses: ``python -m connectors --config FILE`` (exact round
+trip of token ids and logprobs, and streaming to two nodes while generation runs), and this file run as
+a script (``__main__``: weight sync into the running engine, checked against a transformers forward).
 """
 
 from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 import threading
@@ -22,32 +23,26 @@ import pyarrow as pa
 import pytest
 
 from connectors.fake_engine import FakeEngine
-from connectors.rollout import RolloutConfig, RolloutWorker, build_parser, max_unreleased
-from connectors.tasks import Prompt, mixed_prompts
+from connectors.lookahead import LookaheadLimit, StoreStats, unreleased_groups
+from connectors.rollout import RolloutConfig, RolloutWorker, run_rollout
+from connectors.tasks import Prompt
 from flight_store.client import StoreClient
+from launcher.children import CHILD_ENV, child_env
+from schemas import documents
 from schemas.images import image_key, table_to_images
 from schemas.plan import PlannedSlice
+from schemas.weights import WEIGHTS_SCHEMA
 
 ROOT = Path(__file__).resolve().parents[1]
-ENGINE_ENV = {
-    "VLLM_CPU_KVCACHE_SPACE": "1",
-    "HF_HUB_OFFLINE": "1",
-    "TRANSFORMERS_OFFLINE": "1",
-    "VLLM_NO_USAGE_STATS": "1",
-    "DO_NOT_TRACK": "1",
-    "OMP_NUM_THREADS": "1",
-    "TOKENIZERS_PARALLELISM": "false",
-}
+ENGINE_ENV = CHILD_ENV
 
 
 def _env() -> dict[str, str]:
-    env = dict(os.environ, **ENGINE_ENV)
-    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")])
-    return env
+    return child_env()
 
 
 def _config(nodes: list[str], **kw: Any) -> RolloutConfig:
-    base: dict[str, Any] = {"model": "unused", "nodes": nodes, "group_size": 4, "max_groups": 16,
+    base: dict[str, Any] = {"model": "unused", "stores": nodes, "group_size": 4, "max_groups": 16,
                             "prompts_per_wave": 4, "version_poll_s": 0.0, "group_id_prefix": "t-"}
     base.update(kw)
     return RolloutConfig(**base)
@@ -136,8 +131,82 @@ def test_lookahead_limit_pauses_dispatch_until_groups_are_released(store_nodes) 
         thread.join(timeout=10)
         assert not thread.is_alive()
         assert result["report"].groups == 12
-    assert max_unreleased(2)({"a": {"groups": {"stored": 1}}, "b": {"groups": {"stored": 1}}})
-    assert not max_unreleased(3)({"a": {"groups": {"stored": 1}}, "b": {"groups": {"stored": 1}}})
+    stats = {"a": {"groups": {"stored": 1}}, "b": {"groups": {"stored": 1}}}
+    assert unreleased_groups(stats) == 2
+    assert not LookaheadLimit(lambda: stats, limit=2, poll_s=0.0).allows(running=0)
+    assert LookaheadLimit(lambda: stats, limit=3, poll_s=0.0).allows(running=0)
+    # counting running groups: 2 stored + 1 running reach a limit of 3
+    assert not LookaheadLimit(lambda: stats, limit=3, counts_running=True, poll_s=0.0).allows(running=1)
+    assert LookaheadLimit(lambda: stats, limit=3, poll_s=0.0).allows(running=1)
+
+
+def test_custom_lookahead_hook_pauses_dispatch(store_nodes) -> None:  # type: ignore[no-untyped-def]
+    (server,) = store_nodes(1)
+    seen: list[int] = []
+
+    def hook(stats: StoreStats) -> bool:
+        seen.append(unreleased_groups(stats))
+        return unreleased_groups(stats) >= 4
+
+    with StoreClient(server.location) as client:
+        cfg = _config([server.location], max_groups=8, prompts_per_wave=1, lookahead_poll_s=0.0)
+        worker = RolloutWorker(cfg, client=client, engine=FakeEngine(max_steps=1), lookahead=hook)
+        result: dict[str, Any] = {}
+        thread = threading.Thread(target=lambda: result.setdefault("report", worker.run()), daemon=True)
+        thread.start()
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline and seen.count(4) < 3:  # checked again and again at 4: paused
+            time.sleep(0.02)
+        assert thread.is_alive(), "the hook should pause dispatch"
+        assert int(client.stats()[server.location]["groups"]["stored"]) == 4
+        client.release(client.scan_metadata(columns=["group_id"])["group_id"].unique().to_list())
+        thread.join(timeout=10)
+        assert not thread.is_alive() and result["report"].groups == 8
+
+
+def test_lookahead_counts_running_groups(store_nodes) -> None:  # type: ignore[no-untyped-def]
+    (server,) = store_nodes(1)
+    with StoreClient(server.location) as client:
+        engine = FakeEngine(max_steps=3)
+        cfg = _config([server.location], group_size=2, max_groups=12, prompts_per_wave=8, lookahead_poll_s=0.01,
+                      max_unreleased_groups=3, lookahead_counts_running=True)
+        worker = RolloutWorker(cfg, client=client, engine=engine)
+        done = threading.Event()
+        thread = threading.Thread(target=lambda: (worker.run(), done.set()), daemon=True)
+        thread.start()
+        released: set[str] = set()
+        deadline = time.monotonic() + 20
+        while not done.is_set() and time.monotonic() < deadline:  # a trainer that consumes slowly
+            time.sleep(0.05)
+            ids = set(client.scan_metadata(columns=["group_id"])["group_id"].unique().to_list()) - released
+            if ids:
+                client.release(ids)
+                released |= ids
+        thread.join(timeout=5)
+        assert done.is_set() and len(released) == 12
+        # running + stored-unreleased never exceeded the limit, although prompts_per_wave allows 8 at once
+        assert engine.max_running <= 3
+
+
+def test_rollout_waits_for_and_loads_the_initial_weights(store_nodes) -> None:  # type: ignore[no-untyped-def]
+    (server,) = store_nodes(1)
+    table = pa.table({"name": ["w"], "shape": [[1]], "dtype": ["float32"], "data": [b"\0\0\0\0"]},
+                     schema=WEIGHTS_SCHEMA)
+    with StoreClient(server.location) as client:
+        engine = FakeEngine(max_steps=2)
+        cfg = _config([server.location], max_groups=2, weight_sync=True, wait_initial_weights_s=20.0)
+        timer = threading.Timer(0.5, lambda: client.put_weights(table, 0))  # the trainer publishes v0 later
+        timer.start()
+        t0 = time.monotonic()
+        report = RolloutWorker(cfg, client=client, engine=engine).run()
+        timer.join()
+        assert time.monotonic() - t0 >= 0.5  # it waited for the weights before generating
+        assert len(engine.loaded) == 1 and engine.loaded[0].column("name").to_pylist() == ["w"]
+        assert report.groups == 2 and report.policy_versions == [0]
+        cfg = _config([server.location], max_groups=1, weight_sync=True, wait_initial_weights_s=0.3,
+                      initial_version=5)
+        with pytest.raises(TimeoutError, match="version 5"):
+            RolloutWorker(cfg, client=client, engine=FakeEngine()).run()
 
 
 def test_images_are_stored_once_and_referenced_by_every_row(store_nodes) -> None:  # type: ignore[no-untyped-def]
@@ -185,17 +254,64 @@ def test_weight_sync_loads_published_weights_and_tags_versions(store_nodes) -> N
         assert report.policy_versions == [2]
 
 
-def test_config_and_cli_parser_refuse_bad_values() -> None:
-    with pytest.raises(ValueError, match="nodes is empty"):
-        RolloutConfig(model="m", nodes=[])
+def test_config_refuses_bad_values_and_travels_as_a_document(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match="stores is empty"):
+        RolloutConfig(model="m", stores=[])
     with pytest.raises(ValueError, match="group_size=0"):
-        RolloutConfig(model="m", nodes=["grpc://x:1"], group_size=0)
+        RolloutConfig(model="m", stores=["grpc://x:1"], group_size=0)
     with pytest.raises(ValueError, match="logprobs_mode"):
-        RolloutConfig(model="m", nodes=["grpc://x:1"], logprobs_mode="raw_logits")
-    args = build_parser().parse_args(["--model", "m", "--nodes", "grpc://a:1,grpc://b:2", "--data-sources",
-                                      "add_small=3,mul_large=1"])
-    assert args.data_sources == {"add_small": 3.0, "mul_large": 1.0}
-    assert next(mixed_prompts(args.data_sources)).data_source in {"add_small", "mul_large"}
+        RolloutConfig(model="m", stores=["grpc://x:1"], logprobs_mode="raw_logits")
+    with pytest.raises(ValueError, match="reward='nope'"):
+        RolloutConfig(model="m", stores=["grpc://x:1"], reward="nope")
+    with pytest.raises(ValueError, match=r"unknown sources \['sub_small'\]"):
+        RolloutConfig(model="m", stores=["grpc://x:1"], data_sources={"sub_small": 1.0})
+    cfg = RolloutConfig(model="m", stores=["grpc://a:1", "grpc://b:2"], data_sources={"add_small": 3.0},
+                        reward="digits")
+    assert documents.read(RolloutConfig, documents.write(cfg, tmp_path / "rollout.json")) == cfg
+    assert cfg.group_id_prefix == ""  # resolved to r<pid>- by the worker's process, not here
+
+
+def _run_module(config_path: Path) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "connectors", "--config", str(config_path)], cwd=ROOT,
+                          env=_env(), capture_output=True, text=True, timeout=120)
+
+
+def test_module_refuses_a_bad_document_naming_the_field(tmp_path: Path) -> None:
+    path = tmp_path / "rollout.json"
+    path.write_text(json.dumps({"model": "m", "stores": ["grpc://127.0.0.1:1"], "group_size": 0}))
+    res = _run_module(path)
+    assert res.returncode != 0 and "group_size=0" in res.stderr, res.stderr
+    path.write_text(json.dumps({"model": "m", "nodes": ["grpc://127.0.0.1:1"]}))
+    res = _run_module(path)
+    assert res.returncode != 0 and "unknown field(s) nodes" in res.stderr, res.stderr
+    res = _run_module(tmp_path / "missing.json")
+    assert res.returncode != 0 and "missing.json" in res.stderr, res.stderr
+
+
+def test_run_rollout_writes_the_report_and_stops_cleanly_on_sigterm(store_nodes, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    (server,) = store_nodes(1)
+    report_path = tmp_path / "report.json"
+    cfg = _config([server.location], max_groups=6, reward="digits", report_path=str(report_path))
+    report = run_rollout(cfg, engine=FakeEngine(answer_text="n {answer}"))
+    doc = json.loads(report_path.read_text())
+    assert doc["groups"] == report.groups == 6 and doc["aborted_groups"] == 0
+    assert len(doc["write_times"]) == 6 and doc["tokens_per_s"] > 0
+    assert set(doc["reward_mean"]) <= {"add_small", "mul_large"}
+    assert all(0 < r < 1 for r in doc["reward_mean"].values())  # "digits": partial credit
+
+    # SIGTERM: no more dispatch, the running groups are written as "aborted", the handler is restored
+    previous = signal.getsignal(signal.SIGTERM)
+    engine = FakeEngine(max_steps=10**9)  # never finishes on its own
+    cfg = _config([server.location], max_groups=3, group_id_prefix="s-", report_path=None)
+    timer = threading.Timer(0.3, lambda: os.kill(os.getpid(), signal.SIGTERM))
+    timer.start()
+    report = run_rollout(cfg, engine=engine)
+    timer.join()
+    assert signal.getsignal(signal.SIGTERM) is previous
+    assert report.groups == 3 and report.aborted_groups == 3 and sorted(engine.aborted) == ["s-0", "s-1", "s-2"]
+    with StoreClient(server.location) as client:
+        frame = client.scan_metadata().filter(pl.col("group_id").str.starts_with("s-"))
+        assert frame.height == 12 and set(frame["status"].unique()) == {"aborted"}
 
 
 # ---- real vLLM ----------------------------------------------------------------------------------
@@ -232,10 +348,10 @@ def test_real_vllm_round_trip_is_exact_and_streams_to_two_nodes(store_nodes, tin
     nodes = [s.location for s in servers]
     report_path, raw_path = tmp_path / "report.json", tmp_path / "raw.jsonl"
     groups = 64
-    cmd = [sys.executable, "-m", "connectors.rollout", "--model", str(tiny_model), "--nodes", ",".join(nodes),
-           "--groups", str(groups), "--group-size", "4", "--max-tokens", "32", "--prompts-per-wave", "8",
-           "--group-id-prefix", "v-", "--report-json", str(report_path), "--dump-raw", str(raw_path),
-           "--weight-sync", "--initial-version", "7", "--version-poll-s", "0.05"]
+    cfg = RolloutConfig(model=str(tiny_model), stores=nodes, max_groups=groups, group_size=4, max_tokens=32,
+                        prompts_per_wave=8, group_id_prefix="v-", report_path=str(report_path),
+                        dump_raw=str(raw_path), weight_sync=True, initial_version=7, version_poll_s=0.05)
+    cmd = [sys.executable, "-m", "connectors", "--config", str(documents.write(cfg, tmp_path / "rollout.json"))]
     polls: list[tuple[float, int]] = []
     with StoreClient(nodes) as client:
         client.publish_version(7)
@@ -260,6 +376,9 @@ def test_real_vllm_round_trip_is_exact_and_streams_to_two_nodes(store_nodes, tin
             reader.join(timeout=10)
         assert rc == 0, "".join(lines[-40:])
         report = json.loads(report_path.read_text())
+        # stdout: the report's summary, without the per-group write times
+        (summary,) = [json.loads(line) for line in lines if line.startswith('{"groups"')]
+        assert "write_times" not in summary and summary["groups"] == report["groups"]
 
         # streaming: the planner-side scan saw groups while the worker was still generating
         assert report["groups"] == groups and report["aborted_groups"] == 0
@@ -329,7 +448,8 @@ def _weights_driver(model: str, location: str, out: str) -> None:
     from transformers import AutoModelForCausalLM
     from vllm import LLM, SamplingParams
 
-    from connectors.weights import WORKER_EXTENSION, load_weights_into_llm, weights_to_table
+    from connectors.weights import WORKER_EXTENSION, load_weights_into_llm
+    from schemas.weights import from_tensors
 
     llm = LLM(model=model, dtype="float32", max_model_len=256, seed=0, enforce_eager=True, max_num_seqs=8,
               distributed_executor_backend="uni", worker_extension_cls=WORKER_EXTENSION)
@@ -356,7 +476,7 @@ def _weights_driver(model: str, location: str, out: str) -> None:
     from flight_store.client import StoreClient
 
     with StoreClient(location) as client:
-        client.put_weights(weights_to_table(new.items()), 1)
+        client.put_weights(from_tensors(new.items(), torch), 1)
         client.publish_version(1)
         table = client.get_weights(client.get_version())
     loaded = load_weights_into_llm(llm, table)

@@ -20,8 +20,10 @@ import pytest
 from connectors.fake_engine import FakeCompletion, FakeFlatLogprobs, FakeLogprob, FakeRequestOutput
 from connectors.tasks import (
     ARITHMETIC_TASKS,
+    REWARDS,
     ArithmeticTask,
     RewardFn,
+    digit_reward,
     exact_match_reward,
     jsonl_prompts,
     load_reward_fn,
@@ -141,7 +143,7 @@ def test_group_to_batch_refuses_bad_input() -> None:
         group_to_batch(out, group_id="g", policy_version=0, data_source="s", rewards=[1.0])
     with pytest.raises(ValueError, match="raw_logits"):
         group_to_batch(out, group_id="g", policy_version=0, data_source="s", logprobs_mode="raw_logits")
-    with pytest.raises(ValueError, match="min=3 > version=2"):
+    with pytest.raises(ValueError, match="policy_version_min' row 0: 3 > policy_version 2"):
         group_to_batch(out, group_id="g", policy_version=2, policy_version_min=3, data_source="s")
     with pytest.raises(ValueError, match="image key of 3 bytes"):
         group_to_batch(out, group_id="g", policy_version=0, data_source="s", image_keys=[b"abc"])
@@ -220,6 +222,13 @@ def test_exact_match_reward_needs_an_integer_answer() -> None:
         exact_match_reward("q", "1", {"answer": "one"})
 
 
+def test_digit_reward_varies_within_a_group() -> None:
+    assert digit_reward("", "12 34", {}) == 1.0
+    assert digit_reward("", "ab", {}) == 0.0
+    assert digit_reward("", "a1", {}) == 0.5
+    assert digit_reward("", "   ", {}) == 0.0
+
+
 def test_arithmetic_tasks_are_correct_and_differ_in_difficulty() -> None:
     rng = random.Random(0)
     for name, task in ARITHMETIC_TASKS.items():
@@ -247,7 +256,7 @@ def test_mixed_prompts_follow_the_mix() -> None:
         next(mixed_prompts({"nope": 1}))
 
 
-def test_jsonl_prompts_and_reward_hooks(tmp_path: Path) -> None:
+def test_jsonl_prompts_and_reward_hooks(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     f = tmp_path / "p.jsonl"
     f.write_text('{"prompt": "2+2?", "answer": "4", "data_source": "toy"}\n\n{"prompt": "hi"}\n')
     ps = list(jsonl_prompts(f))
@@ -257,20 +266,24 @@ def test_jsonl_prompts_and_reward_hooks(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match=r"bad\.jsonl:1"):
         list(jsonl_prompts(tmp_path / "bad.jsonl"))
 
-    assert load_reward_fn(None) is exact_match_reward
+    assert load_reward_fn("exact") is exact_match_reward and load_reward_fn("digits") is digit_reward
+    assert sorted(REWARDS) == ["digits", "exact"]
     fn = load_reward_fn("connectors.tasks:exact_match_reward")
     assert fn is exact_match_reward and isinstance(fn, RewardFn)
 
-    def mine(prompt: str, response: str, sample: dict[str, object]) -> float:
-        return float(len(response))
-
-    assert load_reward_fn(mine)("p", "abc", {}) == 3.0
+    # a user's own reward, by "module:function"
+    (tmp_path / "my_rewards.py").write_text(
+        "def mine(prompt, response, sample):\n    return float(len(response))\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    assert load_reward_fn("my_rewards:mine")("p", "abc", {}) == 3.0
     with pytest.raises(ValueError, match="no callable 'nope'"):
         load_reward_fn("connectors.tasks:nope")
     with pytest.raises(ValueError, match="cannot import module"):
         load_reward_fn("no_such_module_xyz:f")
     with pytest.raises(ValueError, match="module:function"):
         load_reward_fn("just_a_name")
+    with pytest.raises(ValueError, match="module:function"):
+        load_reward_fn("a:b:c")
 
 
 # ---- weights tables -----------------------------------------------------------------------------
@@ -278,21 +291,23 @@ def test_jsonl_prompts_and_reward_hooks(tmp_path: Path) -> None:
 
 def test_weights_table_round_trip() -> None:
     torch = pytest.importorskip("torch")
-    from connectors.weights import WEIGHTS_SCHEMA, table_to_ipc, table_to_tensors, weights_to_table
+    from connectors.weights import table_to_ipc, table_to_tensors
+    from schemas.weights import WEIGHTS_SCHEMA, WeightsError, from_tensors
 
     g = torch.Generator().manual_seed(0)
     named = [
         ("model.embed_tokens.weight", torch.randn(7, 4, generator=g)),
         ("model.norm.weight", torch.randn(4, generator=g).to(torch.bfloat16)),
         ("lm_head.weight", torch.randn(7, 4, generator=g).to(torch.float16).t()),  # non-contiguous
+        ("scalar", torch.tensor(3.5)),
     ]
-    table = weights_to_table(named)
+    table = from_tensors(named, torch)
     assert table.schema.equals(WEIGHTS_SCHEMA)
     back = dict(table_to_tensors(table))
     for name, t in named:
         assert back[name].dtype == t.dtype and back[name].shape == t.shape
         assert torch.equal(back[name], t)
     assert pa.ipc.open_stream(pa.py_buffer(table_to_ipc(table))).read_all().equals(table)
-    bad = table.set_column(1, "shape", pa.array([[7, 5], [4], [4, 7]], pa.list_(pa.int32())))
-    with pytest.raises(ValueError, match="28 values for shape \\[7, 5\\]"):
-        list(table_to_tensors(bad))
+    bad = table.set_column(1, "shape", pa.array([[7, 5], [4], [4, 7], []], pa.list_(pa.int32())))
+    with pytest.raises(WeightsError, match="has 112 bytes of data, but shape \\[7, 5\\] of float32 needs 140"):
+        table_to_tensors(bad)

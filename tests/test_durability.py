@@ -6,7 +6,6 @@ import logging
 import os
 import signal
 import subprocess
-import sys
 import threading
 import time
 from pathlib import Path
@@ -17,6 +16,7 @@ import pyarrow as pa
 import pytest
 
 from flight_store.client import StoreClient
+from flight_store.config import ServerConfig, StoreConfig
 from flight_store.errors import GroupReleasedError
 from flight_store.spill import LOG_NAME
 from flight_store.store import Store
@@ -33,7 +33,7 @@ def _meta(store: Store) -> list[tuple[int, str, int]]:
 def test_restart_restores_groups_seq_images_weights_version(tmp_path: Path, make_group) -> None:
     img = np.arange(12, dtype=np.uint8).reshape(3, 4)
     images, (key,) = images_to_table([img])
-    store = Store(spill_dir=tmp_path, memory_budget=1 << 26)
+    store = Store(StoreConfig(spill_dir=str(tmp_path), memory_budget=1 << 26))
     store.put_group("a", [make_group("a", size=4)])
     store.put_group("b", [make_group("b", size=2)])
     store.put_group("b", [make_group("b", size=3)])  # one new row appended, two duplicates dropped
@@ -46,7 +46,7 @@ def test_restart_restores_groups_seq_images_weights_version(tmp_path: Path, make
     stats = store.stats()
     store.close()
 
-    again = Store(spill_dir=tmp_path, memory_budget=1 << 26)
+    again = Store(StoreConfig(spill_dir=str(tmp_path), memory_budget=1 << 26))
     assert _meta(again) == before  # same rows, same seq
     assert again.group_ids() == ["b", "c"]
     assert again.recovered == {"records": 8, "groups": 2, "released": 1, "rows": 9}
@@ -69,14 +69,14 @@ def test_restart_restores_groups_seq_images_weights_version(tmp_path: Path, make
     again.release(["c"])
     assert not again.has_image(key)
     again.close()
-    third = Store(spill_dir=tmp_path)
+    third = Store(StoreConfig(spill_dir=str(tmp_path)))
     assert third.group_ids() == ["b", "d"] and not third.has_image(key) and len(_meta(third)) == 11
     third.close()
 
 
 @pytest.mark.parametrize("damage", ["cut_in_body", "cut_in_header", "garbage", "flipped_byte"])
 def test_torn_tail_is_dropped_with_a_log_line(tmp_path: Path, make_group, caplog, damage: str) -> None:
-    store = Store(spill_dir=tmp_path)
+    store = Store(StoreConfig(spill_dir=str(tmp_path)))
     for g in ("a", "b"):
         store.put_group(g, [make_group(g, size=4)])
     intact = (tmp_path / LOG_NAME).stat().st_size
@@ -94,7 +94,7 @@ def test_torn_tail_is_dropped_with_a_log_line(tmp_path: Path, make_group, caplog
         data = data + b"\x00garbage-after-a-crash"
     path.write_bytes(data)
     with caplog.at_level(logging.WARNING, logger="flight_store.spill"):
-        again = Store(spill_dir=tmp_path)
+        again = Store(StoreConfig(spill_dir=str(tmp_path)))
     assert any("torn tail" in r.getMessage() for r in caplog.records)
     want = ["a", "b"] if damage != "garbage" else ["a", "b", "c"]
     assert again.group_ids() == want
@@ -102,22 +102,9 @@ def test_torn_tail_is_dropped_with_a_log_line(tmp_path: Path, make_group, caplog
     assert path.stat().st_size == (intact if damage != "garbage" else len(data) - len(b"\x00garbage-after-a-crash"))
     again.put_group("d", [make_group("d", size=1)])  # appends continue after the intact prefix
     again.close()
-    last = Store(spill_dir=tmp_path)
+    last = Store(StoreConfig(spill_dir=str(tmp_path)))
     assert last.group_ids() == [*want, "d"]
     last.close()
-
-
-def _start(spill: Path) -> tuple[subprocess.Popen[str], str]:
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "flight_store", "serve", "--port", "0", "--spill-dir", str(spill),
-         "--log-level", "WARNING"],
-        stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, env=env,
-    )
-    assert proc.stdout is not None
-    line = proc.stdout.readline()
-    assert "listening on grpc://" in line, line
-    return proc, line.split("listening on ")[1].strip()
 
 
 def _stop(proc: subprocess.Popen[str], sig: int = signal.SIGTERM) -> None:
@@ -128,9 +115,9 @@ def _stop(proc: subprocess.Popen[str], sig: int = signal.SIGTERM) -> None:
         proc.stdout.close()
 
 
-def test_sigkill_during_four_writers_loses_no_acknowledged_group(tmp_path: Path, make_group) -> None:
-    spill = tmp_path / "spill"
-    proc, loc = _start(spill)
+def test_sigkill_during_four_writers_loses_no_acknowledged_group(tmp_path: Path, make_group, node_process) -> None:
+    node = ServerConfig(log_level="WARNING", store=StoreConfig(spill_dir=str(tmp_path / "spill")))
+    proc, loc = node_process(node)
     acked: list[list[str]] = [[] for _ in range(4)]
     released: list[str] = []
     stop = threading.Event()
@@ -171,7 +158,7 @@ def test_sigkill_during_four_writers_loses_no_acknowledged_group(tmp_path: Path,
     all_acked = [g for a in acked for g in a]
     assert len(all_acked) >= 200 and all(len(a) > 10 for a in acked)
 
-    proc, loc = _start(spill)
+    proc, loc = node_process(node)
     try:
         with StoreClient(loc) as client:
             meta = client.scan_metadata(columns=["group_id", "sample_idx"])

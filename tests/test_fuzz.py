@@ -3,37 +3,55 @@
 Every example goes over real gRPC (raw ``pyarrow.flight`` calls, so no client-side checks help) to a
 module-scoped server. A refusal must be a ``FlightError`` carrying a project error class in its
 ``extra_info`` (never ``FlightInternalError``, i.e. an unexpected exception), each call has a deadline
-(a hang fails), and after every example the node still answers ``health``.
+(a hang fails), and after every example the node still answers ``health``. Each test also counts its
+own examples: every entry point is tried at least :data:`MIN_TRIED` times, and where the inputs are
+meant to be bad most of them are refused (a generator that produced only valid input would fail).
 """
 
 from __future__ import annotations
 
 import json
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from typing import Any
 
 import pyarrow as pa
 import pyarrow.flight as flight
 import pytest
-from hypothesis import HealthCheck, given, settings
+from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from flight_store.config import ServerConfig, StoreConfig
 from flight_store.errors import KnitError, from_flight_error
 from flight_store.server import StoreServer
 from schemas.records import TrajectoryRecord, records_to_batch
 from schemas.wire import ACTION_DESCRIPTIONS, PutGroup
 
 OPTIONS = flight.FlightCallOptions(timeout=10)
-SETTINGS = settings(
-    max_examples=40, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.function_scoped_fixture]
-)
-TRIED: dict[str, int] = {}
-REFUSED: dict[str, int] = {}
+SETTINGS = settings(max_examples=40, deadline=None, derandomize=True)
+MIN_TRIED = 20
+
+
+@dataclass
+class _Tally:
+    """Examples one fuzz test ran, and how many of them the node refused."""
+
+    tried: int = 0
+    refused: int = 0
+
+    def add(self, refused: bool) -> None:
+        self.tried += 1
+        self.refused += refused
+
+    def check(self, what: str, *, mostly_refused: bool) -> None:
+        assert self.tried >= MIN_TRIED, f"{what}: only {self.tried} examples ran"
+        if mostly_refused:
+            assert self.refused >= self.tried // 2, f"{what}: only {self.refused} of {self.tried} refused"
 
 
 @pytest.fixture(scope="module")
 def node() -> Iterator[tuple[StoreServer, flight.FlightClient]]:
-    with StoreServer(memory_budget=32 << 20) as server:
+    with StoreServer(ServerConfig(store=StoreConfig(memory_budget=32 << 20))) as server:
         raw = flight.connect(server.location)
         _put(raw, PutGroup(group_id="known").to_bytes(), _group("known", 4))
         yield server, raw
@@ -63,19 +81,23 @@ def _put(raw: flight.FlightClient, descriptor: bytes | str, table: pa.Table | pa
     return json.loads(buf.to_pybytes()) if buf is not None else None
 
 
-def _typed_or_ok(what: str, call: Callable[[], object], raw: flight.FlightClient) -> None:
-    """Run ``call``: it may succeed or raise a typed project error; then the node must still be healthy."""
-    TRIED[what] = TRIED.get(what, 0) + 1
+def _typed_or_ok(what: str, call: Callable[[], object], raw: flight.FlightClient) -> bool:
+    """Run ``call``: it may succeed or raise a typed project error; then the node must still be healthy.
+
+    Returns whether the call was refused.
+    """
+    refused = False
     try:
         call()
     except flight.FlightError as exc:
-        REFUSED[what] = REFUSED.get(what, 0) + 1
+        refused = True
         assert not isinstance(exc, flight.FlightInternalError | flight.FlightTimedOutError), f"{what}: {exc!r}"
         typed = from_flight_error(exc)
         assert isinstance(typed, KnitError), f"{what}: untyped error {exc!r}"
         assert str(typed), f"{what}: empty message"
     health = list(raw.do_action(flight.Action("health", b""), OPTIONS))
     assert json.loads(health[0].body.to_pybytes())["ok"] is True
+    return refused
 
 
 # ---- JSON documents --------------------------------------------------------------------------------
@@ -119,31 +141,50 @@ def documents(draw: st.DrawFn) -> bytes:
     return raw
 
 
-@SETTINGS
-@given(ticket=documents())
-def test_fuzzed_tickets(node, ticket: bytes) -> None:
+def test_fuzzed_tickets(node) -> None:
     _, raw = node
-    _typed_or_ok("ticket", lambda: raw.do_get(flight.Ticket(ticket), OPTIONS).read_all(), raw)
+    tally = _Tally()
+
+    @SETTINGS
+    @given(ticket=documents())
+    def one(ticket: bytes) -> None:
+        tally.add(_typed_or_ok("ticket", lambda: raw.do_get(flight.Ticket(ticket), OPTIONS).read_all(), raw))
+
+    one()
+    tally.check("ticket", mostly_refused=True)
 
 
-@SETTINGS
-@given(descriptor=documents())
-def test_fuzzed_descriptors(node, descriptor: bytes) -> None:
+def test_fuzzed_descriptors(node) -> None:
     _, raw = node
-    _typed_or_ok("descriptor", lambda: _put(raw, descriptor, _group("fz", 2)), raw)
-    _typed_or_ok(
-        "flight_info", lambda: raw.get_flight_info(flight.FlightDescriptor.for_command(descriptor), OPTIONS), raw
-    )
+    puts, infos = _Tally(), _Tally()
+
+    @SETTINGS
+    @given(descriptor=documents())
+    def one(descriptor: bytes) -> None:
+        puts.add(_typed_or_ok("descriptor", lambda: _put(raw, descriptor, _group("fz", 2)), raw))
+        infos.add(_typed_or_ok(
+            "flight_info", lambda: raw.get_flight_info(flight.FlightDescriptor.for_command(descriptor), OPTIONS), raw
+        ))
+
+    one()
+    puts.check("descriptor", mostly_refused=True)
+    infos.check("flight_info", mostly_refused=False)
 
 
-@SETTINGS
-@given(action=st.sampled_from([*ACTION_DESCRIPTIONS, "drop_all", "", "\u00e9"]), body=documents())
-def test_fuzzed_action_bodies(node, action: str, body: bytes) -> None:
+def test_fuzzed_action_bodies(node) -> None:
     server, raw = node
-    if action == "release":  # keep the known group (other examples read it)
-        body = body.replace(b"known", b"other")
-    _typed_or_ok("action", lambda: list(raw.do_action(flight.Action(action, body), OPTIONS)), raw)
-    assert server.store.has_group("known")
+    tally = _Tally()
+
+    @SETTINGS
+    @given(action=st.sampled_from([*ACTION_DESCRIPTIONS, "drop_all", "", "\u00e9"]), body=documents())
+    def one(action: str, body: bytes) -> None:
+        if action == "release":  # keep the known group (other examples read it)
+            body = body.replace(b"known", b"other")
+        tally.add(_typed_or_ok("action", lambda: list(raw.do_action(flight.Action(action, body), OPTIONS)), raw))
+        assert server.store.has_group("known")
+
+    one()
+    tally.check("action", mostly_refused=False)
 
 
 # ---- record batches --------------------------------------------------------------------------------
@@ -168,41 +209,38 @@ def batches(draw: st.DrawFn) -> tuple[str, pa.Table]:
     for _ in range(draw(st.integers(1, 3))):
         op = draw(st.sampled_from(["drop", "retype", "value", "null", "extra", "dup", "listlen"]))
         names = table.column_names
-        col = draw(st.sampled_from(names))
-        i = names.index(col)
+        i = draw(st.integers(0, len(names) - 1))  # by position: "dup" makes names ambiguous
+        col, typ = names[i], table.schema.field(i).type
         if op == "drop":
-            table = table.drop_columns([col])
+            table = table.remove_column(i)
         elif op == "retype":
-            table = table.set_column(i, col, pa.array([str(v) for v in table.column(col).to_pylist()]))
+            table = table.set_column(i, col, pa.array([str(v) for v in table.column(i).to_pylist()]))
         elif op == "value" and col in _BAD_VALUES:
             vals = [draw(_BAD_VALUES[col]) for _ in range(table.num_rows)]
-            table = table.set_column(i, pa.field(col, table.schema.field(col).type), pa.array(vals).cast(
-                table.schema.field(col).type, safe=False) if col not in ("status", "group_id") else pa.array(vals))
+            table = table.set_column(i, pa.field(col, typ), pa.array(vals).cast(typ, safe=False)
+                                     if col not in ("status", "group_id") else pa.array(vals))
         elif op == "null":
-            table = table.set_column(i, col, pa.nulls(table.num_rows, table.schema.field(col).type))
+            table = table.set_column(i, col, pa.nulls(table.num_rows, typ))
         elif op == "extra":
             table = table.append_column(draw(st.sampled_from(["bogus", "\u00e9"])), pa.array([1] * table.num_rows))
         elif op == "dup":
-            table = table.append_column(col, table.column(col))
+            table = table.append_column(col, table.column(i))
         elif op == "listlen" and col in ("response_ids", "response_logprobs", "loss_mask", "prompt_ids"):
-            typ = table.schema.field(col).type
             table = table.set_column(i, col, pa.array([[0] * draw(st.integers(0, 5))] * table.num_rows).cast(typ))
     desc_gid = draw(st.sampled_from([gid, "other"]))
     return desc_gid, table
 
 
-@SETTINGS
-@given(case=batches())
-def test_fuzzed_record_batches(node, case: tuple[str, pa.Table]) -> None:
+def test_fuzzed_record_batches(node) -> None:
     server, raw = node
-    gid, table = case
-    _typed_or_ok("batch", lambda: _put(raw, PutGroup(group_id=gid).to_bytes(), table), raw)
-    assert server.store.has_group("known")
+    tally = _Tally()
 
+    @SETTINGS
+    @given(case=batches())
+    def one(case: tuple[str, pa.Table]) -> None:
+        gid, table = case
+        tally.add(_typed_or_ok("batch", lambda: _put(raw, PutGroup(group_id=gid).to_bytes(), table), raw))
+        assert server.store.has_group("known")
 
-def test_inputs_were_tried() -> None:
-    """Runs last in this module: every fuzzed entry point was exercised (the counts go in the report)."""
-    assert TRIED.get("ticket", 0) >= 20 and TRIED.get("batch", 0) >= 20 and TRIED.get("action", 0) >= 20, TRIED
-    # the inputs are mostly bad: most are refused (a generator that produced only valid input would fail here)
-    for what in ("ticket", "descriptor", "batch"):
-        assert REFUSED.get(what, 0) >= TRIED[what] // 2, (what, TRIED, REFUSED)
+    one()
+    tally.check("batch", mostly_refused=True)

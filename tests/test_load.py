@@ -10,24 +10,21 @@ then holds no data, but its code paths and its gRPC server threads have run once
 polars, gRPC loaded; compute kernels and IPC code paged in), so the growth measured is what holding and
 moving data costs.
 
-What keeps it there (``flight_store.store``): every stored batch is copied out of the received gRPC message
-into one block of its own pages (unmapped on release, so nothing fragments); the budget counts what a group
-really holds (whole pages plus object/index overhead) and what writes in flight hold; the Arrow pool and glibc
-malloc hand freed memory back; and a ``knit serve`` node also refuses writes while its process's RSS is more
-than the budget above its start (``StoreConfig.rss_guard``), which bounds what no count sees (gRPC buffers,
-thread stacks, allocator caches). Measured growth: 0.73-0.88x the budget on a quiet 2-core machine, up to 0.89x
-with both cores busy with other work (without the guard: 1.07-1.17x quiet, up to 1.26x loaded; before the
-block copies: 2.1-2.6x).
+What keeps it there (``flight_store.memory``): every stored batch is copied out of the received gRPC message into
+one block of its own pages (unmapped on release, so nothing fragments); the budget counts what a group really
+holds (whole pages plus object/index overhead) and what writes in flight hold; the Arrow pool and glibc malloc
+hand freed memory back; and a node process (``python -m flight_store``) also refuses writes while its process's
+RSS is more than the budget above its start (``StoreConfig.rss_guard``), which bounds what no count sees (gRPC
+buffers, thread stacks, allocator caches). Measured growth: 0.73-0.88x the budget on a quiet 2-core machine, up
+to 0.89x with both cores busy with other work (without the guard: 1.07-1.17x quiet, up to 1.26x loaded; before
+the block copies: 2.1-2.6x).
 """
 
 from __future__ import annotations
 
 import collections
 import contextlib
-import os
 import random
-import subprocess
-import sys
 import threading
 import time
 from pathlib import Path
@@ -37,6 +34,7 @@ import pyarrow as pa
 import pytest
 
 from flight_store.client import StoreClient
+from flight_store.config import ServerConfig, StoreConfig
 from flight_store.errors import BudgetExceededError
 from schemas.plan import PlannedSlice
 
@@ -47,6 +45,8 @@ RESPONSE_LEN = 900  # ~ 4 x 900 x 9 bytes = ~32 KiB of payload per group
 BUDGET = 64 << 20  # per node; 2 nodes hold 128 MiB, the run writes ~200 MiB
 RSS_FACTOR = 1.2
 """Allowed peak RSS growth / budget: budget + 20%."""
+NODE = ServerConfig(log_level="WARNING", store=StoreConfig(memory_budget=BUDGET))
+"""Each node process: ``python -m flight_store --config`` of this (which turns the RSS guard on)."""
 
 pytestmark = pytest.mark.skipif(not Path("/proc/self/status").exists(), reason="needs /proc for RSS")
 
@@ -57,17 +57,6 @@ def _status_kib(pid: int, field: str) -> int:
             return int(line.split()[1])
     msg = f"no {field} in /proc/{pid}/status"
     raise KeyError(msg)
-
-
-def _start_node() -> tuple[subprocess.Popen[str], str]:
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    cmd = [sys.executable, "-m", "flight_store", "serve", "--port", "0", "--memory-budget", str(BUDGET),
-           "--log-level", "WARNING"]
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, env=env)
-    assert proc.stdout is not None
-    line = proc.stdout.readline()
-    assert "listening on grpc://" in line, line
-    return proc, line.split("listening on ")[1].strip()
 
 
 def _consume(client: StoreClient, frame: pl.DataFrame) -> list[str]:
@@ -104,8 +93,8 @@ def _warm_up(wclient: StoreClient, cclient: StoreClient, template: pa.Table, gid
 
 
 @pytest.mark.slow
-def test_64_writers_budget_backpressure_nothing_dropped_rss_bounded(make_group) -> None:
-    procs = [_start_node() for _ in range(2)]
+def test_64_writers_budget_backpressure_nothing_dropped_rss_bounded(make_group, node_process) -> None:
+    procs = [node_process(NODE) for _ in range(2)]
     locs = [loc for _, loc in procs]
     clients = contextlib.ExitStack()
     try:

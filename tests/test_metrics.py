@@ -2,13 +2,12 @@
 
 from __future__ import annotations
 
-import subprocess
-import sys
 import urllib.request
 
 import pytest
 
 from flight_store.client import StoreClient
+from flight_store.config import ServerConfig, StoreConfig
 from flight_store.server import StoreServer
 from schemas.plan import PlannedSlice
 
@@ -27,7 +26,7 @@ def _scrape(port: int) -> dict[str, float]:
 
 
 def test_metrics_follow_write_fetch_release(make_group) -> None:
-    with StoreServer(metrics_port=0, memory_budget=1 << 24) as server:
+    with StoreServer(ServerConfig(metrics_port=0, store=StoreConfig(memory_budget=1 << 24))) as server:
         assert server.metrics_port is not None and server.metrics_port > 0
         before = _scrape(server.metrics_port)
         assert before['knit_groups{state="stored"}'] == 0
@@ -50,31 +49,21 @@ def test_metrics_follow_write_fetch_release(make_group) -> None:
 
 
 def test_failed_rpc_is_counted_as_error() -> None:
-    with StoreServer(metrics_port=0) as server, StoreClient(server.location) as client:
+    with StoreServer(ServerConfig(metrics_port=0)) as server, StoreClient(server.location) as client:
         with pytest.raises(Exception, match="ghost"):
             client.fetch([PlannedSlice(node=server.location, group_id="ghost", start=0, stop=1)])
         assert server.metrics_port is not None
         assert _scrape(server.metrics_port)['knit_request_seconds_count{outcome="error",rpc="do_get"}'] == 1
 
 
-def test_knit_serve_metrics_port() -> None:
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "flight_store", "serve", "--port", "0", "--metrics-port", "0",
-         "--memory-budget", str(1 << 30)],
-        stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
-    )
-    try:
-        assert proc.stdout is not None
-        assert "listening on grpc://" in proc.stdout.readline()
-        line = proc.stdout.readline()
-        assert "metrics on http://" in line, line
-        port = int(line.rsplit(":", 1)[1].split("/")[0])
-        scraped = _scrape(port)
-        assert "knit_memory_used" in scraped
-        # a node process guards its resident memory: the limit is its RSS at start + the budget
-        assert 0 < scraped["knit_memory_rss"] < scraped["knit_memory_rss_limit"] - (1 << 29)
-    finally:
-        proc.terminate()
-        proc.wait(timeout=20)
-        if proc.stdout is not None:
-            proc.stdout.close()
+def test_node_process_metrics_port(node_process) -> None:
+    proc, location = node_process(ServerConfig(metrics_port=0, store=StoreConfig(memory_budget=1 << 30)))
+    assert location.startswith("grpc://")
+    assert proc.stdout is not None
+    line = proc.stdout.readline()
+    assert "knit serve: metrics on http://" in line, line
+    port = int(line.rsplit(":", 1)[1].split("/")[0])
+    scraped = _scrape(port)
+    assert "knit_memory_used" in scraped
+    # a node process guards its resident memory (without asking): the limit is its RSS at start + the budget
+    assert 0 < scraped["knit_memory_rss"] < scraped["knit_memory_rss_limit"] - (1 << 29)

@@ -6,10 +6,11 @@
 * ``python -m train.mm_model`` (one Megatron rank, gloo): the CLIPViTModel encoder's gradients through
   ``DedupVisionEncoder`` equal those of per-reference encoding (fp32, rtol 1e-5), one pass per
   distinct image;
-* ``torchrun --nproc_per_node 2 -m train.mm_trainer`` (DP=2, gloo): the backbone and the encoder train,
+* ``python -m train --config FILE --nproc 2`` with ``TrainConfig.vision`` set (DP=2, gloo): the
+  backbone and the encoder train,
   encoder passes equal the distinct images of each rank's mini-batch, the reduced encoder gradients
   and the encoder weights are identical on both ranks, and the stores free every image on release;
-  the same run with ``--no-dedup`` (every reference encoded) gives the same losses and, from the
+  the same run with ``VisionConfig(dedup=False)`` (every reference encoded) gives the same losses and, from the
   same initial weights, the same encoder gradients.
 """
 
@@ -17,7 +18,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -26,6 +26,8 @@ from typing import Any
 import numpy as np
 import pytest
 
+from admission import AdmissionConfig
+from schemas import documents
 from schemas.images import images_to_table
 from schemas.plan import MicroBatch, PlannedSlice
 from schemas.records import TrajectoryRecord, records_to_batch
@@ -33,12 +35,6 @@ from schemas.records import TrajectoryRecord, records_to_batch
 ROOT = Path(__file__).resolve().parents[1]
 GROUPS, G, PROMPT, RESPONSE, VOCAB, IMG = 12, 4, 6, 10, 128, 28
 STEPS = 6  # train_batch_groups=4, mini_batches=2 -> 2 groups per step, one per DP rank
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def _groups(client: Any, n_groups: int) -> dict[str, tuple[str, list[bytes]]]:
@@ -73,7 +69,7 @@ def stores() -> Any:
     from flight_store.client import StoreClient
     from flight_store.server import StoreServer
 
-    servers = [StoreServer("grpc://127.0.0.1:0") for _ in range(2)]
+    servers = [StoreServer() for _ in range(2)]
     client = StoreClient([s.location for s in servers])
     try:
         yield client
@@ -137,22 +133,24 @@ def _servers() -> tuple[Any, list[Any]]:
     from flight_store.client import StoreClient
     from flight_store.server import StoreServer
 
-    servers = [StoreServer("grpc://127.0.0.1:0") for _ in range(2)]
+    servers = [StoreServer() for _ in range(2)]
     return StoreClient([s.location for s in servers]), servers
 
 
-def _train(tmp: Path, extra: list[str]) -> dict[str, Any]:
-    """Fresh stores with the fixed dataset, a DP=2 ``train.mm_trainer`` run; reports, groups, images left."""
+def _train(tmp: Path, *, dedup: bool) -> dict[str, Any]:
+    """Fresh stores with the fixed dataset, a DP=2 multimodal trainer run; reports, groups, images left."""
+    from train.config import OptimConfig, TrainConfig, VisionConfig
+
     client, servers = _servers()
     try:
         groups = _groups(client, GROUPS)
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_addr", "127.0.0.1",
-               "--master_port", str(_free_port()), "-m", "train.mm_trainer", "--stores", ",".join(client.nodes),
-               "--max-steps", str(STEPS), "--idle-timeout", "20", "--lr", "1e-2", "--img-size", str(IMG),
-               "--report", str(tmp / "rank{rank}.json"),
-               "--planner-option", "train_batch_groups=4", "--planner-option", f"group_size={G}",
-               "--planner-option", "mini_batches=2", "--planner-option", "token_budget=32", *extra]
-        _run(cmd)
+        cfg = TrainConfig(stores=client.nodes, max_steps=STEPS, idle_timeout_s=20, optim=OptimConfig(lr=1e-2),
+                          vision=VisionConfig(img_h=IMG, img_w=IMG, dedup=dedup),
+                          admission=AdmissionConfig(train_batch_groups=4, group_size=G, mini_batches=2,
+                                                    token_budget=32),
+                          report_path=str(tmp / "rank{rank}.json"))
+        config = documents.write(cfg, tmp / "train.json")
+        _run([sys.executable, "-m", "train", "--config", str(config), "--nproc", "2"])
         reports = [json.loads((tmp / f"rank{r}.json").read_text()) for r in (0, 1)]
         left = sum(int(s["images"]) for s in client.stats().values())
     finally:
@@ -165,8 +163,8 @@ def _train(tmp: Path, extra: list[str]) -> dict[str, Any]:
 @pytest.fixture(scope="module")
 def dp_runs(tmp_path_factory: pytest.TempPathFactory) -> Any:
     pytest.importorskip("megatron.core")
-    return {"dedup": _train(tmp_path_factory.mktemp("dedup"), []),
-            "per_ref": _train(tmp_path_factory.mktemp("per_ref"), ["--no-dedup"])}
+    return {"dedup": _train(tmp_path_factory.mktemp("dedup"), dedup=True),
+            "per_ref": _train(tmp_path_factory.mktemp("per_ref"), dedup=False)}
 
 
 @pytest.mark.megatron

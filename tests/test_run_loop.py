@@ -1,6 +1,6 @@
 """``knit run`` end to end (real stores, vLLM rollout, 2-rank Megatron trainer), small; and Ctrl-C.
 
-Both runs are subprocesses (``python -m train.run``). The loop test checks the run folder: the
+Both runs are subprocesses (``python -m launcher run``, i.e. ``knit run``). The loop test checks the run folder: the
 summary keys, the plots, that versions advanced and reached the engine, that every consumed
 trajectory was received exactly once, that no payload went through the driver, and that the engine
 started from the trainer's weights (the first step's trainer/rollout logprob gap is ~0). The Ctrl-C
@@ -56,7 +56,7 @@ def _procs_mentioning(text: str) -> list[int]:
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from train.run import prepare_model
+    from launcher.model import prepare_model
 
     path = tmp_path_factory.mktemp("model") / "tiny-llama"
     prepare_model(path)
@@ -64,13 +64,13 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def _cmd(out: Path, model_dir: Path, *extra: str) -> list[str]:
-    return [sys.executable, "-m", "train.run", "--plain", "--out", str(out), "--model-dir", str(model_dir),
-            "--groups", str(B), "--group-size", str(G), "--mini-batches", str(K), "--train-batches", str(BATCHES),
-            "--max-tokens", "24", "--timeout", "200", *extra]
+    return [sys.executable, "-m", "launcher", "run", "--plain", "--out", str(out), "--model-dir", str(model_dir),
+            "--train-batch-groups", str(B), "--group-size", str(G), "--mini-batches", str(K),
+            "--train-batches", str(BATCHES), "--max-tokens", "24", "--timeout-s", "200", *extra]
 
 
 def test_knit_run_quick_loop(model_dir: Path, tmp_path: Path) -> None:
-    from train.run import child_env
+    from launcher.children import child_env
 
     out = tmp_path / "run"
     res = subprocess.run(_cmd(out, model_dir), cwd=ROOT, env=child_env(), capture_output=True, text=True,
@@ -105,7 +105,7 @@ def test_knit_run_quick_loop(model_dir: Path, tmp_path: Path) -> None:
 
 
 def test_ctrl_c_stops_every_process(model_dir: Path, tmp_path: Path) -> None:
-    from train.run import child_env
+    from launcher.children import child_env
 
     out = tmp_path / "run"
     proc = subprocess.Popen(_cmd(out, model_dir, "--train-batches", "50"), cwd=ROOT, env=child_env(),

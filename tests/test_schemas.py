@@ -69,10 +69,23 @@ def test_records_to_batch_matches_schema_and_fills_defaults() -> None:
     assert row["loss_mask"] == [1, 1] and row["policy_version_min"] == 2
 
 
-def test_record_rejects_mismatched_lengths() -> None:
+def test_records_to_batch_refuses_mismatched_lengths() -> None:
+    record = TrajectoryRecord(group_id="g", sample_idx=0, policy_version=0, prompt_ids=[1],
+                              response_ids=[1, 2], response_logprobs=[0.0])
     with pytest.raises(ValueError, match="response_logprobs"):
-        TrajectoryRecord(group_id="g", sample_idx=0, policy_version=0, prompt_ids=[1],
-                         response_ids=[1, 2], response_logprobs=[0.0])
+        records_to_batch([record])
+
+
+def test_records_fill_unset_fields_row_by_row() -> None:
+    rows = [TrajectoryRecord(group_id="g", sample_idx=0, policy_version=3, policy_version_min=1, prompt_ids=[1],
+                             response_ids=[2], response_logprobs=[0.0], loss_mask=[0], status="aborted"),
+            TrajectoryRecord(group_id="g", sample_idx=1, policy_version=3, prompt_ids=[1],
+                             response_ids=[2, 3], response_logprobs=[0.0, 0.0])]
+    got = records_to_batch(rows).to_pydict()
+    assert got["policy_version_min"] == [1, 3]
+    assert got["loss_mask"] == [[0], [1, 1]]
+    assert got["status"] == ["aborted", "completed"]
+    assert got["response_len"] == [1, 2] and got["data_source"] == ["default", "default"]
 
 
 def test_metadata_schema_is_a_projection_of_trajectory_schema() -> None:

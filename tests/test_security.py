@@ -8,10 +8,7 @@ from __future__ import annotations
 import datetime as dt
 import hmac
 import ipaddress
-import os
 import signal
-import subprocess
-import sys
 from pathlib import Path
 
 import pyarrow as pa
@@ -19,6 +16,7 @@ import pyarrow.flight as flight
 import pytest
 
 from flight_store.client import StoreClient
+from flight_store.config import ServerConfig
 from flight_store.server import StoreServer
 from schemas.plan import PlannedSlice
 from schemas.wire import MetadataTicket, PutGroup, ReleaseBody, SliceRef, SlicesTicket
@@ -62,11 +60,26 @@ def cert() -> tuple[bytes, bytes]:
     return _self_signed()
 
 
+def _secured_config(directory: Path, cert: tuple[bytes, bytes]) -> ServerConfig:
+    """A node config serving TLS with ``cert`` and requiring :data:`TOKEN` (its file ends in a newline)."""
+    cert_file, key_file, token_file = directory / "cert.pem", directory / "key.pem", directory / "token"
+    cert_file.write_bytes(cert[0])
+    key_file.write_bytes(cert[1])
+    token_file.write_text(TOKEN + "\n", encoding="utf-8")
+    return ServerConfig(tls_cert_file=str(cert_file), tls_key_file=str(key_file), auth_token_file=str(token_file))
+
+
+def _token_config(directory: Path, token: str) -> ServerConfig:
+    """A plaintext node config requiring the bearer token in a file holding exactly ``token``."""
+    token_file = directory / "token"
+    token_file.write_text(token, encoding="utf-8")
+    return ServerConfig(auth_token_file=str(token_file))
+
+
 @pytest.fixture
-def secured(cert, make_group):  # type: ignore[no-untyped-def]
-    cert_pem, key_pem = cert
-    with StoreServer("grpc://127.0.0.1:0", tls_cert=cert_pem, tls_key=key_pem, auth_token=TOKEN) as server:
-        with StoreClient(server.location, token=TOKEN, tls_root_certs=cert_pem) as client:
+def secured(cert, make_group, tmp_path: Path):  # type: ignore[no-untyped-def]
+    with StoreServer(_secured_config(tmp_path, cert)) as server:
+        with StoreClient(server.location, token=TOKEN, tls_root_certs=cert[0]) as client:
             client.put_group(make_group("secret-group", size=4))
         yield server
 
@@ -154,7 +167,7 @@ def test_tls_is_required_and_verified(secured, cert) -> None:
                 client.scan_metadata()
 
 
-def test_tokens_are_compared_in_constant_time(cert, monkeypatch) -> None:
+def test_tokens_are_compared_in_constant_time(cert, monkeypatch, tmp_path: Path) -> None:
     seen: list[tuple[bytes, bytes]] = []
     real = hmac.compare_digest
 
@@ -163,7 +176,7 @@ def test_tokens_are_compared_in_constant_time(cert, monkeypatch) -> None:
         return real(a, b)
 
     monkeypatch.setattr(hmac, "compare_digest", spy)
-    with StoreServer(auth_token="tok") as server:
+    with StoreServer(_token_config(tmp_path, "tok")) as server:
         with StoreClient(server.location, token="bad") as client:
             assert client.health()[server.location]["ok"] is False
         with StoreClient(server.location, token="tok") as client:
@@ -171,39 +184,30 @@ def test_tokens_are_compared_in_constant_time(cert, monkeypatch) -> None:
     assert (b"Bearer bad", b"Bearer tok") in seen and (b"Bearer tok", b"Bearer tok") in seen
 
 
-def test_server_refuses_half_a_tls_config(cert) -> None:
+def test_server_refuses_half_a_tls_config_and_bad_tokens(cert, tmp_path: Path) -> None:
+    cert_file = tmp_path / "cert.pem"
+    cert_file.write_bytes(cert[0])
     with pytest.raises(ValueError, match="together"):
-        StoreServer(tls_cert=cert[0])
-    for bad in ("", "caf\u00e9", "two words ", "line\nbreak"):
+        ServerConfig(tls_cert_file=str(cert_file))
+    for bad in ("caf\u00e9", "line\nbreak", "tab\tinside"):
         with pytest.raises(ValueError, match="printable ASCII"):
-            StoreServer(auth_token=bad)
+            StoreServer(_token_config(tmp_path, bad))
+    for empty in ("", " \n"):
+        with pytest.raises(ValueError, match="is empty"):
+            StoreServer(_token_config(tmp_path, empty))
     with pytest.raises(ValueError, match="printable ASCII"):
         StoreClient("grpc://127.0.0.1:1", token="caf\u00e9")
 
 
-def test_knit_serve_secured_subprocess(tmp_path: Path, cert, make_group) -> None:
-    cert_file, key_file, token_file = tmp_path / "cert.pem", tmp_path / "key.pem", tmp_path / "token"
-    cert_file.write_bytes(cert[0])
-    key_file.write_bytes(cert[1])
-    token_file.write_text(TOKEN + "\n", encoding="utf-8")
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    cmd = [sys.executable, "-m", "flight_store", "serve", "--port", "0", "--tls-cert", str(cert_file),
-           "--tls-key", str(key_file), "--auth-token-file", str(token_file)]
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, env=env)
-    try:
-        assert proc.stdout is not None
-        line = proc.stdout.readline()
-        assert "listening on grpc+tls://" in line, line
-        loc = line.split("listening on ")[1].strip()
-        with StoreClient(loc, token=TOKEN, tls_root_certs=cert[0]) as client:
-            node = client.put_group(make_group("g", size=2))
-            assert client.fetch([PlannedSlice(node=node, group_id="g", start=0, stop=2)]).num_rows == 2
-        with StoreClient(loc, token="nope", tls_root_certs=cert[0]) as client, pytest.raises(
-            flight.FlightUnauthenticatedError
-        ):
-            client.scan_metadata()
-    finally:
-        proc.send_signal(signal.SIGTERM)
-        proc.wait(timeout=20)
-        if proc.stdout is not None:
-            proc.stdout.close()
+def test_secured_node_process(tmp_path: Path, cert, make_group, node_process) -> None:
+    proc, loc = node_process(_secured_config(tmp_path, cert))
+    assert loc.startswith("grpc+tls://127.0.0.1:")
+    with StoreClient(loc, token=TOKEN, tls_root_certs=cert[0]) as client:
+        node = client.put_group(make_group("g", size=2))
+        assert client.fetch([PlannedSlice(node=node, group_id="g", start=0, stop=2)]).num_rows == 2
+    with StoreClient(loc, token="nope", tls_root_certs=cert[0]) as client, pytest.raises(
+        flight.FlightUnauthenticatedError
+    ):
+        client.scan_metadata()
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(timeout=20) == 0

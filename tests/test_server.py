@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import os
 import signal
 import subprocess
 import sys
@@ -13,6 +12,7 @@ import pyarrow.flight as flight
 import pytest
 
 from flight_store.client import StoreClient
+from flight_store.config import ServerConfig, StoreConfig
 from flight_store.errors import (
     BudgetExceededError,
     SchemaMismatchError,
@@ -111,7 +111,7 @@ def test_unknown_group_and_image(store_nodes, make_group) -> None:
 
 
 def test_budget_exceeded_is_retryable_and_unavailable(store_nodes, make_group) -> None:
-    (server,) = store_nodes(1, memory_budget=50_000)
+    (server,) = store_nodes(1, ServerConfig(store=StoreConfig(memory_budget=50_000)))
     with StoreClient(server.location) as client:
         client.put_group(make_group("a", size=4, response_len=1000))
         with pytest.raises(BudgetExceededError) as exc:
@@ -135,7 +135,7 @@ def test_duplicate_write_keeps_one_copy(store_nodes, make_group) -> None:
 
 
 def test_actions_list_and_answers(store_nodes, make_group) -> None:
-    (server,) = store_nodes(1, memory_budget=1 << 30)
+    (server,) = store_nodes(1, ServerConfig(store=StoreConfig(memory_budget=1 << 30)))
     raw = flight.connect(server.location)
     described = {a.type: a.description for a in raw.list_actions()}
     assert described == ACTION_DESCRIPTIONS
@@ -188,28 +188,32 @@ def test_doget_slices_projection_and_order(store_nodes, make_group) -> None:
         assert meta.column_names == ["seq", "group_id"] and meta["group_id"].to_pylist() == ["b"] * 4 + ["c"] * 4
 
 
-def test_knit_serve_subprocess(tmp_path) -> None:
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "flight_store", "serve", "--port", "0", "--memory-budget", "1000000"],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.DEVNULL,
-        text=True,
-        env=env,
-    )
-    try:
-        assert proc.stdout is not None
-        line = proc.stdout.readline()
-        assert "listening on grpc://" in line, line
-        location = line.split("listening on ")[1].strip()
-        with StoreClient(location, timeout=10) as client:
-            assert client.health()[location]["ok"]
-            assert client.stats()[location]["memory_budget"] == 1_000_000
-        proc.send_signal(signal.SIGTERM)
-        assert proc.wait(timeout=20) == 0
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
-        if proc.stdout is not None:
-            proc.stdout.close()
+def test_node_process_runs_a_config_document(node_process) -> None:
+    proc, location = node_process(ServerConfig(store=StoreConfig(memory_budget=1_000_000)))
+    assert location.startswith("grpc://127.0.0.1:")
+    with StoreClient(location, timeout=10) as client:
+        assert client.health()[location]["ok"]
+        assert client.stats()[location]["memory_budget"] == 1_000_000
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(timeout=20) == 0
+    assert proc.stdout is not None and proc.stdout.read().strip().endswith("knit serve: stopped")
+
+
+def test_node_process_refuses_a_bad_config_document(tmp_path) -> None:
+    path = tmp_path / "node.json"
+    path.write_text('{"port": 70000}', encoding="utf-8")
+    res = subprocess.run([sys.executable, "-m", "flight_store", "--config", str(path)], capture_output=True,
+                         text=True, timeout=60)
+    assert res.returncode == 2 and "port must be in 0..65535" in res.stderr and res.stdout == ""
+
+
+def test_server_config_checks_name_the_value() -> None:
+    with pytest.raises(ValueError, match=r"coalesce_below .* -1"):
+        ServerConfig(coalesce_below=-1)
+    with pytest.raises(ValueError, match=r"metrics_port .* 65536"):
+        ServerConfig(metrics_port=65536)
+    with pytest.raises(ValueError, match=r"log_level .* 'LOUD'"):
+        ServerConfig(log_level="LOUD")
+    with pytest.raises(ValueError, match=r"memory_budget .* -5"):
+        StoreConfig(memory_budget=-5)
+    assert ServerConfig(tls_cert_file="c.pem", tls_key_file="k.pem", port=9).location == "grpc+tls://127.0.0.1:9"

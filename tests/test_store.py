@@ -11,6 +11,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from flight_store.config import StoreConfig
 from flight_store.errors import (
     BudgetExceededError,
     GroupReleasedError,
@@ -35,7 +36,7 @@ def _rows(batches: list[pa.RecordBatch], col: str = "sample_idx") -> list[object
 def test_slices_are_zero_copy_views_of_the_stored_batch(make_group) -> None:
     store = Store()
     store.put_group("g", [make_group("g", size=8)])
-    (stored,) = store._groups["g"].batches
+    (stored,) = store._contents.groups["g"].batches
     out = store.slices([("g", 2, 6)])
     assert len(out) == 1 and out[0].num_rows == 4
     assert _rows(out) == [2, 3, 4, 5]
@@ -285,7 +286,7 @@ def test_safe_casts_are_accepted(make_group) -> None:
 
 
 def test_budget_refuses_retryably_and_never_drops(make_group) -> None:
-    store = Store(memory_budget=50_000)
+    store = Store(StoreConfig(memory_budget=50_000))
     store.put_group("a", [make_group("a", size=4, response_len=1000)])
     with pytest.raises(BudgetExceededError, match="memory budget") as exc:
         store.put_group("b", [make_group("b", size=4, response_len=1000)])
@@ -299,7 +300,7 @@ def test_budget_refuses_retryably_and_never_drops(make_group) -> None:
 @pytest.mark.skipif(not os.path.exists("/proc/self/statm"), reason="the RSS guard reads /proc/self/statm")
 def test_rss_guard_refuses_while_the_process_outgrows_the_budget(make_group) -> None:
     budget = 16 << 20
-    store = Store(memory_budget=budget, rss_guard=True)
+    store = Store(StoreConfig(memory_budget=budget, rss_guard=True))
     assert store.put_group("a", [make_group("a", size=2)]) == 2  # counted use is tiny
     ballast = np.ones(3 * budget // 8, dtype=np.int64)  # 48 MiB resident that no count sees
     s = store.stats()
@@ -314,7 +315,7 @@ def test_rss_guard_refuses_while_the_process_outgrows_the_budget(make_group) -> 
     assert store.put_group("c", [make_group("c", size=2)]) == 2  # the memory went back: writes flow again
     assert store.group_ids() == ["b", "c"]
     store.close()
-    assert Store(memory_budget=budget).stats()["memory_rss"] is None  # off unless asked for
+    assert Store(StoreConfig(memory_budget=budget)).stats()["memory_rss"] is None  # off unless asked for
 
 # ---- images, weights, version ------------------------------------------------------------------
 

@@ -2,11 +2,12 @@
 
 Three subprocess runs, each checked by several tests:
 
-* DP=2 (``torchrun -m train``): every admitted trajectory consumed exactly once across ranks, each
+* DP=2 (``torchrun -m train --config FILE``, a ``TrainConfig`` document): every admitted trajectory
+  consumed exactly once across ranks, each
   rank receives exactly the bytes of its slices, the loss falls on a fixed dataset, the policy
   version advances in the stores, consumed groups are released, weights are published, a
   checkpoint is written;
-* TP=2 (``python -m train --nproc 2``, packed THD layout): both TP ranks of the one DP group consume
+* TP=2 (``python -m train --config FILE --nproc 2``, packed THD layout): both TP ranks of the one DP group consume
   the same rows once, and the losses equal the DP=2 run's (same data, same init, other layout);
 * ``python -m train.verify`` at TP=2: the DP run's checkpoint (saved at TP=1) restores weights equal
   to the ones the trainer published, an HF ``LlamaForCausalLM`` loaded with the converted weights
@@ -18,7 +19,6 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
-import socket
 import subprocess
 import sys
 from collections import Counter
@@ -29,22 +29,19 @@ import numpy as np
 import pyarrow as pa
 import pytest
 
+from admission import AdmissionConfig
+from flight_store.net import free_port
+from schemas import documents
 from schemas.plan import PlannedSlice
+from train.config import OptimConfig, ParallelConfig, TrainConfig
 
 pytestmark = [pytest.mark.megatron, pytest.mark.slow]
 
 ROOT = Path(__file__).resolve().parents[1]
 GROUPS, G, PROMPT, RESPONSE, VOCAB = 12, 4, 6, 10, 128
 STEPS = 6  # train_batch_groups=4, mini_batches=2 -> 2 groups per step
-PLANNER = ["--planner-option", "train_batch_groups=4", "--planner-option", f"group_size={G}",
-           "--planner-option", "mini_batches=2", "--planner-option", "token_budget=32"]
+ADMISSION = AdmissionConfig(train_batch_groups=4, group_size=G, mini_batches=2, token_budget=32)
 PACK_COLUMNS = ["group_id", "sample_idx", "prompt_ids", "response_ids", "response_logprobs", "loss_mask"]
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def _fixed_dataset() -> list[pa.RecordBatch]:
@@ -70,7 +67,7 @@ class Stores:
         from flight_store.client import StoreClient
         from flight_store.server import StoreServer
 
-        self.servers = [StoreServer("grpc://127.0.0.1:0") for _ in range(2)]
+        self.servers = [StoreServer() for _ in range(2)]
         self.locations = [s.location for s in self.servers]
         self.client = StoreClient(self.locations)
         self.batches = {b.column("group_id")[0].as_py(): b for b in _fixed_dataset()}
@@ -99,6 +96,13 @@ def _run(cmd: list[str], timeout: float = 240) -> None:
         pytest.fail(f"{' '.join(cmd[:6])}... exited {proc.returncode}\n{proc.stderr[-6000:]}")
 
 
+def _config(path: Path, stores: Stores, **fields: Any) -> str:
+    """Write the trainer's config document (the fixed dataset's admission, 20 s idle timeout, lr 1e-2)."""
+    cfg = TrainConfig(stores=stores.locations, admission=ADMISSION, max_steps=STEPS, idle_timeout_s=20,
+                      optim=OptimConfig(lr=1e-2), report_path=str(path / "rank{rank}.json"), **fields)
+    return str(documents.write(cfg, path / "train.json"))
+
+
 def _reports(path: Path) -> list[dict[str, Any]]:
     return [json.loads((path / f"rank{r}.json").read_text()) for r in (0, 1)]
 
@@ -107,10 +111,9 @@ def _reports(path: Path) -> list[dict[str, Any]]:
 def dp_run(tmp_path_factory: pytest.TempPathFactory) -> Any:
     stores = Stores()
     out = tmp_path_factory.mktemp("dp")
+    config = _config(out, stores, publish_weights=True, save_dir=str(out / "ckpt"))
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_addr", "127.0.0.1",
-           "--master_port", str(_free_port()), "-m", "train", "--stores", ",".join(stores.locations),
-           "--max-steps", str(STEPS), "--idle-timeout", "20", "--lr", "1e-2", "--publish-weights",
-           "--save-dir", str(out / "ckpt"), "--report", str(out / "rank{rank}.json"), *PLANNER]
+           "--master_port", str(free_port()), "-m", "train", "--config", config]
     try:
         _run(cmd)
         yield stores, _reports(out), out
@@ -163,14 +166,14 @@ def test_dp2_loss_falls_and_ranks_agree(dp_run: Any) -> None:
 
 def test_dp2_version_release_weights(dp_run: Any) -> None:
     stores, reports, _ = dp_run
-    from train.weights import arrow_to_weights
+    from train.weights import read_weights
 
     assert stores.client.get_version() == STEPS
     assert [s["version"] for s in reports[0]["steps"]] == list(range(1, STEPS + 1))
     stats = stores.client.stats()
     assert sum(s["groups"]["released"] for s in stats.values()) == GROUPS
     assert sum(s["groups"]["stored"] for s in stats.values()) == 0
-    weights = arrow_to_weights(stores.client.get_weights(STEPS))
+    weights = read_weights(stores.client.get_weights(STEPS))
     assert weights["model.embed_tokens.weight"].shape == (VOCAB, 64)
     assert weights["model.layers.1.self_attn.k_proj.weight"].shape == (32, 64)  # GQA: 2 groups x 16
 
@@ -179,9 +182,8 @@ def test_tp2_packed_matches_dp2(dp_run: Any, tmp_path: Path) -> None:
     _, dp_reports, _ = dp_run
     stores = Stores()
     try:
-        _run([sys.executable, "-m", "train", "--nproc", "2", "--tp", "2", "--pack", "thd", "--stores",
-              ",".join(stores.locations), "--max-steps", str(STEPS), "--idle-timeout", "20", "--lr", "1e-2",
-              "--report", str(tmp_path / "rank{rank}.json"), *PLANNER])
+        config = _config(tmp_path, stores, parallel=ParallelConfig(tensor_parallel=2), pack="thd")
+        _run([sys.executable, "-m", "train", "--config", config, "--nproc", "2"])
         reports = _reports(tmp_path)
         assert [(r["env"]["tp_rank"], r["env"]["dp_size"]) for r in reports] == [(0, 1), (1, 1)]
         everything = {(f"g{g:02d}", i) for g in range(GROUPS) for i in range(G)}
@@ -221,9 +223,8 @@ def test_dp2_nccl_on_gpus(tmp_path: Path) -> None:
         pytest.skip("needs two CUDA devices")
     stores = Stores()
     try:
-        _run([sys.executable, "-m", "train", "--nproc", "2", "--backend", "nccl", "--stores",
-              ",".join(stores.locations), "--max-steps", str(STEPS), "--idle-timeout", "20", "--lr", "1e-2",
-              "--report", str(tmp_path / "rank{rank}.json"), *PLANNER])
+        config = _config(tmp_path, stores, parallel=ParallelConfig(backend="nccl"))
+        _run([sys.executable, "-m", "train", "--config", config, "--nproc", "2"])
         reports = _reports(tmp_path)
         rows = Counter(row for r in reports for row in _rows(r))
         assert len(rows) == GROUPS * G and set(rows.values()) == {1}

@@ -1,20 +1,27 @@
-"""The trainer's parts in-process (no Megatron): packing, prefetch, loss, weights table, planning, config."""
+"""The trainer's parts in-process (no Megatron): packing, prefetch, loss, weights table, planning, config, launcher."""
 
 from __future__ import annotations
 
+import json
+import os
 import subprocess
 import sys
 import threading
 import time
+from pathlib import Path
 
 import numpy as np
 import pyarrow as pa
 import pytest
 
+from admission import AdmissionConfig, GrpoConfig, Planner, Quota
+from schemas import documents
 from schemas.records import TrajectoryRecord, records_to_batch
-from train.config import LossConfig, ModelConfig, PackMode, TrainConfig
+from train.config import ModelConfig, PackMode, TrainConfig, VisionConfig
 from train.packing import PACK_COLUMNS, list_arrays, pack
 from train.prefetch import Prefetcher
+
+ADMISSION = AdmissionConfig(train_batch_groups=4, group_size=4, mini_batches=2)
 
 
 def _table(lengths: list[tuple[int, int]], seed: int = 0) -> pa.Table:
@@ -153,7 +160,7 @@ def test_policy_loss_values() -> None:
         "loss_mask": torch.tensor([[1.0, 1.0, 1.0, 0.0]]),
     }
     ce = (-logp).requires_grad_(True)
-    loss_sum, count, report = policy_loss(ce, batch, LossConfig(clip_low=0.2, clip_high=0.2))
+    loss_sum, count, report = policy_loss(ce, batch, GrpoConfig(clip_low=0.2, clip_high=0.2))
     ratio = np.exp([0.0, 0.5, -1.0])
     expected = [-1.0, -min(ratio[1], 1.2), -min(-ratio[2], -0.8)]
     assert int(count) == 3
@@ -166,25 +173,25 @@ def test_policy_loss_values() -> None:
 
 def test_weights_table_roundtrip_including_bf16() -> None:
     torch = pytest.importorskip("torch")
-    from train.weights import WEIGHTS_SCHEMA, arrow_to_weights, weights_to_arrow
+    from schemas.weights import WEIGHTS_SCHEMA
+    from train.weights import read_weights, weights_table
 
     named = {"a.weight": torch.randn(3, 4), "b.weight": torch.randn(5).to(torch.bfloat16)}
-    table = weights_to_arrow(named)
+    table = weights_table(named)
     assert table.schema.equals(WEIGHTS_SCHEMA)
     assert table.column("shape").to_pylist() == [[3, 4], [5]]
     assert table.column("dtype").to_pylist() == ["float32", "bfloat16"]
-    back = arrow_to_weights(table)
+    back = read_weights(table)
     assert all(torch.equal(back[k], v) for k, v in named.items())
 
 
 def test_plan_source_scans_metadata_and_plans(store_nodes, make_group) -> None:  # type: ignore[no-untyped-def]
     from flight_store.client import StoreClient
-    from train.planning import PlanSource, load_planner
+    from train.planning import PlanSource
 
     servers = store_nodes(2)
     with StoreClient([s.location for s in servers]) as client:
-        planner = load_planner("admission:Planner", {"train_batch_groups": 4, "group_size": 4, "mini_batches": 2},
-                               dp_ranks=2)
+        planner = Planner(AdmissionConfig(train_batch_groups=4, group_size=4, mini_batches=2, dp_ranks=2))
         source = PlanSource(client, planner)
         assert source.poll(0) == []
         for gid in "abcd":
@@ -196,35 +203,121 @@ def test_plan_source_scans_metadata_and_plans(store_nodes, make_group) -> None: 
         for p in plans:
             assert {r.dp_rank for r in p.ranks} == {0, 1}
         assert source.poll(0) == []  # admitted groups are not planned twice
+        assert source.pending_rows == 0 and len(source.planner.state.admitted) == 4
+
+
+def test_plan_source_keeps_only_rows_of_pending_groups(store_nodes, make_group) -> None:  # type: ignore[no-untyped-def]
+    from flight_store.client import StoreClient
+    from train.planning import PlanSource
+
+    (server,) = store_nodes(1)
+    with StoreClient([server.location]) as client:
+        source = PlanSource(client, Planner(AdmissionConfig(train_batch_groups=1, group_size=4)))
+        client.put_group(make_group("partial", size=2))  # 2 of 4 rows: pending
+        client.put_group(make_group("lost", status="aborted"))  # dropped
+        assert source.poll(0) == []
+        assert source.planner.state.dropped == {"lost"}
+        assert source.pending_rows == 2  # the dropped group's rows are gone, the partial group's kept
+        client.put_group(make_group("partial", size=2, start=2))
+        client.put_group(make_group("whole"))
+        plans = source.poll(0)
+        assert sorted(g for p in plans for g in p.group_ids) == ["partial", "whole"]
+        assert source.pending_rows == 0
+
+
+def test_dp_ranks_come_from_the_process_group() -> None:
+    from train.planning import with_dp_ranks
+
+    assert with_dp_ranks(ADMISSION, 2).dp_ranks == 2
+    assert with_dp_ranks(AdmissionConfig(train_batch_groups=4, group_size=4, dp_ranks=2), 2).dp_ranks == 2
+    with pytest.raises(ValueError, match=r"dp_ranks=2 differs from the data-parallel size 4"):
+        with_dp_ranks(AdmissionConfig(train_batch_groups=4, group_size=4, dp_ranks=2), 4)
 
 
 def test_config_validation_names_the_value() -> None:
     with pytest.raises(ValueError, match="num_query_groups=3"):
         ModelConfig(num_attention_heads=4, num_query_groups=3)
     with pytest.raises(ValueError, match="stores is empty"):
-        TrainConfig(stores=[])
+        TrainConfig(stores=[], admission=ADMISSION)
     with pytest.raises(ValueError, match="unknown model preset 'huge'"):
         ModelConfig.preset("huge")
     with pytest.raises(ValueError, match="pack must be"):
-        TrainConfig(stores=["grpc://x:1"], pack="ragged")  # type: ignore[arg-type]
+        TrainConfig(stores=["grpc://x:1"], admission=ADMISSION, pack="ragged")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match=r"does not support \['publish_weights'\]"):
+        TrainConfig(stores=["grpc://x:1"], admission=ADMISSION, vision=VisionConfig(), publish_weights=True)
+    with pytest.raises(ValueError, match=r"clip_low must be in \[0, 1\), got 1\.5"):
+        GrpoConfig(clip_low=1.5)
+    with pytest.raises(ValueError, match="eps must be finite and >= 0, got -1"):
+        GrpoConfig(eps=-1)
 
 
-def test_entry_parses_into_typed_config() -> None:
-    from train.entry import config_from_args, parser
+def test_train_config_round_trips_as_a_document(tmp_path: Path) -> None:
+    cfg = TrainConfig(
+        stores=["grpc://a:1", "grpc://b:2"], model=ModelConfig.preset("tiny-vllm"), vision=VisionConfig(dedup=False),
+        admission=AdmissionConfig(
+            train_batch_groups=4, group_size=2, mini_batches=2, grpo=GrpoConfig(clip_high=0.28, normalize_std=False),
+            quotas=(Quota(column="data_source", counts={"math": 2, "chat": 2}),
+                    Quota(column="level", shares={"easy": 0.5, "hard": 0.5}))),
+        pack="thd", report_path=str(tmp_path / "rank{rank}.json"))
+    back = documents.read(TrainConfig, documents.write(cfg, tmp_path / "train.json"))
+    assert back == cfg
+    assert back.admission.quotas[1].shares == {"easy": 0.5, "hard": 0.5} and back.vision == VisionConfig(dedup=False)
+    doc = json.loads(documents.dump(cfg))
+    doc["admission"]["grpo"]["clip_hi"] = 0.3
+    with pytest.raises(documents.ConfigDocumentError, match=r"admission\.grpo\.clip_hi"):
+        documents.load(TrainConfig, json.dumps(doc))
 
-    args = parser().parse_args(["--stores", "grpc://a:1,grpc://b:2", "--tp", "2", "--planner-option",
-                                "train_batch_groups=8", "--planner-option", 'quotas=[{"column": "data_source"}]',
-                                "--pack", "thd"])
-    cfg = config_from_args(args)
-    assert cfg.stores == ["grpc://a:1", "grpc://b:2"]
-    assert cfg.parallel.tensor_parallel == 2 and cfg.pack == "thd"
-    assert cfg.planner_options == {"train_batch_groups": 8, "quotas": [{"column": "data_source"}]}
+
+def test_python_m_train_rejects_a_bad_document_before_starting(tmp_path: Path) -> None:
+    doc = json.loads(documents.dump(TrainConfig(stores=["grpc://a:1"], admission=ADMISSION)))
+    doc["max_steps"] = "5"
+    (tmp_path / "bad.json").write_text(json.dumps(doc))
+    proc = subprocess.run([sys.executable, "-m", "train", "--config", str(tmp_path / "bad.json")],
+                          capture_output=True, text=True, timeout=120, check=False)
+    assert proc.returncode == 2 and "max_steps" in proc.stderr, proc.stderr
+
+
+def _record_rank(out: str) -> None:
+    """A rank of :func:`test_run_ranks_spawns_ranks_with_the_torch_env` (module level: spawn pickles it)."""
+    keys = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+    Path(out, f"rank{os.environ['RANK']}.json").write_text(json.dumps({k: os.environ[k] for k in keys}))
+
+
+def _fail_on_rank_one() -> None:
+    if os.environ["RANK"] == "1":
+        msg = "rank 1 failed"
+        raise RuntimeError(msg)
+
+
+def test_run_ranks_spawns_ranks_with_the_torch_env(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    pytest.importorskip("torch")
+    from train.launch import run_ranks
+
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    run_ranks(_record_rank, str(tmp_path), nproc=2)
+    envs = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)]
+    assert [(e["RANK"], e["LOCAL_RANK"], e["WORLD_SIZE"], e["LOCAL_WORLD_SIZE"]) for e in envs] == [
+        ("0", "0", "2", "2"), ("1", "1", "2", "2")]
+    assert {e["MASTER_ADDR"] for e in envs} == {"127.0.0.1"} and len({e["MASTER_PORT"] for e in envs}) == 1
+    with pytest.raises(Exception, match="rank 1 failed"):
+        run_ranks(_fail_on_rank_one, nproc=2)
+    with pytest.raises(ValueError, match="nproc must be >= 1, got 0"):
+        run_ranks(_record_rank, str(tmp_path), nproc=0)
+
+
+def test_run_ranks_under_torchrun_runs_here(monkeypatch: pytest.MonkeyPatch) -> None:
+    from train.launch import run_ranks
+
+    calls: list[tuple[int, str]] = []
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    run_ranks(lambda a, b: calls.append((a, b)), 1, "x", nproc=0)  # nproc is not used: this process is one rank
+    assert calls == [(1, "x")]
 
 
 def test_train_package_imports_without_torch() -> None:
-    code = ("import sys, train, train.entry, train.trainer, train.planning, train.weights, train.model, "
-            "train.mcore_compat; assert 'torch' not in sys.modules and 'megatron' not in sys.modules "
-            "and 'vllm' not in sys.modules")
+    code = ("import sys, train, train.__main__, train.launch, train.loop, train.trainer, train.mm_trainer, "
+            "train.backbone, train.planning, train.weights, train.model, train.mcore_compat; "
+            "assert 'torch' not in sys.modules and 'megatron' not in sys.modules and 'vllm' not in sys.modules")
     subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
 
 

@@ -2,11 +2,11 @@
 
 Two subprocesses (this file run as a script), one real store node in the test process:
 
-1. ``megatron``: builds the trainer's GPT (``train.run.trainer_model``: the ``tiny`` preset with the
+1. ``megatron``: builds the trainer's GPT (``launcher.model.trainer_model``: the ``tiny-vllm`` preset with the
    tokenizer's vocabulary), moves every weight away from its init (so nothing can pass by chance,
    norms included), computes the trainer's own forward logprobs of a fixed prompt + response
    (``GPTModel(..., labels=...)`` = per-token cross entropy, exactly the loss path of
-   ``train.trainer``), and publishes the weights with ``train.trainer.publish_weights`` (HF Llama
+   ``train.trainer``), and publishes the weights with ``train.loop.publish_weights`` (HF Llama
    names, an Arrow table over Flight) as version 1;
 2. ``vllm``: starts the rollout's engine (``connectors.engine.VllmEngine``) on the tiny Llama that
    ``knit run`` builds, scores the same tokens (prompt logprobs) before the sync, loads the published
@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -26,6 +25,8 @@ from typing import Any
 
 import numpy as np
 import pytest
+
+from flight_store.net import free_port
 
 pytestmark = [pytest.mark.megatron, pytest.mark.vllm, pytest.mark.slow]
 
@@ -35,22 +36,16 @@ RESPONSE = [11, 300, 45, 8, 201, 77, 19, 402, 6, 33, 90, 2]
 
 
 def _env(**extra: str) -> dict[str, str]:
-    from train.run import child_env
+    from launcher.children import child_env
 
     env = child_env()
     env.update(extra)
     return env
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 @pytest.fixture(scope="module")
 def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from train.run import prepare_model
+    from launcher.model import prepare_model
 
     out = tmp_path_factory.mktemp("tiny") / "llama"
     prepare_model(out, seed=0)
@@ -64,7 +59,7 @@ def test_vllm_logprobs_equal_the_trainer_forward_after_sync(store_nodes, tiny_mo
     assert max(PROMPT + RESPONSE) < vocab
     trainer_out, vllm_out = tmp_path / "trainer.json", tmp_path / "vllm.json"
     megatron_env = _env(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", LOCAL_WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
-                        MASTER_PORT=str(_free_port()))
+                        MASTER_PORT=str(free_port()))
     res = subprocess.run([sys.executable, __file__, "megatron", server.location, str(vocab), str(trainer_out)],
                          cwd=ROOT, env=megatron_env, capture_output=True, text=True, timeout=240)
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
@@ -95,10 +90,10 @@ def _megatron(location: str, vocab: str, out: str) -> None:
     import torch
 
     from flight_store.client import StoreClient
+    from launcher.model import trainer_model
     from train import mcore_compat, model
     from train.config import ParallelConfig
-    from train.run import trainer_model
-    from train.trainer import publish_weights
+    from train.loop import publish_weights
 
     env = mcore_compat.init_distributed(ParallelConfig(backend="gloo"), seed=1234)
     gpt, _ = model.build_gpt(trainer_model(int(vocab)), tensor_parallel=1)
@@ -133,7 +128,7 @@ def _vllm(location: str, model_dir: str, out: str) -> None:
     from connectors.engine import VllmEngine
     from flight_store.client import StoreClient
 
-    cfg = RolloutConfig(model=model_dir, nodes=[location], max_model_len=512, max_num_seqs=4, dtype="float32")
+    cfg = RolloutConfig(model=model_dir, stores=[location], max_model_len=512, max_num_seqs=4, dtype="float32")
     engine = VllmEngine(cfg)
     params = SamplingParams(max_tokens=1, temperature=1.0, prompt_logprobs=0)
 

@@ -1,11 +1,13 @@
-"""Typed configuration of the trainer: model shape, parallelism, optimizer, GRPO loss, run control.
+"""Typed configuration of the trainer: model shape, parallelism, optimizer, vision encoder, run control.
 
 Small ``@dataclass(kw_only=True, slots=True)`` objects, one per concern, checked when built. Model
 shapes follow the Llama architecture (RMSNorm, SwiGLU, RoPE, GQA, untied output layer, no linear
 biases) so the trained weights map one to one onto a Hugging Face ``LlamaForCausalLM`` and a vLLM
 engine (see ``train.weights``). ``MODEL_PRESETS`` names the shapes: ``tiny`` for tests and the CPU
-demo, real models for GPU machines.
+demo, real models for GPU machines. What may be admitted, and the GRPO settings (advantages and the
+clip range of the loss), are the planner's ``admission.AdmissionConfig``, held as ``TrainConfig.admission``.
 
+Every config round-trips through ``schemas.documents`` (the form a trainer process receives it in).
 Importing this module needs no torch.
 """
 
@@ -13,6 +15,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
 from typing import Literal
+
+from admission.config import AdmissionConfig
 
 PackMode = Literal["padded", "thd"]
 
@@ -142,28 +146,62 @@ class OptimConfig:
 
 
 @dataclass(kw_only=True, slots=True)
-class LossConfig:
-    """GRPO/PPO clipped policy-gradient loss."""
+class VisionConfig:
+    """The vision encoder of the multimodal trainer (Megatron-core ``CLIPViTModel`` + a projection).
 
-    clip_low: float = 0.2
-    """Lower clip: ratio is clipped to ``1 - clip_low``."""
-    clip_high: float = 0.2
-    """Upper clip: ratio is clipped to ``1 + clip_high`` (DAPO uses a larger value)."""
+    Example:
+        >>> VisionConfig().patches
+        4
+    """
+
+    num_layers: int = 2
+    """ViT transformer layers."""
+    hidden_size: int = 16
+    """ViT width."""
+    num_attention_heads: int = 2
+    """ViT attention heads."""
+    img_h: int = 28
+    """Image height in pixels (images are uint8 ``[3, img_h, img_w]``)."""
+    img_w: int = 28
+    """Image width in pixels."""
+    patch_dim: int = 14
+    """Patch size (must divide ``img_h`` and ``img_w``)."""
+    dedup: bool = True
+    """Encode each distinct image once per mini-batch (False: once per reference, the baseline)."""
 
     def __post_init__(self) -> None:
-        if not 0 <= self.clip_low < 1 or self.clip_high < 0:
-            msg = f"clip range must satisfy 0 <= clip_low < 1 and clip_high >= 0, got {self.clip_low}, {self.clip_high}"
+        for name in ("num_layers", "hidden_size", "num_attention_heads", "img_h", "img_w", "patch_dim"):
+            if getattr(self, name) <= 0:
+                msg = f"VisionConfig.{name} must be positive, got {getattr(self, name)}"
+                raise ValueError(msg)
+        if self.img_h % self.patch_dim or self.img_w % self.patch_dim:
+            msg = f"patch_dim={self.patch_dim} must divide img_h={self.img_h} and img_w={self.img_w}"
             raise ValueError(msg)
+        if self.hidden_size % self.num_attention_heads:
+            msg = f"num_attention_heads={self.num_attention_heads} must divide hidden_size={self.hidden_size}"
+            raise ValueError(msg)
+
+    @property
+    def patches(self) -> int:
+        return (self.img_h // self.patch_dim) * (self.img_w // self.patch_dim)
+
+
+_TEXT_ONLY: tuple[str, ...] = ("publish_weights", "save_dir", "load_dir", "progress_path", "consumed_path")
+"""TrainConfig fields only the text step supports."""
 
 
 @dataclass(kw_only=True, slots=True)
 class TrainConfig:
     """Everything one trainer run needs.
 
+    ``vision`` selects the step: None trains the text GPT, a :class:`VisionConfig` adds the vision
+    encoder (the multimodal step, images encoded once per mini-batch).
+
     Example:
-        >>> cfg = TrainConfig(stores=["grpc://127.0.0.1:8815"], max_steps=4)
-        >>> cfg.model.num_layers
-        2
+        >>> cfg = TrainConfig(stores=["grpc://127.0.0.1:8815"], max_steps=4,
+        ...                   admission=AdmissionConfig(train_batch_groups=8, group_size=4, mini_batches=2))
+        >>> cfg.model.num_layers, cfg.admission.grpo.clip_high
+        (2, 0.2)
     """
 
     stores: list[str]
@@ -176,12 +214,10 @@ class TrainConfig:
     """Parallel layout and backend."""
     optim: OptimConfig = field(default_factory=OptimConfig)
     """Optimizer."""
-    loss: LossConfig = field(default_factory=LossConfig)
-    """Policy-gradient loss."""
-    planner: str = "admission:Planner"
-    """``module:callable`` building the planner on rank 0, called as ``factory(admission_config)``."""
-    planner_options: dict[str, object] = field(default_factory=dict)
-    """Keyword arguments of the planner's config (``admission.AdmissionConfig`` for the default planner)."""
+    admission: AdmissionConfig
+    """Rank 0's planner and the GRPO settings; ``dp_ranks`` is taken from the process group."""
+    vision: VisionConfig | None = None
+    """Vision encoder of the multimodal step; None = the text step."""
     max_steps: int = 0
     """Stop after this many optimizer steps (0 = until idle)."""
     idle_timeout_s: float = 60.0
@@ -226,47 +262,8 @@ class TrainConfig:
             msg = (f"parallel.timeout_s={self.parallel.timeout_s} must exceed idle_timeout_s={self.idle_timeout_s} "
                    "(the other ranks wait in a collective while rank 0 waits for data)")
             raise ValueError(msg)
-        if ":" not in self.planner:
-            msg = f"planner must be 'module:callable', got {self.planner!r}"
-            raise ValueError(msg)
-
-
-@dataclass(kw_only=True, slots=True)
-class VisionConfig:
-    """The vision encoder of the multimodal trainer (Megatron-core ``CLIPViTModel`` + a projection).
-
-    Example:
-        >>> VisionConfig().patches
-        4
-    """
-
-    num_layers: int = 2
-    """ViT transformer layers."""
-    hidden_size: int = 16
-    """ViT width."""
-    num_attention_heads: int = 2
-    """ViT attention heads."""
-    img_h: int = 28
-    """Image height in pixels (images are uint8 ``[3, img_h, img_w]``)."""
-    img_w: int = 28
-    """Image width in pixels."""
-    patch_dim: int = 14
-    """Patch size (must divide ``img_h`` and ``img_w``)."""
-    dedup: bool = True
-    """Encode each distinct image once per mini-batch (False: once per reference, the baseline)."""
-
-    def __post_init__(self) -> None:
-        for name in ("num_layers", "hidden_size", "num_attention_heads", "img_h", "img_w", "patch_dim"):
-            if getattr(self, name) <= 0:
-                msg = f"VisionConfig.{name} must be positive, got {getattr(self, name)}"
+        if self.vision is not None:
+            unsupported = [name for name in _TEXT_ONLY if getattr(self, name)]
+            if unsupported:
+                msg = f"the multimodal step (vision set) does not support {unsupported} yet; unset them or vision"
                 raise ValueError(msg)
-        if self.img_h % self.patch_dim or self.img_w % self.patch_dim:
-            msg = f"patch_dim={self.patch_dim} must divide img_h={self.img_h} and img_w={self.img_w}"
-            raise ValueError(msg)
-        if self.hidden_size % self.num_attention_heads:
-            msg = f"num_attention_heads={self.num_attention_heads} must divide hidden_size={self.hidden_size}"
-            raise ValueError(msg)
-
-    @property
-    def patches(self) -> int:
-        return (self.img_h // self.patch_dim) * (self.img_w // self.patch_dim)

@@ -120,16 +120,13 @@ def dedup_gradient_check(seed: int = 0) -> dict[str, Any]:
 
 def main() -> int:
     """Run :func:`dedup_gradient_check` in a one-rank gloo group; print its JSON."""
-    import socket
-
+    from flight_store.net import free_port
     from train import mcore_compat
     from train.config import ParallelConfig
 
     if "MASTER_PORT" not in os.environ:
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
+        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), RANK="0", WORLD_SIZE="1",
+                          LOCAL_RANK="0")
     mcore_compat.init_distributed(ParallelConfig(backend="gloo", timeout_s=120.0), seed=0)
     try:
         result = dedup_gradient_check()

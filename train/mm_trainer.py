@@ -1,7 +1,7 @@
-"""The multimodal trainer: the GPT backbone plus a vision encoder whose images are encoded once per mini-batch.
+"""The multimodal step: the GPT backbone plus a vision encoder whose images are encoded once per mini-batch.
 
-Same loop as :mod:`train.trainer` (connect -> scan -> plan -> fetch -> step), with the mini-batch as
-the unit of fetching. Per mini-batch each rank:
+:class:`MultimodalStep` is the multimodal implementation of ``train.loop.Step`` (selected by
+``TrainConfig.vision``), with the mini-batch as the unit of fetching. Per mini-batch each rank:
 
 1. takes its micro-batches' slices and all their distinct images from the prefetch thread
    (``train.mm_data.fetch_mm_mini_batch``: one DoGet per node for the rows, then one DoGet per
@@ -23,266 +23,162 @@ encodes every reference inside its micro-batch instead (``PerReferenceEncoder``)
 Per-step metrics add ``encoder_passes`` (images through the encoder), ``distinct_images``,
 ``image_refs``, ``image_bytes`` and checksums of the reduced encoder gradients and the encoder's
 weights (equal on every DP rank).
-
-Run: ``torchrun --nproc_per_node 2 -m train.mm_trainer --stores grpc://...`` or ``--nproc 2``.
 """
 
 from __future__ import annotations
 
-import argparse
 import logging
-import os
-import sys
 import time
-from collections import deque
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from functools import partial
 from typing import Any
 
 from schemas.plan import MicroBatch, MiniBatchPlan
-from train.config import TrainConfig, VisionConfig
+from train.config import PackMode, TrainConfig, VisionConfig
 
 log = logging.getLogger(__name__)
 
 
-def run_mm(cfg: TrainConfig, vision: VisionConfig) -> list[dict[str, Any]]:
-    """Train backbone + vision encoder until ``max_steps`` mini-batches or ``idle_timeout_s`` without data."""
-    import torch
-    import torch.distributed as dist
-    from megatron.core import parallel_state as ps
+class MultimodalStep:
+    """The multimodal trainer's step (``train.loop.Step``): backbone + vision encoder, images encoded once."""
 
-    from flight_store.client import StoreClient
-    from train import mcore_compat, model
-    from train.mm_model import build_vision_encoder
-    from train.multimodal import DedupVisionEncoder, PerReferenceEncoder
-    from train.planning import PlanSource, exchange_plans, load_planner
-    from train.prefetch import Prefetcher
-    from train.trainer import write_report
+    def __init__(self, cfg: TrainConfig, env: dict[str, int], client: Any) -> None:
+        import torch
+        import torch.distributed as dist
+        from megatron.core import parallel_state as ps
 
-    unsupported = [name for name in ("publish_weights", "save_dir", "load_dir", "progress_path", "consumed_path")
-                   if getattr(cfg, name, None)]
-    if unsupported:
-        msg = f"the multimodal trainer does not support {unsupported} yet (use train.trainer for text runs)"
-        raise ValueError(msg)
-    env = mcore_compat.init_distributed(cfg.parallel, seed=cfg.seed)
-    built = model.build(cfg.model, cfg.optim, tensor_parallel=cfg.parallel.tensor_parallel)
-    tower = build_vision_encoder(vision, cfg.model.hidden_size, tensor_parallel=cfg.parallel.tensor_parallel)
-    for p in tower.parameters():  # same initial encoder on every DP rank
-        dist.broadcast(p.data, src=ps.get_data_parallel_src_rank(), group=ps.get_data_parallel_group())
-    enc_opt = torch.optim.Adam(tower.parameters(), lr=cfg.optim.lr, betas=(0.9, cfg.optim.adam_beta2),
-                               weight_decay=cfg.optim.weight_decay)
-    encoder = DedupVisionEncoder(tower) if vision.dedup else PerReferenceEncoder(tower)
-    client = StoreClient(cfg.stores, token=cfg.token)
-    source = None
-    if env["rank"] == 0:
-        source = PlanSource(client, load_planner(cfg.planner, dict(cfg.planner_options), env["dp_size"]))
-    fetcher = Prefetcher(partial(fetch_rank_mini_batch, client, cfg), depth=cfg.prefetch_depth)
-    queue: deque[MiniBatchPlan] = deque()
-    version = cfg.initial_version
-    history: list[dict[str, Any]] = []
-    consumed: list[list[Any]] = []
-    log.info("rank %d ready (vision dedup=%s): %s", env["rank"], vision.dedup, env)
-    try:
-        while True:
-            if not cfg.max_steps or len(history) + len(queue) < cfg.max_steps:
-                new = exchange_plans(source, version, block=not queue, idle_timeout_s=cfg.idle_timeout_s,
-                                     poll_interval_s=cfg.poll_interval_s)
-                for plan in new:
-                    queue.append(plan)
-                    fetcher.submit([plan.for_rank(env["dp_rank"]).micro_batches])  # one item per mini-batch
-            if not queue:
-                break
-            plan = queue.popleft()
-            metrics = mm_train_step(built, tower, encoder, enc_opt, plan, fetcher, cfg, vision, env, consumed)
-            version += 1
-            if env["rank"] == 0:
-                client.publish_version(version)
-                client.release(plan.group_ids)  # frees images no unreleased group references
-            metrics["version"] = version
-            history.append(metrics)
-            log.info("step %d loss %.4f encoder passes %d for %d distinct images (%d refs) wait %.1f ms",
-                     plan.step, metrics["loss"], metrics["encoder_passes"], metrics["distinct_images"],
-                     metrics["image_refs"], 1e3 * metrics["exposed_wait_s"])
-    finally:
-        fetcher.close()
-        client.close()
-    if cfg.report_path:
-        write_report(cfg, env, history, consumed)
-    mcore_compat.shutdown()
-    return history
+        from train import model
+        from train.mm_model import build_vision_encoder
+        from train.multimodal import DedupVisionEncoder, PerReferenceEncoder
+        from train.prefetch import Prefetcher
+
+        if cfg.vision is None:
+            msg = "MultimodalStep needs TrainConfig.vision"
+            raise ValueError(msg)
+        self.cfg, self.vision, self.env = cfg, cfg.vision, env
+        self.built = model.build(cfg.model, cfg.optim, tensor_parallel=cfg.parallel.tensor_parallel)
+        self.tower = build_vision_encoder(self.vision, cfg.model.hidden_size,
+                                          tensor_parallel=cfg.parallel.tensor_parallel)
+        for p in self.tower.parameters():  # same initial encoder on every DP rank
+            dist.broadcast(p.data, src=ps.get_data_parallel_src_rank(), group=ps.get_data_parallel_group())
+        self.params = [p for p in self.tower.parameters() if p.requires_grad]
+        self.enc_opt = torch.optim.Adam(self.tower.parameters(), lr=cfg.optim.lr, betas=(0.9, cfg.optim.adam_beta2),
+                                        weight_decay=cfg.optim.weight_decay)
+        self.encoder = DedupVisionEncoder(self.tower) if self.vision.dedup else PerReferenceEncoder(self.tower)
+        self.fetcher = Prefetcher(partial(fetch_rank_mini_batch, client, cfg.pack), depth=cfg.prefetch_depth)
+        log.info("rank %d: vision encoder dedup=%s", env["rank"], self.vision.dedup)
+
+    def submit(self, plan: MiniBatchPlan) -> None:
+        """The rank's whole share of ``plan`` (rows and distinct images) as one prefetch item."""
+        self.fetcher.submit([plan.for_rank(self.env["dp_rank"]).micro_batches])
+
+    def step(self, plan: MiniBatchPlan, consumed: list[list[Any]]) -> dict[str, Any]:
+        """One optimizer step (backbone + encoder) over this rank's micro-batches of ``plan``."""
+        from train import backbone
+        from train.mcore_compat import device
+
+        t0 = time.perf_counter()
+        micro = plan.for_rank(self.env["dp_rank"]).micro_batches
+        got = self.fetcher.get(timeout=self.cfg.parallel.timeout_s)
+        data, mb = got.value, got.value["mb"]
+        check_images(data["images"], self.vision)
+        dev = device()
+        passes0 = self.encoder.forward_images
+
+        backbone.zero_grads(self.built)
+        self.enc_opt.zero_grad(set_to_none=False)
+        if data["images"]:
+            self.encoder.begin({k: v.to(dev) for k, v in data["images"].items()})  # dedup: ONE pass, distinct images
+        local_tokens = sum(float(t["loss_mask"].sum()) for t in data["tensors"])
+        batches = ({**backbone.to_device(t, dev), "row_keys": keys}
+                   for t, keys in zip(data["tensors"], mb.row_keys, strict=True))
+        reports = backbone.schedule(self.built, self._forward_step, batches, len(micro),
+                                    self.cfg.model.max_sequence_length)
+        if data["images"]:
+            self.encoder.finish()  # dedup: ONE backward through the encoder with every micro-batch's gradient
+        encoder_grads = self._reduce_encoder_grads(local_tokens, dev)
+        update = self.built.optimizer.step()
+        self.enc_opt.step()
+
+        metrics = backbone.step_metrics(plan, micro, reports, update)
+        metrics.update(
+            exposed_wait_s=got.wait_s, fetch_s=got.fetch_s, bytes_fetched=mb.trajectory_bytes,
+            image_bytes=mb.image_bytes, encoder_passes=self.encoder.forward_images - passes0,
+            distinct_images=len(data["images"]), image_refs=mb.references, **encoder_grads,
+            encoder_weight_checksum=float(sum(p.detach().double().abs().sum() for p in self.params)),
+            step_time_s=time.perf_counter() - t0)
+        log.info("step %d loss %.4f encoder passes %d for %d distinct images (%d refs) wait %.1f ms", plan.step,
+                 metrics["loss"], metrics["encoder_passes"], metrics["distinct_images"], metrics["image_refs"],
+                 1e3 * metrics["exposed_wait_s"])
+        return metrics
+
+    def _forward_step(self, data_iterator: Iterator[dict[str, Any]], gpt: Any) -> tuple[Any, Any]:
+        """Backbone forward of one micro-batch, each row's embeddings plus the mean encoding of its images."""
+        import torch
+
+        from train import backbone
+        from train.loss import policy_loss
+        from train.mcore_compat import device
+        from train.mm_data import pooled_row_features
+
+        b = next(data_iterator)
+        feats = pooled_row_features(self.encoder, b["row_keys"], self.cfg.model.hidden_size).to(device())
+        emb = self.built.gpt.embedding(input_ids=b["tokens"], position_ids=b["position_ids"])  # [seq, batch, hidden]
+        if b["cu_seqlens"] is not None:  # packed row: each position gets the features of its sequence
+            cu = b["cu_seqlens"].to(torch.int64)
+            seg = torch.bucketize(torch.arange(b["tokens"].shape[1], device=cu.device), cu[1:], right=True)
+            emb = emb + feats[seg.clamp(max=feats.shape[0] - 1)].unsqueeze(1).to(emb.dtype)
+        else:
+            emb = emb + feats.unsqueeze(0).to(emb.dtype)
+        out = backbone.forward(self.built, gpt, b, decoder_input=emb)
+        return out, partial(policy_loss, batch=b, cfg=self.cfg.admission.grpo)
+
+    def _reduce_encoder_grads(self, local_tokens: float, dev: Any) -> dict[str, float]:
+        """Sum the encoder's gradients over DP ranks, divide by the mini-batch's global tokens, clip them.
+
+        Returns ``encoder_grad_checksum`` (of the reduced gradients) and ``encoder_grad_norm``.
+        """
+        import torch
+        import torch.distributed as dist
+        from megatron.core import parallel_state as ps
+
+        params = self.params
+        grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
+        flat = torch.cat([g.reshape(-1).to(torch.float32) for g in grads] + [torch.tensor([local_tokens], device=dev)])
+        dist.all_reduce(flat, group=ps.get_data_parallel_group())
+        total_tokens = max(float(flat[-1]), 1.0)
+        offset = 0
+        for p, g in zip(params, grads, strict=True):
+            n = g.numel()
+            p.grad = (flat[offset:offset + n] / total_tokens).view_as(p).to(p.dtype)
+            offset += n
+        checksum = float(sum(p.grad.double().abs().sum() for p in params))
+        clip = self.cfg.optim.clip_grad
+        norm = float(torch.nn.utils.clip_grad_norm_(params, clip) if clip
+                     else torch.sqrt(sum((p.grad.double() ** 2).sum() for p in params)))
+        return {"encoder_grad_norm": norm, "encoder_grad_checksum": checksum}
+
+    def close(self) -> None:
+        """Stop the prefetch thread."""
+        self.fetcher.close()
 
 
-def fetch_rank_mini_batch(client: Any, cfg: TrainConfig, micro: Sequence[MicroBatch]) -> dict[str, Any]:
+def check_images(images: dict[bytes, Any], vision: VisionConfig) -> None:
+    """Every fetched image has the encoder's input shape ``[3, img_h, img_w]``."""
+    want = (3, vision.img_h, vision.img_w)
+    for k, img in images.items():
+        if tuple(img.shape) != want:
+            msg = f"image {k.hex()} has shape {tuple(img.shape)}; the vision encoder takes {want}"
+            raise ValueError(msg)
+
+
+def fetch_rank_mini_batch(client: Any, mode: PackMode, micro: Sequence[MicroBatch]) -> dict[str, Any]:
     """Prefetch thread: a rank's micro-batches of one mini-batch, and each distinct image once, as torch."""
     import numpy as np
     import torch
 
     from train.mm_data import fetch_mm_mini_batch
 
-    mb = fetch_mm_mini_batch(client, micro, mode=cfg.pack)
+    mb = fetch_mm_mini_batch(client, micro, mode=mode)
     images = {k: torch.from_numpy(np.array(v)) for k, v in mb.images.items()}  # writable copies
     return {"mb": mb, "tensors": [p.to_torch() for p in mb.packed], "images": images}
-
-
-def mm_train_step(built: Any, tower: Any, encoder: Any, enc_opt: Any, plan: MiniBatchPlan, fetcher: Any,
-                  cfg: TrainConfig, vision: VisionConfig, env: dict[str, int],
-                  consumed: list[list[Any]]) -> dict[str, Any]:
-    """One optimizer step (backbone + encoder) over this rank's micro-batches of ``plan``."""
-    import torch
-    import torch.distributed as dist
-    from megatron.core import parallel_state as ps
-    from megatron.core.pipeline_parallel import get_forward_backward_func
-
-    from train.loss import policy_loss
-    from train.mcore_compat import device
-    from train.mm_data import pooled_row_features
-    from train.trainer import thd_attention
-
-    t0 = time.perf_counter()
-    micro = plan.for_rank(env["dp_rank"]).micro_batches
-    consumed.extend(["slice", plan.step, s.node, s.group_id, s.start, s.stop] for m in micro for s in m.slices)
-    got = fetcher.get(timeout=cfg.parallel.timeout_s)
-    data = got.value
-    mb = data["mb"]
-    dev = device()
-    want = (3, vision.img_h, vision.img_w)
-    for k, img in data["images"].items():
-        if tuple(img.shape) != want:
-            msg = f"image {k.hex()} has shape {tuple(img.shape)}; the vision encoder takes {want}"
-            raise ValueError(msg)
-    width = cfg.model.hidden_size
-    passes0 = encoder.forward_images
-
-    built.model.zero_grad_buffer()
-    built.optimizer.zero_grad()
-    enc_opt.zero_grad(set_to_none=False)
-    if data["images"]:
-        encoder.begin({k: v.to(dev) for k, v in data["images"].items()})  # dedup: ONE pass over distinct images
-    local_tokens = sum(float(t["loss_mask"].sum()) for t in data["tensors"])
-
-    def batches() -> Any:
-        for tensors, keys in zip(data["tensors"], mb.row_keys, strict=True):
-            yield {**{k: (v.to(dev, non_blocking=True) if torch.is_tensor(v) else v) for k, v in tensors.items()},
-                   "row_keys": keys}
-
-    def forward_step(data_iterator: Any, gpt: Any) -> tuple[Any, Any]:
-        b = next(data_iterator)
-        mask, packed_seq = None, None
-        feats = pooled_row_features(encoder, b["row_keys"], width).to(dev)  # [rows, hidden], indexes the leaf
-        emb = built.gpt.embedding(input_ids=b["tokens"], position_ids=b["position_ids"])  # [seq, batch, hidden]
-        if b["cu_seqlens"] is not None:
-            mask, packed_seq = thd_attention(b["cu_seqlens"], b["tokens"].shape[1], built.gpt)
-            cu = b["cu_seqlens"].to(torch.int64)
-            seg = torch.bucketize(torch.arange(b["tokens"].shape[1], device=cu.device), cu[1:], right=True)
-            emb = emb + feats[seg.clamp(max=feats.shape[0] - 1)].unsqueeze(1).to(emb.dtype)
-        else:
-            emb = emb + feats.unsqueeze(0).to(emb.dtype)
-        out = gpt(b["tokens"], b["position_ids"], mask, decoder_input=emb, labels=b["labels"],
-                  packed_seq_params=packed_seq)
-        return out, partial(policy_loss, batch=b, cfg=cfg.loss)
-
-    reports = get_forward_backward_func()(
-        forward_step_func=forward_step, data_iterator=batches(), model=built.model, num_microbatches=len(micro),
-        seq_length=cfg.model.max_sequence_length, micro_batch_size=1, forward_only=False)
-    if data["images"]:
-        encoder.finish()  # dedup: ONE backward through the encoder with every micro-batch's gradient
-
-    # encoder gradients: sum over DP ranks, then a token mean over the whole mini-batch (as the backbone's)
-    params = [p for p in tower.parameters() if p.requires_grad]
-    grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
-    flat = torch.cat([g.reshape(-1).to(torch.float32) for g in grads] + [torch.tensor([local_tokens], device=dev)])
-    dist.all_reduce(flat, group=ps.get_data_parallel_group())
-    total_tokens = max(float(flat[-1]), 1.0)
-    offset = 0
-    for p, g in zip(params, grads, strict=True):
-        n = g.numel()
-        p.grad = (flat[offset:offset + n] / total_tokens).view_as(p).to(p.dtype)
-        offset += n
-    enc_grad_checksum = float(sum(p.grad.double().abs().sum() for p in params))
-    enc_grad_norm = float(torch.nn.utils.clip_grad_norm_(params, cfg.optim.clip_grad) if cfg.optim.clip_grad
-                          else torch.sqrt(sum((p.grad.double() ** 2).sum() for p in params)))
-    ok, grad_norm, _ = built.optimizer.step()
-    enc_opt.step()
-
-    keys = ("pg_loss", "ratio", "clip_frac", "logp_diff")
-    sums = torch.zeros(2 * len(keys) + 1, dtype=torch.float64, device=dev)
-    for r in reports:
-        for j, k in enumerate(keys):
-            sums[2 * j: 2 * j + 2] += r[k].to(sums)
-    sums[-1] = sum(m.rows for m in micro)
-    dist.all_reduce(sums, group=ps.get_data_parallel_group())
-    s = sums.tolist()
-    tokens = max(s[1], 1.0)
-    return {
-        "step": plan.step, "train_batch": plan.train_batch, "position": plan.position,
-        "loss": s[0] / tokens, "ratio": s[2] / tokens, "clip_frac": s[4] / tokens, "abs_logp_diff": s[6] / tokens,
-        "loss_tokens": int(s[1]), "rows": int(s[-1]), "grad_norm": float(grad_norm or 0.0), "update_ok": bool(ok),
-        "micro_batches": len(micro), "exposed_wait_s": got.wait_s, "fetch_s": got.fetch_s,
-        "bytes_fetched": mb.trajectory_bytes, "image_bytes": mb.image_bytes,
-        "encoder_passes": encoder.forward_images - passes0, "distinct_images": len(data["images"]),
-        "image_refs": mb.references, "encoder_grad_norm": enc_grad_norm, "encoder_grad_checksum": enc_grad_checksum,
-        "encoder_weight_checksum": float(sum(p.detach().double().abs().sum() for p in params)),
-        "step_time_s": time.perf_counter() - t0,
-    }
-
-
-def parser() -> argparse.ArgumentParser:
-    """The trainer's arguments (``train.entry``) plus the vision encoder's."""
-    from train.entry import parser as base
-
-    p = base()
-    p.prog = "python -m train.mm_trainer"
-    p.description = "Megatron-core GRPO trainer with a CLIPViT vision encoder (images deduplicated per mini-batch)"
-    p.add_argument("--no-dedup", action="store_true", help="encode every image reference (the baseline)")
-    p.add_argument("--img-size", type=int, default=28, help="square image side in pixels")
-    p.add_argument("--patch-dim", type=int, default=14)
-    p.add_argument("--vit-layers", type=int, default=2)
-    p.add_argument("--vit-hidden", type=int, default=16)
-    p.add_argument("--vit-heads", type=int, default=2)
-    return p
-
-
-def vision_from_args(args: argparse.Namespace) -> VisionConfig:
-    """The typed vision config from parsed arguments."""
-    return VisionConfig(num_layers=args.vit_layers, hidden_size=args.vit_hidden, num_attention_heads=args.vit_heads,
-                        img_h=args.img_size, img_w=args.img_size, patch_dim=args.patch_dim, dedup=not args.no_dedup)
-
-
-def _rank_main(local_rank: int, world: int, port: int, argv: list[str]) -> None:
-    os.environ.update(RANK=str(local_rank), LOCAL_RANK=str(local_rank), WORLD_SIZE=str(world),
-                      LOCAL_WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    _run_args(argv)
-
-
-def _run_args(argv: list[str]) -> None:
-    from train.entry import config_from_args
-
-    args = parser().parse_args(argv)
-    rank = os.environ.get("RANK", "0")
-    logging.basicConfig(level=args.log_level.upper(), stream=sys.stderr,
-                        format=f"%(asctime)s [rank{rank}] %(name)s %(levelname)s %(message)s")
-    run_mm(config_from_args(args), vision_from_args(args))
-
-
-def main(argv: Sequence[str] | None = None) -> int:
-    """Run the multimodal trainer (one rank under torchrun, else ``--nproc`` local ranks)."""
-    from train.entry import _free_port, config_from_args
-
-    argv = list(sys.argv[1:] if argv is None else argv)
-    args = parser().parse_args(argv)
-    config_from_args(args)
-    vision_from_args(args)  # validate before starting any process
-    if "WORLD_SIZE" in os.environ:
-        _run_args(argv)
-        return 0
-    if args.nproc < 1:
-        msg = f"--nproc must be >= 1, got {args.nproc}"
-        raise SystemExit(msg)
-    import torch.multiprocessing as mp
-
-    mp.spawn(_rank_main, args=(args.nproc, _free_port(), argv), nprocs=args.nproc, join=True)
-    return 0
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

@@ -82,15 +82,21 @@ class DedupVisionEncoder:
         """Encodings of ``keys`` (repeats allowed), stacked; gradients flow into the shared leaf."""
         import torch
 
+        return self._leaf_rows()[torch.as_tensor(self._indices(keys), dtype=torch.long)]
+
+    def _leaf_rows(self) -> torch.Tensor:
         if self._leaf is None:
-            msg = "lookup() before begin(): no encodings for this mini-batch"
+            msg = "lookup() before begin(): nothing is open for this mini-batch"
             raise RuntimeError(msg)
+        return self._leaf
+
+    def _indices(self, keys: Sequence[bytes]) -> list[int]:
+        """Rows of ``keys`` in this mini-batch's images; a key not among them is a KeyError naming it."""
         try:
-            idx = [self._index[bytes(k)] for k in keys]
+            return [self._index[bytes(k)] for k in keys]
         except KeyError as exc:
             msg = f"image key {bytes(exc.args[0]).hex()} was not among this mini-batch's images"
             raise KeyError(msg) from None
-        return self._leaf[torch.as_tensor(idx, dtype=torch.long)]
 
     def finish(self) -> None:
         """Back-propagate the accumulated encoding gradient through the encoder, once."""
@@ -133,17 +139,11 @@ class PerReferenceEncoder(DedupVisionEncoder):
         """Encode the images of ``keys`` (one encoder pass per reference)."""
         import torch
 
-        if self._leaf is None:
-            msg = "lookup() before begin(): no images for this mini-batch"
-            raise RuntimeError(msg)
-        try:
-            idx = [self._index[bytes(k)] for k in keys]
-        except KeyError as exc:
-            msg = f"image key {bytes(exc.args[0]).hex()} was not among this mini-batch's images"
-            raise KeyError(msg) from None
+        pixels = self._leaf_rows()
+        idx = self._indices(keys)
         self.encoder_calls += 1
         self.forward_images += len(idx)
-        return self.encoder(self._leaf[torch.as_tensor(idx, dtype=torch.long)])
+        return self.encoder(pixels[torch.as_tensor(idx, dtype=torch.long)])
 
     def finish(self) -> None:
         """Close the mini-batch (gradients already reached the encoder in each micro-batch's backward)."""

@@ -1,58 +1,57 @@
 """Rank 0 hosts the planner; plans reach every rank over ``torch.distributed``.
 
 ``PlanSource`` (rank 0 only) scans new metadata rows from every store (``StoreClient.scan_new``,
-metadata columns only, never payload), keeps the rows of groups not yet admitted, and asks the
-planner for every mini-batch admissible now. ``exchange_plans`` is the one collective: rank 0
-broadcasts the new plans (as JSON) and a stop flag; the other ranks receive them.
+metadata columns only, never payload), keeps the rows of the groups the planner has neither
+admitted nor dropped (both read from the planner's state, so the frame stays as small as the
+pending work), and asks the planner for every mini-batch admissible now. ``exchange_plans`` is the
+one collective: rank 0 broadcasts the new plans (as JSON); the other ranks receive them.
 
-The planner is anything with ``update(frame, *, inflight=..., current_version=...) ->
-list[MiniBatchPlan]``; ``load_planner("module:factory", options, dp_ranks)`` builds it
-(``admission_planner`` is the default factory: ``admission.Planner(AdmissionConfig(...))``).
+The planner is ``admission.Planner`` built from ``TrainConfig.admission`` with ``dp_ranks`` set
+from the process group (:func:`with_dp_ranks`), or any object with the same ``update`` and
+``state`` (:class:`PlannerLike`) passed to ``train.loop.run``.
 """
 
 from __future__ import annotations
 
-import importlib
+import dataclasses
 import logging
 import time
 from typing import Any, Protocol
 
 import polars as pl
 
+from admission.config import AdmissionConfig
+from admission.state import PlannerState
 from schemas.plan import MiniBatchPlan
 
 log = logging.getLogger(__name__)
 
 
 class PlannerLike(Protocol):
-    """What the trainer needs from a planner."""
+    """What the trainer needs from a planner (``admission.Planner`` is one)."""
+
+    @property
+    def state(self) -> PlannerState:
+        """Groups admitted and dropped so far (their rows are never needed again)."""
+        ...
 
     def update(self, metadata: pl.DataFrame, *, inflight: Any = None,
-               current_version: int = 0) -> list[MiniBatchPlan]: ...
+               current_version: int = 0) -> list[MiniBatchPlan]:
+        """The mini-batches admissible now, given every pending metadata row."""
+        ...
 
 
-def admission_planner(options: dict[str, Any], dp_ranks: int) -> PlannerLike:
-    """The default planner: ``admission.Planner`` with ``AdmissionConfig(**options, dp_ranks=dp_ranks)``."""
-    from admission import AdmissionConfig, Planner, Quota
+def with_dp_ranks(admission: AdmissionConfig, dp_size: int) -> AdmissionConfig:
+    """``admission`` with ``dp_ranks`` set to the process group's data-parallel size.
 
-    opts = dict(options)
-    opts.pop("dp_ranks", None)
-    if "quotas" in opts:  # from JSON: [{"column": ..., "counts"/"shares": {...}}, ...]
-        opts["quotas"] = tuple(q if isinstance(q, Quota) else Quota(**q) for q in opts["quotas"])
-    return Planner(AdmissionConfig(**opts, dp_ranks=dp_ranks))
-
-
-def load_planner(spec: str, options: dict[str, Any], dp_ranks: int) -> PlannerLike:
-    """Build a planner from ``"module:factory"``; the factory is called as ``factory(options, dp_ranks)``."""
-    module_name, _, attr = spec.partition(":")
-    if spec == "admission:Planner":
-        return admission_planner(options, dp_ranks)
-    try:
-        factory = getattr(importlib.import_module(module_name), attr)
-    except (ImportError, AttributeError) as exc:
-        msg = f"cannot load planner factory {spec!r}: {exc}"
-        raise ImportError(msg) from exc
-    return factory(options, dp_ranks)  # type: ignore[no-any-return]
+    Raises:
+        ValueError: when the config gave a ``dp_ranks`` other than the default 1 that differs.
+    """
+    if admission.dp_ranks not in (1, dp_size):
+        msg = (f"admission.dp_ranks={admission.dp_ranks} differs from the data-parallel size {dp_size} of the "
+               "process group; leave it at 1 (it is set from the process group)")
+        raise ValueError(msg)
+    return dataclasses.replace(admission, dp_ranks=dp_size)
 
 
 class PlanSource:
@@ -60,7 +59,7 @@ class PlanSource:
 
     Example::
 
-        planner = load_planner("admission:Planner", {"train_batch_groups": 8, "group_size": 4}, dp_ranks=2)
+        planner = Planner(AdmissionConfig(train_batch_groups=8, group_size=4, dp_ranks=2))
         source = PlanSource(StoreClient(locations), planner)
         plans = source.wait(current_version=0, idle_timeout_s=60, poll_interval_s=0.05)
     """
@@ -70,7 +69,17 @@ class PlanSource:
         self._planner = planner
         self._inflight = inflight
         self._frame: pl.DataFrame | None = None
-        self.admitted_groups = 0
+        self._settled = 0  # admitted + dropped groups when the frame was last pruned
+
+    @property
+    def planner(self) -> PlannerLike:
+        """The planner this source feeds (its state counts the admitted and dropped groups)."""
+        return self._planner
+
+    @property
+    def pending_rows(self) -> int:
+        """Metadata rows kept: those of groups neither admitted nor dropped (yet)."""
+        return 0 if self._frame is None else self._frame.height
 
     def poll(self, current_version: int) -> list[MiniBatchPlan]:
         """Scan new metadata once and return every mini-batch the planner admits now."""
@@ -80,11 +89,18 @@ class PlanSource:
         if self._frame is None or self._frame.height == 0:
             return []
         plans = self._planner.update(self._frame, inflight=self._inflight, current_version=current_version)
-        if plans:
-            done = [g for p in plans for g in p.group_ids]
-            self.admitted_groups += len(done)
-            self._frame = self._frame.filter(~pl.col("group_id").is_in(done))
+        self._prune()
         return plans
+
+    def _prune(self) -> None:
+        """Drop the rows of every group the planner admitted or dropped since the last prune."""
+        state = self._planner.state
+        settled = len(state.admitted) + len(state.dropped)
+        if self._frame is None or settled == self._settled:
+            return
+        done = pl.Series(list(state.admitted | state.dropped), dtype=pl.String)
+        self._frame = self._frame.filter(~pl.col("group_id").is_in(done.implode()))
+        self._settled = settled
 
     def wait(self, current_version: int, *, idle_timeout_s: float, poll_interval_s: float) -> list[MiniBatchPlan]:
         """Poll until at least one mini-batch is admissible, or ``idle_timeout_s`` passes (then ``[]``)."""

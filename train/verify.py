@@ -1,6 +1,6 @@
 """Check a Megatron checkpoint against its HF Llama view: ``python -m train.verify --nproc 2 --tp 2 ...``.
 
-Per run (every rank participates; rank 0 writes ``--out``):
+Per run (every rank participates, started by ``train.launch.run_ranks``; rank 0 writes ``--out``):
 
 1. build the model at ``--tp`` and load ``--load-dir`` (a dist checkpoint, saved under any TP
    layout), or keep a random init with randomised norm weights when no checkpoint is given;
@@ -12,28 +12,25 @@ Per run (every rank participates; rank 0 writes ``--out``):
 5. with ``--save-dir``: save a checkpoint, zero the weights, load it back, and compare.
 
 Step 4 needs transformers (it comes with vLLM) and is skipped without it; never imports vLLM.
+A developer tool: its few flags are its own (no config class).
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
-import os
-import sys
 import time
 from collections.abc import Sequence
 from typing import Any
 
 
 def _check(args: argparse.Namespace) -> dict[str, Any]:
-    import torch
-    import torch.distributed as dist
     from megatron.core import parallel_state as ps
-    from megatron.core.tensor_parallel.mappings import gather_from_tensor_model_parallel_region
 
     from train import mcore_compat, model
     from train.config import ModelConfig, ParallelConfig
-    from train.weights import arrow_to_weights, hf_llama_config, megatron_to_hf_llama
+    from train.weights import megatron_to_hf_llama
 
     t0 = time.perf_counter()
     stages: dict[str, float] = {}
@@ -50,56 +47,18 @@ def _check(args: argparse.Namespace) -> dict[str, Any]:
         model.load_checkpoint(gpt, args.load_dir)
         mark("loaded")
     else:  # random norms too, so that a swapped norm mapping cannot pass
-        gen = torch.Generator().manual_seed(7)
-        with torch.no_grad():
-            for name, p in gpt.named_parameters():
-                if name.endswith("norm.weight") or "layer_norm" in name:
-                    p.copy_(1 + 0.5 * torch.rand(p.shape, generator=gen))
+        _randomise_norms(gpt)
     hf = megatron_to_hf_llama(gpt)
     result["hf_names"] = sorted(hf)
     mark("converted")
-
     if args.store:
-        from flight_store.client import StoreClient
-
-        with StoreClient(args.store) as client:
-            stored = arrow_to_weights(client.get_weights(args.version))
-        result["store_mismatch"] = sorted(k for k in set(stored) | set(hf)
-                                          if k not in stored or k not in hf or not torch.equal(stored[k], hf[k]))
-
-    gen = torch.Generator().manual_seed(11)
-    tokens = torch.randint(0, cfg.vocab_size, (2, 24), generator=gen)
-    positions = torch.arange(tokens.shape[1]).expand_as(tokens)
-    with torch.no_grad():
-        logits = gpt(tokens, positions, None)  # [b, s, V/tp]
-        logits = gather_from_tensor_model_parallel_region(logits.contiguous())
-    import importlib.util
-
+        result["store_mismatch"] = _store_mismatch(args.store, args.version, hf)
+    logits, tokens = _megatron_logits(gpt, cfg.vocab_size)
     if env["rank"] == 0 and importlib.util.find_spec("transformers") is not None:
-        from transformers import LlamaConfig, LlamaForCausalLM
-
-        fields = {k: v for k, v in hf_llama_config(cfg).items() if k not in ("architectures", "model_type")}
-        fields["torch_dtype"] = "float32"
-        ref = LlamaForCausalLM(LlamaConfig(**fields)).float().eval()
-        ref.load_state_dict(hf, strict=True)
-        with torch.no_grad():
-            ref_logits = ref(input_ids=tokens).logits
-        result["hf_logits_max_abs_diff"] = float((ref_logits - logits.float()).abs().max())
-        result["logits_scale"] = float(ref_logits.abs().max())
+        result.update(_hf_logits_diff(cfg, hf, tokens, logits))
         mark("hf_compared")
-
     if args.save_dir:
-        before = {k: v.clone() for k, v in gpt.state_dict().items() if torch.is_tensor(v)}
-        model.save_checkpoint(gpt, args.save_dir)
-        with torch.no_grad():
-            for p in gpt.parameters():
-                p.zero_()
-        model.load_checkpoint(gpt, args.save_dir)
-        after = gpt.state_dict()
-        bad = [k for k, v in before.items() if not torch.equal(after[k], v)]
-        flags = torch.tensor([len(bad)], dtype=torch.int64)
-        dist.all_reduce(flags)
-        result["roundtrip_mismatch"] = int(flags.item())
+        result["roundtrip_mismatch"] = _roundtrip(gpt, args.save_dir)
         mark("roundtrip")
     result["tp_size"] = ps.get_tensor_model_parallel_world_size()
     if env["rank"] == 0 and args.out:
@@ -109,10 +68,76 @@ def _check(args: argparse.Namespace) -> dict[str, Any]:
     return result
 
 
-def _rank(local_rank: int, world: int, port: int, argv: list[str]) -> None:
-    os.environ.update(RANK=str(local_rank), LOCAL_RANK=str(local_rank), WORLD_SIZE=str(world),
-                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    _check(_parser().parse_args(argv))
+def _randomise_norms(gpt: Any) -> None:
+    import torch
+
+    gen = torch.Generator().manual_seed(7)
+    with torch.no_grad():
+        for name, p in gpt.named_parameters():
+            if name.endswith("norm.weight") or "layer_norm" in name:
+                p.copy_(1 + 0.5 * torch.rand(p.shape, generator=gen))
+
+
+def _store_mismatch(location: str, version: int | None, hf: dict[str, Any]) -> list[str]:
+    """Names whose published tensor (at ``version``) differs from ``hf``'s, or is on one side only."""
+    import torch
+
+    from flight_store.client import StoreClient
+    from train.weights import read_weights
+
+    with StoreClient(location) as client:
+        stored = read_weights(client.get_weights(version))
+    return sorted(k for k in set(stored) | set(hf)
+                  if k not in stored or k not in hf or not torch.equal(stored[k], hf[k]))
+
+
+def _megatron_logits(gpt: Any, vocab_size: int) -> tuple[Any, Any]:
+    """TP-gathered logits ``[b, s, V]`` of a fixed random batch, and the batch."""
+    import torch
+    from megatron.core.tensor_parallel.mappings import gather_from_tensor_model_parallel_region
+
+    gen = torch.Generator().manual_seed(11)
+    tokens = torch.randint(0, vocab_size, (2, 24), generator=gen)
+    positions = torch.arange(tokens.shape[1]).expand_as(tokens)
+    with torch.no_grad():
+        logits = gpt(tokens, positions, None)  # [b, s, V/tp]
+        return gather_from_tensor_model_parallel_region(logits.contiguous()), tokens
+
+
+def _hf_logits_diff(cfg: Any, hf: dict[str, Any], tokens: Any, logits: Any) -> dict[str, float]:
+    """The HF ``LlamaForCausalLM`` with ``hf`` loaded: its largest logit difference from Megatron's, and scale."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from train.weights import hf_llama_config
+
+    fields = {k: v for k, v in hf_llama_config(cfg).items() if k not in ("architectures", "model_type")}
+    fields["torch_dtype"] = "float32"
+    ref = LlamaForCausalLM(LlamaConfig(**fields)).float().eval()
+    ref.load_state_dict(hf, strict=True)
+    with torch.no_grad():
+        ref_logits = ref(input_ids=tokens).logits
+    return {"hf_logits_max_abs_diff": float((ref_logits - logits.float()).abs().max()),
+            "logits_scale": float(ref_logits.abs().max())}
+
+
+def _roundtrip(gpt: Any, save_dir: str) -> int:
+    """Save, zero, load: the number of tensors that differ afterwards, summed over ranks."""
+    import torch
+    import torch.distributed as dist
+
+    from train import model
+
+    before = {k: v.clone() for k, v in gpt.state_dict().items() if torch.is_tensor(v)}
+    model.save_checkpoint(gpt, save_dir)
+    with torch.no_grad():
+        for p in gpt.parameters():
+            p.zero_()
+    model.load_checkpoint(gpt, save_dir)
+    after = gpt.state_dict()
+    flags = torch.tensor([sum(not torch.equal(after[k], v) for k, v in before.items())], dtype=torch.int64)
+    dist.all_reduce(flags)
+    return int(flags.item())
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -131,16 +156,10 @@ def _parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the checks in ``--nproc`` local ranks (or as one rank under torchrun)."""
-    argv = list(sys.argv[1:] if argv is None else argv)
+    from train.launch import run_ranks
+
     args = _parser().parse_args(argv)
-    if "WORLD_SIZE" in os.environ:
-        _check(args)
-        return 0
-    import torch.multiprocessing as mp
-
-    from train.entry import _free_port
-
-    mp.spawn(_rank, args=(args.nproc, _free_port(), argv), nprocs=args.nproc, join=True)
+    run_ranks(_check, args, nproc=args.nproc)
     return 0
 
 

@@ -1,4 +1,4 @@
-"""Megatron GPT (Llama layout) -> Hugging Face Llama tensor names, and named tensors -> Arrow.
+"""Megatron GPT (Llama layout) -> Hugging Face Llama tensor names; the weights table is ``schemas.weights``.
 
 ``megatron_to_hf_llama`` gathers tensor-parallel shards (a collective over the TP group: every TP
 rank must call it) and renames:
@@ -30,18 +30,10 @@ from __future__ import annotations
 import re
 from typing import Any
 
-import numpy as np
 import pyarrow as pa
 
+from schemas import weights
 from train.config import ModelConfig
-
-WEIGHTS_SCHEMA = pa.schema([
-    pa.field("name", pa.string(), nullable=False),  # HF parameter name
-    pa.field("shape", pa.list_(pa.int32()), nullable=False),  # tensor shape
-    pa.field("dtype", pa.string(), nullable=False),  # torch dtype name without "torch.", e.g. "float32"
-    pa.field("data", pa.large_binary(), nullable=False),  # C-contiguous raw bytes
-])
-"""The weights table ``put_weights`` carries."""
 
 _LAYER = re.compile(r"^decoder\.layers\.(\d+)\.(.+)$")
 
@@ -120,35 +112,18 @@ def megatron_to_hf_llama(model: Any) -> dict[str, Any]:
     return {k: v.contiguous().cpu() for k, v in out.items()}
 
 
-def weights_to_arrow(named: dict[str, Any]) -> pa.Table:
-    """Named tensors -> a table of ``WEIGHTS_SCHEMA`` (one row per tensor, raw bytes; bf16 kept as bf16)."""
+def weights_table(named: dict[str, Any]) -> pa.Table:
+    """Named tensors (e.g. :func:`megatron_to_hf_llama`'s) as the weights table (``schemas.weights``)."""
     import torch
 
-    names, shapes, dtypes, datas = [], [], [], []
-    for name, t in named.items():
-        c = t.detach().contiguous().cpu()
-        names.append(name)
-        shapes.append([int(s) for s in c.shape])
-        dtypes.append(str(c.dtype).removeprefix("torch."))
-        raw = c.view(torch.uint8) if c.dtype is torch.bfloat16 else c
-        datas.append(raw.numpy().tobytes())
-    return pa.table({"name": names, "shape": shapes, "dtype": dtypes, "data": datas}, schema=WEIGHTS_SCHEMA)
+    return weights.from_tensors(named.items(), torch)
 
 
-def arrow_to_weights(table: pa.Table) -> dict[str, Any]:
-    """Inverse of ``weights_to_arrow`` (torch tensors)."""
+def read_weights(table: pa.Table) -> dict[str, Any]:
+    """A weights table (``schemas.weights``) as ``{name: torch tensor}``."""
     import torch
 
-    out: dict[str, Any] = {}
-    for name, shape, dtype, data in zip(table.column("name").to_pylist(), table.column("shape").to_pylist(),
-                                        table.column("dtype").to_pylist(), table.column("data").to_pylist(),
-                                        strict=True):
-        if dtype == "bfloat16":
-            t = torch.frombuffer(bytearray(data), dtype=torch.bfloat16)
-        else:
-            t = torch.from_numpy(np.frombuffer(data, dtype=np.dtype(dtype)).copy())
-        out[name] = t.reshape(shape)
-    return out
+    return weights.to_tensors(table, torch)
 
 
 def hf_llama_config(cfg: ModelConfig) -> dict[str, Any]:

@@ -1,13 +1,11 @@
-"""``knit run``: the interim main job, the data flow in miniature on two local store nodes.
+"""``knit demo``: the data flow in miniature on two in-process store nodes, in seconds.
 
 connect -> write groups -> scan metadata (polars) -> plan one micro-batch -> fetch -> release.
 """
 
 from __future__ import annotations
 
-import argparse
 import time
-from collections.abc import Sequence
 
 import numpy as np
 import polars as pl
@@ -38,21 +36,15 @@ def _group(rng: np.random.Generator, group_id: str, size: int, source: str, vers
     return out
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    """Run the demo; returns 0 when every step checked out."""
-    parser = argparse.ArgumentParser(prog="knit run", description=__doc__)
-    parser.add_argument("--groups", type=int, default=16, help="prompt groups to write (default 16)")
-    parser.add_argument("--group-size", type=int, default=4, help="responses per group (default 4)")
-    parser.add_argument("--seed", type=int, default=0)
-    args = parser.parse_args(list(argv) if argv is not None else None)
-
-    rng = np.random.default_rng(args.seed)
+def run_demo(*, groups: int = 16, group_size: int = 4, seed: int = 0) -> int:
+    """Run the demo, printing what each step did; returns 0 when every step checked out."""
+    rng = np.random.default_rng(seed)
     t0 = time.perf_counter()
     with StoreServer() as n0, StoreServer() as n1, StoreClient([n0.location, n1.location]) as client:
         # write: one DoPut per prompt group, placed by a stable hash of its id
-        for g in range(args.groups):
+        for g in range(groups):
             source = ("math", "code", "chat")[g % 3]
-            client.put_group(records_to_batch(_group(rng, f"prompt-{g}", args.group_size, source, version=0)))
+            client.put_group(records_to_batch(_group(rng, f"prompt-{g}", group_size, source, version=0)))
 
         # scan: metadata only, from both nodes, as one polars frame
         meta = client.scan_new(columns=["group_id", "sample_idx", "data_source", "reward", "response_len"])
@@ -69,7 +61,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         # plan: the first two complete groups form one micro-batch
         firsts = meta.select("group_id", "node").unique(maintain_order=True).head(2)
         slices = [
-            PlannedSlice(node=node, group_id=gid, start=0, stop=args.group_size) for gid, node in firsts.iter_rows()
+            PlannedSlice(node=node, group_id=gid, start=0, stop=group_size) for gid, node in firsts.iter_rows()
         ]
 
         # fetch: one DoGet per node, rows in plan order; then release what was consumed
@@ -77,17 +69,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         released = client.release([s.group_id for s in slices])
         client.publish_version(1)
 
-        print(f"knit run: {len(client.nodes)} store nodes, {meta.height} trajectories in {args.groups} groups")
+        print(f"knit demo: {len(client.nodes)} store nodes, {meta.height} trajectories in {groups} groups")
         print(by_source)
         print(
             f"fetched micro-batch: {batch.num_rows} rows, {batch.nbytes} bytes from {len({s.node for s in slices})} "
             f"node(s); released {sum(released.values())} groups; policy version {client.get_version()}"
         )
         print(f"done in {time.perf_counter() - t0:.2f} s")
-        expected = args.groups * args.group_size
-        ok = meta.height == expected and batch.num_rows == len(slices) * args.group_size
+        expected = groups * group_size
+        ok = meta.height == expected and batch.num_rows == len(slices) * group_size
         return 0 if ok else 1
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

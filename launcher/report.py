@@ -1,6 +1,6 @@
 """The report of a ``knit run``: per-policy figures from the run folder, ``summary.json`` and PNG plots.
 
-Inputs (written by the processes of the run, see ``train.run``): ``trainer_rank{r}.json`` (per-step
+Inputs (written by the processes of the run, see ``launcher.run``): ``trainer_rank{r}.json`` (per-step
 metrics and what each rank received), ``consumed.parquet`` (the planner's consumed trajectories with
 their architectural staleness), ``progress.jsonl``, ``rollout.json``, ``metadata.parquet`` (the
 stores' metadata at the end), ``store_stats.json``.

@@ -37,7 +37,7 @@ class Display:
 
     @contextlib.contextmanager
     def live(self, policy: str, total_groups: int, total_steps: int) -> Iterator[Callable[[Any], None]]:
-        """A context whose value is ``update(state)`` (state: ``train.run.LiveState``)."""
+        """A context whose value is ``update(state)`` (state: ``launcher.run.LiveState``)."""
         if self.plain:
             last = [0.0]
 
@@ -83,7 +83,7 @@ class Display:
         """The summary table (rows: figures; columns: policies), then the staleness reduction."""
         from rich.table import Table
 
-        from train.report import table_rows
+        from launcher.report import table_rows
 
         results = doc["policies"]
         table = Table(title="knit run: summary")

@@ -29,7 +29,7 @@ def test_knit_meta_sql_over_two_live_nodes(store_nodes, make_group) -> None:  # 
     with StoreClient(nodes) as client:
         _write(client, make_group)
         assert set(client.scan_metadata(columns=["group_id"])["node"].unique()) == set(nodes)  # both nodes hold data
-    res = subprocess.run([sys.executable, "-m", "flight_store", "meta", "--nodes", ",".join(nodes), "--sql", SQL,
+    res = subprocess.run([sys.executable, "-m", "launcher", "meta", "--stores", ",".join(nodes), "--sql", SQL,
                           "--format", "json"], cwd=ROOT, capture_output=True, text=True, timeout=60, check=False)
     assert res.returncode == 0, res.stderr
     rows = json.loads(res.stdout)
@@ -42,7 +42,7 @@ def test_knit_meta_refuses_a_bad_query(store_nodes, make_group) -> None:  # type
     (server,) = store_nodes(1)
     with StoreClient(server.location) as client:
         _write(client, make_group)
-    res = subprocess.run([sys.executable, "-m", "flight_store", "meta", "--nodes", server.location, "--sql",
+    res = subprocess.run([sys.executable, "-m", "launcher", "meta", "--stores", server.location, "--sql",
                           "SELECT no_such_column FROM trajectories"], cwd=ROOT, capture_output=True, text=True,
                          timeout=60, check=False)
     assert res.returncode == 2

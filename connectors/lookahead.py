@@ -1,0 +1,96 @@
+"""The lookahead limit: when the rollout worker may dispatch another prompt group.
+
+The trainer consumes groups (releases them); the rollout must not run arbitrarily far ahead of it.
+``LookaheadLimit`` pauses dispatch while too many groups are written but not yet consumed:
+
+* ``limit``: pause while the stores together hold ``limit`` or more unreleased groups (checked every
+  ``poll_s`` seconds with one ``stats`` call per store);
+* ``counts_running``: also count the groups this worker has running in the engine and those it wrote
+  since the last check, so ``limit`` bounds every group dispatched and not yet consumed;
+* ``hook``: a caller's own rule over the stores' stats (``LookaheadHook``), checked with ``limit``.
+
+Example:
+    >>> stats = {"grpc://a:1": {"groups": {"stored": 3}}}
+    >>> LookaheadLimit(lambda: stats, limit=3, poll_s=0.0).allows(running=0)
+    False
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Mapping
+from typing import Any
+
+logger = logging.getLogger(__name__)
+
+StoreStats = Mapping[str, Mapping[str, Any]]
+"""``StoreClient.stats()``: store location -> that store's stats."""
+
+LookaheadHook = Callable[[StoreStats], bool]
+"""Called with ``StoreClient.stats()`` (store -> stats); returns True to pause dispatch."""
+
+
+def unreleased_groups(stats: StoreStats) -> int:
+    """Groups the stores hold and the trainer has not released yet, over all stores."""
+    return sum(int(s.get("groups", {}).get("stored", 0)) for s in stats.values())
+
+
+class LookaheadLimit:
+    """Decides whether the worker may dispatch another group, from the stores' stats.
+
+    Args:
+        stats: returns the stores' stats; called at most once per ``poll_s`` (the worker flushes its
+            queued writes first, so the counts include them).
+        limit: most unreleased groups (``None``: no count limit, only ``hook``).
+        counts_running: count running and freshly written groups toward ``limit`` between checks.
+        poll_s: seconds between two ``stats`` calls.
+        hook: an extra rule over the stats; True pauses.
+    """
+
+    def __init__(
+        self,
+        stats: Callable[[], StoreStats],
+        *,
+        limit: int | None = None,
+        counts_running: bool = False,
+        poll_s: float = 0.5,
+        hook: LookaheadHook | None = None,
+    ) -> None:
+        self._stats = stats
+        self._limit = limit
+        self._counts_running = counts_running and limit is not None
+        self._poll_s = poll_s
+        self._hook = hook
+        self._next_poll = 0.0
+        self._paused = False
+        self._stored_at_poll = 0  # unreleased groups in the stores at the last check
+        self._written_since_poll = 0
+
+    def note_written(self) -> None:
+        """Count one group this worker wrote (the stores will count it at the next check)."""
+        self._written_since_poll += 1
+
+    def allows(self, running: int) -> bool:
+        """Whether one more group may be dispatched while ``running`` groups run in the engine."""
+        if self._limit is None and self._hook is None:
+            return True
+        now = time.perf_counter()
+        if now >= self._next_poll:
+            self._next_poll = now + self._poll_s
+            self._check(self._stats())
+        if self._counts_running and self._limit is not None:
+            # between checks: what the stores held, plus what this worker wrote since, plus what runs
+            outstanding = self._stored_at_poll + self._written_since_poll + running
+            if outstanding >= self._limit:
+                return False
+        return not self._paused
+
+    def _check(self, stats: StoreStats) -> None:
+        self._stored_at_poll = unreleased_groups(stats)
+        self._written_since_poll = 0
+        paused = self._limit is not None and self._stored_at_poll >= self._limit
+        paused = paused or (self._hook is not None and self._hook(stats))
+        if paused != self._paused:
+            logger.info("rollout dispatch %s by the lookahead limit", "paused" if paused else "resumed")
+        self._paused = paused

@@ -1,0 +1,87 @@
+"""The weight-sync poller: follows the policy version the trainer publishes, loads its weights.
+
+The trainer publishes a version (``client.publish_version``) after it stores that version's weights
+(``client.put_weights``). ``WeightSync.poll`` reads the published version at most every ``poll_s``
+seconds; when it is newer than the engine's, and ``load`` is on, it fetches that version's weights
+and loads them into the running engine (``Engine.load_weights``) before adopting the version. Weights
+not readable yet leave the engine on its current version (retried at the next poll). Without
+``load``, the version is adopted as is (the weights are synced some other way).
+
+``version`` is what the rollout tags its groups with: the version of the weights the engine runs.
+
+Example:
+    >>> sync = WeightSync(client, engine, version=0, poll_s=1.0, load=True)  # doctest: +SKIP
+    >>> sync.poll(force=True); sync.version  # doctest: +SKIP
+    3
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from typing import Any
+
+from connectors.engine import Engine
+
+logger = logging.getLogger(__name__)
+
+
+class WeightSync:
+    """Tracks the engine's policy version and loads newly published weights into the engine.
+
+    Args:
+        client: a ``flight_store.StoreClient`` (``get_version``, ``get_weights``).
+        engine: the engine to load weights into.
+        version: the version of the weights the engine starts with.
+        poll_s: seconds between two ``get_version`` calls.
+        load: load published weights into the engine (else only adopt the version number).
+    """
+
+    def __init__(self, client: Any, engine: Engine, *, version: int, poll_s: float, load: bool) -> None:
+        self._client = client
+        self._engine = engine
+        self._poll_s = poll_s
+        self._load = load
+        self._next_poll = 0.0
+        self.version = version
+        """Policy version of the weights the engine runs."""
+
+    def wait_initial(self, timeout_s: float, *, stopped: Callable[[], bool] = lambda: False) -> None:
+        """Wait for the weights of ``version`` in the stores and load them (returns early if ``stopped()``).
+
+        Raises:
+            TimeoutError: naming the version, when its weights are not readable after ``timeout_s``.
+        """
+        deadline = time.perf_counter() + timeout_s
+        while not stopped():
+            try:
+                table = self._client.get_weights(self.version)
+            except Exception as exc:  # not published yet
+                if time.perf_counter() >= deadline:
+                    msg = f"no weights of version {self.version} in the stores after {timeout_s} s: {exc}"
+                    raise TimeoutError(msg) from None
+                time.sleep(0.2)
+                continue
+            self._engine.load_weights(table)
+            logger.info("loaded the initial weights (version %d) into the engine", self.version)
+            return
+
+    def poll(self, *, force: bool = False) -> None:
+        """Adopt a newer published version (loading its weights first); at most every ``poll_s`` unless ``force``."""
+        now = time.perf_counter()
+        if not force and now < self._next_poll:
+            return
+        self._next_poll = now + self._poll_s
+        published = int(self._client.get_version())
+        if published <= self.version:
+            return
+        if self._load:
+            try:
+                table = self._client.get_weights(published)
+            except Exception as exc:  # weights not there yet: keep generating with the old ones
+                logger.warning("version %d published but its weights are not readable yet: %s", published, exc)
+                return
+            self._engine.load_weights(table)
+            logger.info("loaded weights of version %d into the engine", published)
+        self.version = published

@@ -1,0 +1,133 @@
+"""The configs of a store node: :class:`StoreConfig` (the store) and :class:`ServerConfig` (the whole node).
+
+A node process receives one :class:`ServerConfig` as a JSON document (``schemas.documents``) and
+runs it with :func:`flight_store.node.serve`; in-process nodes (tests, the demo) pass the same
+object to :class:`~flight_store.server.StoreServer`. Every value is checked when the config is
+built, and an error names the bad value.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+
+
+@dataclass(kw_only=True, slots=True)
+class StoreConfig:
+    """Settings of one store (the node-local state, no gRPC).
+
+    Example:
+        >>> StoreConfig(memory_budget=1 << 30).spill_dir is None
+        True
+        >>> StoreConfig(memory_budget=0)
+        Traceback (most recent call last):
+        ...
+        ValueError: memory_budget must be positive bytes or None, got 0
+    """
+
+    memory_budget: int | None = None
+    """Bytes of memory the node's groups, images and weights may hold; ``None`` = unlimited.
+
+    What counts is resident memory, not ``RecordBatch.nbytes``: each stored batch's block (its
+    whole pages, see :func:`flight_store.memory.pack`) plus an estimate of its objects and index
+    entries, and the memory writes in flight hold (copies of their batches; their server thread, see
+    :meth:`flight_store.store.Store.write_in_flight`). A write is committed only if the stored groups,
+    the new group and the other writes in flight fit together."""
+    node_name: str = "local"
+    """Name reported by ``health``/``stats`` and in error messages (a server names its store itself, see
+    :attr:`ServerConfig.node_name`)."""
+    spill_dir: str | None = None
+    """Directory of the durable spill log (created if missing); ``None`` = memory only."""
+    rss_guard: bool = False
+    """Also hold the process's resident memory to the budget (for a store that owns its process, as a node run
+    by :func:`flight_store.node.serve` does: it turns this on): a group or image write is refused, retryably,
+    while the process's RSS is more than ``memory_budget`` above what it was when the store opened, unless the
+    store holds nothing (so a write is never refused forever). This covers what no count sees (gRPC buffers,
+    thread stacks, allocator caches, the metadata history); needs ``/proc/self/statm`` and a budget, else it is
+    off."""
+
+    def __post_init__(self) -> None:
+        if self.memory_budget is not None and self.memory_budget <= 0:
+            msg = f"memory_budget must be positive bytes or None, got {self.memory_budget}"
+            raise ValueError(msg)
+        if not self.node_name:
+            msg = f"node_name must be a non-empty string, got {self.node_name!r}"
+            raise ValueError(msg)
+        if self.spill_dir is not None and not self.spill_dir:
+            msg = f"spill_dir must be a directory path or None, got {self.spill_dir!r}"
+            raise ValueError(msg)
+
+
+def _check_port(name: str, port: int | None) -> None:
+    if port is not None and not 0 <= port <= 65535:
+        msg = f"{name} must be in 0..65535 (0 = a free port), got {port}"
+        raise ValueError(msg)
+
+
+@dataclass(kw_only=True, slots=True)
+class ServerConfig:
+    """Everything one store node needs: where it listens, its security, its metrics, its store.
+
+    Secrets are never part of the config: the node reads them from the files named here when it
+    starts (a config document can be logged or passed on without leaking them).
+
+    Example:
+        >>> cfg = ServerConfig(port=8815, store=StoreConfig(memory_budget=1 << 30))
+        >>> cfg.location
+        'grpc://127.0.0.1:8815'
+        >>> ServerConfig(tls_cert_file="node.pem")  # doctest: +ELLIPSIS
+        Traceback (most recent call last):
+        ...
+        ValueError: tls_cert_file and tls_key_file must be given together, got tls_cert_file='node.pem', ...
+    """
+
+    host: str = "127.0.0.1"
+    """Interface to bind (``0.0.0.0`` = every interface)."""
+    port: int = 0
+    """TCP port to listen on; 0 = a free one (read it back from ``StoreServer.location``)."""
+    node_name: str | None = None
+    """Name reported by ``health``/``stats`` and in error messages; ``None`` = the node's location."""
+    coalesce_below: int = 1 << 20
+    """A slices answer of several batches under this many payload bytes is sent as one copied batch
+    (0 = never; see :meth:`flight_store.store.Store.slices`)."""
+    tls_cert_file: str | None = None
+    """PEM certificate chain to serve ``grpc+tls://`` with; needs :attr:`tls_key_file`."""
+    tls_key_file: str | None = None
+    """PEM private key of :attr:`tls_cert_file`."""
+    auth_token_file: str | None = None
+    """File holding the bearer token every call must carry (``authorization: Bearer <token>``; surrounding
+    whitespace is stripped); ``None`` = no authentication."""
+    metrics_port: int | None = None
+    """Serve Prometheus ``/metrics`` on this port (0 = a free one); ``None`` = no metrics."""
+    log_level: str = "INFO"
+    """Logging level of a node process run by :func:`flight_store.node.serve` (``DEBUG``, ``INFO``, ...)."""
+    store: StoreConfig = field(default_factory=StoreConfig)
+    """The node's store (its ``node_name`` is replaced by :attr:`node_name` or the location)."""
+
+    def __post_init__(self) -> None:
+        if not self.host:
+            msg = f"host must be a non-empty interface name or address, got {self.host!r}"
+            raise ValueError(msg)
+        _check_port("port", self.port)
+        _check_port("metrics_port", self.metrics_port)
+        if self.node_name is not None and not self.node_name:
+            msg = f"node_name must be a non-empty string or None, got {self.node_name!r}"
+            raise ValueError(msg)
+        if self.coalesce_below < 0:
+            msg = f"coalesce_below must be >= 0 bytes, got {self.coalesce_below}"
+            raise ValueError(msg)
+        if (self.tls_cert_file is None) != (self.tls_key_file is None):
+            msg = (
+                "tls_cert_file and tls_key_file must be given together, got "
+                f"tls_cert_file={self.tls_cert_file!r}, tls_key_file={self.tls_key_file!r}"
+            )
+            raise ValueError(msg)
+        if not isinstance(logging.getLevelName(self.log_level.upper()), int):
+            msg = f"log_level must be a logging level name (DEBUG, INFO, WARNING, ERROR), got {self.log_level!r}"
+            raise ValueError(msg)
+
+    @property
+    def location(self) -> str:
+        """``grpc://host:port``, or ``grpc+tls://host:port`` with TLS (the configured port, 0 included)."""
+        scheme = "grpc+tls" if self.tls_cert_file is not None else "grpc"
+        return f"{scheme}://{self.host}:{self.port}"

@@ -1,0 +1,271 @@
+"""The group table: the prompt groups a store holds, their row index, slicing and release bookkeeping.
+
+Each prompt group is kept as the record batches that arrived (normalised to ``TRAJECTORY_SCHEMA``),
+each in one block of its own (:func:`flight_store.memory.pack`), plus a row index
+``sample_idx -> (batch, offset)``, so a slice request is served by zero-copy ``RecordBatch.slice`` of
+the batch viewed in its block (never a filter or take over one big table; only tiny multi-slice
+answers may be coalesced into one small copy, see :func:`project`). A released group drops its
+blocks and index but remembers which ``sample_idx`` it held, so a retried write stays a no-op.
+
+Not thread-safe by itself: the store calls a :class:`GroupTable` under its lock.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Container, Iterable, Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
+
+from flight_store.errors import GroupReleasedError, SchemaMismatchError, UnknownGroupError
+from flight_store.memory import Block, view
+from schemas.arrow import TRAJECTORY_SCHEMA
+
+_TRAJ_COLUMNS = frozenset(TRAJECTORY_SCHEMA.names)
+_COLUMN_INDEX = {name: i for i, name in enumerate(TRAJECTORY_SCHEMA.names)}
+
+
+@dataclass(slots=True)
+class Group:
+    """One prompt group: its stored batches (blocks), row index and what it holds."""
+
+    blocks: list[Block] = field(default_factory=list)
+    """One buffer per stored batch: the batch as an encapsulated IPC message (see
+    :func:`~flight_store.memory.pack`)."""
+    index: dict[int, tuple[int, int]] = field(default_factory=dict)
+    row_bytes: list[np.ndarray] = field(default_factory=list)
+    """Per stored batch: payload bytes of each row and column (:func:`row_bytes`), for ``bytes_out``."""
+    nbytes: int = 0
+    """Payload bytes (``RecordBatch.nbytes``) of the stored rows."""
+    held: int = 0
+    """Memory counted against the budget (blocks plus object and index overhead, see
+    :func:`~flight_store.memory.pack`)."""
+    image_keys: set[bytes] | frozenset[bytes] = frozenset()
+    """Images the group references (a set once it has any; the shared empty frozenset costs nothing)."""
+    released: bool = False
+    consumed: Container[int] = frozenset()
+    """``sample_idx`` of a released group (its index is dropped), so a retried write stays a no-op."""
+
+    def batch(self, i: int) -> pa.RecordBatch:
+        """Stored batch ``i``: zero-copy views into its block."""
+        return view(self.blocks[i], TRAJECTORY_SCHEMA)
+
+    @property
+    def batches(self) -> list[pa.RecordBatch]:
+        """All stored batches (views into the blocks), in arrival order."""
+        return [self.batch(i) for i in range(len(self.blocks))]
+
+
+def row_bytes(batch: pa.RecordBatch) -> np.ndarray:
+    """Payload bytes of each row (axis 0) and column (axis 1) of a trajectory batch, as int32.
+
+    A fixed-width value counts its width; a string or list counts its offset (4) and its values.
+    For a whole stored batch the sum equals ``RecordBatch.nbytes``; summing rows is exact for any
+    split, and cheap (``RecordBatch.nbytes`` of a slice costs ~40 us for this schema).
+    """
+    out = np.empty((batch.num_rows, batch.num_columns), dtype=np.int32)
+    for j, col in enumerate(batch.columns):
+        t = col.type
+        if pa.types.is_string(t) or pa.types.is_binary(t):
+            out[:, j] = pc.binary_length(col).to_numpy() + 4
+        elif pa.types.is_list(t):
+            value = t.value_type
+            width = value.byte_width if pa.types.is_fixed_size_binary(value) else value.bit_width // 8
+            out[:, j] = pc.list_value_length(col).to_numpy() * width + 4
+        else:
+            out[:, j] = t.bit_width // 8
+    return out
+
+
+def _compact_ints(values: Iterable[int]) -> Container[int]:
+    """``values`` as a ``range`` when they are consecutive (the usual ``0..G-1``), else a frozenset."""
+    ordered = sorted(values)
+    if ordered and ordered[-1] - ordered[0] == len(ordered) - 1:
+        return range(ordered[0], ordered[-1] + 1)
+    return frozenset(ordered)
+
+
+def check_columns(columns: Sequence[str] | None) -> None:
+    """Refuse a projection naming a column the trajectory schema lacks (:class:`SchemaMismatchError`)."""
+    for c in columns or ():
+        if c not in _TRAJ_COLUMNS:
+            msg = f"unknown column {c!r} requested; the trajectory schema has {TRAJECTORY_SCHEMA.names}"
+            raise SchemaMismatchError(msg, column=c)
+
+
+def project(
+    out: list[pa.RecordBatch], columns: Sequence[str] | None, served: int, coalesce_below: int
+) -> list[pa.RecordBatch]:
+    """The slices of :meth:`GroupTable.slices` projected to ``columns``; several tiny ones copied into one.
+
+    When ``coalesce_below`` > 0, more than one slice results and their payload ``served`` is under
+    ``coalesce_below`` bytes, the slices are copied into ONE batch: for tiny micro-batches one small
+    copy is cheaper than one IPC message per slice.
+    """
+    if columns is not None:
+        out = [b.select(list(columns)) for b in out]
+    if 0 < served < coalesce_below and len(out) > 1:
+        # this thread's earlier coalesced answers were freed once sent; hand their pages back first
+        pa.default_memory_pool().release_unused()
+        out = [pa.concat_batches(out)]
+    return out
+
+
+def runs(sample_idx: Iterable[int]) -> list[tuple[int, int]]:
+    """Contiguous ``[start, stop)`` runs of sorted ``sample_idx``."""
+    out: list[tuple[int, int]] = []
+    for s in sample_idx:
+        if out and out[-1][1] == s:
+            out[-1] = (out[-1][0], s + 1)
+        else:
+            out.append((s, s + 1))
+    return out
+
+
+class GroupTable:
+    """The prompt groups of one store, in arrival order (released ones stay, without payload)."""
+
+    def __init__(self, node_name: str) -> None:
+        self.node_name = node_name
+        self._groups: dict[str, Group] = {}
+        self.rows = 0
+        """Rows ever committed (released ones included)."""
+
+    def __getitem__(self, group_id: str) -> Group:
+        return self._groups[group_id]
+
+    def __contains__(self, group_id: object) -> bool:
+        return group_id in self._groups
+
+    def live(self, group_id: str) -> Group:
+        """The unreleased group ``group_id``; raises :class:`UnknownGroupError` / :class:`GroupReleasedError`."""
+        group = self._groups.get(group_id)
+        if group is None:
+            msg = f"group {group_id!r} is not stored on node {self.node_name}"
+            raise UnknownGroupError(msg, group_id=group_id)
+        if group.released:
+            msg = f"group {group_id!r} was released; its payload is gone"
+            raise GroupReleasedError(msg, group_id=group_id)
+        return group
+
+    def is_live(self, group_id: str) -> bool:
+        """Whether ``group_id`` is stored and not released."""
+        g = self._groups.get(group_id)
+        return g is not None and not g.released
+
+    def ids(self) -> list[str]:
+        """Ids of the unreleased groups, in arrival order."""
+        return [g for g, v in self._groups.items() if not v.released]
+
+    def counts(self) -> tuple[int, int, int]:
+        """``(stored groups, released groups, rows stored)``."""
+        released = sum(1 for g in self._groups.values() if g.released)
+        rows = sum(len(g.index) for g in self._groups.values() if not g.released)
+        return len(self._groups) - released, released, rows
+
+    # ---- writes ----------------------------------------------------------------------------------
+
+    def fresh_rows(self, group_id: str, batches: Sequence[pa.RecordBatch]) -> list[pa.RecordBatch]:
+        """The rows of validated ``batches`` whose ``sample_idx`` the group does not hold yet (idempotency).
+
+        Raises:
+            GroupReleasedError: new rows for a group that was already released.
+        """
+        group = self._groups.get(group_id)
+        present: Container[int] = {} if group is None else group.consumed if group.released else group.index
+        fresh: list[pa.RecordBatch] = []
+        for b in batches:
+            idx = b.column("sample_idx").to_numpy()
+            keep = np.fromiter((int(i) not in present for i in idx), dtype=bool, count=len(idx))
+            if keep.all():
+                fresh.append(b)
+            elif keep.any():
+                fresh.append(b.filter(pa.array(keep)))
+        if fresh and group is not None and group.released:
+            msg = f"group {group_id!r} was already released; refusing {sum(b.num_rows for b in fresh)} new rows"
+            raise GroupReleasedError(msg, group_id=group_id)
+        return fresh
+
+    def add(self, group_id: str, fresh: Sequence[pa.RecordBatch], packed: Sequence[tuple[Block, int]]) -> set[bytes]:
+        """Store deduplicated batches of ``group_id`` and their blocks; returns the image keys new to the group."""
+        group = self._groups.get(group_id)
+        if group is None:
+            group = self._groups[group_id] = Group()
+        added: set[bytes] = set()
+        for b, (block, held) in zip(fresh, packed, strict=True):
+            bno = len(group.blocks)
+            group.blocks.append(block)
+            group.row_bytes.append(row_bytes(b))
+            for off, s in enumerate(b.column("sample_idx").to_numpy().tolist()):
+                group.index[s] = (bno, off)
+            new_keys = {k for keys in b.column("image_keys").to_pylist() for k in keys} - group.image_keys
+            if new_keys:
+                group.image_keys = {*group.image_keys, *new_keys}
+                added |= new_keys
+            group.nbytes += b.nbytes
+            group.held += held
+            self.rows += b.num_rows
+        return added
+
+    def release(self, group_id: str) -> Group | None:
+        """Drop the payload of ``group_id`` (``None`` if unknown or released); returns what it held.
+
+        The returned record keeps the group's ``held``, ``nbytes`` and ``image_keys`` for the caller's
+        accounting; the table keeps only its ``consumed`` ``sample_idx``.
+        """
+        group = self._groups.get(group_id)
+        if group is None or group.released:
+            return None
+        freed = Group(nbytes=group.nbytes, held=group.held, image_keys=group.image_keys)
+        group.released = True
+        group.blocks = []
+        group.row_bytes = []
+        group.consumed = _compact_ints(group.index)  # still dedups retries; ~50 bytes, not ~500
+        group.index = {}
+        group.image_keys = frozenset()  # the empty frozenset is a shared singleton
+        return freed
+
+    # ---- reads -----------------------------------------------------------------------------------
+
+    def slices(
+        self, refs: Iterable[tuple[str, int, int]], columns: Sequence[str] | None
+    ) -> tuple[list[pa.RecordBatch], int]:
+        """Zero-copy slices of rows ``[start, stop)`` per ``(group_id, start, stop)`` and their projected bytes.
+
+        Each run of consecutive rows of one stored batch is one ``RecordBatch.slice`` (a view, no
+        copy); the bytes count the payload of ``columns`` (all when ``None``) of the rows served.
+        """
+        cols = slice(None) if columns is None else [_COLUMN_INDEX[c] for c in columns]
+        out: list[pa.RecordBatch] = []
+        served = 0  # payload bytes of the projected rows (see row_bytes)
+        views: dict[tuple[str, int], pa.RecordBatch] = {}
+        for group_id, start, stop in refs:
+            group = self.live(group_id)
+            for bno, off, rows in self._runs_of(group_id, group, start, stop):
+                got = views.get((group_id, bno))
+                if got is None:
+                    got = views[group_id, bno] = group.batch(bno)
+                out.append(got.slice(off, rows))
+                served += int(group.row_bytes[bno][off : off + rows, cols].sum())
+        return out, served
+
+    def _runs_of(self, group_id: str, group: Group, start: int, stop: int) -> list[tuple[int, int, int]]:
+        """``(batch, offset, rows)`` runs of consecutive stored rows holding ``sample_idx`` ``[start, stop)``."""
+        found: list[tuple[int, int, int]] = []
+        run_b, run_off, run_len = -1, -1, 0
+        for s in range(start, stop):
+            loc = group.index.get(s)
+            if loc is None:
+                msg = f"group {group_id!r} has no row sample_idx={s} on node {self.node_name}"
+                raise UnknownGroupError(msg, group_id=group_id)
+            if loc[0] == run_b and loc[1] == run_off + run_len:
+                run_len += 1
+                continue
+            if run_len:
+                found.append((run_b, run_off, run_len))
+            run_b, run_off, run_len = loc[0], loc[1], 1
+        if run_len:
+            found.append((run_b, run_off, run_len))
+        return found

@@ -1,0 +1,331 @@
+"""The store's memory: allocator tuning, the blocks stored batches live in, the budget and the RSS guard.
+
+* **allocators**: :func:`cap_malloc_arenas` and :func:`return_free_memory` keep glibc malloc and the
+  Arrow pool from holding freed memory while a node serves dozens of concurrent RPCs;
+* **blocks**: :func:`pack` copies a record batch into ONE exactly sized block of its own (an
+  encapsulated IPC message, in pages of its own when large) and :func:`view` reads it back as
+  zero-copy views;
+* **accounting**: :class:`MemoryAccount` counts what the stored data holds (``used``), what writes
+  in flight hold (``in_flight``) and the payload bytes, refuses what does not fit the budget
+  (:meth:`MemoryAccount.reserve`) and, with the RSS guard, what the process's resident memory
+  cannot take (:meth:`MemoryAccount.check_rss`).
+
+Not thread-safe by itself: the store calls a :class:`MemoryAccount` under its lock, which the
+account shares (:meth:`MemoryAccount.write_in_flight` and :meth:`MemoryAccount.writing` take it).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import logging
+import mmap
+import os
+import threading
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import TypeAlias, cast
+
+import pyarrow as pa
+
+from flight_store.errors import BudgetExceededError
+from schemas.arrow import TRAJECTORY_SCHEMA
+
+log = logging.getLogger(__name__)
+
+# ---- allocators ------------------------------------------------------------------------------------
+
+
+def _libc_function(name: str) -> Callable[..., int] | None:
+    """A glibc malloc tuning function (``None`` elsewhere)."""
+    try:
+        return cast(Callable[..., int], getattr(ctypes.CDLL(None), name))
+    except (AttributeError, OSError):  # not glibc
+        return None
+
+
+_malloc_trim = _libc_function("malloc_trim")
+_M_ARENA_MAX = -8  # glibc's mallopt parameter number
+_MALLOC_ARENAS = 2
+_arenas_capped = False
+_TRIM_EVERY_S = 0.05
+_trim_lock = threading.Lock()
+_trimmed_at = 0.0
+
+
+def cap_malloc_arenas() -> None:
+    """Let glibc malloc use at most :data:`_MALLOC_ARENAS` arenas in this process (once; needs glibc).
+
+    A store with a memory budget is a node process serving dozens of concurrent RPCs, each on a
+    gRPC thread; by default glibc gives up to 8 x cores threads arenas of their own, each keeping
+    its high-water mark of transient buffers (in the 64-writer load test ~3 MiB more at peak).
+    An explicit ``MALLOC_ARENA_MAX`` in the environment wins.
+    """
+    global _arenas_capped
+    if _arenas_capped or "MALLOC_ARENA_MAX" in os.environ:
+        return
+    _arenas_capped = True
+    mallopt = _libc_function("mallopt")
+    if mallopt is not None:
+        mallopt(_M_ARENA_MAX, _MALLOC_ARENAS)
+
+
+def return_free_memory() -> None:
+    """Give the memory allocators hold but nothing uses back to the OS (after a write or a release).
+
+    Two allocators keep freed memory resident while a node serves dozens of concurrent RPCs, each
+    on its own gRPC thread: the Arrow pool (mimalloc) keeps the pages a thread freed until that
+    thread allocates again, so validation's temporaries are returned right away on the calling
+    thread (``release_unused``, ~1 us); glibc malloc (gRPC's message buffers, numpy, Python) keeps
+    freed chunks in up to 8 x cores arenas, so ``malloc_trim`` runs at most every
+    :data:`_TRIM_EVERY_S` (~0.2 ms each). In the 64-writer load test these held 10-50 MiB, as much
+    as a 64 MiB budget's worth of groups the budget could not see.
+    """
+    global _trimmed_at
+    pa.default_memory_pool().release_unused()
+    if _malloc_trim is None:
+        return
+    now = time.monotonic()
+    if now - _trimmed_at < _TRIM_EVERY_S or not _trim_lock.acquire(blocking=False):
+        return
+    try:
+        _trimmed_at = now
+        _malloc_trim(0)
+    finally:
+        _trim_lock.release()
+
+
+# ---- blocks --------------------------------------------------------------------------------------
+
+Block: TypeAlias = mmap.mmap | pa.Buffer
+"""One stored batch as an encapsulated IPC message (see :func:`pack`)."""
+
+BLOCK_OVERHEAD = 1024
+"""Bytes of Python objects per stored block besides its memory: the mmap (or buffer) object, the group
+record, its dict entry and key, the index dict and block list (measured: ~0.6 KiB a group)."""
+ROW_OVERHEAD = 64 + 4 * len(TRAJECTORY_SCHEMA)
+"""Bytes per stored row of the ``sample_idx -> (block, offset)`` index (dict slot and tuple) and of its
+payload sizes (:func:`flight_store.groups.row_bytes`)."""
+_MMAP_MIN = 16 << 10
+"""Blocks of at least this many bytes get pages of their own (see :func:`pack`); smaller ones come from the
+Arrow memory pool."""
+
+
+def _pages(n: int) -> int:
+    """``n`` rounded up to whole pages."""
+    return -(-n // mmap.PAGESIZE) * mmap.PAGESIZE
+
+
+def _size_class(n: int) -> int:
+    """``n`` rounded up the way a size-class allocator (mimalloc, jemalloc) does: 4 classes per power of two."""
+    if n <= 64:
+        return 64
+    step = max(16, 1 << ((n - 1).bit_length() - 3))
+    return -(-n // step) * step
+
+
+def pack(batch: pa.RecordBatch) -> tuple[Block, int]:
+    """``batch`` copied into ONE block of memory of its own; returns the block and the bytes it holds.
+
+    Why: a batch that arrived over gRPC is a set of views into the received message (gRPC's own
+    malloc'd memory, larger than the columns kept) plus small buffers validation added, and an
+    in-memory ``RecordBatch`` of the 19-column trajectory schema costs ~9 KiB of C++/Python
+    objects (``ArrayData``, ``Buffer``, control blocks; measured with ``mallinfo2``), ~27% of a
+    32 KiB group. Keeping those pinned memory the budget never saw (peak RSS ~2.2x the budget).
+
+    So the batch is serialized as one encapsulated IPC message (``RecordBatch.serialize``, exact
+    size) and :func:`view` reads it back as zero-copy views whenever it is sliced (~15 us). A block
+    of at least :data:`_MMAP_MIN` bytes is copied into an anonymous private ``mmap`` of its own:
+    releasing the group unmaps it (once no in-flight answer still views it), so its pages go back
+    to the OS at once and the heap never fragments. General-purpose allocators fed ~32 KiB blocks
+    freed in arrival-unrelated order kept 1.3-1.5x the live bytes resident (glibc, mimalloc and
+    jemalloc alike). Smaller blocks stay in the Arrow pool (where a page of their own would waste
+    more than the allocator does); if ``mmap`` fails (e.g. the map-count limit) the pool is used too.
+
+    Bytes held: the whole pages of an mmap block (or the pool block rounded to its size class),
+    plus :data:`BLOCK_OVERHEAD` and :data:`ROW_OVERHEAD` per row.
+    """
+    message = batch.serialize()
+    block, size = message, _size_class(message.size)
+    if message.size >= _MMAP_MIN:
+        try:
+            region = mmap.mmap(-1, message.size, flags=mmap.MAP_PRIVATE)
+        except OSError:
+            log.warning("mmap of a %d-byte block failed; keeping it in the Arrow memory pool", message.size)
+        else:
+            region.write(message)
+            block, size = region, _pages(message.size)
+    return block, size + BLOCK_OVERHEAD + ROW_OVERHEAD * batch.num_rows
+
+
+def view(block: Block, schema: pa.Schema) -> pa.RecordBatch:
+    """The batch :func:`pack` stored in ``block``, as zero-copy views into it.
+
+    An mmap block is wrapped in a ``pa.Buffer`` only here, for as long as the views live: a
+    wrapper kept per stored block is a small C++ allocation in the arena of whichever gRPC thread
+    stored it, and ~2000 of those scattered over glibc's per-thread arenas pinned pages that
+    ``malloc_trim`` could not give back. The views keep the mmap alive (buffer export) until they
+    are gone, even if the group is released meanwhile.
+    """
+    return pa.ipc.read_record_batch(pa.py_buffer(block) if isinstance(block, mmap.mmap) else block, schema)
+
+
+# ---- accounting ----------------------------------------------------------------------------------
+
+WRITE_OVERHEAD = 256 << 10
+"""Bytes a DoPut holds while it is received and processed besides its batches and their copies: its gRPC
+server thread's call state, buffers and allocator caches (RSS grew ~110-210 KiB per concurrent writer)."""
+COPIES_IN_FLIGHT = 3
+"""Copies of a write's batches alive while it is processed: the received message, the serialized
+message and the block being filled (the block is counted as stored once committed)."""
+_writing = threading.local()  # .overhead: what write_in_flight() counted for this thread's write
+
+
+@dataclass(slots=True)
+class _ResidentMemory:
+    """The process's resident set size, read from ``/proc/self/statm`` (~2 us a read)."""
+
+    fd: int
+
+    @classmethod
+    def open(cls) -> _ResidentMemory | None:
+        try:
+            return cls(os.open("/proc/self/statm", os.O_RDONLY))
+        except OSError:  # not Linux: the guard is off
+            log.warning("no /proc/self/statm: the store's resident-memory guard is off")
+            return None
+
+    def read(self) -> int:
+        return int(os.pread(self.fd, 128, 0).split()[1]) * mmap.PAGESIZE
+
+
+class MemoryAccount:
+    """What a store's data and its writes in flight hold, against the budget (and the process's RSS).
+
+    Args:
+        budget: bytes the store may hold (``None`` = unlimited: nothing is refused).
+        node_name: named in refusals.
+        rss_guard: also refuse while the process's RSS is more than ``budget`` above its value now
+            (see :attr:`flight_store.config.StoreConfig.rss_guard`).
+        lock: the store's lock (taken by :meth:`write_in_flight` and :meth:`writing`).
+
+    Example:
+        >>> import threading
+        >>> account = MemoryAccount(budget=100, node_name="n0", rss_guard=False, lock=threading.RLock())
+        >>> account.reserve(60, "group 'a'")
+        >>> account.hold(60, 50)
+        >>> account.reserve(60, "group 'b'")
+        Traceback (most recent call last):
+        ...
+        flight_store.errors.BudgetExceededError: memory budget of node n0 is full: group 'b' needs 60 bytes, \
+40 of 100 available (0 held by writes in flight); retry after consumed groups are released
+    """
+
+    def __init__(self, *, budget: int | None, node_name: str, rss_guard: bool, lock: threading.RLock) -> None:
+        self.budget = budget
+        self.node_name = node_name
+        self.used = 0
+        """Bytes the stored groups, images and weights hold (blocks plus object and index overhead)."""
+        self.payload = 0
+        """Payload bytes (``nbytes``) of the stored groups, images and weights."""
+        self.in_flight = 0
+        """Bytes writes being received and processed hold (their copies, their server threads)."""
+        self._lock = lock
+        if budget is not None:
+            cap_malloc_arenas()
+        self._rss = _ResidentMemory.open() if rss_guard and budget is not None else None
+        self.rss_limit = 0 if self._rss is None or budget is None else self._rss.read() + budget
+        """Resident memory above which the RSS guard refuses writes (0 without the guard)."""
+        self._rss_refusals = 0
+
+    def hold(self, held: int, payload: int) -> None:
+        """Count stored data: ``held`` bytes of memory, ``payload`` bytes of it payload (negative = freed)."""
+        self.used += held
+        self.payload += payload
+
+    def reserve(self, needed: int, what: str, in_flight: int = 0) -> None:
+        """Refuse ``needed`` more bytes unless they fit the budget next to the stored ones and ``in_flight``."""
+        budget = self.budget
+        if budget is not None and self.used + in_flight + needed > budget:
+            available = max(0, budget - self.used - in_flight)
+            msg = (
+                f"memory budget of node {self.node_name} is full: {what} needs {needed} bytes, "
+                f"{available} of {budget} available ({in_flight} held by writes in flight); "
+                "retry after consumed groups are released"
+            )
+            raise BudgetExceededError(msg, needed=needed, available=available)
+
+    def check_rss(self, needed: int, what: str) -> None:
+        """With the RSS guard: refuse ``needed`` more bytes while the process's RSS is too high.
+
+        The limit is the RSS at opening plus the budget; a store holding nothing is never refused (the
+        consumer cannot free anything more, and one write must always get through).
+        """
+        if self._rss is None or not self.used:
+            return
+        rss = self._rss.read()
+        if rss + needed <= self.rss_limit:
+            return
+        self._rss_refusals += 1
+        budget = cast(int, self.budget)
+        if self._rss_refusals % 1000 == 1 and self.used + self.in_flight < budget // 2:
+            log.warning(
+                "node %s: resident memory is %d MiB above its start while stored data counts %d MiB of a %d MiB "
+                "budget; memory outside the stored groups (metadata history, allocator caches) limits the node",
+                self.node_name, (rss - self.rss_limit + budget) >> 20, self.used >> 20, budget >> 20,
+            )
+        msg = (
+            f"memory budget of node {self.node_name} is full: {what} needs {needed} bytes, the node's "
+            f"resident memory is {max(0, self.rss_limit - rss)} bytes below its limit (start + budget of "
+            f"{budget}); retry after consumed groups are released"
+        )
+        raise BudgetExceededError(msg, needed=needed, available=max(0, self.rss_limit - rss))
+
+    def rss(self) -> int | None:
+        """The process's resident memory now (``None`` without the guard)."""
+        return None if self._rss is None else self._rss.read()
+
+    @contextlib.contextmanager
+    def write_in_flight(self) -> Iterator[None]:
+        """Count one write being received (its server thread, :data:`WRITE_OVERHEAD`) as in flight."""
+        with self._lock:
+            self.in_flight += WRITE_OVERHEAD
+        _writing.overhead = WRITE_OVERHEAD
+        try:
+            yield
+        finally:
+            _writing.overhead = 0
+            with self._lock:
+                self.in_flight -= WRITE_OVERHEAD
+
+    @contextlib.contextmanager
+    def writing(self, raw: int, what: str, *, admit: Callable[[], bool]) -> Iterator[int]:
+        """Count the copies of a write of ``raw`` payload bytes as in flight while it is processed.
+
+        When anything is stored and ``admit()`` (called under the lock) says so, first refuse a write that
+        cannot fit anyway: twice its bytes next to the stored data and the OTHER writes in flight, and the
+        RSS guard (the exact check comes at commit; an empty store always gets there, so nothing that fits
+        alone is refused forever). Yields this write's share of
+        :attr:`in_flight` (its copies plus what :meth:`write_in_flight` counted for its thread), so its
+        commit can check the budget against the others' share alone. Hands freed memory back at the end.
+        """
+        cost = COPIES_IN_FLIGHT * raw
+        mine = cost + getattr(_writing, "overhead", 0)
+        with self._lock:
+            if self.used and admit():
+                self.reserve(2 * raw, what, self.in_flight - (mine - cost))
+                self.check_rss(2 * raw, what)
+            self.in_flight += cost
+        try:
+            yield mine
+        finally:
+            with self._lock:
+                self.in_flight -= cost
+            return_free_memory()
+
+    def close(self) -> None:
+        """Stop the RSS guard (closes ``/proc/self/statm``)."""
+        if self._rss is not None:
+            os.close(self._rss.fd)
+            self._rss = None

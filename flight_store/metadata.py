@@ -1,0 +1,107 @@
+"""The append-only metadata log of a store: one row per stored trajectory, numbered by ``seq``.
+
+Rows follow ``METADATA_SCHEMA`` (``seq`` = position in the log, then the metadata columns). They
+are kept as a list of small record batches holding their OWN copies of the metadata columns (so
+releasing a group frees its payload while its history stays), compacted as they pile up
+(:data:`COMPACT_AT`), and read from a cursor by slicing a lazily built, cached table.
+
+Not thread-safe by itself: the store calls a :class:`MetadataLog` under its lock.
+
+Example:
+    >>> from schemas.records import TrajectoryRecord, records_to_batch
+    >>> from flight_store.validate import normalize_stream
+    >>> log = MetadataLog()
+    >>> batch = records_to_batch([TrajectoryRecord(group_id="g0", sample_idx=i, policy_version=0,
+    ...     prompt_ids=[1], response_ids=[2], response_logprobs=[-0.5]) for i in range(3)])
+    >>> log.append(normalize_stream([batch], "g0"))
+    >>> log.table().slice(1).column("seq").to_pylist()
+    [1, 2]
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+import pyarrow as pa
+
+from flight_store.errors import SchemaMismatchError
+from schemas.arrow import METADATA_COLUMNS, METADATA_SCHEMA
+
+COMPACT_AT = 64
+"""Merged metadata chunks kept before all are merged into one."""
+_META_COLUMNS = frozenset(METADATA_SCHEMA.names)
+
+
+def check_columns(columns: Sequence[str] | None) -> None:
+    """Refuse a projection naming a column the metadata schema lacks (:class:`SchemaMismatchError`)."""
+    for c in columns or ():
+        if c not in _META_COLUMNS:
+            msg = f"unknown metadata column {c!r}; metadata columns are {METADATA_SCHEMA.names}"
+            raise SchemaMismatchError(msg, column=c)
+
+
+def project(table: pa.Table, since: int, columns: Sequence[str] | None) -> pa.Table:
+    """Rows of the log ``table`` with ``seq >= since``; ``seq`` first, then ``columns`` (all when ``None``)."""
+    table = table.slice(min(since, table.num_rows))
+    if columns is not None:
+        table = table.select(["seq", *(c for c in dict.fromkeys(columns) if c != "seq")])
+    return table
+
+
+def _merge(batches: list[pa.RecordBatch]) -> list[pa.RecordBatch]:
+    return pa.Table.from_batches(batches, schema=METADATA_SCHEMA).combine_chunks().to_batches()
+
+
+class MetadataLog:
+    """Metadata rows in ``seq`` order; :meth:`append` numbers new rows, :meth:`table` reads them all."""
+
+    def __init__(self) -> None:
+        self.seq = 0
+        """Rows in the log (= the ``seq`` of the next row)."""
+        self._batches: list[pa.RecordBatch] = []
+        self._merged = 0  # leading entries of _batches already merged
+        self._cache: pa.Table | None = None
+
+    def append(self, batches: Sequence[pa.RecordBatch]) -> None:
+        """Number the rows of trajectory ``batches`` and keep own copies of their metadata columns."""
+        self._batches.extend(self._rows(b) for b in batches)
+        self._cache = None
+        if len(self._batches) - self._merged > COMPACT_AT:
+            self._compact()  # bound the many tiny per-write batches even when nobody scans
+
+    def table(self) -> pa.Table:
+        """The whole log as one table (cached until the next append; building it compacts the chunks)."""
+        if self._cache is None:
+            self._compact()
+            self._cache = pa.Table.from_batches(self._batches, schema=METADATA_SCHEMA)
+        return self._cache
+
+    @property
+    def cached(self) -> bool:
+        """Whether :meth:`table` would answer without building (and compacting) anything."""
+        return self._cache is not None
+
+    def _rows(self, b: pa.RecordBatch) -> pa.RecordBatch:
+        """Own copies of the metadata columns of ``b`` plus ``seq`` (payload buffers are not kept alive)."""
+        n = b.num_rows
+        seq = pa.array(np.arange(self.seq, self.seq + n, dtype=np.int64))
+        self.seq += n
+        copy_idx = pa.array(np.arange(n, dtype=np.int64))
+        arrays = [seq, *(b.column(c).take(copy_idx) for c in METADATA_COLUMNS)]
+        return pa.RecordBatch.from_arrays(arrays, schema=METADATA_SCHEMA)
+
+    def _compact(self) -> None:
+        """Merge the small per-write metadata batches that arrived since the last read into one.
+
+        Only metadata (never payload) is copied; when more than :data:`COMPACT_AT` chunks pile up, all
+        are merged, so a scan streams few IPC messages whatever the number of writes.
+        """
+        merged, tail = self._batches[: self._merged], self._batches[self._merged :]
+        if len(tail) > 1:
+            tail = _merge(tail)
+        merged.extend(tail)
+        if len(merged) > COMPACT_AT:
+            merged = _merge(merged)
+        self._batches = merged
+        self._merged = len(merged)

@@ -1,0 +1,7 @@
+"""``python -m launcher ...`` = ``knit ...``."""
+
+from __future__ import annotations
+
+from launcher.cli import main
+
+raise SystemExit(main())

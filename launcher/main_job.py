@@ -1,0 +1,86 @@
+"""``knit run`` on the command line: flags from :class:`~launcher.run.RunConfig`, one or two policies, the summary.
+
+Reads top to bottom as the job: parse -> prepare the model both sides share -> run each policy
+(``launcher.run.run_policy``, with a live display) -> write ``summary.json`` and print the table.
+Ctrl-C (or SIGTERM) stops every child and keeps the partial results (exit 130).
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import signal
+import threading
+from collections.abc import Sequence
+from pathlib import Path
+from types import FrameType
+from typing import Any
+
+from launcher import progress, report
+from launcher.flags import add_flags, build
+from launcher.model import prepare_model
+from launcher.run import COMPARED, Interrupted, RunConfig, run_policy
+
+QUICK_TRAIN_BATCHES = 3
+"""Train batches of ``knit run --quick`` (under 2 minutes on 2 cores after the first start)."""
+
+
+def parse(argv: Sequence[str]) -> tuple[list[RunConfig], argparse.Namespace]:
+    """The config of each policy to run (two with ``--compare``), and the launcher-only flags."""
+    parser = argparse.ArgumentParser(prog="knit run", description="Run the disaggregated RL loop on this machine: "
+                                     "store nodes, a vLLM rollout worker and a Megatron trainer, with weight sync.")
+    parser.add_argument("--compare", action="store_true", help="run train_batch, then mini_batch, on the same seeds")
+    parser.add_argument("--quick", action="store_true",
+                        help=f"{QUICK_TRAIN_BATCHES} train batches unless --train-batches says otherwise")
+    parser.add_argument("--plain", action="store_true", help="plain progress lines instead of the live display")
+    flags = add_flags(parser, RunConfig)
+    args = parser.parse_args(list(argv))
+    try:
+        cfg = build(RunConfig, flags, args, base={"train_batches": QUICK_TRAIN_BATCHES} if args.quick else None)
+    except ValueError as exc:
+        parser.error(str(exc))
+    cfg.out, cfg.model_dir = cfg.out.resolve(), cfg.model_dir.resolve()
+    if not args.compare:
+        return [cfg], args
+    return [cfg.for_policy(p, cfg.out / p) for p in COMPARED], args
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """``knit run``; returns 0 on success, 130 when interrupted."""
+    configs, args = parse(list(argv) if argv is not None else [])
+    logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    out = configs[0].out.parent if args.compare else configs[0].out
+    stop = threading.Event()
+
+    def on_signal(signum: int, frame: FrameType | None) -> None:
+        stop.set()
+
+    previous = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
+    display = progress.Display(plain=args.plain)
+    results: dict[str, dict[str, Any]] = {}
+    try:
+        first = configs[0]
+        adm = first.admission
+        display.note(f"knit run: {', '.join(c.policy for c in configs)}; B={adm.train_batch_groups} "
+                     f"G={adm.group_size} K={adm.mini_batches} D={adm.dp_ranks}, {first.train_batches} train batches; "
+                     f"run folder {out}")
+        model = prepare_model(first.model_dir, seed=first.seed)
+        for cfg in configs:
+            if stop.is_set():
+                raise Interrupted
+            display.note(f"[{cfg.policy}] lookahead {cfg.lookahead_groups} groups; logs in {cfg.out / 'logs'}")
+            with display.live(cfg.policy, cfg.total_groups, cfg.steps) as update:
+                results[cfg.policy] = run_policy(cfg, model, stop=stop, on_update=update)
+            urls = results[cfg.policy].get("metrics_urls") or []
+            if urls:
+                display.note(f"[{cfg.policy}] Prometheus metrics were served at {', '.join(urls)}")
+    except Interrupted:
+        display.note("interrupted: every process stopped; partial results are in the run folder")
+        return 130
+    finally:
+        for s, h in previous.items():
+            signal.signal(s, h)
+    summary = report.write_summary(Path(out), results)
+    display.summary(summary)
+    print(f"run folder: {out}")
+    return 0

@@ -1,0 +1,317 @@
+"""``knit run``: the main job, a real disaggregated RL loop on one machine.
+
+What it starts, each as a subprocess in its own process group (``launcher.children``), each with
+its config as a validated document (``schemas.documents``), never as re-typed argv:
+
+1. ``num_stores`` store nodes (``python -m flight_store --config node.json``, with Prometheus
+   ``/metrics``);
+2. a Megatron-core trainer (``python -m train --config train.json --nproc D``; gloo on CPU), whose
+   rank 0 plans with ``admission.Planner`` (``mini_batch`` by default, ``train_batch`` as the
+   baseline), publishes its starting weights as version 0 and the weights of every new version, and
+   releases consumed groups;
+3. a vLLM rollout worker (``python -m connectors --config rollout.json``) on a tiny Llama of exactly
+   the trainer's shape (``launcher.model``), which loads the trainer's version-0 weights before it
+   generates, loads every newly published version into the running engine, and streams each finished
+   prompt group to the stores. The lookahead limit (groups dispatched but not yet consumed) couples
+   the two.
+
+This driver never imports vLLM or torch and never reads trajectory payload: it polls the stores'
+``stats``, follows the trainer's per-step progress file, and at the end writes the run folder
+(``launcher.report``): ``summary.json``, ``metadata.parquet``, ``consumed.parquet``, plots.
+
+Lookahead defaults (a fair comparison at matched throughput, DESIGN.md): ``train_batch`` needs the
+rollout a whole train batch ahead, so its limit is 2B groups; ``mini_batch`` keeps the trainer busy
+with B + B/K. Both count the groups running in the engine, so the limit bounds everything
+dispatched and not yet consumed.
+
+Example:
+    knit run --quick --compare --out runs/compare
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import sys
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from admission.config import AdmissionConfig, Policy
+from connectors.config import RolloutConfig
+from flight_store.client import StoreClient
+from flight_store.config import ServerConfig
+from flight_store.net import free_port
+from launcher import report
+from launcher.children import ROOT, Child, Children
+from schemas import documents
+from train.config import ModelConfig, OptimConfig, ParallelConfig, TrainConfig
+
+log = logging.getLogger(__name__)
+
+COMPARED: tuple[Policy, ...] = ("train_batch", "mini_batch")
+"""The policies ``--compare`` runs, baseline first."""
+
+
+class Interrupted(Exception):
+    """Ctrl-C or SIGTERM reached the driver."""
+
+
+def _default_admission() -> AdmissionConfig:
+    return AdmissionConfig(train_batch_groups=8, group_size=4, mini_batches=2, dp_ranks=2, token_budget=4096)
+
+
+@dataclass(kw_only=True, slots=True)
+class RunConfig:
+    """One ``knit run`` of one policy (``--compare`` runs one per policy, the rest equal).
+
+    Example:
+        >>> cfg = RunConfig(train_batches=3, out=Path("runs/x"))
+        >>> cfg.lookahead_groups, cfg.steps, cfg.total_groups
+        (12, 6, 24)
+    """
+
+    admission: AdmissionConfig = field(default_factory=_default_admission)
+    """The trainer's planner: B, G, K, D (trainer ranks), token budget, quotas, policy."""
+    train_batches: int = 300
+    """Train batches to run (the trainer takes ``train_batches * mini_batches`` optimizer steps)."""
+    optim: OptimConfig = field(default_factory=lambda: OptimConfig(lr=3e-3))
+    """The trainer's optimizer."""
+    max_tokens: int = 64
+    """Longest response, tokens."""
+    lookahead: int | None = None
+    """Groups dispatched but not yet consumed (None = the policy's default: 2B for train_batch, B + B/K else)."""
+    seed: int = 0
+    """Seed of the prompt stream, sampling, the tiny model and the trainer (same seed, same prompts per policy)."""
+    reward: str = "digits"
+    """Reward: a built-in name (``digits``: shaped, learnable by the tiny model; ``exact``) or module:function."""
+    num_stores: int = 2
+    """Store nodes to start."""
+    idle_timeout_s: float = 180.0
+    """The trainer stops when no mini-batch becomes admissible for this long (covers vLLM start-up)."""
+    timeout_s: float = 900.0
+    """The whole run of one policy is stopped after this long."""
+    model_dir: Path = field(default_factory=lambda: ROOT / "runs" / ".models" / "tiny-llama")
+    """Where the tiny Llama (tokenizer + weights of the trainer's shape) is built once and reused."""
+    out: Path = field(default_factory=lambda: ROOT / "runs" / time.strftime("%Y%m%d-%H%M%S"))
+    """The run folder."""
+    metrics: bool = True
+    """Serve Prometheus metrics from each store."""
+
+    def __post_init__(self) -> None:
+        for name in ("train_batches", "max_tokens", "num_stores"):
+            if getattr(self, name) < 1:
+                msg = f"RunConfig.{name}={getattr(self, name)} must be >= 1"
+                raise ValueError(msg)
+        if self.admission.policy not in COMPARED:
+            msg = f"RunConfig: knit run runs the policies {COMPARED}, not {self.admission.policy!r}"
+            raise ValueError(msg)
+        per_mini = self.admission.groups_per_mini_batch
+        if self.lookahead is not None and self.lookahead < per_mini:
+            msg = f"RunConfig.lookahead={self.lookahead} is below one mini-batch ({per_mini} groups)"
+            raise ValueError(msg)
+
+    @property
+    def policy(self) -> str:
+        return self.admission.policy
+
+    @property
+    def lookahead_groups(self) -> int:
+        """The lookahead limit in effect: 2B for ``train_batch``, B + B/K for ``mini_batch`` unless set."""
+        if self.lookahead is not None:
+            return self.lookahead
+        b = self.admission.train_batch_groups
+        return 2 * b if self.policy == "train_batch" else b + self.admission.groups_per_mini_batch
+
+    @property
+    def steps(self) -> int:
+        """Optimizer steps the trainer takes."""
+        return self.train_batches * self.admission.mini_batches
+
+    @property
+    def total_groups(self) -> int:
+        """Prompt groups the rollout generates (exactly what the trainer consumes)."""
+        return self.train_batches * self.admission.train_batch_groups
+
+    def for_policy(self, policy: Policy, out: Path) -> RunConfig:
+        """The same run with another policy, in ``out``."""
+        return dataclasses.replace(self, admission=dataclasses.replace(self.admission, policy=policy), out=out)
+
+
+# ---- the configs of the children ---------------------------------------------------------------
+
+
+def store_configs(cfg: RunConfig) -> list[ServerConfig]:
+    """One node config per store: free loopback ports, metrics on a free port when asked."""
+    return [ServerConfig(port=free_port(), node_name=f"node{i}", log_level="WARNING",
+                         metrics_port=free_port() if cfg.metrics else None)
+            for i in range(cfg.num_stores)]
+
+
+def train_config(cfg: RunConfig, model: ModelConfig, stores: list[str]) -> TrainConfig:
+    """The trainer's config: the run's admission and optimizer, publishing weights, reports in the run folder."""
+    return TrainConfig(
+        stores=stores, model=model, admission=cfg.admission, optim=cfg.optim,
+        parallel=ParallelConfig(backend="gloo", timeout_s=max(600.0, 2 * cfg.idle_timeout_s)),
+        publish_weights=True, max_steps=cfg.steps, idle_timeout_s=cfg.idle_timeout_s, seed=cfg.seed,
+        report_path=str(cfg.out / "trainer_rank{rank}.json"), progress_path=str(cfg.out / "progress.jsonl"),
+        consumed_path=str(cfg.out / "consumed.parquet"),
+    )
+
+
+def rollout_config(cfg: RunConfig, stores: list[str]) -> RolloutConfig:
+    """The rollout's config: weight sync on, the lookahead limit set, G and the seed from the run."""
+    return RolloutConfig(
+        model=str(cfg.model_dir), stores=stores, group_size=cfg.admission.group_size, max_tokens=cfg.max_tokens,
+        seed=cfg.seed, prompts_per_wave=cfg.admission.train_batch_groups, max_groups=cfg.total_groups,
+        max_unreleased_groups=cfg.lookahead_groups, lookahead_counts_running=True, lookahead_poll_s=0.1,
+        weight_sync=True, wait_initial_weights_s=cfg.idle_timeout_s, version_poll_s=0.1, reward=cfg.reward,
+        max_model_len=512, group_id_prefix=f"{cfg.policy}-", report_path=str(cfg.out / "rollout.json"),
+    )
+
+
+# ---- one run ----------------------------------------------------------------------------------
+
+
+@dataclass(slots=True)
+class LiveState:
+    """What the progress display shows, refreshed from the stores and the trainer's progress file."""
+
+    policy: str = ""
+    phase: str = "starting"
+    total_groups: int = 0
+    total_steps: int = 0
+    written: int = 0
+    admitted: int = 0
+    consumed: int = 0
+    version: int = 0
+    steps: list[dict[str, Any]] = field(default_factory=list)
+    started: float = field(default_factory=time.monotonic)
+
+    @property
+    def staleness_mean(self) -> float:
+        rows = sum(s.get("rows", 0) for s in self.steps if "arch_staleness_mean" in s)
+        if not rows:
+            return 0.0
+        return sum(s["arch_staleness_mean"] * s["rows"] for s in self.steps if "arch_staleness_mean" in s) / rows
+
+    @property
+    def staleness_max(self) -> int:
+        return max((int(s.get("arch_staleness_max", 0)) for s in self.steps), default=0)
+
+    def read_progress(self, path: Path) -> None:
+        """Take the trainer's new progress lines (one JSON object per optimizer step)."""
+        if not path.exists():
+            return
+        for line in path.read_text().splitlines()[len(self.steps):]:
+            try:
+                self.steps.append(json.loads(line))
+            except json.JSONDecodeError:
+                break  # a line being written: read it next time
+        if self.steps:
+            self.admitted = max(self.admitted, int(self.steps[-1].get("admitted_groups") or 0))
+            self.phase = "training"
+
+    def read_stats(self, stats: dict[str, dict[str, Any]]) -> None:
+        """Take the stores' counters."""
+        self.written = sum(int(s["groups"]["stored"]) + int(s["groups"]["released"]) for s in stats.values())
+        self.consumed = sum(int(s["groups"]["released"]) for s in stats.values())
+        self.version = max(int(s.get("policy_version", 0)) for s in stats.values())
+
+
+def start_stores(kids: Children, cfg: RunConfig, *, timeout_s: float = 60.0) -> list[ServerConfig]:
+    """Start the store nodes and wait until each answers ``health``; returns their configs."""
+    nodes = store_configs(cfg)
+    children = []
+    for i, node in enumerate(nodes):
+        path = documents.write(node, cfg.out / "configs" / f"store{i}.json")
+        children.append(kids.start(f"store{i}", [sys.executable, "-m", "flight_store", "--config", str(path)]))
+    deadline = time.monotonic() + timeout_s
+    with StoreClient([n.location for n in nodes], timeout=2.0) as client:
+        while not all(h.get("ok") for h in client.health().values()):
+            dead = [c for c in children if not c.alive()]
+            if dead or time.monotonic() > deadline:
+                who = dead[0] if dead else children[0]
+                msg = f"store node {who.name} did not come up:\n{kids.tail(who)}"
+                raise RuntimeError(msg)
+            time.sleep(0.2)
+    return nodes
+
+
+def run_policy(cfg: RunConfig, model: ModelConfig, *, stop: threading.Event,
+               on_update: Callable[[LiveState], None] | None = None) -> dict[str, Any]:
+    """Run one policy end to end; returns the run's results (``launcher.report.policy_summary``)."""
+    cfg.out.mkdir(parents=True, exist_ok=True)
+    for stale in ("progress.jsonl", "consumed.parquet", "rollout.json"):
+        (cfg.out / stale).unlink(missing_ok=True)
+    state = LiveState(policy=cfg.policy, total_groups=cfg.total_groups, total_steps=cfg.steps)
+    t0 = time.time()
+    with Children(cfg.out / "logs") as kids:
+        nodes = start_stores(kids, cfg)
+        stores = [n.location for n in nodes]
+        state.phase = "starting trainer + vLLM"
+        train_doc = documents.write(train_config(cfg, model, stores), cfg.out / "configs" / "train.json")
+        rollout_doc = documents.write(rollout_config(cfg, stores), cfg.out / "configs" / "rollout.json")
+        trainer = kids.start("trainer", [sys.executable, "-m", "train", "--config", str(train_doc),
+                                         "--nproc", str(cfg.admission.dp_ranks)])
+        rollout = kids.start("rollout", [sys.executable, "-m", "connectors", "--config", str(rollout_doc)])
+        with StoreClient(stores, timeout=5.0) as client:
+            interrupted = _supervise(cfg, kids, trainer, rollout, client, state, stop, on_update)
+            # the stores are still up: export the metadata of every node, then stop them (Children.__exit__)
+            metadata = client.metadata().collect()
+            stats = client.stats()
+        metadata.write_parquet(cfg.out / "metadata.parquet")
+        (cfg.out / "store_stats.json").write_text(json.dumps(stats, indent=1))
+    urls = [f"http://127.0.0.1:{n.metrics_port}/metrics" for n in nodes if n.metrics_port is not None]
+    result = report.policy_summary(cfg.out, config=json.loads(documents.dump(cfg)) | {
+        "lookahead_groups": cfg.lookahead_groups}, wall_s=time.time() - t0, metrics_urls=urls)
+    result["interrupted"] = interrupted
+    (cfg.out / "policy_summary.json").write_text(json.dumps(result, indent=1, default=str))
+    report.plot_policy(cfg.out, result)
+    if interrupted:
+        raise Interrupted
+    return result
+
+
+def _supervise(cfg: RunConfig, kids: Children, trainer: Child, rollout: Child, client: StoreClient,
+               state: LiveState, stop: threading.Event, on_update: Callable[[LiveState], None] | None) -> bool:
+    """Follow the run until the trainer exits; returns True when interrupted. Raises when a child fails."""
+    deadline = time.monotonic() + cfg.timeout_s
+
+    def refresh() -> None:
+        try:
+            state.read_stats(client.stats())
+        except Exception as exc:  # a slow answer is not fatal for a progress display
+            log.debug("stats failed: %s", exc)
+        state.read_progress(cfg.out / "progress.jsonl")
+        if on_update:
+            on_update(state)
+
+    try:
+        while trainer.alive():
+            if stop.is_set():
+                raise Interrupted
+            if time.monotonic() > deadline:
+                msg = f"run {cfg.policy} exceeded {cfg.timeout_s} s"
+                raise TimeoutError(msg)
+            refresh()
+            if not rollout.alive() and rollout.proc.returncode not in (0, None):
+                msg = f"the rollout worker failed (exit {rollout.proc.returncode}):\n{kids.tail(rollout)}"
+                raise RuntimeError(msg)
+            stop.wait(0.5)
+        if trainer.proc.returncode != 0:
+            msg = f"the trainer failed (exit {trainer.proc.returncode}):\n{kids.tail(trainer, 40)}"
+            raise RuntimeError(msg)
+        state.phase = "finishing"
+        refresh()
+        kids.stop(rollout, grace_s=30.0)  # all groups were consumed: it has finished or stops now
+        return False
+    except Interrupted:
+        state.phase = "interrupted"
+        kids.stop(trainer, grace_s=5.0)
+        kids.stop(rollout, grace_s=15.0)  # aborts the groups still running and writes them
+        return True

@@ -1,0 +1,302 @@
+"""What a valid trajectory batch is: types, defaults and value rules, one implementation for every writer.
+
+The records helpers (``schemas.records``), the engine connector (``connectors.vllm``) and the store
+(``flight_store``) all build or check trajectory batches with these functions, so a batch one of
+them accepts, the others accept too.
+
+:func:`normalize_batch` turns one batch a writer sent into a batch of exactly
+``TRAJECTORY_SCHEMA`` (schema column order), or raises :class:`TrajectoryError` naming the column:
+
+* names and types against ``TRAJECTORY_SCHEMA``; columns may come in any order; unknown or
+  duplicate columns are refused;
+* cheap safe casts are accepted (integer widths, ``large_list``/``list`` of castable values,
+  ``large_string``/dictionary-encoded strings, ``bool`` loss masks, timestamp units, binary image
+  keys of 32 bytes); a cast that would lose information is refused;
+* columns in ``OPTIONAL_ON_WRITE`` may be missing and are filled (:func:`fill_defaults`):
+  ``policy_version_min`` = ``policy_version``, ``num_images`` = ``len(image_keys)`` (or 0),
+  ``image_keys`` = ``[]``, ``loss_mask`` = all ones of the response length,
+  ``created_at``/``completed_at`` = now, ``finish_reason`` = ``"stop"``, ``status`` =
+  ``"completed"``, ``data_source`` = ``"default"``, ``prompt_len``/``response_len`` = the list
+  lengths (for the records helpers; the wire requires them);
+* ``bytes`` is always recomputed as the row's payload size (:func:`payload_bytes`);
+* nulls are refused in every column (and inside list values);
+* the value rules of :func:`check_rules`: every ``group_id`` equals the group's; ``sample_idx >= 0``
+  and unique; ``status`` in ``STATUSES``; list lengths agree (``response_logprobs`` and
+  ``loss_mask`` have ``len(response_ids)`` values, ``prompt_len``/``response_len`` equal the list
+  lengths, ``num_images`` equals ``len(image_keys)``).
+
+:func:`normalize_stream` normalises the batches of one DoPut stream and refuses a ``sample_idx``
+repeated across them. :func:`normalize_images` does the same for the image table.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+from collections.abc import Sequence
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
+
+from schemas.arrow import IMAGE_SCHEMA, OPTIONAL_ON_WRITE, PAYLOAD_COLUMNS, STATUSES, TRAJECTORY_SCHEMA
+
+_EXPECTED: dict[str, pa.DataType] = {f.name: f.type for f in TRAJECTORY_SCHEMA}
+_IMAGE_EXPECTED: dict[str, pa.DataType] = {f.name: f.type for f in IMAGE_SCHEMA}
+_FILLED_FROM_LISTS = {"prompt_len": "prompt_ids", "response_len": "response_ids"}
+"""Columns the records helpers may leave out (the wire requires them): the length of this list column."""
+
+
+class TrajectoryError(ValueError):
+    """A trajectory (or image) batch that breaks the schema or a value rule; ``column`` names where."""
+
+    def __init__(self, message: str, *, column: str | None = None) -> None:
+        super().__init__(message)
+        self.column = column
+
+
+def _castable(src: pa.DataType, dst: pa.DataType) -> bool:
+    """Whether ``src`` may be cast (safely, cheaply) to ``dst``."""
+    if src == dst:
+        return True
+    if pa.types.is_integer(dst):
+        return pa.types.is_integer(src) or (pa.types.is_boolean(src) and dst == pa.uint8())
+    if pa.types.is_string(dst):
+        if pa.types.is_large_string(src) or pa.types.is_string_view(src):
+            return True
+        return pa.types.is_dictionary(src) and _castable(src.value_type, dst)
+    if pa.types.is_list(dst):
+        if pa.types.is_list(src) or pa.types.is_large_list(src) or pa.types.is_list_view(src):
+            return _castable(src.value_type, dst.value_type)
+        return False
+    if pa.types.is_fixed_size_binary(dst):
+        return pa.types.is_binary(src) or pa.types.is_large_binary(src)
+    if pa.types.is_timestamp(dst):
+        return pa.types.is_timestamp(src) and src.tz is None
+    if pa.types.is_large_binary(dst):
+        return pa.types.is_binary(src)
+    return False
+
+
+def conform_column(name: str, arr: pa.Array | pa.ChunkedArray, expected: pa.DataType) -> pa.Array:
+    """``arr`` as type ``expected`` (safe cast where allowed); refuses nulls, naming ``name``."""
+    if isinstance(arr, pa.ChunkedArray):
+        arr = arr.combine_chunks()
+    if arr.type != expected:
+        if not _castable(arr.type, expected):
+            msg = f"column {name!r} has type {arr.type}, expected {expected}"
+            raise TrajectoryError(msg, column=name)
+        try:
+            arr = arr.cast(expected, safe=True)
+        except (pa.ArrowInvalid, pa.ArrowNotImplementedError) as exc:
+            msg = f"column {name!r} of type {arr.type} cannot be cast to {expected}: {exc}"
+            raise TrajectoryError(msg, column=name) from None
+    if arr.null_count:
+        msg = f"column {name!r} has {arr.null_count} null value(s); nulls are not allowed"
+        raise TrajectoryError(msg, column=name)
+    if pa.types.is_list(expected):
+        values = pc.list_flatten(arr)
+        if values.null_count:
+            msg = f"column {name!r} has {values.null_count} null list element(s); nulls are not allowed"
+            raise TrajectoryError(msg, column=name)
+    return _without_validity(arr)
+
+
+def _without_validity(arr: pa.Array) -> pa.Array:
+    """``arr`` without an all-valid validity bitmap (so a row's bytes are its values and offsets only)."""
+    if arr.buffers()[0] is None:
+        return arr
+    children = [arr.values] if pa.types.is_list(arr.type) else None
+    top = 2 if pa.types.is_list(arr.type) else len(arr.buffers())
+    return pa.Array.from_buffers(arr.type, len(arr), [None, *arr.buffers()[1:top]], null_count=0, offset=arr.offset,
+                                 children=children)
+
+
+def list_lengths(arr: pa.Array) -> np.ndarray:
+    """Length of each list of ``arr``, int64."""
+    return pc.list_value_length(arr).to_numpy(zero_copy_only=False).astype(np.int64)
+
+
+def payload_bytes(columns: dict[str, pa.Array]) -> pa.Array:
+    """Per-row payload size in bytes: list values times their width, plus one 4-byte offset per list."""
+    total = np.zeros(len(columns[PAYLOAD_COLUMNS[0]]), dtype=np.int64)
+    for name in PAYLOAD_COLUMNS:
+        arr = columns[name]
+        total += list_lengths(arr) * arr.type.value_type.byte_width + 4
+    return pa.array(total, type=pa.int64())
+
+
+def _ones_like_lists(template: pa.Array) -> pa.Array:
+    offsets = np.asarray(template.offsets.to_numpy(zero_copy_only=False), dtype=np.int32)
+    offsets = offsets - offsets[0]
+    values = pa.array(np.ones(int(offsets[-1]), dtype=np.uint8))
+    return pa.ListArray.from_arrays(pa.array(offsets, type=pa.int32()), values, type=pa.list_(pa.uint8()))
+
+
+def utc_now() -> dt.datetime:
+    """Now, as the naive UTC datetime the timestamp columns hold."""
+    return dt.datetime.now(dt.UTC).replace(tzinfo=None)
+
+
+def _default(name: str, cols: dict[str, pa.Array], n: int, now: dt.datetime) -> pa.Array:
+    """The default value of optional column ``name`` for ``n`` rows, from the other columns."""
+    if name == "policy_version_min":
+        return cols["policy_version"]
+    if name == "image_keys":
+        return pa.array([[]] * n, type=_EXPECTED["image_keys"])
+    if name == "num_images":
+        return pa.array(list_lengths(cols["image_keys"]).astype(np.int16), type=pa.int16())
+    if name == "loss_mask":
+        return _ones_like_lists(cols["response_ids"])
+    if name in ("created_at", "completed_at"):
+        return pa.repeat(pa.scalar(now, type=pa.timestamp("us")), n)
+    if name in _FILLED_FROM_LISTS:
+        return pa.array(list_lengths(cols[_FILLED_FROM_LISTS[name]]).astype(np.int32), type=pa.int32())
+    value = {"finish_reason": "stop", "status": "completed", "data_source": "default"}[name]
+    return pa.repeat(pa.scalar(value, type=pa.string()), n)
+
+
+_FILL_ORDER = ("policy_version_min", "image_keys", "num_images", "loss_mask", "created_at", "completed_at",
+               "finish_reason", "status", "data_source", "prompt_len", "response_len")
+"""Optional columns in the order they are filled (``num_images`` after ``image_keys``)."""
+
+
+def fill_defaults(cols: dict[str, pa.Array], n: int, *, now: dt.datetime | None = None,
+                  nulls_are_missing: bool = False, fillable: frozenset[str] = OPTIONAL_ON_WRITE) -> None:
+    """Fill the optional columns of ``cols`` (in place) with their defaults.
+
+    A missing column is filled whole. With ``nulls_are_missing`` (the records helpers, whose rows
+    leave fields unset one by one), the null values of a present optional column are filled row by
+    row; otherwise nulls are left for :func:`conform_column` to refuse.
+    """
+    stamp = now or utc_now()
+    for name in _FILL_ORDER:
+        if name not in fillable:
+            continue
+        got = cols.get(name)
+        if got is None:
+            cols[name] = _default(name, cols, n, stamp)
+        elif nulls_are_missing and got.null_count:
+            cols[name] = pc.if_else(pc.is_null(got), _default(name, cols, n, stamp).cast(got.type), got)
+
+
+def _check_lengths(name: str, got: np.ndarray, want: np.ndarray, what: str) -> None:
+    bad = np.nonzero(got != want)[0]
+    if bad.size:
+        i = int(bad[0])
+        msg = f"column {name!r} row {i}: {int(got[i])} values, expected {int(want[i])} ({what})"
+        raise TrajectoryError(msg, column=name)
+
+
+def check_rules(cols: dict[str, pa.Array], group_id: str) -> None:
+    """The value rules every row of group ``group_id`` must keep (columns already of the schema's types)."""
+    n = len(cols["group_id"])
+    if n and not pc.all(pc.equal(cols["group_id"], pa.scalar(group_id))).as_py():
+        first = next(g for g in cols["group_id"].to_pylist() if g != group_id)
+        msg = f"column 'group_id' holds {first!r} but the descriptor names group {group_id!r}"
+        raise TrajectoryError(msg, column="group_id")
+    if n and pc.min(cols["sample_idx"]).as_py() < 0:
+        msg = "column 'sample_idx' has a negative value"
+        raise TrajectoryError(msg, column="sample_idx")
+    if len(set(cols["sample_idx"].to_numpy().tolist())) != n:
+        msg = f"column 'sample_idx' repeats a value within one stream of group {group_id!r}"
+        raise TrajectoryError(msg, column="sample_idx")
+    if n and not pc.all(pc.is_in(cols["status"], value_set=pa.array(STATUSES))).as_py():
+        bad = next(s for s in cols["status"].to_pylist() if s not in STATUSES)
+        msg = f"column 'status' holds {bad!r}, not one of {STATUSES}"
+        raise TrajectoryError(msg, column="status")
+    vmin, vmax = cols["policy_version_min"].to_numpy(), cols["policy_version"].to_numpy()
+    bad = np.nonzero(vmin > vmax)[0]
+    if bad.size:
+        i = int(bad[0])
+        msg = (f"column 'policy_version_min' row {i}: {int(vmin[i])} > policy_version {int(vmax[i])} "
+               "(the oldest version that produced a token cannot be newer than the last)")
+        raise TrajectoryError(msg, column="policy_version_min")
+    resp = list_lengths(cols["response_ids"])
+    _check_lengths("response_logprobs", list_lengths(cols["response_logprobs"]), resp, "len(response_ids)")
+    _check_lengths("loss_mask", list_lengths(cols["loss_mask"]), resp, "len(response_ids)")
+    _check_lengths("response_len", cols["response_len"].to_numpy().astype(np.int64), resp, "len(response_ids)")
+    prompt = list_lengths(cols["prompt_ids"])
+    _check_lengths("prompt_len", cols["prompt_len"].to_numpy().astype(np.int64), prompt, "len(prompt_ids)")
+    nimg = list_lengths(cols["image_keys"])
+    _check_lengths("num_images", cols["num_images"].to_numpy().astype(np.int64), nimg, "len(image_keys)")
+
+
+def _check_names(names: Sequence[str], fillable: frozenset[str]) -> None:
+    seen: set[str] = set()
+    for name in names:
+        if name in seen:
+            msg = f"column {name!r} appears more than once"
+            raise TrajectoryError(msg, column=name)
+        if name not in _EXPECTED:
+            msg = f"unknown column {name!r}; the trajectory schema has {list(_EXPECTED)}"
+            raise TrajectoryError(msg, column=name)
+        seen.add(name)
+    for name in _EXPECTED:
+        if name not in seen and name not in fillable and name != "bytes":
+            msg = f"required column {name!r} is missing"
+            raise TrajectoryError(msg, column=name)
+
+
+def _finish(cols: dict[str, pa.Array], group_id: str) -> pa.RecordBatch:
+    check_rules(cols, group_id)
+    cols["bytes"] = payload_bytes(cols)
+    return pa.RecordBatch.from_arrays([cols[name] for name in _EXPECTED], schema=TRAJECTORY_SCHEMA)
+
+
+def build_batch(cols: dict[str, pa.Array], group_id: str, *, now: dt.datetime | None = None,
+                nulls_are_missing: bool = False, fillable: frozenset[str] = OPTIONAL_ON_WRITE) -> pa.RecordBatch:
+    """Columns of one group -> a batch of exactly ``TRAJECTORY_SCHEMA``: defaults filled, types and rules checked.
+
+    The engine connector and the records helpers call this; :func:`normalize_batch` (the store's
+    entry) does the same for a batch that arrived.
+    """
+    _check_names([c for c in cols if c != "bytes"], fillable)
+    fill_defaults(cols, len(cols["group_id"]), now=now, nulls_are_missing=nulls_are_missing, fillable=fillable)
+    for name in _EXPECTED:
+        if name != "bytes":
+            cols[name] = conform_column(name, cols[name], _EXPECTED[name])
+    return _finish(cols, group_id)
+
+
+def normalize_batch(batch: pa.RecordBatch, group_id: str, *, now: dt.datetime | None = None) -> pa.RecordBatch:
+    """Validate ``batch`` for group ``group_id`` and return it as ``TRAJECTORY_SCHEMA``.
+
+    Raises:
+        TrajectoryError: naming the offending column.
+    """
+    _check_names(batch.schema.names, OPTIONAL_ON_WRITE)
+    cols = {name: conform_column(name, batch.column(name), _EXPECTED[name])
+            for name in batch.schema.names if name != "bytes"}
+    fill_defaults(cols, batch.num_rows, now=now)
+    return _finish(cols, group_id)
+
+
+def normalize_stream(batches: Sequence[pa.RecordBatch], group_id: str) -> list[pa.RecordBatch]:
+    """Normalise every batch of one DoPut stream; refuses a ``sample_idx`` repeated across batches."""
+    now = utc_now()
+    out = [normalize_batch(b, group_id, now=now) for b in batches if b.num_rows]
+    seen: set[int] = set()
+    for b in out:
+        idx = b.column("sample_idx").to_numpy().tolist()
+        dup = seen.intersection(idx)
+        if dup:
+            msg = f"column 'sample_idx' repeats {min(dup)} within one stream of group {group_id!r}"
+            raise TrajectoryError(msg, column="sample_idx")
+        seen.update(idx)
+    return out
+
+
+def normalize_images(table: pa.Table | pa.RecordBatch) -> pa.Table:
+    """Validate an image table (columns in any order, safe casts) and return it as ``IMAGE_SCHEMA``."""
+    names = table.schema.names
+    for name in names:
+        if name not in _IMAGE_EXPECTED:
+            msg = f"unknown image column {name!r}; the image schema has {list(_IMAGE_EXPECTED)}"
+            raise TrajectoryError(msg, column=name)
+    arrays = []
+    for name, typ in _IMAGE_EXPECTED.items():
+        if name not in names:
+            msg = f"required image column {name!r} is missing"
+            raise TrajectoryError(msg, column=name)
+        arrays.append(conform_column(name, table.column(name), typ))
+    return pa.Table.from_arrays(arrays, schema=IMAGE_SCHEMA)

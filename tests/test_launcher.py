@@ -1,0 +1,235 @@
+"""The launcher without an engine: ``knit`` and its flags (derived from the config classes), ``knit run``'s
+configs and the documents its children get, the shape check, process groups, the report and plots from a
+synthetic run folder, and the demo."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import polars as pl
+import pytest
+
+from admission.config import AdmissionConfig
+from connectors.config import RolloutConfig
+from launcher import cli
+from launcher.children import Children
+from launcher.flags import add_flags, build, field_docs, show_default
+from launcher.main_job import parse
+from launcher.model import check_shapes, trainer_model
+from launcher.report import policy_summary, table_rows, write_summary
+from launcher.run import RunConfig, rollout_config, train_config
+from schemas import documents
+from train.config import ModelConfig, TrainConfig
+from train.weights import hf_llama_config
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+# ---- knit run's configs -------------------------------------------------------------------------
+
+
+def test_lookahead_defaults_per_policy() -> None:
+    assert RunConfig().lookahead_groups == 12  # mini_batch: B + B/K
+    tb = RunConfig().for_policy("train_batch", Path("x"))
+    assert tb.lookahead_groups == 16 and tb.out == Path("x")  # one whole train batch ahead
+    four = RunConfig(admission=AdmissionConfig(train_batch_groups=8, group_size=4, mini_batches=4, dp_ranks=2))
+    assert four.lookahead_groups == 10
+    assert RunConfig(lookahead=9).lookahead_groups == 9
+
+
+@pytest.mark.parametrize(("kwargs", "match"), [
+    ({"admission": AdmissionConfig(train_batch_groups=8, group_size=4, policy="colocated")}, "colocated"),
+    ({"train_batches": 0}, "train_batches=0"),
+    ({"lookahead": 1}, "lookahead=1"),
+    ({"num_stores": 0}, "num_stores=0"),
+])
+def test_run_config_refuses_bad_values(kwargs: dict[str, object], match: str) -> None:
+    with pytest.raises(ValueError, match=match):
+        RunConfig(**kwargs)  # type: ignore[arg-type]
+
+
+def test_children_get_validated_documents_with_the_run_geometry(tmp_path: Path) -> None:
+    cfg = RunConfig(train_batches=3, out=tmp_path, seed=7).for_policy("train_batch", tmp_path)
+    stores = ["grpc://127.0.0.1:1", "grpc://127.0.0.1:2"]
+    trainer = documents.load(TrainConfig, documents.dump(train_config(cfg, trainer_model(300), stores)))
+    assert trainer.max_steps == 6 and trainer.publish_weights and trainer.stores == stores
+    assert trainer.admission == cfg.admission and trainer.admission.policy == "train_batch"
+    assert trainer.model.vocab_size == 300 and trainer.seed == 7 and trainer.optim.lr == cfg.optim.lr
+    rollout = documents.load(RolloutConfig, documents.dump(rollout_config(cfg, stores)))
+    assert rollout.group_size == cfg.admission.group_size and rollout.max_groups == 24
+    assert rollout.max_unreleased_groups == 16 and rollout.lookahead_counts_running and rollout.weight_sync
+    assert rollout.reward == "digits" and rollout.seed == 7 and rollout.stores == stores
+
+
+def test_shape_check_names_every_mismatch() -> None:
+    model = trainer_model(400)
+    hf = hf_llama_config(model)
+    check_shapes(hf, model)  # equal: no error
+    bad = dict(hf, hidden_size=64, num_key_value_heads=4)
+    with pytest.raises(ValueError, match="hidden_size") as exc:
+        check_shapes(bad, model)
+    assert "num_key_value_heads" in str(exc.value)
+    with pytest.raises(ValueError, match="vocab_size"):
+        check_shapes(hf, trainer_model(401))
+    assert model.head_dim >= 32  # vLLM's CPU attention refuses head_dim 16
+    assert ModelConfig.preset("tiny").hidden_size == 64  # the unit-test preset is unchanged
+
+
+# ---- the knit command ---------------------------------------------------------------------------
+
+
+def test_knit_lists_its_commands_and_refuses_an_unknown_one(capsys: pytest.CaptureFixture[str]) -> None:
+    assert cli.main(["--help"]) == 0
+    out = capsys.readouterr().out
+    for name in ("serve", "run", "train", "rollout", "meta", "demo"):
+        assert f"  {name} " in out
+    assert cli.main(["explode"]) == 2
+    assert "unknown command 'explode'" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("cls", [RunConfig, TrainConfig, RolloutConfig])
+def test_every_field_has_one_flag_whose_default_is_the_field_default(cls: type) -> None:
+    parser = argparse.ArgumentParser()
+    flags = add_flags(parser, cls)
+    helps = {a.option_strings[0]: a.help or "" for a in parser._actions if a.option_strings}
+    assert len({f.flag for f in flags}) == len(flags)
+    for f in flags:
+        assert field_docs(f.owner).get(f.path[-1]), f"{f.owner.__name__}.{f.path[-1]} has no docstring"
+        field = next(x for x in dataclasses.fields(f.owner) if x.name == f.path[-1])
+        if field.default is not dataclasses.MISSING:
+            assert f"default: {show_default(field.default)}" in helps[f.flag], f.flag
+        elif field.default_factory is dataclasses.MISSING:
+            assert "required" in helps[f.flag], f.flag
+
+
+def test_knit_run_flags_build_the_configs() -> None:
+    configs, args = parse(["--quick", "--compare", "--group-size", "8", "--lr", "0.01", "--out", "/tmp/x"])
+    assert [c.policy for c in configs] == ["train_batch", "mini_batch"] and args.compare
+    assert all(c.train_batches == 3 and c.admission.group_size == 8 and c.optim.lr == 0.01 for c in configs)
+    assert [c.out for c in configs] == [Path("/tmp/x/train_batch"), Path("/tmp/x/mini_batch")]
+    (one,), _ = parse(["--train-batches", "5", "--policy", "train_batch"])
+    assert one.train_batches == 5 and one.policy == "train_batch" and one.admission.group_size == 4
+    with pytest.raises(SystemExit):
+        parse(["--mini-batches", "3"])  # 3 does not divide B = 8: refused by AdmissionConfig, named
+
+
+def test_flags_name_the_bad_value_and_keep_untouched_fields() -> None:
+    parser = argparse.ArgumentParser()
+    flags = add_flags(parser, TrainConfig)
+    with pytest.raises(ValueError, match="--max-steps"):
+        build(TrainConfig, flags, parser.parse_args(["--stores", "a", "--max-steps", "x", "--train-batch-groups", "2",
+                                                     "--group-size", "2"]))
+    base = TrainConfig(stores=["a"], max_steps=9, admission=AdmissionConfig(train_batch_groups=2, group_size=2))
+    got = build(TrainConfig, flags, parser.parse_args(["--lr", "0.5", "--clip-high", "0.3"]), base=base)
+    assert got.max_steps == 9 and got.optim.lr == 0.5 and got.admission.grpo.clip_high == 0.3
+    assert dataclasses.replace(got, optim=base.optim, admission=base.admission) == base
+
+
+def test_knit_train_refuses_a_bad_document_naming_the_field(tmp_path: Path) -> None:
+    doc = tmp_path / "train.json"
+    doc.write_text(json.dumps({"stores": ["grpc://127.0.0.1:1"], "max_steps": "five"}))
+    res = subprocess.run([sys.executable, "-m", "launcher", "train", "--config", str(doc)], cwd=ROOT,
+                         capture_output=True, text=True, timeout=60, check=False)
+    assert res.returncode == 2 and "max_steps" in res.stderr
+
+
+def test_the_driver_imports_neither_vllm_nor_torch() -> None:
+    code = ("import sys, launcher.cli, launcher.run, launcher.main_job, launcher.report, launcher.progress, "
+            "launcher.model; print(sorted({'vllm', 'torch', 'megatron'} & {m.split('.')[0] for m in sys.modules}))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=True)
+    assert out.stdout.strip() == "[]"
+
+
+def test_demo_runs_and_reports(capsys: pytest.CaptureFixture[str]) -> None:
+    assert cli.main(["demo", "--groups", "9", "--group-size", "3"]) == 0
+    out = capsys.readouterr().out
+    assert "2 store nodes, 27 trajectories in 9 groups" in out
+    assert "fetched micro-batch: 6 rows" in out and "released 2 groups" in out
+    for source in ("math", "code", "chat"):
+        assert source in out
+
+
+def test_flight_store_imports_no_heavy_package() -> None:
+    code = ("import sys, flight_store, flight_store.node, flight_store.query; "
+            "heavy = {'torch', 'admission', 'train', 'connectors', 'vllm', 'megatron', 'launcher'}; "
+            "print(sorted(heavy & {m.split('.')[0] for m in sys.modules}))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=True)
+    assert out.stdout.strip() == "[]"
+
+
+# ---- processes and the report -------------------------------------------------------------------
+
+
+def test_children_stop_their_whole_process_group(tmp_path: Path) -> None:
+    code = ("import subprocess, sys, time; p = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)']);"
+            "print(p.pid, flush=True); time.sleep(60)")
+    kids = Children(tmp_path / "logs")
+    child = kids.start("sleeper", [sys.executable, "-c", code])
+    log = tmp_path / "logs" / "sleeper.log"
+    deadline = time.monotonic() + 20
+    while time.monotonic() < deadline and not log.read_text().strip():
+        time.sleep(0.1)
+    grandchild = int(log.read_text().split()[0])
+    assert os.getpgid(grandchild) == child.pid  # the grandchild is in the child's group
+    kids.stop_all()
+    assert not child.alive()
+    time.sleep(0.2)
+    try:  # gone, or a zombie waiting for its new parent to reap it
+        state = Path(f"/proc/{grandchild}/stat").read_text().split()[2]
+    except OSError:
+        state = "gone"
+    assert state in ("gone", "Z")
+    assert json.loads((tmp_path / "logs" / "children.json").read_text())[0]["pid"] == child.pid
+
+
+def _fake_run(folder: Path, arch: list[int], rewards: list[float]) -> None:
+    """A run folder as the trainer writes it: 2 ranks, 2 steps, one micro-batch each."""
+    folder.mkdir(parents=True)
+    n = len(arch)
+    consumed = pl.DataFrame({"group_id": [f"g{i // 2}" for i in range(n)], "sample_idx": [i % 2 for i in range(n)],
+                             "step": [i * 2 // n for i in range(n)], "train_batch": [0] * n,
+                             "response_len": [10] * n, "reward": rewards, "arch_staleness": arch,
+                             "signed_staleness": arch})
+    consumed.write_parquet(folder / "consumed.parquet")
+    for rank in (0, 1):
+        steps = [{"step": s, "version": s + 1, "loss": 0.1, "rows": n // 2, "abs_logp_diff": 1e-7,
+                  "fetch_s": [0.01], "exposed_wait_s": [0.002], "bytes_fetched": 1000, "step_time_s": 0.5,
+                  "publish_s": 0.05, "plan_wait_s": 1.0, "t_end": 100.0 + s} for s in (0, 1)]
+        rows = [["row", i * 2 // n, f"g{i // 2}", i % 2] for i in range(n) if (i // 2) % 2 == rank]
+        (folder / f"trainer_rank{rank}.json").write_text(json.dumps({"env": {"rank": rank}, "steps": steps,
+                                                                     "consumed": rows}))
+
+
+def test_report_from_a_run_folder(tmp_path: Path) -> None:
+    _fake_run(tmp_path / "train_batch", [2, 2, 2, 2], [0.0, 1.0, 0.5, 0.5])
+    _fake_run(tmp_path / "mini_batch", [0, 0, 1, 1], [0.0, 1.0, 0.5, 0.5])
+    results = {}
+    for name in ("train_batch", "mini_batch"):
+        r = policy_summary(tmp_path / name, config={"policy": name}, wall_s=3.0)
+        assert r["trajectories_consumed"] == 4 and r["rows_received"] == 4 and r["duplicate_rows"] == 0
+        assert r["bytes_per_rank"] == {"0": 2000, "1": 2000}
+        assert r["driver_payload_bytes"] == 0
+        assert r["trainer_idle_s"] == 1.0  # step 0's wait is start-up
+        assert r["training_window_s"] == pytest.approx(1.5)
+        assert r["reward_per_train_batch"] == [0.5]
+        assert len(table_rows(r)) > 10
+        results[name] = r
+    assert results["mini_batch"]["arch_staleness_mean"] == 0.5 and results["mini_batch"]["arch_staleness_max"] == 1
+    doc = write_summary(tmp_path, results)
+    assert doc["arch_staleness_reduction"] == 0.75
+    saved = json.loads((tmp_path / "summary.json").read_text())
+    assert saved["policies"]["train_batch"]["arch_staleness_mean"] == 2.0
+    assert (tmp_path / "staleness_compare.png").stat().st_size > 1000
+
+    from launcher.report import plot_policy
+
+    paths = plot_policy(tmp_path / "mini_batch", results["mini_batch"])
+    assert [p.name for p in paths] == ["staleness_per_step.png", "time_breakdown.png", "reward_per_train_batch.png"]
+    assert all(p.stat().st_size > 1000 for p in paths)

@@ -1,0 +1,193 @@
+"""The trainer loop, written once for every kind of step: connect -> scan -> plan -> fetch -> step.
+
+Every rank runs :func:`run`. Rank 0 also hosts the planner (``train.planning``): it scans metadata,
+plans each mini-batch as soon as admission allows, and broadcasts the plans. What differs between
+the text and the multimodal trainer is a :class:`Step` (``TrainConfig.vision`` selects it):
+``train.trainer.TextStep`` or ``train.mm_trainer.MultimodalStep``. It builds its model, submits each
+plan's fetches of this rank's slices to its prefetch thread, and takes the optimizer step. After
+each step rank 0 publishes the new policy version to every store (and the weights, when asked) and
+releases the consumed groups.
+
+Per-step metrics (returned, logged, and written to ``report_path``): the step's own (see
+``train.backbone.step_metrics`` and each step) plus ``version``, ``publish_s``, ``plan_wait_s`` and
+``t_end``. Rank 0 appends a progress line per step (``progress_path``) and writes the planner's
+consumed trajectories at the end (``consumed_path``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import os
+import time
+from collections import deque
+from typing import Any, Protocol
+
+from schemas.plan import MiniBatchPlan
+from train.config import TrainConfig
+from train.planning import PlannerLike, PlanSource
+
+log = logging.getLogger(__name__)
+
+
+class Step(Protocol):
+    """One kind of optimizer step: what it builds (in its constructor), how it fetches, how it steps.
+
+    Built as ``Kind(cfg, env, client)`` on every rank, after the process group exists.
+    """
+
+    built: Any
+    """The backbone (``train.model.Built``): checkpoints and published weights are its."""
+
+    def submit(self, plan: MiniBatchPlan) -> None:
+        """Queue this rank's fetches of ``plan`` on the prefetch thread (ahead of its step)."""
+        ...
+
+    def step(self, plan: MiniBatchPlan, consumed: list[list[Any]]) -> dict[str, Any]:
+        """One optimizer step over this rank's share of ``plan``; its metrics.
+
+        May append ``["row", step, group_id, sample_idx]`` to ``consumed`` for every row received.
+        """
+        ...
+
+    def close(self) -> None:
+        """Stop the prefetch thread."""
+        ...
+
+
+def run(cfg: TrainConfig, *, planner: PlannerLike | None = None) -> list[dict[str, Any]]:
+    """Train until ``max_steps`` mini-batches are consumed or no data arrives for ``idle_timeout_s``.
+
+    Collective: every rank calls it. Rank 0 plans with ``planner`` when given, else with
+    ``admission.Planner(cfg.admission)`` (``dp_ranks`` set from the process group). Returns this
+    rank's per-step metrics.
+    """
+    from admission.planner import Planner
+    from flight_store.client import StoreClient
+    from train import mcore_compat, model
+    from train.planning import with_dp_ranks
+
+    env = mcore_compat.init_distributed(cfg.parallel, seed=cfg.seed)
+    admission = with_dp_ranks(cfg.admission, env["dp_size"])  # every rank checks: none waits on a failed rank 0
+    consumed: list[list[Any]] = []
+    if env["rank"] == 0 and planner is None:
+        planner = Planner(admission)
+    with contextlib.ExitStack() as stack:
+        client = stack.enter_context(StoreClient(cfg.stores, token=cfg.token))
+        kind = _build_step(cfg, env, client)
+        stack.callback(kind.close)
+        source = PlanSource(client, planner) if env["rank"] == 0 and planner is not None else None
+        log.info("rank %d ready: %s", env["rank"], env)
+        if cfg.publish_weights:  # the rollout starts from the trainer's weights (version initial_version)
+            publish_weights(kind.built, client, cfg.initial_version, env)
+        history = _train(cfg, env, kind, client, source, consumed)
+        if cfg.save_dir:
+            model.save_checkpoint(kind.built.gpt, cfg.save_dir)
+    if cfg.report_path:
+        write_report(cfg, env, history, consumed)
+    if cfg.consumed_path and env["rank"] == 0:
+        write_consumed(cfg.consumed_path, planner)
+    mcore_compat.shutdown()
+    return history
+
+
+def _build_step(cfg: TrainConfig, env: dict[str, int], client: Any) -> Step:
+    if cfg.vision is not None:
+        from train.mm_trainer import MultimodalStep
+
+        return MultimodalStep(cfg, env, client)
+    from train.trainer import TextStep
+
+    return TextStep(cfg, env, client)
+
+
+def _train(cfg: TrainConfig, env: dict[str, int], kind: Step, client: Any, source: PlanSource | None,
+           consumed: list[list[Any]]) -> list[dict[str, Any]]:
+    """The loop: plan (rank 0, broadcast), submit fetches, step, publish the version, release the groups."""
+    from train.planning import exchange_plans
+
+    queue: deque[MiniBatchPlan] = deque()
+    version = cfg.initial_version
+    history: list[dict[str, Any]] = []
+    plan_wait = 0.0
+    while True:
+        # scan + plan on rank 0, broadcast (every rank knows the queue, so all skip or all join)
+        if not cfg.max_steps or len(history) + len(queue) < cfg.max_steps:
+            t_plan = time.perf_counter()
+            new = exchange_plans(source, version, block=not queue, idle_timeout_s=cfg.idle_timeout_s,
+                                 poll_interval_s=cfg.poll_interval_s)
+            plan_wait += time.perf_counter() - t_plan
+            for plan in new:
+                queue.append(plan)
+                kind.submit(plan)  # fetch: this rank's slices, on the prefetch thread
+        if not queue:
+            break  # idle for idle_timeout_s, or max_steps reached
+        plan = queue.popleft()
+        if cfg.report_path is not None:
+            consumed.extend(["slice", plan.step, s.node, s.group_id, s.start, s.stop]
+                            for m in plan.for_rank(env["dp_rank"]).micro_batches for s in m.slices)
+        metrics = kind.step(plan, consumed)
+        version += 1
+        t_pub = time.perf_counter()
+        if cfg.publish_weights:
+            publish_weights(kind.built, client, version, env)
+        if env["rank"] == 0:
+            client.publish_version(version)
+            client.release(plan.group_ids)  # frees images no unreleased group references
+        metrics.update(version=version, publish_s=time.perf_counter() - t_pub, plan_wait_s=plan_wait, t_end=time.time())
+        plan_wait = 0.0
+        history.append(metrics)
+        if cfg.progress_path and source is not None:
+            write_progress(cfg.progress_path, metrics, source.planner)
+    if queue:
+        log.warning("rank %d stops with %d planned mini-batches unconsumed", env["rank"], len(queue))
+    return history
+
+
+def publish_weights(built: Any, client: Any, version: int, env: dict[str, int]) -> None:
+    """Gather the weights under HF Llama names (all ranks) and DoPut them to every store (rank 0)."""
+    from train.weights import megatron_to_hf_llama, weights_table
+
+    named = megatron_to_hf_llama(built.gpt)
+    if env["rank"] == 0:
+        client.put_weights(weights_table(named), version)
+
+
+def write_report(cfg: TrainConfig, env: dict[str, int], history: list[dict[str, Any]],
+                 consumed: list[list[Any]]) -> None:
+    """One JSON per rank: environment, per-step metrics, and what it consumed.
+
+    ``consumed`` holds ``["slice", step, node, group_id, start, stop]`` for every planned slice of this
+    rank and ``["row", step, group_id, sample_idx]`` for every row it actually received (text step).
+    """
+    path = cfg.report_path.replace("{rank}", str(env["rank"])) if cfg.report_path else ""
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    with open(path, "w") as f:
+        json.dump({"env": env, "steps": history, "consumed": consumed}, f)
+
+
+def write_progress(path: str, metrics: dict[str, Any], planner: Any) -> None:
+    """Rank 0: append one JSON line for the step just taken (with its staleness, from the planner)."""
+    line = {k: metrics[k] for k in ("step", "train_batch", "position", "version", "loss", "rows", "abs_logp_diff",
+                                    "plan_wait_s", "step_time_s", "t_end")}
+    line["admitted_groups"] = len(planner.state.admitted)
+    if hasattr(planner, "consumed_frame"):
+        import polars as pl
+
+        frame = planner.consumed_frame().filter(pl.col("step") == metrics["step"])
+        if frame.height:
+            line["arch_staleness_mean"] = float(frame["arch_staleness"].mean())
+            line["arch_staleness_max"] = int(frame["arch_staleness"].max())
+            line["reward_mean"] = float(frame["reward"].mean())
+    with open(path, "a") as f:
+        f.write(json.dumps(line) + "\n")
+
+
+def write_consumed(path: str, planner: Any) -> None:
+    """Rank 0: the planner's consumed trajectories (keys, step, versions, staleness) as Parquet."""
+    if not hasattr(planner, "consumed_frame"):
+        log.warning("planner %r keeps no consumed frame; %s not written", planner, path)
+        return
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    planner.consumed_frame().write_parquet(path)
