@@ -561,8 +561,8 @@ def baseline_step(driver: CountingClient, ranks: list[Any], slices: list[Planned
 class CountingImageClient(CountingClient):
     """The driver's client, counting trajectory and image payload bytes it receives."""
 
-    def fetch_images(self, keys_by_node: Any) -> pa.Table:
-        t = self.client.fetch_images(keys_by_node)
+    def fetch_images(self, keys: Any, nodes: Any) -> pa.Table:
+        t = self.client.fetch_images(keys, nodes=nodes)
         self.payload_bytes += t.nbytes
         return t
 
@@ -583,11 +583,11 @@ def mm_baseline_step(driver: CountingImageClient, ranks: list[Any], slices: list
     table = driver.fetch(slices, columns=[*MM_COLUMNS, "reward"])
     row_keys = table.column("image_keys").to_pylist()
     node_of_row = [s.node for s in slices for _ in range(s.rows)]
-    by_node: dict[str, dict[bytes, None]] = {}
+    node_of_key: dict[bytes, str] = {}
     for node, keys in zip(node_of_row, row_keys, strict=True):
         for k in keys:
-            by_node.setdefault(node, {}).setdefault(k, None)
-    images = table_to_images(driver.fetch_images({n: list(ks) for n, ks in by_node.items()}))
+            node_of_key.setdefault(k, node)
+    images = table_to_images(driver.fetch_images(list(node_of_key), node_of_key))
     t_fetch = time.perf_counter()
     shards = dataproto_shards(table, group_advantages(table), w.ranks)
     pixels = np.stack([np.stack([images[k] for k in keys]) for keys in row_keys])  # replicated per trajectory
@@ -610,7 +610,7 @@ def main_multimodal(args: argparse.Namespace, w: Workload) -> int:
 
     from admission import AdmissionConfig, Planner
     from bench.flight_throughput import start_store_process
-    from flight_store.client import StoreClient, node_for
+    from flight_store.client import StoreClient
     from schemas.images import images_to_table
 
     nodes = [start_store_process() for _ in range(2)]
@@ -625,7 +625,7 @@ def main_multimodal(args: argparse.Namespace, w: Workload) -> int:
         image_bytes_stored = 0
         for ids in group_ids:
             for gid in ids:
-                node = node_for(gid, stores)
+                node = client.node_for(gid)
                 imgs = [rng.integers(0, 256, w.image_shape, dtype=np.uint8) if w.image_dtype == "uint8"
                         else rng.standard_normal(w.image_shape, dtype=np.float32).astype(np.float16)
                         for _ in range(w.images_per_group)]

@@ -25,7 +25,7 @@ class RolloutConfig:
     stores: list[str]
     """Store locations (``grpc://host:port``) the groups are written to.
 
-    A group goes to ``StoreClient.node_for(group_id)``, or to ``stores[0]`` when ``local_node_only``."""
+    A group goes to the node routing gives it (``StoreClient.node_for``)."""
     group_size: int = 4
     """G: samples per prompt."""
     max_tokens: int = 64
@@ -75,7 +75,8 @@ class RolloutConfig:
     With ``weight_sync``, any newer published version (also one published before the worker started)
     is loaded."""
     local_node_only: bool = False
-    """Write every group to ``stores[0]`` (the node-local store) instead of hashing over ``stores``."""
+    """Write every group to ``stores[0]`` (the node-local store): group ids are chosen so that routing over
+    ``stores`` gives that node."""
     group_id_prefix: str = ""
     """Prefix of group ids ("" = ``r<pid>-`` of the worker's process); ids must be unique across the stores."""
     logprobs_mode: str = "raw_logprobs"

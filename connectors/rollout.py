@@ -200,16 +200,22 @@ class RolloutWorker:
         stats: StoreStats = self.client.stats()
         return stats
 
-    def _node_for(self, group_id: str) -> str:
-        if self.config.local_node_only:
-            return self.config.stores[0]
-        return str(self.client.node_for(group_id))
+    def _place(self) -> tuple[str, str]:
+        """The next group's id and node: the node routing gives it, which with ``local_node_only`` must be
+        ``stores[0]`` (the id gets a ``.N`` suffix until routing sends it there)."""
+        base = f"{self._prefix}{self._dispatched}"
+        self._dispatched += 1
+        group_id, node = base, str(self.client.node_for(base))
+        salt = 0
+        while self.config.local_node_only and node != self.config.stores[0]:
+            salt += 1
+            group_id = f"{base}.{salt}"
+            node = str(self.client.node_for(group_id))
+        return group_id, node
 
     def _dispatch(self, prompt: Prompt) -> None:
         cfg = self.config
-        group_id = f"{self._prefix}{self._dispatched}"
-        self._dispatched += 1
-        node = self._node_for(group_id)
+        group_id, node = self._place()
         keys: list[bytes] = []
         if prompt.images:
             table, keys = images_to_table(prompt.images)

@@ -5,10 +5,12 @@ Imports only pyarrow, polars, pydantic and numpy.
 
 from __future__ import annotations
 
-from flight_store.client import StoreClient, node_for
+from flight_store.client import StoreClient
 from flight_store.config import ServerConfig, StoreConfig
 from flight_store.errors import (
     BudgetExceededError,
+    CapacityExceededError,
+    ConflictError,
     GroupReleasedError,
     KnitError,
     NodeUnavailableError,
@@ -17,6 +19,7 @@ from flight_store.errors import (
     UnknownImageError,
     UnknownWeightsError,
     WireDecodeError,
+    WrongNodeError,
 )
 from flight_store.node import serve
 from flight_store.server import StoreServer
@@ -24,6 +27,8 @@ from flight_store.store import Store
 
 __all__ = [
     "BudgetExceededError",
+    "CapacityExceededError",
+    "ConflictError",
     "GroupReleasedError",
     "KnitError",
     "NodeUnavailableError",
@@ -37,6 +42,6 @@ __all__ = [
     "UnknownImageError",
     "UnknownWeightsError",
     "WireDecodeError",
-    "node_for",
+    "WrongNodeError",
     "serve",
 ]

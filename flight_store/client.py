@@ -1,20 +1,23 @@
 """The client of one or many store nodes: write groups, scan metadata, fetch slices, release.
 
 Node name = the location string (``"grpc://host:port"``). Every call that concerns several
-nodes fans out concurrently on a thread pool. Errors come back as the project's typed errors
-(:mod:`flight_store.errors`); a node that cannot be reached raises
-:class:`NodeUnavailableError` naming it.
+nodes fans out concurrently on a thread pool. A group is written to the node routing gives it
+(``schemas.routing`` over the ids the nodes report, :mod:`flight_store.cluster`), its images to the
+same node. Errors come back as the project's typed errors (:mod:`flight_store.errors`); a node that
+cannot be reached raises :class:`NodeUnavailableError` naming it.
+
+Retries follow the error table: a call that fails with a retryable error (``error.retryable``: the
+node is unavailable, its budget is full) is retried ``retries`` times with exponential backoff (every
+call is idempotent), any other error is raised at once. After the last attempt a fetch raises
+:class:`NodeUnavailableError` naming the node and the groups it held.
 
 Node failure: ``scan_metadata(partial=True)`` / ``scan_new(partial=True)`` return the rows of the
 nodes that answered and record the others in :attr:`StoreClient.last_failed_nodes` (the default
-stays strict: the first unreachable node raises). :meth:`StoreClient.fetch` retries a node that
-is unavailable ``retries`` times with exponential backoff, then raises
-:class:`NodeUnavailableError` naming the node and the groups it held.
+stays strict: the first unreachable node raises).
 """
 
 from __future__ import annotations
 
-import hashlib
 import json
 import logging
 import os
@@ -29,9 +32,10 @@ import pyarrow as pa
 import pyarrow.flight as flight
 
 from flight_store import streams
-from flight_store.errors import NodeUnavailableError, from_flight_error
+from flight_store.cluster import ClusterView, view_from
+from flight_store.errors import KnitError, NodeUnavailableError, UnknownImageError, from_flight_error
 from schemas.arrow import IMAGE_SCHEMA, METADATA_SCHEMA
-from schemas.plan import PlannedSlice
+from schemas.plan import MicroBatch, MiniBatchPlan, PlannedSlice
 from schemas.wire import (
     EmptyBody,
     ImagesTicket,
@@ -48,15 +52,6 @@ T = TypeVar("T")
 log = logging.getLogger(__name__)
 
 
-def node_for(group_id: str, nodes: Sequence[str]) -> str:
-    """The default node of ``group_id``: a stable hash (blake2b) of the id over ``nodes`` in order."""
-    if not nodes:
-        msg = "node_for needs at least one node"
-        raise ValueError(msg)
-    h = int.from_bytes(hashlib.blake2b(group_id.encode(), digest_size=8).digest(), "big")
-    return nodes[h % len(nodes)]
-
-
 class StoreClient:
     """Talks to one or many store nodes.
 
@@ -65,13 +60,13 @@ class StoreClient:
         token: bearer token sent as ``authorization: Bearer <token>``; ``None`` reads ``KNIT_TOKEN``.
         tls_root_certs: PEM root certificates for ``grpc+tls://`` locations.
         timeout: seconds per call (``None`` = no limit).
-        retries: extra attempts of a fetch from a node that is unavailable (0 = fail at once).
+        retries: extra attempts of a call that failed with a retryable error (0 = fail at once).
         backoff: seconds before the first retry; doubled for each further one (capped at 5 s).
 
     Example:
         >>> from flight_store.server import StoreServer
         >>> from schemas.records import TrajectoryRecord, records_to_batch
-        >>> from schemas.plan import PlannedSlice
+        >>> from schemas.plan import MicroBatch, MiniBatchPlan, PlannedSlice
         >>> with StoreServer() as server, StoreClient([server.location]) as client:
         ...     batch = records_to_batch([TrajectoryRecord(group_id="g0", sample_idx=i, policy_version=0,
         ...         prompt_ids=[1], response_ids=[2, 3], response_logprobs=[-1.0, -2.0]) for i in range(4)])
@@ -96,9 +91,9 @@ class StoreClient:
             msg = f"retries and backoff must be >= 0, got retries={retries}, backoff={backoff}"
             raise ValueError(msg)
         self.retries = retries
-        """Extra attempts of a fetch from an unavailable node."""
+        """Extra attempts of a call that failed with a retryable error."""
         self.backoff = backoff
-        """Seconds before the first fetch retry (doubled each time, at most 5 s)."""
+        """Seconds before the first retry (doubled each time, at most 5 s)."""
         self.last_failed_nodes: list[str] = []
         """Nodes that did not answer the latest ``scan_metadata(partial=True)`` / ``scan_new(partial=True)``."""
         locs = [locations] if isinstance(locations, str) else list(locations)
@@ -124,6 +119,15 @@ class StoreClient:
         self._pool = ThreadPoolExecutor(max_workers=max(2, min(32, 2 * len(locs))), thread_name_prefix="knit-client")
         self._cursor: dict[str, int] = dict.fromkeys(locs, 0)
         self._cursor_lock = threading.Lock()
+        self._cluster: ClusterView | None = None
+        self._cluster_lock = threading.Lock()
+
+    @classmethod
+    def from_cluster(cls, location: str, **kwargs: Any) -> StoreClient:
+        """A client of every node of the cluster ``location`` belongs to (its ``cluster`` action lists them)."""
+        with cls(location, **kwargs) as probe:
+            members = probe.cluster()[location].get("nodes") or [{"location": location}]
+        return cls([str(m["location"]) for m in members], **kwargs)
 
     # ---- plumbing ------------------------------------------------------------------------------
 
@@ -133,8 +137,19 @@ class StoreClient:
         return list(self._nodes)
 
     def node_for(self, group_id: str) -> str:
-        """The node a group is written to by default (stable hash of ``group_id``)."""
-        return node_for(group_id, self._nodes)
+        """The node ``group_id`` belongs to: routing (``schemas.routing``) over the ids the nodes report."""
+        return self.cluster_view().owner(group_id)
+
+    def cluster_view(self, *, refresh: bool = False) -> ClusterView:
+        """The nodes' ids (asked once with the ``cluster`` action, then cached; ``refresh`` asks again)."""
+        with self._cluster_lock:
+            if self._cluster is None or refresh:
+                self._cluster = view_from(self.cluster())
+            return self._cluster
+
+    def cluster(self) -> dict[str, dict[str, Any]]:
+        """The ``cluster`` answer of every node (its id, and its configured membership)."""
+        return self._fan_out(self._nodes, lambda n: self._retrying(n, lambda: self._action(n, "cluster", b"")))
 
     def _client(self, node: str) -> flight.FlightClient:
         try:
@@ -181,6 +196,20 @@ class StoreClient:
             self.last_failed_nodes = failed
         return out
 
+    def _retrying(self, node: str, call: Callable[[], T]) -> T:
+        """``call()`` retried with exponential backoff while it fails with a retryable error."""
+        delay = self.backoff
+        for attempt in range(self.retries):
+            try:
+                return call()
+            except KnitError as exc:
+                if not exc.retryable:
+                    raise
+                log.warning("call to %s failed (attempt %d): %s; retrying in %.2fs", node, attempt + 1, exc, delay)
+                time.sleep(delay)
+                delay = min(5.0, delay * 2)
+        return call()
+
     def _action(self, node: str, name: str, body: bytes) -> dict[str, Any]:
         def run(c: flight.FlightClient) -> dict[str, Any]:
             results = list(c.do_action(flight.Action(name, body), self._options))
@@ -209,7 +238,15 @@ class StoreClient:
     def put_group(
         self, batch: pa.RecordBatch | pa.Table, *, group_id: str | None = None, node: str | None = None
     ) -> str:
-        """DoPut one prompt group; returns the node written (default: :meth:`node_for`)."""
+        """DoPut one whole prompt group (all its rows, atomically); returns the node written.
+
+        The node is the group's owner (:meth:`node_for`) unless ``node`` says otherwise. A rewrite of
+        the same content is a no-op; retryable errors are retried (see the module's docstring).
+
+        Raises:
+            WrongNodeError: ``node`` (or a stale cluster view) is not the group's node.
+            ConflictError, SchemaMismatchError, UnknownImageError, CapacityExceededError: as the node refuses.
+        """
         table = pa.Table.from_batches([batch]) if isinstance(batch, pa.RecordBatch) else batch
         if group_id is None:
             if "group_id" not in table.column_names or table.num_rows == 0:
@@ -217,24 +254,35 @@ class StoreClient:
                 raise ValueError(msg)
             group_id = str(table.column("group_id")[0].as_py())
         target = node if node is not None else self.node_for(group_id)
-        self._put(target, PutGroup(group_id=group_id).to_bytes(), table)
+        desc = PutGroup(group_id=group_id, rows=table.num_rows).to_bytes()
+        self._retrying(target, lambda: self._put(target, desc, table))
         return target
 
-    def put_images(self, table: pa.Table | pa.RecordBatch, *, node: str | None = None) -> int:
-        """DoPut image rows to ``node`` (default: every node); returns new (node, key) entries stored."""
+    def put_images(self, table: pa.Table | pa.RecordBatch, *, group_ids: Iterable[str] = (),
+                   node: str | None = None) -> int:
+        """DoPut image rows to the nodes of ``group_ids`` (the groups that will reference them), or to ``node``.
+
+        Returns how many (node, image) entries were new (an image a node holds is not stored twice).
+        """
         t = pa.Table.from_batches([table]) if isinstance(table, pa.RecordBatch) else table
+        nodes = {node} if node is not None else {self.node_for(g) for g in group_ids}
+        if not nodes:
+            msg = "put_images needs group_ids= (the groups that reference the images) or node="
+            raise ValueError(msg)
         desc = PutImages().to_bytes()
-        answers = self._fan_out([node] if node is not None else self._nodes, lambda n: self._put(n, desc, t))
+        answers = self._fan_out(sorted(nodes), lambda n: self._retrying(n, lambda: self._put(n, desc, t)))
         return sum(int(a.get("stored", 0)) for a in answers.values())
 
     def put_weights(self, table: pa.Table, version: int, *, node: str | None = None) -> None:
-        """DoPut a weights table (``name``, ``shape``, ``dtype``, ``data``) to ``node`` (default: every node)."""
+        """DoPut a weights table (``schemas.weights``) as ``version`` to ``node`` (default: every node)."""
         desc = PutWeights(version=version).to_bytes()
-        self._fan_out([node] if node is not None else self._nodes, lambda n: self._put(n, desc, table))
+        self._fan_out([node] if node is not None else self._nodes,
+                      lambda n: self._retrying(n, lambda: self._put(n, desc, table)))
 
     def get_weights(self, version: int | None = None, *, node: str | None = None) -> pa.Table:
         """The latest weights (exactly ``version`` when given) from ``node`` (default: the first node)."""
-        return self._get(node or self._nodes[0], WeightsTicket(version=version).to_bytes())
+        target = node or self._nodes[0]
+        return self._retrying(target, lambda: self._get(target, WeightsTicket(version=version).to_bytes()))
 
     # ---- metadata ------------------------------------------------------------------------------
 
@@ -262,10 +310,11 @@ class StoreClient:
         # ``node`` is added here, not stored: asking for it is harmless
         cols = [c for c in columns if c != "node"] if columns is not None else None
 
-        def ticket(n: str) -> bytes:
-            return MetadataTicket(since=int(since.get(n, 0)), columns=cols).to_bytes()
+        def scan(n: str) -> pa.Table:
+            ticket = MetadataTicket(since=int(since.get(n, 0)), columns=cols).to_bytes()
+            return self._retrying(n, lambda: self._get(n, ticket))
 
-        tables = self._fan_out(self._nodes, lambda n: self._get(n, ticket(n)), partial=partial, what="metadata scan")
+        tables = self._fan_out(self._nodes, scan, partial=partial, what="metadata scan")
         if not partial:
             self.last_failed_nodes = []  # a strict scan that returns reached every node
         frames = [
@@ -381,33 +430,55 @@ class StoreClient:
                     node_stream.reader.cancel()
 
     def _get_retrying(self, node: str, ticket: bytes, group_ids: list[str]) -> pa.Table:
-        """``_get`` retried with exponential backoff while ``node`` is unavailable."""
-        delay = self.backoff
-        for attempt in range(self.retries + 1):
-            try:
-                return self._get(node, ticket)
-            except NodeUnavailableError as exc:
-                if attempt == self.retries:
-                    more = f", ... ({len(group_ids)} in all)" if len(group_ids) > 8 else ""
-                    shown = ", ".join(group_ids[:8]) + more
-                    msg = (
-                        f"store node {node} is unavailable after {self.retries + 1} attempt(s); "
-                        f"cannot fetch group(s) {shown}: {exc}"
-                    )
-                    raise NodeUnavailableError(msg, node=node, group_ids=group_ids) from None
-                log.warning("fetch from %s failed (attempt %d): %s; retrying in %.2fs", node, attempt + 1, exc, delay)
-                time.sleep(delay)
-                delay = min(5.0, delay * 2)
-        msg = "unreachable"  # pragma: no cover - the loop returns or raises
-        raise AssertionError(msg)
+        """``_get`` with :meth:`_retrying`; a node still unavailable at the end is named with the groups it held."""
+        try:
+            return self._retrying(node, lambda: self._get(node, ticket))
+        except NodeUnavailableError as exc:
+            more = f", ... ({len(group_ids)} in all)" if len(group_ids) > 8 else ""
+            shown = ", ".join(group_ids[:8]) + more
+            msg = (f"store node {node} is unavailable after {self.retries + 1} attempt(s); "
+                   f"cannot fetch group(s) {shown}: {exc}")
+            raise NodeUnavailableError(msg, node=node, group_ids=group_ids) from None
 
-    def fetch_images(self, keys_by_node: Mapping[str, Sequence[bytes]]) -> pa.Table:
-        """Image rows by key from each node (node order of the mapping, key order within a node)."""
-        todo = {n: ks for n, ks in keys_by_node.items() if ks}
-        if not todo:
+    def fetch_images(self, keys: Iterable[bytes], *, nodes: Mapping[bytes, str] | None = None) -> pa.Table:
+        """The image rows of ``keys`` (each distinct key once, in first-seen order), from whichever node holds them.
+
+        With ``nodes`` (key -> the node of a group that references it, as a trainer knows from its
+        slices) each node is asked for exactly its keys; otherwise every node is asked for all of them
+        (``missing_ok``) and answers with those it holds. One DoGet per node either way.
+
+        Raises:
+            UnknownImageError: a key is held by none of the nodes asked (names it).
+        """
+        wanted = list(dict.fromkeys(bytes(k) for k in keys))
+        if not wanted:
             return IMAGE_SCHEMA.empty_table()
-        tables = self._fan_out(todo, lambda n: self._get(n, ImagesTicket(keys=[k.hex() for k in todo[n]]).to_bytes()))
-        return pa.concat_tables(list(tables.values()))
+        asked = {n: wanted for n in self._nodes} if nodes is None else streams.keys_by_node(wanted, nodes)
+
+        def get(n: str) -> pa.Table:
+            ticket = ImagesTicket(keys=[k.hex() for k in asked[n]], missing_ok=nodes is None).to_bytes()
+            return self._retrying(n, lambda: self._get(n, ticket))
+
+        found = pa.concat_tables([t.cast(IMAGE_SCHEMA) for t in self._fan_out(asked, get).values()])
+        first: dict[bytes, int] = {}
+        for i, k in enumerate(found.column("image_key").to_pylist()):
+            first.setdefault(k, i)
+        missing = next((k for k in wanted if k not in first), None)
+        if missing is not None:
+            msg = f"image {missing.hex()} is stored on none of the nodes {sorted(asked)}"
+            raise UnknownImageError(msg, key=missing.hex())
+        return found.take(pa.array([first[k] for k in wanted], pa.int64()))
+
+    def read(self, plan: MiniBatchPlan, dp_rank: int | None = None,
+             columns: Sequence[str] | None = None) -> Iterator[tuple[MicroBatch, pa.Table]]:
+        """The micro-batches of an admitted mini-batch, in order, with their rows: what a trainer rank reads.
+
+        ``dp_rank`` selects one rank's micro-batches (default: every rank's, rank by rank). Streams them as
+        :meth:`stream` does (one DoGet per node).
+        """
+        ranks = plan.ranks if dp_rank is None else [plan.for_rank(dp_rank)]
+        mbs = [mb for rank in ranks for mb in rank.micro_batches]
+        yield from zip(mbs, self.stream([mb.slices for mb in mbs], columns), strict=True)
 
     # ---- control -------------------------------------------------------------------------------
 
@@ -421,14 +492,13 @@ class StoreClient:
         if not ids:
             return dict.fromkeys(self._nodes, 0)
         body = ReleaseBody(group_ids=ids).to_bytes()
-        return self._fan_out(
-            self._nodes, lambda n: int(self._action(n, "release", body)["released"]), partial=partial, what="release"
-        )
+        return self._fan_out(self._nodes, lambda n: int(self._retrying(n, lambda: self._action(n, "release", body))[
+            "released"]), partial=partial, what="release")
 
     def publish_version(self, version: int) -> None:
         """Record the newest policy version on every node."""
         body = PublishVersionBody(version=version).to_bytes()
-        self._fan_out(self._nodes, lambda n: self._action(n, "publish_version", body))
+        self._fan_out(self._nodes, lambda n: self._retrying(n, lambda: self._action(n, "publish_version", body)))
 
     def get_version(self) -> int:
         """The newest published policy version (max over nodes)."""

@@ -58,6 +58,21 @@ class StoreConfig:
             raise ValueError(msg)
 
 
+@dataclass(kw_only=True, slots=True, frozen=True)
+class ClusterMember:
+    """One node of a store cluster, as every node and client sees it."""
+
+    id: str
+    """The node's id: what routing hashes (``schemas.routing``); its ``node_name``."""
+    location: str
+    """Where it listens (``grpc://host:port``)."""
+
+    def __post_init__(self) -> None:
+        if not self.id or not self.location:
+            msg = f"a cluster member needs an id and a location, got id={self.id!r} location={self.location!r}"
+            raise ValueError(msg)
+
+
 def _check_port(name: str, port: int | None) -> None:
     if port is not None and not 0 <= port <= 65535:
         msg = f"{name} must be in 0..65535 (0 = a free port), got {port}"
@@ -101,6 +116,11 @@ class ServerConfig:
     """Serve Prometheus ``/metrics`` on this port (0 = a free one); ``None`` = no metrics."""
     log_level: str = "INFO"
     """Logging level of a node process run by :func:`flight_store.node.serve` (``DEBUG``, ``INFO``, ...)."""
+    cluster: list[ClusterMember] = field(default_factory=list)
+    """Every node of the cluster, this one included (its id is :attr:`node_name`), for routing: the node refuses
+    a group that routing gives another node. Empty = a cluster of this node alone (it takes every group)."""
+    cluster_version: int = 1
+    """Version of the cluster view (raise it when the membership changes), reported by the ``cluster`` action."""
     store: StoreConfig = field(default_factory=StoreConfig)
     """The node's store (its ``node_name`` is replaced by :attr:`node_name` or the location)."""
 
@@ -121,6 +141,16 @@ class ServerConfig:
                 "tls_cert_file and tls_key_file must be given together, got "
                 f"tls_cert_file={self.tls_cert_file!r}, tls_key_file={self.tls_key_file!r}"
             )
+            raise ValueError(msg)
+        ids = [m.id for m in self.cluster]
+        if len(set(ids)) != len(ids):
+            msg = f"cluster ids must be unique, got {ids}"
+            raise ValueError(msg)
+        if self.cluster and self.node_name not in ids:
+            msg = f"node_name={self.node_name!r} must be one of the cluster's ids {ids} (the node's own id)"
+            raise ValueError(msg)
+        if self.cluster_version < 1:
+            msg = f"cluster_version must be >= 1, got {self.cluster_version}"
             raise ValueError(msg)
         if not isinstance(logging.getLevelName(self.log_level.upper()), int):
             msg = f"log_level must be a logging level name (DEBUG, INFO, WARNING, ERROR), got {self.log_level!r}"

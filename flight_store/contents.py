@@ -41,15 +41,17 @@ class StoreContents:
         """Payload bytes committed (groups, images, weights)."""
 
     def commit_group(
-        self, group_id: str, fresh: Sequence[pa.RecordBatch], packed: Sequence[tuple[Block, int]] | None = None
+        self, group_id: str, fresh: Sequence[pa.RecordBatch], packed: Sequence[tuple[Block, int]] | None = None,
+        meta: dict[str, str] | None = None,
     ) -> int:
-        """Add deduplicated batches of ``group_id`` (and their :func:`~flight_store.memory.pack`); returns rows.
+        """Add the validated batches of the new group ``group_id`` (and their :func:`~flight_store.memory.pack`).
 
-        Their metadata rows get the next ``seq``; the images they name gain a reference.
+        Their metadata rows get the next ``seq``; the images they name gain a reference; ``meta`` is the
+        writer's schema metadata. Returns the rows added.
         """
         if packed is None:
             packed = [pack(b) for b in fresh]
-        self.images.add_refs(self.groups.add(group_id, fresh, packed))
+        self.images.add_refs(self.groups.add(group_id, fresh, packed, meta))
         self.metadata.append(fresh)
         payload = sum(b.nbytes for b in fresh)
         self.memory.hold(sum(held for _, held in packed), payload)

@@ -39,9 +39,12 @@ class Journal:
 
     # ---- live writes: append a record (fsynced) before the commit ---------------------------------
 
-    def group(self, group_id: str, fresh: Sequence[pa.RecordBatch]) -> None:
-        """Log the new rows of ``group_id``."""
-        self._append({"kind": "group", "group_id": group_id}, encode_batches(fresh))
+    def group(self, group_id: str, fresh: Sequence[pa.RecordBatch], meta: dict[str, str]) -> None:
+        """Log a new group: its rows, and the writer's schema metadata."""
+        header: dict[str, object] = {"kind": "group", "group_id": group_id}
+        if meta:
+            header["meta"] = meta
+        self._append(header, encode_batches(fresh))
 
     def release(self, group_ids: list[str]) -> None:
         """Log the release of unreleased groups."""
@@ -98,7 +101,7 @@ def _apply(contents: StoreContents, header: dict[str, Any], body: bytes, path: P
     """Commit one spill record to ``contents`` (an unknown kind is skipped with a warning)."""
     kind = header.get("kind")
     if kind == "group":
-        contents.commit_group(str(header["group_id"]), decode_batches(body))
+        contents.commit_group(str(header["group_id"]), decode_batches(body), meta=header.get("meta"))
     elif kind == "release":
         contents.commit_release([str(g) for g in header.get("group_ids", [])])
     elif kind == "images":

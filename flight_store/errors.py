@@ -10,8 +10,12 @@ Every project error is a :class:`KnitError` and, at the same time, a subclass of
 * :class:`flight_store.client.StoreClient` re-raises the SAME project class
   (:func:`from_flight_error`), so callers write ``except BudgetExceededError``.
 
-Mapping: schema / wire / unknown / released -> ``FlightServerError``; budget and node
-unavailability -> ``FlightUnavailableError`` (retryable).
+Whether to retry: ``retryable`` is a class attribute (and a field of the JSON in ``extra_info``). A
+retryable error (``FlightUnavailableError``: a full budget, too many writers, a node that cannot be
+reached) may succeed later with the SAME call; any other error will fail again until the call
+changes (``FlightServerError``: bad input, unknown or released groups, a write larger than the node,
+a group sent to the wrong node, a rewrite with other content). Every write is idempotent, so a
+retry after an answer that never arrived is safe.
 """
 
 from __future__ import annotations
@@ -36,7 +40,7 @@ class KnitError(Exception):
         if attrs:
             msg = f"unexpected attributes for {type(self).__name__}: {sorted(attrs)}"
             raise TypeError(msg)
-        info = {"message": message, **{n: getattr(self, n) for n in self._attrs}}
+        info = {"message": message, "retryable": self.retryable, **{n: getattr(self, n) for n in self._attrs}}
         extra = _PREFIX + type(self).__name__.encode() + b"\n" + json.dumps(info).encode()
         if isinstance(self, flight.FlightError):
             flight.FlightError.__init__(self, message, extra)
@@ -91,6 +95,34 @@ class GroupReleasedError(KnitError, flight.FlightServerError):
     group_id: str | None
 
 
+class CapacityExceededError(KnitError, flight.FlightServerError):
+    """A write larger than the node's whole memory budget: it can never be stored here (do not retry)."""
+
+    _attrs = ("needed", "capacity")
+    needed: int | None
+    capacity: int | None
+
+
+class WrongNodeError(KnitError, flight.FlightServerError):
+    """The group belongs to another node (routing, see ``schemas.routing``): write it to ``owner``.
+
+    ``owner`` is the owner's id, ``location`` where it listens.
+    """
+
+    _attrs = ("group_id", "owner", "location")
+    group_id: str | None
+    owner: str | None
+    location: str | None
+
+
+class ConflictError(KnitError, flight.FlightServerError):
+    """The group was written before with other content; ``column`` names the first column that differs."""
+
+    _attrs = ("group_id", "column")
+    group_id: str | None
+    column: str | None
+
+
 class BudgetExceededError(KnitError, flight.FlightUnavailableError):
     """The node's memory budget is full; nothing was stored. Retry after groups are released."""
 
@@ -122,6 +154,9 @@ ERROR_CLASSES: dict[str, type[KnitError]] = {
         UnknownImageError,
         UnknownWeightsError,
         GroupReleasedError,
+        CapacityExceededError,
+        WrongNodeError,
+        ConflictError,
         BudgetExceededError,
         NodeUnavailableError,
     )

@@ -1,29 +1,33 @@
 """The group table: the prompt groups a store holds, their row index, slicing and release bookkeeping.
 
-Each prompt group is kept as the record batches that arrived (normalised to ``TRAJECTORY_SCHEMA``),
-each in one block of its own (:func:`flight_store.memory.pack`), plus a row index
-``sample_idx -> (batch, offset)``, so a slice request is served by zero-copy ``RecordBatch.slice`` of
-the batch viewed in its block (never a filter or take over one big table; only tiny multi-slice
-answers may be coalesced into one small copy, see :func:`project`). A released group drops its
-blocks and index but remembers which ``sample_idx`` it held, so a retried write stays a no-op.
+Each prompt group is written whole, once (one DoPut stream), and kept as the record batches that
+arrived (normalised to ``TRAJECTORY_SCHEMA``), each in one block of its own
+(:func:`flight_store.memory.pack`), plus a row index ``sample_idx -> (batch, offset)``, so a slice
+request is served by zero-copy ``RecordBatch.slice`` of the batch viewed in its block (never a
+filter or take over one big table; only tiny multi-slice answers may be coalesced into one small
+copy, see :func:`project`). A released group drops its blocks and index but keeps a digest of each
+column of its content (:func:`content_digests`, ~150 bytes), so a retried write of it is
+recognised (and one with other content refused, naming the column).
 
 Not thread-safe by itself: the store calls a :class:`GroupTable` under its lock.
 """
 
 from __future__ import annotations
 
-from collections.abc import Container, Iterable, Sequence
+import hashlib
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from flight_store.errors import GroupReleasedError, SchemaMismatchError, UnknownGroupError
+from flight_store.errors import ConflictError, GroupReleasedError, SchemaMismatchError, UnknownGroupError
 from flight_store.memory import Block, view
 from schemas.arrow import TRAJECTORY_SCHEMA
 
 _TRAJ_COLUMNS = frozenset(TRAJECTORY_SCHEMA.names)
+_NO_META: dict[str, str] = {}  # shared by every group without writer metadata; never mutated
 _COLUMN_INDEX = {name: i for i, name in enumerate(TRAJECTORY_SCHEMA.names)}
 
 
@@ -42,11 +46,15 @@ class Group:
     held: int = 0
     """Memory counted against the budget (blocks plus object and index overhead, see
     :func:`~flight_store.memory.pack`)."""
-    image_keys: set[bytes] | frozenset[bytes] = frozenset()
-    """Images the group references (a set once it has any; the shared empty frozenset costs nothing)."""
+    image_keys: frozenset[bytes] = frozenset()
+    """Images the group references (the shared empty frozenset when none)."""
+    meta: dict[str, str] = field(default_factory=dict)
+    """The writer's ``knittrans.*`` schema metadata (e.g. ``knittrans.logprobs_mode``), served back with slices."""
+    rows: int = 0
+    """Rows the group holds (or held, once released)."""
     released: bool = False
-    consumed: Container[int] = frozenset()
-    """``sample_idx`` of a released group (its index is dropped), so a retried write stays a no-op."""
+    digests: tuple[bytes, ...] = ()
+    """Of a released group: :func:`content_digests` of what it held (its payload is gone)."""
 
     def batch(self, i: int) -> pa.RecordBatch:
         """Stored batch ``i``: zero-copy views into its block."""
@@ -79,12 +87,48 @@ def row_bytes(batch: pa.RecordBatch) -> np.ndarray:
     return out
 
 
-def _compact_ints(values: Iterable[int]) -> Container[int]:
-    """``values`` as a ``range`` when they are consecutive (the usual ``0..G-1``), else a frozenset."""
-    ordered = sorted(values)
-    if ordered and ordered[-1] - ordered[0] == len(ordered) - 1:
-        return range(ordered[0], ordered[-1] + 1)
-    return frozenset(ordered)
+IDENTITY_COLUMNS: tuple[str, ...] = tuple(c for c in TRAJECTORY_SCHEMA.names
+                                         if c not in ("bytes", "created_at", "completed_at"))
+"""The columns that make a group's content: a rewrite must match them all (timestamps and ``bytes`` are
+bookkeeping: a retry may restamp them)."""
+
+
+def content_digests(batches: Sequence[pa.RecordBatch]) -> tuple[bytes, ...]:
+    """A 16-byte digest of each :data:`IDENTITY_COLUMNS` column of a group's rows, in ``sample_idx`` order."""
+    table = pa.Table.from_batches(list(batches), schema=TRAJECTORY_SCHEMA).sort_by("sample_idx")
+    out = []
+    for name in IDENTITY_COLUMNS:
+        column = pa.RecordBatch.from_arrays([table.column(name).combine_chunks()], names=[name])
+        out.append(hashlib.blake2b(column.serialize(), digest_size=16).digest())
+    return tuple(out)
+
+
+def first_difference(a: Sequence[bytes], b: Sequence[bytes]) -> str | None:
+    """The first of :data:`IDENTITY_COLUMNS` whose digests differ (``None`` when the contents are equal)."""
+    return next((name for name, x, y in zip(IDENTITY_COLUMNS, a, b, strict=True) if x != y), None)
+
+
+def writer_meta(schema: pa.Schema) -> dict[str, str]:
+    """The ``knittrans.*`` schema metadata a writer attached (the schema's own version and table name excepted)."""
+    own = {"knittrans.schema_version", "knittrans.table"}
+    return {k.decode(): v.decode() for k, v in (schema.metadata or {}).items()
+            if k.startswith(b"knittrans.") and k.decode() not in own}
+
+
+def common_meta(groups: Iterable[Group]) -> dict[str, str]:
+    """The writer metadata all ``groups`` agree on (a key with different values is left out)."""
+    out: dict[str, str] | None = None
+    for g in groups:
+        out = dict(g.meta) if out is None else {k: v for k, v in out.items() if g.meta.get(k) == v}
+    return out or {}
+
+
+def image_keys_of(batches: Sequence[pa.RecordBatch]) -> frozenset[bytes]:
+    """The distinct image keys the rows of ``batches`` reference."""
+    keys: set[bytes] = set()
+    for b in batches:
+        keys.update(pc.unique(pc.list_flatten(b.column("image_keys"))).to_pylist())
+    return frozenset(keys)
 
 
 def check_columns(columns: Sequence[str] | None) -> None:
@@ -162,52 +206,52 @@ class GroupTable:
     def counts(self) -> tuple[int, int, int]:
         """``(stored groups, released groups, rows stored)``."""
         released = sum(1 for g in self._groups.values() if g.released)
-        rows = sum(len(g.index) for g in self._groups.values() if not g.released)
+        rows = sum(g.rows for g in self._groups.values() if not g.released)
         return len(self._groups) - released, released, rows
 
     # ---- writes ----------------------------------------------------------------------------------
 
-    def fresh_rows(self, group_id: str, batches: Sequence[pa.RecordBatch]) -> list[pa.RecordBatch]:
-        """The rows of validated ``batches`` whose ``sample_idx`` the group does not hold yet (idempotency).
+    def check_rewrite(self, group_id: str, batches: Sequence[pa.RecordBatch]) -> bool:
+        """Whether ``group_id`` is stored (or was, and is released) with the same content as ``batches``.
+
+        Returns False for a new group. A rewrite with the same content is a no-op (idempotent retry).
 
         Raises:
-            GroupReleasedError: new rows for a group that was already released.
+            ConflictError: the group was written with other content (names the first differing column).
         """
         group = self._groups.get(group_id)
-        present: Container[int] = {} if group is None else group.consumed if group.released else group.index
-        fresh: list[pa.RecordBatch] = []
-        for b in batches:
-            idx = b.column("sample_idx").to_numpy()
-            keep = np.fromiter((int(i) not in present for i in idx), dtype=bool, count=len(idx))
-            if keep.all():
-                fresh.append(b)
-            elif keep.any():
-                fresh.append(b.filter(pa.array(keep)))
-        if fresh and group is not None and group.released:
-            msg = f"group {group_id!r} was already released; refusing {sum(b.num_rows for b in fresh)} new rows"
-            raise GroupReleasedError(msg, group_id=group_id)
-        return fresh
-
-    def add(self, group_id: str, fresh: Sequence[pa.RecordBatch], packed: Sequence[tuple[Block, int]]) -> set[bytes]:
-        """Store deduplicated batches of ``group_id`` and their blocks; returns the image keys new to the group."""
-        group = self._groups.get(group_id)
         if group is None:
-            group = self._groups[group_id] = Group()
-        added: set[bytes] = set()
+            return False
+        state = "was consumed" if group.released else "is stored"
+        rows = sum(b.num_rows for b in batches)
+        if rows != group.rows:
+            msg = f"group {group_id!r} {state} with {group.rows} rows; the rewrite has {rows}"
+            raise ConflictError(msg, group_id=group_id, column="sample_idx")
+        stored = group.digests if group.released else content_digests(group.batches)
+        column = first_difference(content_digests(batches), stored)
+        if column is not None:
+            msg = f"group {group_id!r} {state} with other content: column {column!r} differs"
+            raise ConflictError(msg, group_id=group_id, column=column)
+        return True
+
+    def add(self, group_id: str, fresh: Sequence[pa.RecordBatch], packed: Sequence[tuple[Block, int]],
+            meta: dict[str, str] | None = None) -> frozenset[bytes]:
+        """Store the validated batches of a new group and their blocks; returns the image keys it names."""
+        group = self._groups[group_id] = Group(meta=meta or _NO_META)
         for b, (block, held) in zip(fresh, packed, strict=True):
             bno = len(group.blocks)
             group.blocks.append(block)
             group.row_bytes.append(row_bytes(b))
             for off, s in enumerate(b.column("sample_idx").to_numpy().tolist()):
                 group.index[s] = (bno, off)
-            new_keys = {k for keys in b.column("image_keys").to_pylist() for k in keys} - group.image_keys
-            if new_keys:
-                group.image_keys = {*group.image_keys, *new_keys}
-                added |= new_keys
             group.nbytes += b.nbytes
             group.held += held
+            group.rows += b.num_rows
             self.rows += b.num_rows
-        return added
+        keys = image_keys_of(fresh)
+        if keys:
+            group.image_keys = keys
+        return keys
 
     def release(self, group_id: str) -> Group | None:
         """Drop the payload of ``group_id`` (``None`` if unknown or released); returns what it held.
@@ -219,20 +263,26 @@ class GroupTable:
         if group is None or group.released:
             return None
         freed = Group(nbytes=group.nbytes, held=group.held, image_keys=group.image_keys)
+        group.digests = content_digests(group.batches)  # recognises a retried write; ~150 bytes, not the payload
         group.released = True
         group.blocks = []
         group.row_bytes = []
-        group.consumed = _compact_ints(group.index)  # still dedups retries; ~50 bytes, not ~500
         group.index = {}
         group.image_keys = frozenset()  # the empty frozenset is a shared singleton
+        group.meta = _NO_META
         return freed
+
+    def released_among(self, group_ids: Iterable[str]) -> list[str]:
+        """The ids among ``group_ids`` of groups that were released here."""
+        return [g for g in group_ids if (grp := self._groups.get(g)) is not None and grp.released]
 
     # ---- reads -----------------------------------------------------------------------------------
 
     def slices(
         self, refs: Iterable[tuple[str, int, int]], columns: Sequence[str] | None
-    ) -> tuple[list[pa.RecordBatch], int]:
-        """Zero-copy slices of rows ``[start, stop)`` per ``(group_id, start, stop)`` and their projected bytes.
+    ) -> tuple[list[pa.RecordBatch], int, dict[str, str]]:
+        """Zero-copy slices of rows ``[start, stop)`` per ``(group_id, start, stop)``, their projected bytes
+        and the writer metadata all their groups share.
 
         Each run of consecutive rows of one stored batch is one ``RecordBatch.slice`` (a view, no
         copy); the bytes count the payload of ``columns`` (all when ``None``) of the rows served.
@@ -241,15 +291,16 @@ class GroupTable:
         out: list[pa.RecordBatch] = []
         served = 0  # payload bytes of the projected rows (see row_bytes)
         views: dict[tuple[str, int], pa.RecordBatch] = {}
+        seen: dict[str, Group] = {}
         for group_id, start, stop in refs:
-            group = self.live(group_id)
+            group = seen[group_id] = self.live(group_id)
             for bno, off, rows in self._runs_of(group_id, group, start, stop):
                 got = views.get((group_id, bno))
                 if got is None:
                     got = views[group_id, bno] = group.batch(bno)
                 out.append(got.slice(off, rows))
                 served += int(group.row_bytes[bno][off : off + rows, cols].sum())
-        return out, served
+        return out, served, common_meta(seen.values())
 
     def _runs_of(self, group_id: str, group: Group, start: int, stop: int) -> list[tuple[int, int, int]]:
         """``(batch, offset, rows)`` runs of consecutive stored rows holding ``sample_idx`` ``[start, stop)``."""

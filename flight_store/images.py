@@ -91,11 +91,21 @@ class ImageTable:
                 freed.append(img)
         return freed
 
-    def rows(self, keys: Sequence[bytes]) -> list[Image]:
+    def check_present(self, keys: Iterable[bytes], group_id: str) -> None:
+        """Refuse a group naming an image not stored here (:class:`UnknownImageError`: write the images first)."""
+        missing = next((k for k in keys if k not in self._images), None)
+        if missing is not None:
+            msg = (f"group {group_id!r} references image {missing.hex()}, which node {self.node_name} does not hold; "
+                   "write the group's images to its node before the group")
+            raise UnknownImageError(msg, key=missing.hex())
+
+    def rows(self, keys: Sequence[bytes], *, missing_ok: bool = False) -> list[Image]:
         """The images of ``keys``, in key order; raises :class:`UnknownImageError` naming a missing key."""
         out: list[Image] = []
         for k in keys:
             img = self._images.get(k)
+            if img is None and missing_ok:
+                continue
             if img is None:
                 msg = f"image {k.hex()} is not stored on node {self.node_name}"
                 raise UnknownImageError(msg, key=k.hex())

@@ -29,7 +29,7 @@ from typing import TypeAlias, cast
 
 import pyarrow as pa
 
-from flight_store.errors import BudgetExceededError
+from flight_store.errors import BudgetExceededError, CapacityExceededError
 from schemas.arrow import TRAJECTORY_SCHEMA
 
 log = logging.getLogger(__name__)
@@ -244,8 +244,20 @@ class MemoryAccount:
         self.used += held
         self.payload += payload
 
-    def reserve(self, needed: int, what: str, in_flight: int = 0) -> None:
-        """Refuse ``needed`` more bytes unless they fit the budget next to the stored ones and ``in_flight``."""
+    def check_capacity(self, needed: int, what: str) -> None:
+        """Refuse for good what could never fit: more than the whole budget (:class:`CapacityExceededError`)."""
+        if self.budget is not None and needed > self.budget:
+            msg = (f"{what} needs {needed} bytes, more than the whole memory budget of node {self.node_name} "
+                   f"({self.budget} bytes): it can never be stored here, do not retry")
+            raise CapacityExceededError(msg, needed=needed, capacity=self.budget)
+
+    def reserve(self, needed: int, what: str, in_flight: int = 0, *, exact: bool = True) -> None:
+        """Refuse ``needed`` more bytes unless they fit the budget next to the stored ones and ``in_flight``.
+
+        ``exact``: ``needed`` is what the write will hold (not an estimate), so more than the whole budget
+        is refused for good (:class:`CapacityExceededError`)."""
+        if exact:
+            self.check_capacity(needed, what)
         budget = self.budget
         if budget is not None and self.used + in_flight + needed > budget:
             available = max(0, budget - self.used - in_flight)
@@ -312,9 +324,10 @@ class MemoryAccount:
         """
         cost = COPIES_IN_FLIGHT * raw
         mine = cost + getattr(_writing, "overhead", 0)
+        self.check_capacity(raw, what)  # its payload alone is more than the node holds
         with self._lock:
             if self.used and admit():
-                self.reserve(2 * raw, what, self.in_flight - (mine - cost))
+                self.reserve(2 * raw, what, self.in_flight - (mine - cost), exact=False)
                 self.check_rss(2 * raw, what)
             self.in_flight += cost
         try:

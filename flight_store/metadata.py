@@ -9,11 +9,11 @@ Not thread-safe by itself: the store calls a :class:`MetadataLog` under its lock
 
 Example:
     >>> from schemas.records import TrajectoryRecord, records_to_batch
-    >>> from flight_store.validate import normalize_stream
+    >>> from flight_store.validate import normalize_group
     >>> log = MetadataLog()
     >>> batch = records_to_batch([TrajectoryRecord(group_id="g0", sample_idx=i, policy_version=0,
     ...     prompt_ids=[1], response_ids=[2], response_logprobs=[-0.5]) for i in range(3)])
-    >>> log.append(normalize_stream([batch], "g0"))
+    >>> log.append(normalize_group([batch], "g0", 3))
     >>> log.table().slice(1).column("seq").to_pylist()
     [1, 2]
 """
@@ -24,9 +24,13 @@ from collections.abc import Sequence
 
 import numpy as np
 import pyarrow as pa
+import pyarrow.compute as pc
 
 from flight_store.errors import SchemaMismatchError
 from schemas.arrow import METADATA_COLUMNS, METADATA_SCHEMA
+
+LOG_SCHEMA = pa.schema([f for f in METADATA_SCHEMA if f.name != "released"], metadata=METADATA_SCHEMA.metadata)
+"""What the log stores: ``METADATA_SCHEMA`` without ``released`` (computed when the log is read)."""
 
 COMPACT_AT = 64
 """Merged metadata chunks kept before all are merged into one."""
@@ -49,8 +53,15 @@ def project(table: pa.Table, since: int, columns: Sequence[str] | None) -> pa.Ta
     return table
 
 
+def with_released(table: pa.Table, released: Sequence[str], columns: Sequence[str] | None) -> pa.Table:
+    """Log rows (all log columns) with the ``released`` column (rows of ``released`` groups), projected."""
+    flags = pc.is_in(table.column("group_id"), value_set=pa.array(released, pa.string()))
+    table = table.append_column(METADATA_SCHEMA.field("released"), flags)
+    return project(table, 0, columns)
+
+
 def _merge(batches: list[pa.RecordBatch]) -> list[pa.RecordBatch]:
-    return pa.Table.from_batches(batches, schema=METADATA_SCHEMA).combine_chunks().to_batches()
+    return pa.Table.from_batches(batches, schema=LOG_SCHEMA).combine_chunks().to_batches()
 
 
 class MetadataLog:
@@ -74,7 +85,7 @@ class MetadataLog:
         """The whole log as one table (cached until the next append; building it compacts the chunks)."""
         if self._cache is None:
             self._compact()
-            self._cache = pa.Table.from_batches(self._batches, schema=METADATA_SCHEMA)
+            self._cache = pa.Table.from_batches(self._batches, schema=LOG_SCHEMA)
         return self._cache
 
     @property
@@ -89,7 +100,7 @@ class MetadataLog:
         self.seq += n
         copy_idx = pa.array(np.arange(n, dtype=np.int64))
         arrays = [seq, *(b.column(c).take(copy_idx) for c in METADATA_COLUMNS)]
-        return pa.RecordBatch.from_arrays(arrays, schema=METADATA_SCHEMA)
+        return pa.RecordBatch.from_arrays(arrays, schema=LOG_SCHEMA)
 
     def _compact(self) -> None:
         """Merge the small per-write metadata batches that arrived since the last read into one.

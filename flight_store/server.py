@@ -27,13 +27,17 @@ from typing import Any, TypeVar
 import pyarrow as pa
 import pyarrow.flight as flight
 
-from flight_store.config import ServerConfig
-from flight_store.errors import KnitError, SchemaMismatchError, WireDecodeError
+from flight_store.config import ClusterMember, ServerConfig
+from flight_store.errors import KnitError, SchemaMismatchError, WireDecodeError, WrongNodeError
+from flight_store.groups import writer_meta
 from flight_store.metrics import Record, StoreMetrics
 from flight_store.store import Store
+from schemas import routing
 from schemas.arrow import SCHEMA_VERSION, TRAJECTORY_SCHEMA
+from schemas.routing import ROUTING
 from schemas.wire import (
     ACTION_DESCRIPTIONS,
+    GroupRef,
     ImagesTicket,
     MetadataTicket,
     PublishVersionBody,
@@ -153,7 +157,8 @@ class StoreServer(flight.FlightServerBase):
         self.location = f"{scheme}://{config.host}:{self.port}"
         """Where clients connect (the real port when configured with port 0)."""
         self.node_name = config.node_name or self.location
-        """Name reported by health/stats and in error messages."""
+        """Name reported by health/stats and in error messages; the node's id for routing."""
+        self._members = list(config.cluster) or [ClusterMember(id=self.node_name, location=self.location)]
         self.store = Store(dataclasses.replace(config.store, node_name=self.node_name))
         self.metrics: StoreMetrics | None = None
         """The node's :class:`~flight_store.metrics.StoreMetrics` when ``metrics_port`` was given."""
@@ -162,6 +167,22 @@ class StoreServer(flight.FlightServerBase):
         if config.metrics_port is not None:
             self.metrics = StoreMetrics(node=self.node_name, stats=self._metric_stats)
             self.metrics_port = self.metrics.serve(config.metrics_port)
+
+    def cluster_view(self) -> dict[str, Any]:
+        """The ``cluster`` action's answer: the routing, the view's version, the nodes (id, location), this id."""
+        return {"routing": ROUTING, "version": self.config.cluster_version, "self": self.node_name,
+                "nodes": [{"id": m.id, "location": m.location} for m in self._members]}
+
+    def _check_owner(self, group_id: str) -> None:
+        """Refuse a group that routing gives another node of the cluster (:class:`WrongNodeError` names it)."""
+        if len(self._members) < 2:
+            return
+        owner = routing.owner(group_id, [m.id for m in self._members])
+        if owner != self.node_name:
+            where = next(m.location for m in self._members if m.id == owner)
+            msg = (f"group {group_id!r} belongs to node {owner} ({where}), not to node {self.node_name}: "
+                   f"routing {ROUTING} over the cluster's ids (see the cluster action)")
+            raise WrongNodeError(msg, group_id=group_id, owner=owner, location=where)
 
     def _metric_stats(self) -> dict[str, Any]:
         s = self.store.stats()
@@ -187,15 +208,23 @@ class StoreServer(flight.FlightServerBase):
     ) -> None:
         def run() -> dict[str, Any]:
             doc = decode_descriptor(_descriptor_bytes(descriptor))
+            if isinstance(doc, PutGroup):
+                self._check_owner(doc.group_id)  # before a byte of the stream is read
             table = reader.read_all()
             rec.bytes_in += table.nbytes
+            if context.is_cancelled():  # the client went away or its deadline passed: nothing is stored
+                msg = "the DoPut was cancelled before its stream ended; nothing stored"
+                raise flight.FlightCancelledError(msg)
             if isinstance(doc, PutGroup):
-                rows = self.store.put_group(doc.group_id, table.to_batches())
+                rows = self.store.put_group(doc.group_id, table.to_batches(), doc.rows, writer_meta(table.schema))
                 return {"group_id": doc.group_id, "rows_added": rows}
             if isinstance(doc, PutImages):
                 return {"stored": self.store.put_images(table)}
             if isinstance(doc, PutWeights):
                 return {"version": doc.version, "stored": self.store.put_weights(table, doc.version)}
+            if isinstance(doc, GroupRef):
+                msg = "a 'group' descriptor names a stored group (GetFlightInfo); to write one, use kind 'put_group'"
+                raise WireError(msg)
             msg = f"unsupported descriptor {doc!r}"  # pragma: no cover - the union is exhaustive
             raise WireError(msg)
 
@@ -223,10 +252,14 @@ class StoreServer(flight.FlightServerBase):
             return self.store.metadata(doc.since, doc.columns)
         if isinstance(doc, SlicesTicket):
             refs = [(s.group_id, s.start, s.stop) for s in doc.slices]
-            batches = self.store.slices(refs, doc.columns, coalesce_below=self.coalesce_below)
-            return pa.Table.from_batches(batches, schema=batches[0].schema)
+            batches, meta = self.store.slices_with_meta(refs, doc.columns, coalesce_below=self.coalesce_below)
+            schema = batches[0].schema
+            if meta:
+                schema = schema.with_metadata({**(schema.metadata or {}), **{k.encode(): v.encode()
+                                                                              for k, v in meta.items()}})
+            return pa.Table.from_batches(batches, schema=schema)
         if isinstance(doc, ImagesTicket):
-            return self.store.images([bytes.fromhex(k) for k in doc.keys])
+            return self.store.images([bytes.fromhex(k) for k in doc.keys], missing_ok=doc.missing_ok)
         if isinstance(doc, WeightsTicket):
             return self.store.weights(doc.version)[0]
         msg = f"unsupported ticket {doc!r}"  # pragma: no cover
@@ -242,6 +275,8 @@ class StoreServer(flight.FlightServerBase):
             body = decode_action_body(action.type, action.body.to_pybytes() if action.body else b"")
             if action.type == "health":
                 return {"ok": True, "node": self.node_name, "schema_version": SCHEMA_VERSION}
+            if action.type == "cluster":
+                return self.cluster_view()
             if action.type == "stats":
                 return self.store.stats()
             if isinstance(body, ReleaseBody):
@@ -261,7 +296,7 @@ class StoreServer(flight.FlightServerBase):
 
     def _group_info(self, group_id: str) -> flight.FlightInfo:
         rows, nbytes, runs = self.store.group_info(group_id)
-        descriptor = flight.FlightDescriptor.for_command(PutGroup(group_id=group_id).to_bytes())
+        descriptor = flight.FlightDescriptor.for_command(GroupRef(group_id=group_id).to_bytes())
         ticket = SlicesTicket(slices=[SliceRef(group_id=group_id, start=a, stop=b) for a, b in runs])
         endpoint = flight.FlightEndpoint(ticket.to_bytes(), [])
         return flight.FlightInfo(TRAJECTORY_SCHEMA, descriptor, [endpoint], rows, nbytes)
@@ -278,8 +313,8 @@ class StoreServer(flight.FlightServerBase):
     ) -> flight.FlightInfo:
         def run() -> flight.FlightInfo:
             doc = decode_descriptor(_descriptor_bytes(descriptor))
-            if not isinstance(doc, PutGroup):
-                msg = f"GetFlightInfo describes prompt groups only, got a {doc.kind!r} descriptor"
+            if not isinstance(doc, GroupRef | PutGroup):
+                msg = f"GetFlightInfo describes prompt groups only (kind 'group'), got a {doc.kind!r} descriptor"
                 raise SchemaMismatchError(msg, column=None)
             return self._group_info(doc.group_id)
 

@@ -35,6 +35,7 @@ import time
 from collections.abc import Iterable, Iterator, Sequence
 
 import pyarrow as pa
+import pyarrow.compute as pc
 
 from flight_store import groups as _groups
 from flight_store import metadata as _metadata
@@ -43,7 +44,7 @@ from flight_store.contents import StoreContents
 from flight_store.durability import Journal
 from flight_store.images import images_table
 from flight_store.memory import MemoryAccount, pack, return_free_memory
-from flight_store.validate import normalize_images, normalize_stream
+from flight_store.validate import normalize_group, normalize_images
 from schemas.arrow import SCHEMA_VERSION
 
 __all__ = ["Store", "StoreConfig"]
@@ -101,16 +102,24 @@ class Store:
 
     # ---- groups --------------------------------------------------------------------------------
 
-    def put_group(self, group_id: str, batches: Sequence[pa.RecordBatch | pa.Table]) -> int:
-        """Validate and store one DoPut stream of group ``group_id``; returns rows added.
+    def put_group(self, group_id: str, batches: Sequence[pa.RecordBatch | pa.Table], rows: int | None = None,
+                  meta: dict[str, str] | None = None) -> int:
+        """Validate and store one whole group ``group_id`` of ``rows`` rows, atomically; returns rows added.
 
-        Rows whose ``(group_id, sample_idx)`` is already stored are dropped (idempotent retry);
-        new ``sample_idx`` of an existing group are appended. All or nothing.
+        ``rows`` is what the writer declared (the server passes the descriptor's); ``None`` = the rows of
+        ``batches`` (an in-process caller hands over the whole group at once).
+
+        A group is written once: a rewrite with the same content is a no-op (returns 0; an idempotent
+        retry, also of a group already released), one with other content is refused. ``meta`` is the
+        writer's ``knittrans.*`` schema metadata (served back with its slices). All or nothing.
 
         Raises:
-            SchemaMismatchError: a batch does not fit the trajectory schema (nothing stored).
-            BudgetExceededError: the node's memory budget cannot hold the new rows (nothing stored).
-            GroupReleasedError: new rows for a group that was already released.
+            SchemaMismatchError: a batch breaks the trajectory schema or a rule, or the stream does not hold
+                exactly ``rows`` rows with ``sample_idx`` 0..rows-1 (nothing stored).
+            UnknownImageError: a row names an image this node does not hold (write the images first).
+            ConflictError: the group was written before with other content (names the column).
+            CapacityExceededError: the group is larger than the node's whole budget (never retry).
+            BudgetExceededError: the node's memory budget cannot hold it now (retry later).
         """
         what = f"group {group_id!r}"
         raw = sum(b.nbytes for b in batches)
@@ -120,17 +129,17 @@ class Store:
             flat: list[pa.RecordBatch] = []
             for b in batches:
                 flat.extend(b.to_batches() if isinstance(b, pa.Table) else [b])
-            normalized = normalize_stream(flat, group_id)
+            normalized = normalize_group(flat, group_id, sum(b.num_rows for b in flat) if rows is None else rows)
             with self._lock:
-                fresh = self._contents.groups.fresh_rows(group_id, normalized)
-                if not fresh:
+                if self._contents.groups.check_rewrite(group_id, normalized):
                     return 0
-                packed = [pack(b) for b in fresh]
+                self._contents.images.check_present(_groups.image_keys_of(normalized), group_id)
+                packed = [pack(b) for b in normalized]
                 # stored groups + this group + what the OTHER writes in flight hold must fit
                 self._memory.reserve(sum(held for _, held in packed), what, self._memory.in_flight - mine)
                 self._memory.check_rss(0, what)  # the packed blocks' pages are resident already
-                self._journal.group(group_id, fresh)
-                return self._contents.commit_group(group_id, fresh, packed)
+                self._journal.group(group_id, normalized, meta or {})
+                return self._contents.commit_group(group_id, normalized, packed, meta)
 
     @contextlib.contextmanager
     def write_in_flight(self) -> Iterator[None]:
@@ -163,11 +172,17 @@ class Store:
             GroupReleasedError: a group was released.
             SchemaMismatchError: ``columns`` names a column the trajectory schema lacks.
         """
+        return self.slices_with_meta(refs, columns, coalesce_below=coalesce_below)[0]
+
+    def slices_with_meta(
+        self, refs: Iterable[tuple[str, int, int]], columns: Sequence[str] | None = None, *, coalesce_below: int = 0
+    ) -> tuple[list[pa.RecordBatch], dict[str, str]]:
+        """:meth:`slices`, and the writer metadata (``knittrans.logprobs_mode``, ...) all their groups share."""
         _groups.check_columns(columns)
         with self._lock:
-            out, served = self._contents.groups.slices(refs, columns)
+            out, served, meta = self._contents.groups.slices(refs, columns)
             self.bytes_out += served
-        return _groups.project(out, columns, served, coalesce_below)
+        return _groups.project(out, columns, served, coalesce_below), meta
 
     def release(self, group_ids: Iterable[str]) -> int:
         """Free the payload of these groups (unknown ids are ignored); returns how many were freed.
@@ -205,14 +220,20 @@ class Store:
     # ---- metadata ------------------------------------------------------------------------------
 
     def metadata(self, since: int = 0, columns: Sequence[str] | None = None) -> pa.Table:
-        """Metadata rows with ``seq >= since``; ``seq`` first, then ``columns`` (all when ``None``)."""
+        """Metadata rows with ``seq >= since``; ``seq`` first, then ``columns`` (all when ``None``).
+
+        The ``released`` column says, at the time of the scan, whether the row's group was released.
+        """
         _metadata.check_columns(columns)
         with self._lock:
             merged = not self._contents.metadata.cached
-            table = self._contents.metadata.table()
+            table = _metadata.project(self._contents.metadata.table(), since, None)
+        ids = pc.unique(table.column("group_id")).to_pylist()
+        with self._lock:
+            released = self._contents.groups.released_among(ids)
         if merged:  # the merged chunks were freed on this thread
             return_free_memory()
-        return _metadata.project(table, since, columns)
+        return _metadata.with_released(table, released, columns)
 
     # ---- images --------------------------------------------------------------------------------
 
@@ -233,10 +254,11 @@ class Store:
                 self._journal.images([v.row for v in new.values()])
             return self._contents.commit_images(new)
 
-    def images(self, keys: Sequence[bytes]) -> pa.Table:
-        """Image rows for ``keys``, in key order. Raises :class:`UnknownImageError` naming a missing key."""
+    def images(self, keys: Sequence[bytes], *, missing_ok: bool = False) -> pa.Table:
+        """Image rows for ``keys``, in key order. Raises :class:`UnknownImageError` naming a missing key
+        (``missing_ok``: leaves it out)."""
         with self._lock:
-            found = self._contents.images.rows(keys)
+            found = self._contents.images.rows(keys, missing_ok=missing_ok)
             self.bytes_out += sum(img.nbytes for img in found)
             rows = [img.row for img in found]
         return images_table(rows)

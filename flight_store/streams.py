@@ -9,7 +9,7 @@ Used by :class:`flight_store.client.StoreClient`.
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 
 import pyarrow as pa
 import pyarrow.flight as flight
@@ -54,7 +54,9 @@ def in_order(slices: Sequence[PlannedSlice], tables: dict[str, pa.Table]) -> pa.
     for s in slices:
         parts.append(tables[s.node].slice(offsets[s.node], s.rows))
         offsets[s.node] += s.rows
-    return pa.concat_tables(parts)
+    metas = [t.schema.metadata or {} for t in tables.values()]
+    shared = {k: v for k, v in metas[0].items() if all(m.get(k) == v for m in metas[1:])}  # what every node says
+    return pa.concat_tables(parts).replace_schema_metadata(shared or None)
 
 
 class NodeStream:
@@ -96,3 +98,11 @@ class NodeStream:
         if extra:
             msg = f"node {self.node} streamed {extra} rows more than asked for"
             raise WireDecodeError(msg)
+
+
+def keys_by_node(keys: Sequence[bytes], nodes: Mapping[bytes, str]) -> dict[str, list[bytes]]:
+    """``keys`` grouped by the node ``nodes`` names for each (a key it does not name is a KeyError)."""
+    out: dict[str, list[bytes]] = {}
+    for k in keys:
+        out.setdefault(nodes[k], []).append(k)
+    return out

@@ -31,10 +31,10 @@ def normalize_batch(batch: pa.RecordBatch, group_id: str, *, now: dt.datetime | 
         return trajectory.normalize_batch(batch, group_id, now=now)
 
 
-def normalize_stream(batches: Sequence[pa.RecordBatch], group_id: str) -> list[pa.RecordBatch]:
-    """:func:`schemas.trajectory.normalize_stream`, refusing with :class:`SchemaMismatchError`."""
+def normalize_group(batches: Sequence[pa.RecordBatch], group_id: str, rows: int) -> list[pa.RecordBatch]:
+    """:func:`schemas.trajectory.normalize_group`, refusing with :class:`SchemaMismatchError`."""
     with _as_schema_mismatch():
-        return trajectory.normalize_stream(batches, group_id)
+        return trajectory.normalize_group(batches, group_id, rows)
 
 
 def normalize_images(table: pa.Table | pa.RecordBatch) -> pa.Table:

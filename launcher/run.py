@@ -44,7 +44,7 @@ from typing import Any
 from admission.config import AdmissionConfig, Policy
 from connectors.config import RolloutConfig
 from flight_store.client import StoreClient
-from flight_store.config import ServerConfig
+from flight_store.config import ClusterMember, ServerConfig
 from flight_store.net import free_port
 from launcher import report
 from launcher.children import ROOT, Child, Children
@@ -146,10 +146,13 @@ class RunConfig:
 
 
 def store_configs(cfg: RunConfig) -> list[ServerConfig]:
-    """One node config per store: free loopback ports, metrics on a free port when asked."""
-    return [ServerConfig(port=free_port(), node_name=f"node{i}", log_level="WARNING",
+    """One node config per store: free loopback ports, metrics on a free port when asked, and the cluster's
+    membership, so every node refuses a group routing gives another."""
+    ports = [free_port() for _ in range(cfg.num_stores)]
+    cluster = [ClusterMember(id=f"node{i}", location=f"grpc://127.0.0.1:{p}") for i, p in enumerate(ports)]
+    return [ServerConfig(port=p, node_name=f"node{i}", log_level="WARNING", cluster=cluster,
                          metrics_port=free_port() if cfg.metrics else None)
-            for i in range(cfg.num_stores)]
+            for i, p in enumerate(ports)]
 
 
 def train_config(cfg: RunConfig, model: ModelConfig, stores: list[str]) -> TrainConfig:

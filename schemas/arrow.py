@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import pyarrow as pa
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2
 """Version of the schemas and of the wire documents; bumped on any incompatible change."""
 
 IMAGE_KEY_BYTES = 32
@@ -73,8 +73,10 @@ OPTIONAL_ON_WRITE: frozenset[str] = frozenset(
 
 SEQ_FIELD = pa.field("seq", pa.int64(), nullable=False)  # position in the node's append-only metadata log
 
+RELEASED_FIELD = pa.field("released", pa.bool_(), nullable=False)  # the group was consumed (at the scan's time)
+
 METADATA_SCHEMA = pa.schema(
-    [SEQ_FIELD, *KEY_FIELDS, *METADATA_FIELDS],
+    [SEQ_FIELD, *KEY_FIELDS, *METADATA_FIELDS, RELEASED_FIELD],
     metadata={"knittrans.schema_version": str(SCHEMA_VERSION), "knittrans.table": "metadata"},
 )
 """What DoGet(metadata) streams; clients add a ``node`` column when they fan out."""

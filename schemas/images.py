@@ -1,23 +1,44 @@
-"""Image table helpers: content keys and numpy <-> Arrow rows (numpy only, no torch)."""
+"""Image table helpers: content keys and numpy <-> Arrow rows (numpy only, no torch).
+
+An image's key is SHA-256 over ``f"{typestr}|{dims}|"`` (UTF-8) followed by its C-contiguous bytes,
+where ``typestr`` is the numpy type string of its dtype (:data:`IMAGE_DTYPES`: ``"|u1"`` for uint8,
+``"<f2"`` for float16, ...) and ``dims`` its shape joined by commas (``"3,448,448"``). A store
+recomputes every key it is sent and refuses a row whose key does not match.
+"""
 
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
+from typing import Any
 
 import numpy as np
 import pyarrow as pa
 
 from schemas.arrow import IMAGE_SCHEMA
 
+IMAGE_DTYPES: dict[str, str] = {
+    "uint8": "|u1", "int8": "|i1", "uint16": "<u2", "int16": "<i2",
+    "float16": "<f2", "float32": "<f4", "float64": "<f8",
+}
+"""The dtypes an image may have (``dtype`` column) and the type string its key hashes."""
+
+
+def key_of(dtype: str, shape: Sequence[int], data: Any) -> bytes:
+    """The content key of an image given as its dtype name, shape and C-contiguous bytes."""
+    h = hashlib.sha256()
+    h.update(f"{IMAGE_DTYPES[dtype]}|{','.join(map(str, shape))}|".encode())
+    h.update(data)
+    return h.digest()
+
 
 def image_key(array: np.ndarray) -> bytes:
-    """SHA-256 over dtype, shape and the C-contiguous bytes: equal images get equal keys."""
+    """The content key of ``array`` (its dtype must be one of :data:`IMAGE_DTYPES`): equal images, equal keys."""
     a = np.ascontiguousarray(array)
-    h = hashlib.sha256()
-    h.update(f"{a.dtype.str}|{','.join(map(str, a.shape))}|".encode())
-    h.update(a.tobytes() if not a.flags.c_contiguous else a.data.cast("B"))
-    return h.digest()
+    if a.dtype.name not in IMAGE_DTYPES:
+        msg = f"image dtype {a.dtype.name!r} is not one of {sorted(IMAGE_DTYPES)}"
+        raise ValueError(msg)
+    return key_of(a.dtype.name, a.shape, a.data.cast("B"))
 
 
 def images_to_table(images: Iterable[np.ndarray]) -> tuple[pa.Table, list[bytes]]:

@@ -19,14 +19,19 @@ them accepts, the others accept too.
   ``"completed"``, ``data_source`` = ``"default"``, ``prompt_len``/``response_len`` = the list
   lengths (for the records helpers; the wire requires them);
 * ``bytes`` is always recomputed as the row's payload size (:func:`payload_bytes`);
-* nulls are refused in every column (and inside list values);
+* every column is validated structurally first (``Array.validate(full=True)``: offsets monotonic and
+  in bounds, lengths, UTF-8), so a corrupt batch is refused naming its column;
+* nulls are refused in every column (and inside list values); timestamps may carry a time zone (the
+  instant is stored as naive UTC);
 * the value rules of :func:`check_rules`: every ``group_id`` equals the group's; ``sample_idx >= 0``
-  and unique; ``status`` in ``STATUSES``; list lengths agree (``response_logprobs`` and
+  and unique; rewards finite; ``loss_mask`` values 0 or 1; versions >= 0 and ``policy_version_min <=
+  policy_version``; ``status`` in ``STATUSES``; list lengths agree (``response_logprobs`` and
   ``loss_mask`` have ``len(response_ids)`` values, ``prompt_len``/``response_len`` equal the list
   lengths, ``num_images`` equals ``len(image_keys)``).
 
-:func:`normalize_stream` normalises the batches of one DoPut stream and refuses a ``sample_idx``
-repeated across them. :func:`normalize_images` does the same for the image table.
+:func:`normalize_group` normalises the batches of one whole group (one DoPut stream): exactly the
+declared number of rows, ``sample_idx`` 0..rows-1 once each. :func:`normalize_images` does the same for
+the image table, and checks each image's content key against its bytes.
 """
 
 from __future__ import annotations
@@ -39,6 +44,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from schemas.arrow import IMAGE_SCHEMA, OPTIONAL_ON_WRITE, PAYLOAD_COLUMNS, STATUSES, TRAJECTORY_SCHEMA
+from schemas.images import IMAGE_DTYPES, key_of
 
 _EXPECTED: dict[str, pa.DataType] = {f.name: f.type for f in TRAJECTORY_SCHEMA}
 _IMAGE_EXPECTED: dict[str, pa.DataType] = {f.name: f.type for f in IMAGE_SCHEMA}
@@ -65,22 +71,27 @@ def _castable(src: pa.DataType, dst: pa.DataType) -> bool:
             return True
         return pa.types.is_dictionary(src) and _castable(src.value_type, dst)
     if pa.types.is_list(dst):
-        if pa.types.is_list(src) or pa.types.is_large_list(src) or pa.types.is_list_view(src):
+        if pa.types.is_list(src) or pa.types.is_large_list(src):
             return _castable(src.value_type, dst.value_type)
         return False
     if pa.types.is_fixed_size_binary(dst):
         return pa.types.is_binary(src) or pa.types.is_large_binary(src)
     if pa.types.is_timestamp(dst):
-        return pa.types.is_timestamp(src) and src.tz is None
+        return pa.types.is_timestamp(src)  # naive = UTC; a zoned one is the same instant, stored as naive UTC
     if pa.types.is_large_binary(dst):
         return pa.types.is_binary(src)
     return False
 
 
 def conform_column(name: str, arr: pa.Array | pa.ChunkedArray, expected: pa.DataType) -> pa.Array:
-    """``arr`` as type ``expected`` (safe cast where allowed); refuses nulls, naming ``name``."""
+    """``arr`` as type ``expected`` (safe cast where allowed); refuses corrupt structure and nulls, naming ``name``."""
     if isinstance(arr, pa.ChunkedArray):
         arr = arr.combine_chunks()
+    try:
+        arr.validate(full=True)  # offsets in bounds and monotonic, lengths, UTF-8: before anything reads it
+    except (pa.ArrowInvalid, pa.ArrowException) as exc:
+        msg = f"column {name!r} is not a valid Arrow array: {exc}"
+        raise TrajectoryError(msg, column=name) from None
     if arr.type != expected:
         if not _castable(arr.type, expected):
             msg = f"column {name!r} has type {arr.type}, expected {expected}"
@@ -187,6 +198,23 @@ def _check_lengths(name: str, got: np.ndarray, want: np.ndarray, what: str) -> N
         raise TrajectoryError(msg, column=name)
 
 
+def _check_values(cols: dict[str, pa.Array]) -> None:
+    """Rewards finite, loss masks 0 or 1, versions not negative."""
+    reward = cols["reward"].to_numpy(zero_copy_only=False)
+    bad = np.flatnonzero(~np.isfinite(reward))
+    if bad.size:
+        msg = f"column 'reward' row {int(bad[0])} is {float(reward[bad[0]])}; rewards must be finite"
+        raise TrajectoryError(msg, column="reward")
+    mask = pc.list_flatten(cols["loss_mask"]).to_numpy(zero_copy_only=False)
+    if mask.size and int(mask.max()) > 1:
+        msg = f"column 'loss_mask' holds {int(mask.max())}; a loss mask is 0 (not trained on) or 1"
+        raise TrajectoryError(msg, column="loss_mask")
+    for name in ("policy_version", "policy_version_min"):
+        if len(cols[name]) and pc.min(cols[name]).as_py() < 0:
+            msg = f"column {name!r} holds a negative version {pc.min(cols[name]).as_py()}"
+            raise TrajectoryError(msg, column=name)
+
+
 def check_rules(cols: dict[str, pa.Array], group_id: str) -> None:
     """The value rules every row of group ``group_id`` must keep (columns already of the schema's types)."""
     n = len(cols["group_id"])
@@ -204,6 +232,7 @@ def check_rules(cols: dict[str, pa.Array], group_id: str) -> None:
         bad = next(s for s in cols["status"].to_pylist() if s not in STATUSES)
         msg = f"column 'status' holds {bad!r}, not one of {STATUSES}"
         raise TrajectoryError(msg, column="status")
+    _check_values(cols)
     vmin, vmax = cols["policy_version_min"].to_numpy(), cols["policy_version"].to_numpy()
     bad = np.nonzero(vmin > vmax)[0]
     if bad.size:
@@ -271,18 +300,29 @@ def normalize_batch(batch: pa.RecordBatch, group_id: str, *, now: dt.datetime | 
     return _finish(cols, group_id)
 
 
-def normalize_stream(batches: Sequence[pa.RecordBatch], group_id: str) -> list[pa.RecordBatch]:
-    """Normalise every batch of one DoPut stream; refuses a ``sample_idx`` repeated across batches."""
+def normalize_group(batches: Sequence[pa.RecordBatch], group_id: str, rows: int) -> list[pa.RecordBatch]:
+    """Normalise the batches of one whole group: exactly ``rows`` rows, ``sample_idx`` 0..rows-1 once each.
+
+    Raises:
+        TrajectoryError: a batch breaks a rule, the stream holds another number of rows, or the
+            ``sample_idx`` repeat or leave a gap (named).
+    """
     now = utc_now()
     out = [normalize_batch(b, group_id, now=now) for b in batches if b.num_rows]
-    seen: set[int] = set()
-    for b in out:
-        idx = b.column("sample_idx").to_numpy().tolist()
-        dup = seen.intersection(idx)
-        if dup:
-            msg = f"column 'sample_idx' repeats {min(dup)} within one stream of group {group_id!r}"
-            raise TrajectoryError(msg, column="sample_idx")
-        seen.update(idx)
+    got = sum(b.num_rows for b in out)
+    if got != rows:
+        msg = f"group {group_id!r} declares {rows} rows but its stream carried {got}"
+        raise TrajectoryError(msg, column="sample_idx")
+    idx = np.concatenate([b.column("sample_idx").to_numpy() for b in out])
+    counts = np.bincount(np.clip(idx, 0, rows), minlength=rows + 1)
+    if counts[:rows].max() > 1:
+        msg = f"column 'sample_idx' repeats {int(np.argmax(counts[:rows] > 1))} in group {group_id!r}"
+        raise TrajectoryError(msg, column="sample_idx")
+    if counts[rows] or counts[:rows].min() == 0:
+        missing = int(np.argmin(counts[:rows])) if counts[:rows].min() == 0 else rows
+        msg = (f"column 'sample_idx' of group {group_id!r} must hold 0..{rows - 1} once each; "
+               f"{missing} is missing (values {sorted(set(idx.tolist()))[:8]}...)")
+        raise TrajectoryError(msg, column="sample_idx")
     return out
 
 
@@ -299,4 +339,31 @@ def normalize_images(table: pa.Table | pa.RecordBatch) -> pa.Table:
             msg = f"required image column {name!r} is missing"
             raise TrajectoryError(msg, column=name)
         arrays.append(conform_column(name, table.column(name), typ))
-    return pa.Table.from_arrays(arrays, schema=IMAGE_SCHEMA)
+    out = pa.Table.from_arrays(arrays, schema=IMAGE_SCHEMA)
+    _check_images(out)
+    return out
+
+
+def _check_images(table: pa.Table) -> None:
+    """Each image's dtype known, its data ``prod(shape) * itemsize`` bytes, and its key the hash of them."""
+    keys = table.column("image_key").to_pylist()
+    shapes = table.column("shape").to_pylist()
+    dtypes = table.column("dtype").to_pylist()
+    data = table.column("data")
+    for i, (key, shape, dtype) in enumerate(zip(keys, shapes, dtypes, strict=True)):
+        if dtype not in IMAGE_DTYPES:
+            msg = f"image {key.hex()} has dtype {dtype!r}, not one of {sorted(IMAGE_DTYPES)}"
+            raise TrajectoryError(msg, column="dtype")
+        if any(d < 0 for d in shape):
+            msg = f"image {key.hex()} has a negative dimension in shape {shape}"
+            raise TrajectoryError(msg, column="shape")
+        buf = data[i].as_buffer()
+        want = int(np.prod(shape, dtype=np.int64)) * np.dtype(dtype).itemsize
+        if buf.size != want:
+            msg = f"image {key.hex()} has {buf.size} bytes of data, but shape {shape} of {dtype} needs {want}"
+            raise TrajectoryError(msg, column="data")
+        actual = key_of(dtype, shape, buf)
+        if actual != key:
+            msg = (f"image key {key.hex()} does not match its content (SHA-256 of dtype, shape and bytes is "
+                   f"{actual.hex()})")
+            raise TrajectoryError(msg, column="image_key")

@@ -21,7 +21,7 @@ class WireError(ValueError):
 
 
 class _Doc(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    model_config = ConfigDict(extra="forbid", frozen=True, strict=True)
 
     v: int = SCHEMA_VERSION
     """Schema version the writer speaks; must equal ``SCHEMA_VERSION``."""
@@ -40,25 +40,43 @@ class _Doc(BaseModel):
 
 GroupId = Annotated[str, Field(min_length=1, max_length=512)]
 NonNegInt = Annotated[int, Field(ge=0, le=2**62)]
+MAX_GROUP_ROWS = 1 << 16
+"""Most trajectories one prompt group may hold (G)."""
 
 
 # ---- DoPut descriptors (FlightDescriptor.for_command) --------------------------------------------
 
 
 class PutGroup(_Doc):
-    """DoPut one prompt group: the stream carries trajectory-schema batches of this group only.
+    """DoPut one whole prompt group, atomically: the stream carries exactly ``rows`` trajectory-schema rows
+    of this group (in one or more batches), ``sample_idx`` 0..rows-1 in any order.
 
-    Example: ``{"v": 1, "kind": "put_group", "group_id": "step3-prompt17"}``
+    The group is committed only when the stream ends (the client's half-close) with all ``rows`` rows
+    and they validate; any other ending stores nothing.
+
+    Example: ``{"v": 2, "kind": "put_group", "group_id": "step3-prompt17", "rows": 4}``
     """
 
     kind: Literal["put_group"] = "put_group"
+    group_id: GroupId
+    rows: Annotated[int, Field(ge=1, le=MAX_GROUP_ROWS)]
+    """The group's trajectories (G): the stream must carry exactly this many rows."""
+
+
+class GroupRef(_Doc):
+    """Names a stored group, for GetFlightInfo (and the descriptor of ListFlights' answers).
+
+    Example: ``{"v": 2, "kind": "group", "group_id": "step3-prompt17"}``
+    """
+
+    kind: Literal["group"] = "group"
     group_id: GroupId
 
 
 class PutImages(_Doc):
     """DoPut rows of the image table; keys already stored are skipped.
 
-    Example: ``{"v": 1, "kind": "put_images"}``
+    Example: ``{"v": 2, "kind": "put_images"}``
     """
 
     kind: Literal["put_images"] = "put_images"
@@ -67,14 +85,14 @@ class PutImages(_Doc):
 class PutWeights(_Doc):
     """DoPut a table of named tensors (``name``, ``shape``, ``dtype``, ``data``) as weights ``version``.
 
-    Example: ``{"v": 1, "kind": "put_weights", "version": 4}``
+    Example: ``{"v": 2, "kind": "put_weights", "version": 4}``
     """
 
     kind: Literal["put_weights"] = "put_weights"
     version: NonNegInt
 
 
-Descriptor = Annotated[PutGroup | PutImages | PutWeights, Field(discriminator="kind")]
+Descriptor = Annotated[PutGroup | PutImages | PutWeights | GroupRef, Field(discriminator="kind")]
 
 
 # ---- DoGet tickets -----------------------------------------------------------------------------
@@ -83,7 +101,7 @@ Descriptor = Annotated[PutGroup | PutImages | PutWeights, Field(discriminator="k
 class MetadataTicket(_Doc):
     """Metadata rows with ``seq >= since`` (the cursor), projected to ``columns``.
 
-    Example: ``{"v": 1, "kind": "metadata", "since": 0, "columns": ["group_id", "reward"]}``
+    Example: ``{"v": 2, "kind": "metadata", "since": 0, "columns": ["group_id", "reward"]}``
     """
 
     kind: Literal["metadata"] = "metadata"
@@ -95,7 +113,7 @@ class MetadataTicket(_Doc):
 class SliceRef(BaseModel):
     """Rows ``sample_idx in [start, stop)`` of one group (on the node the ticket is sent to)."""
 
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    model_config = ConfigDict(extra="forbid", frozen=True, strict=True)
 
     group_id: GroupId
     start: NonNegInt
@@ -112,7 +130,7 @@ class SliceRef(BaseModel):
 class SlicesTicket(_Doc):
     """Payload (and any other) columns of the listed slices, streamed in ticket order.
 
-    Example: ``{"v": 1, "kind": "slices", "slices": [{"group_id": "g1", "start": 0, "stop": 4}],
+    Example: ``{"v": 2, "kind": "slices", "slices": [{"group_id": "g1", "start": 0, "stop": 4}],
     "columns": ["group_id", "sample_idx", "response_ids"]}``
     """
 
@@ -125,17 +143,19 @@ class SlicesTicket(_Doc):
 class ImagesTicket(_Doc):
     """Image-table rows for the given hex keys, in key order.
 
-    Example: ``{"v": 1, "kind": "images", "keys": ["9f86d0...(64 hex digits)"]}``
+    Example: ``{"v": 2, "kind": "images", "keys": ["9f86d0...(64 hex digits)"]}``
     """
 
     kind: Literal["images"] = "images"
     keys: list[Annotated[str, Field(pattern=f"^[0-9a-f]{{{2 * IMAGE_KEY_BYTES}}}$")]] = Field(min_length=1)
+    missing_ok: bool = False
+    """Skip keys not stored here instead of refusing (how a client finds which node holds an image)."""
 
 
 class WeightsTicket(_Doc):
     """The latest weights table (or exactly ``version`` when given).
 
-    Example: ``{"v": 1, "kind": "weights"}``
+    Example: ``{"v": 2, "kind": "weights"}``
     """
 
     kind: Literal["weights"] = "weights"
@@ -149,23 +169,24 @@ Ticket = Annotated[MetadataTicket | SlicesTicket | ImagesTicket | WeightsTicket,
 
 
 class ReleaseBody(_Doc):
-    """Free the payload of consumed groups. Example: ``{"v": 1, "group_ids": ["g1", "g2"]}``"""
+    """Free the payload of consumed groups. Example: ``{"v": 2, "group_ids": ["g1", "g2"]}``"""
 
     group_ids: list[GroupId] = Field(min_length=1)
 
 
 class PublishVersionBody(_Doc):
-    """Record the trainer's newest policy version. Example: ``{"v": 1, "version": 5}``"""
+    """Record the trainer's newest policy version. Example: ``{"v": 2, "version": 5}``"""
 
     version: NonNegInt
 
 
 class EmptyBody(_Doc):
-    """Body of ``health`` and ``stats`` (may also be sent empty). Example: ``{"v": 1}``"""
+    """Body of ``health`` and ``stats`` (may also be sent empty). Example: ``{"v": 2}``"""
 
 
 ACTION_BODIES: dict[str, type[_Doc]] = {
     "health": EmptyBody,
+    "cluster": EmptyBody,
     "stats": EmptyBody,
     "release": ReleaseBody,
     "publish_version": PublishVersionBody,
@@ -175,6 +196,8 @@ ACTION_BODIES: dict[str, type[_Doc]] = {
 
 ACTION_DESCRIPTIONS: dict[str, str] = {
     "health": 'liveness; answers {"ok": true, "node": ..., "schema_version": ...}',
+    "cluster": 'the cluster view: {"routing": "rendezvous-sha256", "version": N, "nodes": [{"id", "location"}], '
+               '"self": id}; a group belongs to the node routing picks from "nodes"',
     "stats": "rows, bytes, groups by state, images, memory budget and use, bytes in/out",
     "release": 'free the payload of consumed groups; body {"v":1,"group_ids":[...]}',
     "publish_version": 'record the newest policy version; body {"v":1,"version":N}',
@@ -188,10 +211,19 @@ _DESCRIPTOR = TypeAdapter(Descriptor)
 _TICKET = TypeAdapter(Ticket)
 
 
+def _no_duplicate_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    keys = [k for k, _ in pairs]
+    dup = next((k for k in keys if keys.count(k) > 1), None)
+    if dup is not None:
+        msg = f"duplicate key {dup!r}"
+        raise ValueError(msg)
+    return dict(pairs)
+
+
 def _load_json(raw: bytes, what: str) -> Any:
     try:
-        return json.loads(raw)
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        return json.loads(raw, object_pairs_hook=_no_duplicate_keys)
+    except (UnicodeDecodeError, ValueError) as exc:
         msg = f"{what} is not valid JSON: {exc}"
         raise WireError(msg) from None
 
@@ -215,7 +247,7 @@ def _validate(adapter: TypeAdapter[Any] | type[BaseModel], doc: Any, what: str) 
         raise WireError(msg) from None
 
 
-def decode_descriptor(raw: bytes) -> PutGroup | PutImages | PutWeights:
+def decode_descriptor(raw: bytes) -> PutGroup | PutImages | PutWeights | GroupRef:
     """Parse a DoPut command descriptor."""
     return _validate(_DESCRIPTOR, _load_json(raw, "descriptor"), "descriptor")  # type: ignore[no-any-return]
 

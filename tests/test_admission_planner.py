@@ -151,15 +151,17 @@ def test_drops_aborted_filtered_unmatched() -> None:
                  rows("len", "math", finish="length"), rows("odd", "code"), rows("part", "math", g=1))
     res = plan(meta, PlannerState(), c, inflight={"math": 4, "chat": 4})
     reasons = dict(res.dropped.select("group_id", "reason").iter_rows())
-    assert reasons == {"ab": "aborted", "uni": "uniform_reward", "len": "finish_reason", "odd": "unmatched"}
-    assert "part" not in res.state.dropped  # incomplete: still waiting
+    assert reasons == {"ab": "aborted", "uni": "uniform_reward", "len": "finish_reason", "odd": "unmatched",
+                       "part": "size"}  # a group is written whole: fewer rows than G is final
     assert res.state.dropped == frozenset(reasons)
 
 
-def test_too_many_rows_is_an_error() -> None:
-    meta = frame(rows("x", "chat", g=3))
-    with pytest.raises(ValueError, match="'x' has 3 rows"):
-        plan(meta, PlannerState(), cfg(), inflight={"math": 4})
+def test_a_group_of_the_wrong_size_is_dropped_and_repeated_rows_are_an_error() -> None:
+    res = plan(frame(rows("x", "chat", g=3)), PlannerState(), cfg(), inflight={"math": 4})
+    assert dict(res.dropped.select("group_id", "reason").iter_rows()) == {"x": "size"}
+    twice = frame(rows("y", "chat")).with_columns(pl.lit(0, dtype=pl.Int32).alias("sample_idx"))
+    with pytest.raises(ValueError, match="'y' has 2 rows but 1 distinct sample_idx"):
+        plan(twice, PlannerState(), cfg(), inflight={"math": 4})
 
 
 def test_missing_column_is_named() -> None:

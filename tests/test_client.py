@@ -13,13 +13,14 @@ import pytest
 from polars.testing import assert_frame_equal
 
 from flight_store import streams as streams_mod
-from flight_store.client import StoreClient, node_for
+from flight_store.client import StoreClient
 from flight_store.config import ServerConfig
-from flight_store.errors import NodeUnavailableError, UnknownGroupError
+from flight_store.errors import NodeUnavailableError, UnknownGroupError, UnknownImageError
 from flight_store.server import StoreServer
 from schemas.arrow import METADATA_SCHEMA
 from schemas.images import images_to_table
 from schemas.plan import PlannedSlice
+from schemas.routing import owner
 
 
 class _CountingServer(StoreServer):
@@ -36,13 +37,13 @@ class _CountingServer(StoreServer):
         return super().do_get(context, ticket)
 
 
-def test_default_placement_is_a_stable_hash(store_nodes, make_group) -> None:
+def test_placement_is_rendezvous_over_the_node_ids(store_nodes, make_group) -> None:
     servers = store_nodes(3)
     locs = [s.location for s in servers]
     with StoreClient(locs) as client:
         assert client.nodes == locs
         written = {f"g{i}": client.put_group(make_group(f"g{i}", size=2)) for i in range(30)}
-    assert all(written[g] == node_for(g, locs) for g in written)
+    assert all(written[g] == owner(g, locs) for g in written)  # a node's id is its location by default
     assert len(set(written.values())) == 3  # 30 groups spread over every node
     for s in servers:
         assert sorted(s.store.group_ids()) == sorted(g for g, n in written.items() if n == s.location)
@@ -193,14 +194,21 @@ def test_images_release_version_and_weights(store_nodes, make_group) -> None:
     locs = [s.location for s in servers]
     with StoreClient(locs) as client:
         table, keys = images_to_table([np.full((2, 4, 4), v, dtype=np.uint8) for v in range(3)])
-        assert client.put_images(table, node=locs[0]) == 3
-        assert client.put_images(table) == 3  # default: every node; only node 1 stores anything new
-        got = client.fetch_images({locs[1]: [keys[2], keys[0]], locs[0]: [keys[1]]})
+        with pytest.raises(ValueError, match="group_ids"):
+            client.put_images(table)  # images go to the node(s) of the groups that reference them
+        a, b = (next(g for g in (f"g{i}" for i in range(99)) if client.node_for(g) == n) for n in locs)
+        assert client.put_images(table, group_ids=[a]) == 3
+        assert client.put_images(table.slice(1), group_ids=[a, b]) == 2  # node of a has them; node of b stores 2
+        assert servers[0].store.has_image(keys[0]) and not servers[1].store.has_image(keys[0])
+        got = client.fetch_images([keys[2], keys[0], keys[2], keys[1]])  # found wherever they are, once each
         assert got.column("image_key").to_pylist() == [keys[2], keys[0], keys[1]]
-        client.put_group(make_group("a", size=2), node=locs[0])
-        client.put_group(make_group("b", size=2), node=locs[1])
-        assert client.release(["a", "b", "never"]) == {locs[0]: 1, locs[1]: 1}
-        assert client.release(["a"]) == {locs[0]: 0, locs[1]: 0}
+        assert client.fetch_images([keys[1]], nodes={keys[1]: locs[1]}).num_rows == 1
+        with pytest.raises(UnknownImageError, match=bytes(32).hex()):
+            client.fetch_images([bytes(32)])
+        client.put_group(make_group(a, size=2))
+        client.put_group(make_group(b, size=2))
+        assert client.release([a, b, "never"]) == {locs[0]: 1, locs[1]: 1}
+        assert client.release([a]) == {locs[0]: 0, locs[1]: 0}
         assert client.get_version() == 0
         client.publish_version(7)
         assert client.get_version() == 7

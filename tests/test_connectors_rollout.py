@@ -232,7 +232,7 @@ def test_images_are_stored_once_and_referenced_by_every_row(store_nodes) -> None
             i = text_of[gid]
             assert keys == [image_key(shared), image_key(own[i]), image_key(shared)]
         want = {image_key(shared): shared, **{image_key(a): a for a in own}}
-        got = table_to_images(client.fetch_images({server.location: list(want)}))
+        got = table_to_images(client.fetch_images(list(want)))
         assert set(got) == set(want)
         for k, a in want.items():
             np.testing.assert_array_equal(got[k], a)

@@ -53,7 +53,7 @@ class _Tally:
 def node() -> Iterator[tuple[StoreServer, flight.FlightClient]]:
     with StoreServer(ServerConfig(store=StoreConfig(memory_budget=32 << 20))) as server:
         raw = flight.connect(server.location)
-        _put(raw, PutGroup(group_id="known").to_bytes(), _group("known", 4))
+        _put(raw, PutGroup(group_id="known", rows=4).to_bytes(), _group("known", 4))
         yield server, raw
         raw.close()
 
@@ -109,7 +109,7 @@ _scalars = st.one_of(
 _json = st.recursive(_scalars, lambda c: st.lists(c, max_size=4) | st.dictionaries(st.text(max_size=8), c, max_size=4),
                      max_leaves=12)
 _KINDS = ["metadata", "slices", "images", "weights", "put_group", "put_images", "put_weights", "nope", ""]
-_FIELDS = ["since", "columns", "slices", "keys", "version", "group_id", "extra"]
+_FIELDS = ["since", "columns", "slices", "keys", "version", "group_id", "rows", "missing_ok", "extra"]
 
 
 @st.composite
@@ -120,7 +120,7 @@ def documents(draw: st.DrawFn) -> bytes:
         return draw(st.binary(max_size=64))
     if choice == 1:
         return json.dumps(draw(_json)).encode()
-    doc: dict[str, Any] = {"v": draw(st.one_of(st.just(1), _scalars)), "kind": draw(st.sampled_from(_KINDS))}
+    doc: dict[str, Any] = {"v": draw(st.one_of(st.just(2), _scalars)), "kind": draw(st.sampled_from(_KINDS))}
     for f in draw(st.lists(st.sampled_from(_FIELDS), max_size=3, unique=True)):
         doc[f] = draw(
             st.one_of(
@@ -239,7 +239,8 @@ def test_fuzzed_record_batches(node) -> None:
     @given(case=batches())
     def one(case: tuple[str, pa.Table]) -> None:
         gid, table = case
-        tally.add(_typed_or_ok("batch", lambda: _put(raw, PutGroup(group_id=gid).to_bytes(), table), raw))
+        desc = PutGroup(group_id=gid, rows=max(1, table.num_rows)).to_bytes()
+        tally.add(_typed_or_ok("batch", lambda: _put(raw, desc, table), raw))
         assert server.store.has_group("known")
 
     one()

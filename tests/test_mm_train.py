@@ -66,11 +66,7 @@ def _groups(client: Any, n_groups: int) -> dict[str, tuple[str, list[bytes]]]:
 
 @pytest.fixture
 def stores() -> Any:
-    from flight_store.client import StoreClient
-    from flight_store.server import StoreServer
-
-    servers = [StoreServer() for _ in range(2)]
-    client = StoreClient([s.location for s in servers])
+    client, servers = _servers()
     try:
         yield client
     finally:
@@ -131,9 +127,11 @@ def test_clipvit_dedup_gradients_equal_per_reference_encoding() -> None:
 
 def _servers() -> tuple[Any, list[Any]]:
     from flight_store.client import StoreClient
+    from flight_store.config import ServerConfig
     from flight_store.server import StoreServer
 
-    servers = [StoreServer() for _ in range(2)]
+    # named nodes: routing hashes node ids, and a location's port changes from run to run
+    servers = [StoreServer(ServerConfig(node_name=f"node{i}")) for i in range(2)]
     return StoreClient([s.location for s in servers]), servers
 
 

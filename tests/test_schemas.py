@@ -89,8 +89,9 @@ def test_records_fill_unset_fields_row_by_row() -> None:
 
 
 def test_metadata_schema_is_a_projection_of_trajectory_schema() -> None:
+    assert METADATA_SCHEMA.names[0] == "seq" and METADATA_SCHEMA.names[-1] == "released"
     for f in METADATA_SCHEMA:
-        if f.name != "seq":
+        if f.name not in ("seq", "released"):
             assert TRAJECTORY_SCHEMA.field(f.name).equals(f)
 
 
@@ -98,7 +99,8 @@ def test_wire_documents_round_trip() -> None:
     t = SlicesTicket(slices=[{"group_id": "g", "start": 0, "stop": 4}], columns=["response_ids"])
     assert decode_ticket(t.to_bytes()) == t
     assert decode_ticket(MetadataTicket(since=7).to_bytes()).since == 7
-    assert decode_descriptor(b'{"v": 1, "kind": "put_group", "group_id": "x"}') == PutGroup(group_id="x")
+    assert decode_descriptor(b'{"v": 2, "kind": "put_group", "group_id": "x", "rows": 4}') == PutGroup(
+        group_id="x", rows=4)
 
 
 @pytest.mark.parametrize(
@@ -108,10 +110,10 @@ def test_wire_documents_round_trip() -> None:
         (b"[1, 2]", "JSON object"),
         (b'{"kind": "metadata"}', "'v'"),
         (b'{"v": 99, "kind": "metadata"}', "unsupported schema version"),
-        (b'{"v": 1, "kind": "nope"}', "kind"),
-        (b'{"v": 1, "kind": "slices", "slices": [{"group_id": "g", "start": 5, "stop": 2}]}', "reversed"),
-        (b'{"v": 1, "kind": "metadata", "since": -1}', "since"),
-        (b'{"v": 1, "kind": "metadata", "extra": 1}', "extra"),
+        (b'{"v": 2, "kind": "nope"}', "kind"),
+        (b'{"v": 2, "kind": "slices", "slices": [{"group_id": "g", "start": 5, "stop": 2}]}', "reversed"),
+        (b'{"v": 2, "kind": "metadata", "since": -1}', "since"),
+        (b'{"v": 2, "kind": "metadata", "extra": 1}', "extra"),
     ],
 )
 def test_bad_tickets_raise_wire_error_naming_the_problem(raw: bytes, needle: str) -> None:
@@ -124,4 +126,4 @@ def test_action_bodies() -> None:
     with pytest.raises(WireError, match="unknown action"):
         decode_action_body("explode", b"{}")
     with pytest.raises(WireError, match="group_ids"):
-        decode_action_body("release", b'{"v": 1, "group_ids": []}')
+        decode_action_body("release", b'{"v": 2, "group_ids": []}')

@@ -19,7 +19,7 @@ from flight_store.client import StoreClient
 from flight_store.config import ServerConfig
 from flight_store.server import StoreServer
 from schemas.plan import PlannedSlice
-from schemas.wire import MetadataTicket, PutGroup, ReleaseBody, SliceRef, SlicesTicket
+from schemas.wire import GroupRef, MetadataTicket, PutGroup, ReleaseBody, SliceRef, SlicesTicket
 
 TOKEN = "s3cret-T0ken_with.symbols~+/="
 
@@ -117,7 +117,7 @@ def test_missing_or_wrong_token_is_unauthenticated_and_sees_nothing(
         "list_flights": lambda: list(raw.list_flights(b"", options)),
         "list_actions": lambda: raw.list_actions(options),
         "get_flight_info": lambda: raw.get_flight_info(
-            flight.FlightDescriptor.for_command(PutGroup(group_id="secret-group").to_bytes()), options
+            flight.FlightDescriptor.for_command(GroupRef(group_id="secret-group").to_bytes()), options
         ),
     }
     for what, call in calls.items():
@@ -128,7 +128,7 @@ def test_missing_or_wrong_token_is_unauthenticated_and_sees_nothing(
     errors: list[flight.FlightError] = []
     try:  # the refusal surfaces at do_put or at a later step, depending on timing
         writer, reader = raw.do_put(
-            flight.FlightDescriptor.for_command(PutGroup(group_id="intruder").to_bytes()), table.schema, options
+            flight.FlightDescriptor.for_command(PutGroup(group_id="intruder", rows=2).to_bytes()), table.schema, options
         )
     except flight.FlightError as exc:
         errors.append(exc)

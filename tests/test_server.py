@@ -21,7 +21,7 @@ from flight_store.errors import (
     WireDecodeError,
 )
 from schemas.plan import PlannedSlice
-from schemas.wire import ACTION_DESCRIPTIONS, MetadataTicket, PutGroup
+from schemas.wire import ACTION_DESCRIPTIONS, GroupRef, MetadataTicket, PutGroup
 
 
 def _still_serves(client: StoreClient, make_group, gid: str = "alive") -> None:
@@ -48,7 +48,7 @@ def test_raw_client_sees_a_flight_error_naming_the_column(store_nodes, make_grou
     raw = flight.connect(server.location)
     batch = make_group("g", size=2)
     bad = batch.set_column(batch.schema.get_field_index("reward"), "reward", pa.array(["x", "y"]))
-    writer, _ = raw.do_put(flight.FlightDescriptor.for_command(PutGroup(group_id="g").to_bytes()), bad.schema)
+    writer, _ = raw.do_put(flight.FlightDescriptor.for_command(PutGroup(group_id="g", rows=2).to_bytes()), bad.schema)
     with pytest.raises(flight.FlightServerError, match="'reward'") as exc:
         writer.write_batch(bad)
         writer.close()
@@ -62,8 +62,8 @@ def test_raw_client_sees_a_flight_error_naming_the_column(store_nodes, make_grou
         b"{not json",
         b'{"v": 99, "kind": "metadata"}',
         b'{"kind": "metadata"}',
-        b'{"v": 1, "kind": "nope"}',
-        b'{"v": 1, "kind": "slices", "slices": []}',
+        b'{"v": 2, "kind": "nope"}',
+        b'{"v": 2, "kind": "slices", "slices": []}',
     ],
 )
 def test_malformed_ticket_is_a_wire_error(store_nodes, make_group, raw_ticket: bytes) -> None:
@@ -76,7 +76,7 @@ def test_malformed_ticket_is_a_wire_error(store_nodes, make_group, raw_ticket: b
 
 @pytest.mark.parametrize(
     "raw_descriptor",
-    [b"[1, 2]", b'{"v": 2, "kind": "put_group", "group_id": "g"}', b'{"v": 1, "kind": "put_group"}'],
+    [b"[1, 2]", b'{"v": 2, "kind": "put_group", "group_id": "g"}', b'{"v": 2, "kind": "put_group"}'],
 )
 def test_malformed_descriptor_is_a_wire_error(store_nodes, make_group, raw_descriptor: bytes) -> None:
     (server,) = store_nodes(1)
@@ -105,7 +105,7 @@ def test_unknown_group_and_image(store_nodes, make_group) -> None:
         assert exc.value.group_id == "ghost"
         key = bytes(range(32))
         with pytest.raises(UnknownImageError, match=key.hex()) as iexc:
-            client.fetch_images({server.location: [key]})
+            client.fetch_images([key])
         assert iexc.value.key == key.hex()
         _still_serves(client, make_group)
 
@@ -155,18 +155,17 @@ def test_list_flights_and_get_flight_info_describe_groups(store_nodes, make_grou
     (server,) = store_nodes(1)
     with StoreClient(server.location) as client:
         client.put_group(make_group("a", size=2))
-        client.put_group(make_group("b", size=3))
-        client.put_group(make_group("b", size=1, start=7))
+        client.put_group(pa.Table.from_batches([make_group("b", size=1, start=3), make_group("b", size=3)]))
         client.release(["a"])
     raw = flight.connect(server.location)
     infos = list(raw.list_flights())
-    assert [json.loads(i.descriptor.command)["group_id"] for i in infos] == ["b"]
-    info = raw.get_flight_info(flight.FlightDescriptor.for_command(PutGroup(group_id="b").to_bytes()))
+    assert [json.loads(i.descriptor.command) for i in infos] == [{"v": 2, "kind": "group", "group_id": "b"}]
+    info = raw.get_flight_info(flight.FlightDescriptor.for_command(GroupRef(group_id="b").to_bytes()))
     assert info.total_records == 4 and info.total_bytes > 0
     table = raw.do_get(info.endpoints[0].ticket).read_all()
-    assert table.column("sample_idx").to_pylist() == [0, 1, 2, 7]
+    assert table.column("sample_idx").to_pylist() == [0, 1, 2, 3]
     with pytest.raises(flight.FlightServerError, match="'zzz'"):
-        raw.get_flight_info(flight.FlightDescriptor.for_command(PutGroup(group_id="zzz").to_bytes()))
+        raw.get_flight_info(flight.FlightDescriptor.for_command(GroupRef(group_id="zzz").to_bytes()))
     raw.close()
 
 

@@ -14,6 +14,7 @@ from hypothesis import strategies as st
 from flight_store.config import StoreConfig
 from flight_store.errors import (
     BudgetExceededError,
+    ConflictError,
     GroupReleasedError,
     KnitError,
     SchemaMismatchError,
@@ -63,10 +64,9 @@ def test_bytes_out_counts_the_projected_rows_and_adds_up_over_any_split(make_gro
     assert served([("g", 0, 2)], ["response_ids"]) == 2 * (4 + 10 * 4)  # offset + 10 int32 tokens per row
 
 
-def test_slices_follow_request_order_across_appended_batches(make_group) -> None:
+def test_slices_follow_request_order_across_the_batches_of_a_group(make_group) -> None:
     store = Store()
-    assert store.put_group("g", [make_group("g", size=2)]) == 2
-    assert store.put_group("g", [make_group("g", size=2, start=2)]) == 2  # new sample_idx appended
+    assert store.put_group("g", [make_group("g", size=2, start=2), make_group("g", size=2)]) == 4  # 2 batches
     store.put_group("h", [make_group("h", size=3)])
     out = store.slices([("h", 1, 3), ("g", 1, 4), ("h", 0, 1)], columns=["group_id", "sample_idx"])
     assert list(zip(_rows(out, "group_id"), _rows(out), strict=True)) == [
@@ -80,6 +80,9 @@ def test_slices_follow_request_order_across_appended_batches(make_group) -> None
     assert out[0].schema.names == ["group_id", "sample_idx"]
     # g's rows [1, 4) live in two stored batches: two zero-copy slices, no concatenation
     assert [b.num_rows for b in out] == [2, 1, 2, 1]
+    with pytest.raises(SchemaMismatchError, match="declares 5 rows but its stream carried 4"):
+        store.put_group("k", [make_group("k", size=4)], rows=5)
+    assert not store.has_group("k")
 
 
 def test_slice_errors_name_the_group(make_group) -> None:
@@ -98,50 +101,50 @@ def test_slice_errors_name_the_group(make_group) -> None:
 # ---- idempotency -------------------------------------------------------------------------------
 
 
-def test_duplicate_write_is_idempotent(make_group) -> None:
+def test_a_rewrite_is_idempotent_with_the_same_content_and_refused_with_other(make_group) -> None:
     store = Store()
     assert store.put_group("g", [make_group("g", size=4)]) == 4
-    assert store.put_group("g", [make_group("g", size=4)]) == 0
-    assert store.put_group("g", [make_group("g", size=4, start=2)]) == 2  # rows 2,3 dropped, 4,5 added
+    assert store.put_group("g", [make_group("g", size=4)]) == 0  # a retry: same content (timestamps aside)
+    with pytest.raises(ConflictError, match="column 'data_source' differs") as exc:
+        store.put_group("g", [make_group("g", size=4, data_source="other")])
+    assert exc.value.column == "data_source" and exc.value.group_id == "g" and not exc.value.retryable
+    with pytest.raises(ConflictError, match="4 rows; the rewrite has 2"):
+        store.put_group("g", [make_group("g", size=2)])
+    with pytest.raises(SchemaMismatchError, match=r"must hold 0\.\.3 once each; 0 is missing"):
+        store.put_group("h", [make_group("h", size=4, start=2)])  # a gap (no row 0, 1): never a partial group
     meta = store.metadata()
-    assert sorted(meta.column("sample_idx").to_pylist()) == [0, 1, 2, 3, 4, 5]
-    assert _rows(store.slices([("g", 0, 6)])) == [0, 1, 2, 3, 4, 5]
+    assert sorted(meta.column("sample_idx").to_pylist()) == [0, 1, 2, 3]
+    assert _rows(store.slices([("g", 0, 4)])) == [0, 1, 2, 3]
 
 
 @settings(max_examples=40, deadline=None)
-@given(st.lists(st.tuples(st.integers(0, 3), st.integers(0, 6), st.integers(1, 4)), min_size=1, max_size=12))
-def test_any_write_sequence_stores_each_row_exactly_once(writes: list[tuple[int, int, int]]) -> None:
+@given(st.lists(st.tuples(st.integers(0, 3), st.integers(1, 4), st.integers(0, 1)), min_size=1, max_size=12))
+def test_any_write_sequence_stores_each_group_exactly_once(writes: list[tuple[int, int, int]]) -> None:
     from schemas.records import TrajectoryRecord, records_to_batch
 
     store = Store()
-    expected: dict[str, set[int]] = {}
-    for g, start, size in writes:
+    first: dict[str, tuple[int, int]] = {}
+    for g, size, token in writes:
         gid = f"g{g}"
-        batch = records_to_batch(
-            [
-                TrajectoryRecord(
-                    group_id=gid,
-                    sample_idx=start + i,
-                    policy_version=0,
-                    prompt_ids=[1],
-                    response_ids=[start + i],
-                    response_logprobs=[0.0],
-                )
-                for i in range(size)
-            ]
-        )
-        added = store.put_group(gid, [batch])
-        new = set(range(start, start + size)) - expected.get(gid, set())
-        assert added == len(new)
-        expected.setdefault(gid, set()).update(new)
+        batch = records_to_batch([TrajectoryRecord(group_id=gid, sample_idx=i, policy_version=0, prompt_ids=[1],
+                                                   response_ids=[token], response_logprobs=[0.0])
+                                  for i in range(size)])
+        if gid not in first:
+            assert store.put_group(gid, [batch]) == size
+            first[gid] = (size, token)
+        elif first[gid] == (size, token):
+            assert store.put_group(gid, [batch]) == 0
+        else:
+            with pytest.raises(ConflictError):
+                store.put_group(gid, [batch])
     meta = store.metadata()
     assert meta.column("seq").to_pylist() == list(range(meta.num_rows))
     got = sorted(zip(meta.column("group_id").to_pylist(), meta.column("sample_idx").to_pylist(), strict=True))
-    assert got == sorted((g, s) for g, ss in expected.items() for s in ss)
-    for gid, ss in expected.items():
-        for s in ss:  # every row is served, and it is the row that was written
+    assert got == sorted((g, s) for g, (size, _) in first.items() for s in range(size))
+    for gid, (size, token) in first.items():
+        for s in range(size):  # every row is served, and it is the row that was written first
             (b,) = store.slices([(gid, s, s + 1)], columns=["response_ids"])
-            assert b.column(0).to_pylist() == [[s]]
+            assert b.column(0).to_pylist() == [[token]]
 
 
 # ---- metadata ----------------------------------------------------------------------------------
@@ -185,10 +188,11 @@ def test_release_frees_payload_and_keeps_history(make_group) -> None:
     with pytest.raises(GroupReleasedError, match="'g'") as exc:
         store.slices([("g", 0, 1)])
     assert exc.value.group_id == "g"
-    # a retried write of the same rows is still a no-op; new rows for a consumed group are refused
-    assert store.put_group("g", [make_group("g", size=4)]) == 0
-    with pytest.raises(GroupReleasedError):
-        store.put_group("g", [make_group("g", size=1, start=9)])
+    # a retried write of the same rows is still a no-op; other content for a consumed group is refused
+    assert store.put_group("g", [make_group("g", size=4, response_len=1000)]) == 0
+    with pytest.raises(ConflictError, match="was consumed with other content: column 'response_len'"):
+        store.put_group("g", [make_group("g", size=4)])
+    assert store.metadata().column("released").to_pylist() == [True] * 4
 
 
 # ---- validation --------------------------------------------------------------------------------

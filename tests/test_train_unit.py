@@ -213,15 +213,14 @@ def test_plan_source_keeps_only_rows_of_pending_groups(store_nodes, make_group) 
     (server,) = store_nodes(1)
     with StoreClient([server.location]) as client:
         source = PlanSource(client, Planner(AdmissionConfig(train_batch_groups=1, group_size=4)))
-        client.put_group(make_group("partial", size=2))  # 2 of 4 rows: pending
+        client.put_group(make_group("short", size=2))  # 2 rows for G=4: a whole group of the wrong size
         client.put_group(make_group("lost", status="aborted"))  # dropped
         assert source.poll(0) == []
-        assert source.planner.state.dropped == {"lost"}
-        assert source.pending_rows == 2  # the dropped group's rows are gone, the partial group's kept
-        client.put_group(make_group("partial", size=2, start=2))
+        assert source.planner.state.dropped == {"lost", "short"}
+        assert source.pending_rows == 0  # the dropped groups' rows are gone
         client.put_group(make_group("whole"))
         plans = source.poll(0)
-        assert sorted(g for p in plans for g in p.group_ids) == ["partial", "whole"]
+        assert [g for p in plans for g in p.group_ids] == ["whole"]
         assert source.pending_rows == 0
 
 

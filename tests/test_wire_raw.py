@@ -7,6 +7,7 @@ schema are built by hand, as a C++/Rust/Go/Java client would. The server comes f
 
 from __future__ import annotations
 
+import hashlib
 import json
 
 import pyarrow as pa
@@ -69,7 +70,7 @@ def test_raw_flight_write_scan_fetch_release(store_nodes) -> None:
 
     # DoPut a prompt group (two batches in one stream)
     batch = _group("raw-1", 4)
-    writer, reader = client.do_put(_cmd({"v": 1, "kind": "put_group", "group_id": "raw-1"}), WRITE_SCHEMA)
+    writer, reader = client.do_put(_cmd({"v": 2, "kind": "put_group", "group_id": "raw-1", "rows": 4}), WRITE_SCHEMA)
     writer.write_batch(batch.slice(0, 2))
     writer.write_batch(batch.slice(2, 2))
     writer.done_writing()
@@ -79,7 +80,7 @@ def test_raw_flight_write_scan_fetch_release(store_nodes) -> None:
 
     # DoGet metadata from cursor 0, projected
     meta = client.do_get(
-        _ticket({"v": 1, "kind": "metadata", "since": 0, "columns": ["group_id", "sample_idx", "reward", "status"]})
+        _ticket({"v": 2, "kind": "metadata", "since": 0, "columns": ["group_id", "sample_idx", "reward", "status"]})
     ).read_all()
     assert meta.column_names == ["seq", "group_id", "sample_idx", "reward", "status"]
     assert meta.column("seq").to_pylist() == [0, 1, 2, 3]
@@ -89,7 +90,7 @@ def test_raw_flight_write_scan_fetch_release(store_nodes) -> None:
     slices = client.do_get(
         _ticket(
             {
-                "v": 1,
+                "v": 2,
                 "kind": "slices",
                 "columns": ["sample_idx", "response_ids", "loss_mask"],
                 "slices": [{"group_id": "raw-1", "start": 2, "stop": 4}, {"group_id": "raw-1", "start": 0, "stop": 1}],
@@ -102,24 +103,24 @@ def test_raw_flight_write_scan_fetch_release(store_nodes) -> None:
 
     # ListFlights describes the group; its endpoint ticket returns every row
     (info,) = list(client.list_flights())
-    assert json.loads(info.descriptor.command) == {"v": 1, "kind": "put_group", "group_id": "raw-1"}
+    assert json.loads(info.descriptor.command) == {"v": 2, "kind": "group", "group_id": "raw-1"}
     assert info.total_records == 4
     assert client.do_get(info.endpoints[0].ticket).read_all().num_rows == 4
 
     # actions
-    assert _action(client, "publish_version", {"v": 1, "version": 9}) == {"version": 9}
+    assert _action(client, "publish_version", {"v": 2, "version": 9}) == {"version": 9}
     assert _action(client, "get_version") == {"version": 9}
     assert _action(client, "stats")["rows"] == 4
-    assert _action(client, "release", {"v": 1, "group_ids": ["raw-1"]}) == {"released": 1}
+    assert _action(client, "release", {"v": 2, "group_ids": ["raw-1"]}) == {"released": 1}
 
     # errors arrive as FlightError subclasses naming what was wrong
     with pytest.raises(flight.FlightServerError, match="raw-1") as exc:
         client.do_get(
-            _ticket({"v": 1, "kind": "slices", "slices": [{"group_id": "raw-1", "start": 0, "stop": 1}]})
+            _ticket({"v": 2, "kind": "slices", "slices": [{"group_id": "raw-1", "start": 0, "stop": 1}]})
         ).read_all()
     assert exc.value.extra_info.startswith(b"knit:GroupReleasedError")
     bad = batch.drop_columns(["reward"])
-    writer, _ = client.do_put(_cmd({"v": 1, "kind": "put_group", "group_id": "raw-2"}), bad.schema)
+    writer, _ = client.do_put(_cmd({"v": 2, "kind": "put_group", "group_id": "raw-2", "rows": 4}), bad.schema)
     with pytest.raises(flight.FlightServerError, match="reward"):
         writer.write_batch(bad)
         writer.close()
@@ -130,7 +131,8 @@ def test_raw_flight_write_scan_fetch_release(store_nodes) -> None:
 def test_raw_images_roundtrip(store_nodes) -> None:
     (server,) = store_nodes(1)
     client = flight.connect(server.location)
-    key = bytes(range(32))
+    data = b"\1\2\3\4"
+    key = hashlib.sha256(b"|u1|2,2|" + data).digest()  # the README's content key: typestr|shape| + bytes
     schema = pa.schema(
         [
             ("image_key", pa.binary(32)),
@@ -139,13 +141,13 @@ def test_raw_images_roundtrip(store_nodes) -> None:
             ("data", pa.large_binary()),
         ]
     )
-    table = pa.table({"image_key": [key], "shape": [[2, 2]], "dtype": ["uint8"], "data": [b"\1\2\3\4"]}, schema=schema)
+    table = pa.table({"image_key": [key], "shape": [[2, 2]], "dtype": ["uint8"], "data": [data]}, schema=schema)
     for expected in (1, 0):  # the second write stores nothing new
-        writer, reader = client.do_put(_cmd({"v": 1, "kind": "put_images"}), schema)
+        writer, reader = client.do_put(_cmd({"v": 2, "kind": "put_images"}), schema)
         writer.write_table(table)
         writer.done_writing()
         assert json.loads(reader.read().to_pybytes()) == {"stored": expected}
         writer.close()
-    got = client.do_get(_ticket({"v": 1, "kind": "images", "keys": [key.hex()]})).read_all()
+    got = client.do_get(_ticket({"v": 2, "kind": "images", "keys": [key.hex()]})).read_all()
     assert got.column("data").to_pylist() == [b"\1\2\3\4"]
     client.close()

@@ -19,6 +19,7 @@ from typing import Any
 
 import numpy as np
 
+from flight_store.streams import keys_by_node
 from schemas.images import table_to_images
 from schemas.plan import MicroBatch
 from train.config import PackMode
@@ -70,7 +71,7 @@ def fetch_mm_mini_batch(client: Any, micro_batches: Sequence[MicroBatch], *, mod
         raise RuntimeError(msg)
     packed: list[PackedBatch] = []
     row_keys: list[list[list[bytes]]] = []
-    keys_by_node: dict[str, dict[bytes, None]] = {}
+    node_of: dict[bytes, str] = {}
     offset = 0
     for mb in micro_batches:
         part = table.slice(offset, mb.rows)
@@ -78,20 +79,15 @@ def fetch_mm_mini_batch(client: Any, micro_batches: Sequence[MicroBatch], *, mod
         keys = [[bytes(k) for k in row] for row in part.column("image_keys").to_pylist()]
         row_keys.append(keys)
         row = 0
-        for s in mb.slices:  # an image is fetched from the node storing the group that references it
+        for s in mb.slices:  # an image is fetched from the (first) node storing a group that references it
             for r in keys[row:row + s.rows]:
                 for k in r:
-                    keys_by_node.setdefault(s.node, {}).setdefault(k, None)
+                    node_of.setdefault(k, s.node)
             row += s.rows
         offset += mb.rows
     t2 = time.perf_counter()
     distinct = distinct_image_keys(row_keys)
-    asked: dict[str, list[bytes]] = {}
-    taken: set[bytes] = set()
-    for node, ks in keys_by_node.items():  # a key referenced on two nodes is fetched from the first only
-        asked[node] = [k for k in ks if k not in taken]
-        taken.update(asked[node])
-    images_table = client.fetch_images(asked)
+    images_table = client.fetch_images(distinct, nodes=node_of)
     t3 = time.perf_counter()
     got = table_to_images(images_table)
     missing = [k for k in distinct if k not in got]
@@ -101,7 +97,7 @@ def fetch_mm_mini_batch(client: Any, micro_batches: Sequence[MicroBatch], *, mod
     return MMMiniBatch(
         packed=packed, row_keys=row_keys, images={k: got[k] for k in distinct},
         trajectory_bytes=table.nbytes, image_bytes=images_table.nbytes, doget_s=t1 - t0,
-        image_doget_s=t3 - t2, pack_s=t2 - t1, keys_by_node=asked,
+        image_doget_s=t3 - t2, pack_s=t2 - t1, keys_by_node=keys_by_node(distinct, node_of),
     )
 
 
@@ -121,3 +117,4 @@ def pooled_row_features(encoder: Any, row_keys: Sequence[Sequence[bytes]], width
     counts = torch.as_tensor([max(len(r), 1) for r in row_keys], dtype=feats.dtype)
     summed = torch.zeros(len(row_keys), feats.shape[-1], dtype=feats.dtype).index_add(0, owner, feats)
     return summed / counts[:, None]
+

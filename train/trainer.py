@@ -8,7 +8,8 @@ and hands the micro-batches to the prefetch thread, which reads and packs them o
 runs Megatron-core's schedule with the GRPO loss over them (``train.backbone``).
 
 Metrics beyond ``train.backbone.step_metrics``: per micro-batch the exposed wait (time the step
-blocked on data) and the fetch time hidden behind compute, the bytes fetched, the step time.
+blocked on data) and the fetch time hidden behind compute, the bytes fetched, the step time, and the
+logprob mode the rollout recorded with its groups (``raw_logprobs`` or ``processed_logprobs``).
 """
 
 from __future__ import annotations
@@ -56,6 +57,7 @@ class TextStep:
         micro = plan.for_rank(self.env["dp_rank"]).micro_batches
         waits: list[float] = []
         fetch_s: list[float] = []
+        modes: set[str | None] = set()
         nbytes = 0
         dev = device()
 
@@ -66,6 +68,7 @@ class TextStep:
                 waits.append(got.wait_s)
                 fetch_s.append(got.fetch_s)
                 nbytes += got.value["bytes"]
+                modes.add(got.value["logprobs_mode"])
                 consumed.extend(["row", plan.step, g, i] for g, i in got.value.get("keys", []))
                 yield backbone.to_device(got.value["tensors"], dev)
 
@@ -77,7 +80,7 @@ class TextStep:
         reports = backbone.schedule(self.built, forward_step, batches(), len(micro), self.cfg.model.max_sequence_length)
         metrics = backbone.step_metrics(plan, micro, reports, self.built.optimizer.step())
         metrics.update(exposed_wait_s=waits, fetch_s=fetch_s, bytes_fetched=nbytes,
-                       step_time_s=time.perf_counter() - t0)
+                       step_time_s=time.perf_counter() - t0, logprobs_mode=modes.pop() if len(modes) == 1 else None)
         log.info("step %d loss %.4f ratio %.4f wait %.1f ms (%d micro-batches) %.0f ms", plan.step, metrics["loss"],
                  metrics["ratio"], 1e3 * sum(waits), len(waits), 1e3 * metrics["step_time_s"])
         return metrics
@@ -85,6 +88,13 @@ class TextStep:
     def close(self) -> None:
         """Stop the prefetch thread."""
         self.fetcher.close()
+
+
+def logprobs_mode(table: Any) -> str | None:
+    """Which distribution the rollout logprobs of ``table`` came from (``knittrans.logprobs_mode``, kept by the store
+    from the writer's schema metadata); ``None`` when the writer did not say or the groups disagree."""
+    raw = (table.schema.metadata or {}).get(b"knittrans.logprobs_mode")
+    return raw.decode() if raw is not None else None
 
 
 def fetch_micro_batch(
@@ -104,7 +114,8 @@ def fetch_micro_batch(
         msg = f"fetched {table.num_rows} rows for a micro-batch of {mb.rows}"
         raise RuntimeError(msg)
     packed = pack(table, mb.advantages, mode=mode)
-    out = {"tensors": packed.to_torch(), "bytes": table.nbytes, "rows": packed.rows, "tokens": packed.tokens_total}
+    out = {"tensors": packed.to_torch(), "bytes": table.nbytes, "rows": packed.rows, "tokens": packed.tokens_total,
+           "logprobs_mode": logprobs_mode(table)}
     if keep_keys:
         out["keys"] = list(zip(table.column("group_id").to_pylist(), table.column("sample_idx").to_pylist(),
                                strict=True))

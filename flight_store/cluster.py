@@ -1,0 +1,55 @@
+"""A client's view of a store cluster: which node id each location has, and so which node owns a group.
+
+Every node answers the ``cluster`` action with its own id (``self``) and, when it was configured
+with one, the cluster's membership (``nodes``: id and location of each node) and the view's
+``version``. :func:`view_from` builds a :class:`ClusterView` from those answers and checks that
+they agree: every configured node must list the same members, and a client's locations must be
+exactly those members. Routing (``schemas.routing``) then runs over the ids, so a group lands on the
+node the nodes themselves expect (a node refuses a group that is not its own).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from schemas import routing
+
+
+@dataclass(frozen=True, slots=True)
+class ClusterView:
+    """Node ids by location, and the view's version."""
+
+    ids: dict[str, str]
+    """Location -> node id."""
+    version: int
+    """The cluster view's version (1 for nodes that form a cluster of their own)."""
+
+    def owner(self, group_id: str) -> str:
+        """The location of the node ``group_id`` belongs to."""
+        by_id = {v: k for k, v in self.ids.items()}
+        return by_id[routing.owner(group_id, list(by_id))]
+
+
+def view_from(answers: Mapping[str, Mapping[str, Any]]) -> ClusterView:
+    """The cluster view of the nodes that gave these ``cluster`` answers (location -> answer).
+
+    Raises:
+        ValueError: two nodes share an id, or a node's configured membership differs from the
+            locations asked (naming both).
+    """
+    ids = {loc: str(a["self"]) for loc, a in answers.items()}
+    if len(set(ids.values())) != len(ids):
+        msg = f"two store nodes report the same id: {ids}"
+        raise ValueError(msg)
+    versions = set()
+    for loc, a in answers.items():
+        members = {str(m["location"]): str(m["id"]) for m in a.get("nodes", [])}
+        if len(members) > 1 and members != ids:
+            msg = (f"node {loc} belongs to the cluster {members} (version {a.get('version')}), but this client "
+                   f"was given {ids}: give the client exactly the cluster's locations (or use "
+                   "StoreClient.from_cluster)")
+            raise ValueError(msg)
+        versions.add(int(a.get("version", 1)))
+    return ClusterView(ids=ids, version=max(versions, default=1))
