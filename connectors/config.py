@@ -9,6 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from connectors.tasks import ARITHMETIC_TASKS, REWARDS, is_reward_spec
+from flight_store.config import ClientConfig
 
 
 @dataclass(kw_only=True, slots=True)
@@ -26,6 +27,9 @@ class RolloutConfig:
     """Store locations (``grpc://host:port``) the groups are written to.
 
     A group goes to the node routing gives it (``StoreClient.node_for``)."""
+    client: ClientConfig = field(default_factory=lambda: ClientConfig(retries=20))
+    """How the worker talks to the stores: timeouts, retries (20: a store restarting from its spill log is waited
+    for, ~80 s), the token file."""
     group_size: int = 4
     """G: samples per prompt."""
     max_tokens: int = 64

@@ -102,7 +102,7 @@ class RolloutWorker:
         if client is None:
             from flight_store.client import StoreClient
 
-            client = StoreClient(config.stores)
+            client = StoreClient.from_config(config.stores, config.client)
         self.client = client
         self.report = RolloutReport()
         t0 = time.perf_counter()

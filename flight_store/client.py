@@ -25,6 +25,7 @@ import threading
 import time
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 from typing import Any, TypeVar, cast
 
 import polars as pl
@@ -33,7 +34,9 @@ import pyarrow.flight as flight
 
 from flight_store import streams
 from flight_store.cluster import ClusterView, view_from
+from flight_store.config import ClientConfig
 from flight_store.errors import KnitError, NodeUnavailableError, UnknownImageError, from_flight_error
+from flight_store.secrets import read_token_file
 from schemas.arrow import IMAGE_SCHEMA, METADATA_SCHEMA
 from schemas.plan import MicroBatch, MiniBatchPlan, PlannedSlice
 from schemas.wire import (
@@ -121,6 +124,14 @@ class StoreClient:
         self._cursor_lock = threading.Lock()
         self._cluster: ClusterView | None = None
         self._cluster_lock = threading.Lock()
+
+    @classmethod
+    def from_config(cls, locations: str | Sequence[str], config: ClientConfig) -> StoreClient:
+        """A client of ``locations`` as ``config`` says (the token and CA are read from its files)."""
+        token = read_token_file(config.token_file) if config.token_file else None
+        certs = Path(config.tls_root_certs_file).read_bytes() if config.tls_root_certs_file else None
+        return cls(locations, token=token, tls_root_certs=certs, timeout=config.timeout_s, retries=config.retries,
+                   backoff=config.backoff_s)
 
     @classmethod
     def from_cluster(cls, location: str, **kwargs: Any) -> StoreClient:

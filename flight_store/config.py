@@ -58,6 +58,33 @@ class StoreConfig:
             raise ValueError(msg)
 
 
+@dataclass(kw_only=True, slots=True)
+class ClientConfig:
+    """How a part talks to the stores (``StoreClient.from_config``): timeouts, retries, credentials.
+
+    Secrets are never part of the config: the token and the CA are read from the files named here.
+    """
+
+    timeout_s: float | None = 30.0
+    """Seconds per call (``None`` = no limit)."""
+    retries: int = 3
+    """Extra attempts of a call that failed with a retryable error (a node unavailable, its budget full)."""
+    backoff_s: float = 0.1
+    """Seconds before the first retry; doubled for each further one, at most 5 s (``retries=20`` waits ~80 s)."""
+    token_file: str | None = None
+    """File holding the bearer token the stores require; ``None`` = ``$KNIT_TOKEN`` (or none)."""
+    tls_root_certs_file: str | None = None
+    """PEM root certificates for ``grpc+tls://`` stores."""
+
+    def __post_init__(self) -> None:
+        if self.retries < 0 or self.backoff_s < 0:
+            msg = f"retries and backoff_s must be >= 0, got retries={self.retries}, backoff_s={self.backoff_s}"
+            raise ValueError(msg)
+        if self.timeout_s is not None and self.timeout_s <= 0:
+            msg = f"timeout_s must be positive seconds or None, got {self.timeout_s}"
+            raise ValueError(msg)
+
+
 @dataclass(kw_only=True, slots=True, frozen=True)
 class ClusterMember:
     """One node of a store cluster, as every node and client sees it."""

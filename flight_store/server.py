@@ -20,7 +20,6 @@ import dataclasses
 import hmac
 import json
 import logging
-import os
 from collections.abc import Callable, Iterator
 from typing import Any, TypeVar
 
@@ -31,6 +30,7 @@ from flight_store.config import ClusterMember, ServerConfig
 from flight_store.errors import KnitError, SchemaMismatchError, WireDecodeError, WrongNodeError
 from flight_store.groups import writer_meta
 from flight_store.metrics import Record, StoreMetrics
+from flight_store.secrets import read_public, read_secret, read_token_file
 from flight_store.store import Store
 from schemas import routing
 from schemas.arrow import SCHEMA_VERSION, TRAJECTORY_SCHEMA
@@ -90,27 +90,6 @@ class _TokenAuthFactory(flight.ServerMiddlewareFactory):  # type: ignore[misc]
         raise flight.FlightUnauthenticatedError(msg)
 
 
-def read_token_file(path: str | os.PathLike[str]) -> str:
-    """The bearer token in ``path`` (surrounding whitespace stripped); refuses an empty file or a bad token."""
-    with open(path, encoding="utf-8") as f:
-        token = f.read().strip()
-    if not token:
-        msg = f"auth token file {str(path)!r} is empty"
-        raise ValueError(msg)
-    if not (token.isascii() and token.isprintable()):
-        msg = (
-            f"the auth token in {str(path)!r} must be a non-empty string of printable ASCII characters "
-            "(a gRPC header value)"
-        )
-        raise ValueError(msg)
-    return token
-
-
-def _read_bytes(path: str) -> bytes:
-    with open(path, "rb") as f:
-        return f.read()
-
-
 def _descriptor_bytes(descriptor: flight.FlightDescriptor) -> bytes:
     if descriptor.descriptor_type == flight.DescriptorType.CMD:
         return bytes(descriptor.command)
@@ -146,7 +125,7 @@ class StoreServer(flight.FlightServerBase):
         kwargs: dict[str, Any] = {}
         if config.tls_cert_file is not None and config.tls_key_file is not None:
             kwargs["tls_certificates"] = [
-                flight.CertKeyPair(_read_bytes(config.tls_cert_file), _read_bytes(config.tls_key_file))
+                flight.CertKeyPair(read_public(config.tls_cert_file), read_secret(config.tls_key_file, "TLS key"))
             ]
         if config.auth_token_file is not None:
             kwargs["middleware"] = {"knit_auth": _TokenAuthFactory(read_token_file(config.auth_token_file))}

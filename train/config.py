@@ -17,6 +17,7 @@ from dataclasses import dataclass, field, replace
 from typing import Literal
 
 from admission.config import AdmissionConfig
+from flight_store.config import ClientConfig
 
 PackMode = Literal["padded", "thd"]
 
@@ -206,8 +207,9 @@ class TrainConfig:
 
     stores: list[str]
     """Flight locations of every store node (``grpc://host:port``)."""
-    token: str | None = None
-    """Bearer token for the stores, if they require one."""
+    client: ClientConfig = field(default_factory=lambda: ClientConfig(retries=20))
+    """How the ranks talk to the stores: timeouts, retries (20: a store restarting from its spill log is waited
+    for, ~80 s), the token file."""
     model: ModelConfig = field(default_factory=ModelConfig)
     """Model shape."""
     parallel: ParallelConfig = field(default_factory=ParallelConfig)

@@ -74,7 +74,7 @@ def run(cfg: TrainConfig, *, planner: PlannerLike | None = None) -> list[dict[st
     if env["rank"] == 0 and planner is None:
         planner = Planner(admission)
     with contextlib.ExitStack() as stack:
-        client = stack.enter_context(StoreClient(cfg.stores, token=cfg.token))
+        client = stack.enter_context(StoreClient.from_config(cfg.stores, cfg.client))
         kind = _build_step(cfg, env, client)
         stack.callback(kind.close)
         source = PlanSource(client, planner) if env["rank"] == 0 and planner is not None else None
