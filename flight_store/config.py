@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass, field
+from typing import Literal
 
 
 @dataclass(kw_only=True, slots=True)
@@ -38,6 +39,19 @@ class StoreConfig:
     :attr:`ServerConfig.node_name`)."""
     spill_dir: str | None = None
     """Directory of the durable spill log (created if missing); ``None`` = memory only."""
+    weights_versions: int = 2
+    """Weights versions kept (the newest ones); storing one more frees the oldest."""
+    history_rows: int = 100_000
+    """Metadata rows of released groups kept for scans (``released`` true); beyond them the oldest are dropped,
+    so memory follows the live data (~120 bytes a row)."""
+    tombstones: int = 100_000
+    """Released groups remembered (id, row count, content digests: ~600 bytes each) so a retried write of one
+    is recognised; beyond them the oldest are forgotten."""
+    spill_recovery: Literal["refuse", "salvage"] = "refuse"
+    """A spill log damaged inside (not a torn tail): ``refuse`` to start, naming the file and offset, or
+    ``salvage`` every intact frame (the damaged file is kept aside)."""
+    spill_compact_bytes: int = 64 << 20
+    """Rewrite the spill log with only what is live once it is larger than this and twice the live bytes."""
     rss_guard: bool = False
     """Also hold the process's resident memory to the budget (for a store that owns its process, as a node run
     by :func:`flight_store.node.serve` does: it turns this on): a group or image write is refused, retryably,
@@ -50,6 +64,10 @@ class StoreConfig:
         if self.memory_budget is not None and self.memory_budget <= 0:
             msg = f"memory_budget must be positive bytes or None, got {self.memory_budget}"
             raise ValueError(msg)
+        for name in ("weights_versions", "history_rows", "tombstones", "spill_compact_bytes"):
+            if getattr(self, name) < 1:
+                msg = f"{name} must be >= 1, got {getattr(self, name)}"
+                raise ValueError(msg)
         if not self.node_name:
             msg = f"node_name must be a non-empty string, got {self.node_name!r}"
             raise ValueError(msg)
@@ -143,6 +161,11 @@ class ServerConfig:
     """Serve Prometheus ``/metrics`` on this port (0 = a free one); ``None`` = no metrics."""
     log_level: str = "INFO"
     """Logging level of a node process run by :func:`flight_store.node.serve` (``DEBUG``, ``INFO``, ...)."""
+    max_writers: int = 64
+    """DoPuts the node receives at once; one more is refused, retryably (``TooManyWritersError``)."""
+    write_idle_timeout_s: float = 30.0
+    """A DoPut whose stream delivers nothing for this long is given up: its slot and reserved memory are freed and
+    it is refused when it resumes (``WriteTimedOutError``, retryable)."""
     cluster: list[ClusterMember] = field(default_factory=list)
     """Every node of the cluster, this one included (its id is :attr:`node_name`), for routing: the node refuses
     a group that routing gives another node. Empty = a cluster of this node alone (it takes every group)."""
@@ -168,6 +191,10 @@ class ServerConfig:
                 "tls_cert_file and tls_key_file must be given together, got "
                 f"tls_cert_file={self.tls_cert_file!r}, tls_key_file={self.tls_key_file!r}"
             )
+            raise ValueError(msg)
+        if self.max_writers < 1 or self.write_idle_timeout_s <= 0:
+            msg = (f"max_writers must be >= 1 and write_idle_timeout_s > 0, got {self.max_writers} and "
+                   f"{self.write_idle_timeout_s}")
             raise ValueError(msg)
         ids = [m.id for m in self.cluster]
         if len(set(ids)) != len(ids):

@@ -12,6 +12,7 @@ Not thread-safe by itself: the store calls it under its lock.
 
 from __future__ import annotations
 
+from collections import deque
 from collections.abc import Iterable, Sequence
 
 import pyarrow as pa
@@ -31,28 +32,33 @@ class StoreContents:
         memory: the account every commit adds to (and every release frees from).
     """
 
-    def __init__(self, node_name: str, memory: MemoryAccount) -> None:
+    def __init__(self, node_name: str, memory: MemoryAccount, *, weights_versions: int = 2,
+                 history_rows: int = 100_000, tombstones: int = 100_000) -> None:
         self.memory = memory
-        self.groups = GroupTable(node_name)
+        self.history_rows = history_rows
+        """Metadata rows of released groups kept for scans (beyond them the oldest groups' rows are dropped)."""
+        self._history: deque[tuple[str, int]] = deque()  # released groups whose rows are still in the log
+        self._history_rows = 0
+        self.groups = GroupTable(node_name, tombstones=tombstones)
         self.metadata = MetadataLog()
         self.images = ImageTable(node_name)
-        self.weights = WeightsSlot(node_name)
+        self.weights = WeightsSlot(node_name, keep=weights_versions)
         self.bytes_in = 0
         """Payload bytes committed (groups, images, weights)."""
 
     def commit_group(
         self, group_id: str, fresh: Sequence[pa.RecordBatch], packed: Sequence[tuple[Block, int]] | None = None,
-        meta: dict[str, str] | None = None,
+        meta: dict[str, str] | None = None, seq: int | None = None,
     ) -> int:
         """Add the validated batches of the new group ``group_id`` (and their :func:`~flight_store.memory.pack`).
 
-        Their metadata rows get the next ``seq``; the images they name gain a reference; ``meta`` is the
-        writer's schema metadata. Returns the rows added.
+        Their metadata rows get the next ``seq`` (or from ``seq``: a compacted log restores gaps); the images
+        they name gain a reference; ``meta`` is the writer's schema metadata. Returns the rows added.
         """
         if packed is None:
             packed = [pack(b) for b in fresh]
-        self.images.add_refs(self.groups.add(group_id, fresh, packed, meta))
-        self.metadata.append(fresh)
+        first = self.metadata.append(fresh, seq)
+        self.images.add_refs(self.groups.add(group_id, fresh, packed, meta, first))
         payload = sum(b.nbytes for b in fresh)
         self.memory.hold(sum(held for _, held in packed), payload)
         self.bytes_in += payload
@@ -71,8 +77,29 @@ class StoreContents:
             self.memory.hold(-group.held, -group.nbytes)
             for img in self.images.drop_refs(group.image_keys):
                 self.memory.hold(-img.held, -img.nbytes)
+            self._history.append((gid, group.rows))
+            self._history_rows += group.rows
             freed += 1
+        self._trim_history()
         return freed
+
+    def _trim_history(self) -> None:
+        """Drop the metadata rows of the oldest released groups beyond :attr:`history_rows` (a quarter at once)."""
+        if self._history_rows <= self.history_rows + self.history_rows // 4:
+            return
+        gone: list[str] = []
+        while self._history and self._history_rows > self.history_rows:
+            gid, rows = self._history.popleft()
+            self._history_rows -= rows
+            gone.append(gid)
+        self.metadata.drop(gone)
+
+    def restore_tombstones(self, table: pa.Table) -> None:
+        """Tombstones of released groups from a compacted spill log (``group_id``, ``rows``, ``seq``, ``digests``)."""
+        for gid, rows, seq, digests in zip(*(table.column(c).to_pylist() for c in ("group_id", "rows", "seq",
+                                                                                  "digests")), strict=True):
+            self.groups.remember(gid, rows, digests, seq)
+            self.groups.released_total += 1
 
     def commit_images(self, new: dict[bytes, Image]) -> int:
         """Add the images :meth:`ImageTable.new` selected; returns how many."""
@@ -82,12 +109,13 @@ class StoreContents:
         self.bytes_in += payload
         return len(new)
 
-    def commit_weights(self, table: pa.Table, version: int) -> None:
-        """Keep ``table`` as the latest weights, of ``version`` (the older table is freed)."""
-        grown = table.nbytes - self.weights.nbytes
-        self.memory.hold(grown, grown)
-        self.weights.set(table, version)
-        self.bytes_in += table.nbytes
+    def commit_weights(self, table: pa.Table, version: int, packed: tuple[Block, int] | None = None) -> None:
+        """Keep ``table`` as the newest weights, of ``version`` (versions beyond the kept ones are freed)."""
+        for old in self.weights.set(table, version, packed):
+            self.memory.hold(-old.held, -old.nbytes)
+        stored = self.weights.stored(version)
+        self.memory.hold(stored.held, stored.nbytes)
+        self.bytes_in += stored.nbytes
 
     def commit_version(self, version: int) -> None:
         """Record ``version`` as the newest published policy version."""

@@ -1,18 +1,24 @@
-"""Durability of a store: its changes as spill-log records, and replay through the same commit path.
+"""Durability of a store: its changes as spill-log records, replay through the same commit path, compaction.
 
 With a ``spill_dir``, the store appends every change it accepted to the node's
 :class:`~flight_store.spill.SpillLog` (fsynced) BEFORE committing it in memory, so before DoPut
-returns: a group's new rows, a release, new images, a weights table, a published version (see
-:mod:`flight_store.spill` for the file format). The store does so under its lock, so the log
-order is the commit order.
+returns: a new group, a release, new images, a weights table, a published version (see
+:mod:`flight_store.spill` for the file format and how damage is told from a torn tail). The store
+does so under its lock, so the log order is the commit order. Only validated data is logged, so
+replay cannot fail on a record that was acknowledged; a record that does not decode all the same
+is corruption (:class:`~flight_store.spill.SpillCorruptionError` naming the file and offset).
 
 A store opened on an existing spill directory replays the log with :meth:`Journal.replay`: each
 record goes to the SAME commit method a live write ends with
 (:class:`~flight_store.contents.StoreContents`), skipping only what a live write does before it
-(validation, the memory budget, the RSS guard, logging; everything in the log was accepted
-once). So unreleased groups come back with the same ``seq`` for their metadata rows (numbering
-continues after them), released groups stay released (their metadata history is kept), images,
-weights and the published version are restored.
+(validation, the memory budget, the RSS guard, logging). So unreleased groups come back with the
+same ``seq`` for their metadata rows, released groups stay released (as tombstones: a retried write
+of one is recognised), images, weights and the published version are restored.
+
+Compaction (:meth:`Journal.maybe_compact`): once the log is larger than ``spill_compact_bytes`` and
+twice what is live, it is rewritten atomically with only the live state: a ``state`` record (the next
+``seq``, the published version), the tombstones, the live images, the kept weights versions and the
+unreleased groups with their ``seq``. Released payload and superseded weights leave the disk.
 """
 
 from __future__ import annotations
@@ -26,7 +32,7 @@ from typing import Any
 import pyarrow as pa
 
 from flight_store.contents import StoreContents
-from flight_store.spill import SpillLog, decode_batches, encode_batches
+from flight_store.spill import Recovery, SpillCorruptionError, SpillLog, decode_batches, encode_batches, frame
 
 log = logging.getLogger(__name__)
 
@@ -34,8 +40,13 @@ log = logging.getLogger(__name__)
 class Journal:
     """The store's spill log, one record per accepted change; a no-op without a ``spill_dir``."""
 
-    def __init__(self, spill_dir: str | None) -> None:
+    def __init__(self, spill_dir: str | None, *, recovery: Recovery = "refuse", compact_bytes: int = 64 << 20) -> None:
         self._spill = SpillLog(spill_dir) if spill_dir is not None else None
+        self._recovery = recovery
+        self.compact_bytes = compact_bytes
+        self.size = 0
+        """Bytes in the log (as this journal wrote or read them)."""
+        self.compactions = 0
 
     # ---- live writes: append a record (fsynced) before the commit ---------------------------------
 
@@ -55,7 +66,7 @@ class Journal:
         self._append({"kind": "images"}, encode_batches(rows))
 
     def weights(self, table: pa.Table, version: int) -> None:
-        """Log a weights table that replaces the stored one."""
+        """Log a weights table that becomes the newest."""
         self._append({"kind": "weights", "version": int(version)}, encode_batches(table.to_batches(), table.schema))
 
     def version(self, version: int) -> None:
@@ -65,6 +76,7 @@ class Journal:
     def _append(self, header: dict[str, object], body: bytes = b"") -> None:
         if self._spill is not None:
             self._spill.append(header, body)
+            self.size += len(frame(header, body))
 
     # ---- reopening: replay every record through the commit path -----------------------------------
 
@@ -73,22 +85,49 @@ class Journal:
 
         The answer counts records, groups (unreleased), released groups and metadata rows (empty
         counts without a spill log). The caller holds the store's lock.
+
+        Raises:
+            SpillCorruptionError: the log is damaged inside, or a record does not decode (with
+                ``recovery="salvage"``, such a record is skipped with a warning instead).
         """
         if self._spill is None:
             return {}
         t0 = time.perf_counter()
-        records = 0
-        for header, body in self._spill.replay():
-            records += 1
-            _apply(contents, header, body, self._spill.path)
+        records = self._spill.records(recovery=self._recovery)
+        for record in records:
+            try:
+                _apply(contents, record.header, record.body, self._spill.path)
+            except (pa.ArrowException, KeyError, ValueError, TypeError) as exc:
+                msg = (f"spill log {self._spill.path}: the {record.header.get('kind')!r} record at offset "
+                       f"{record.offset} does not decode ({type(exc).__name__}: {exc})")
+                if self._recovery != "salvage":
+                    raise SpillCorruptionError(msg, path=str(self._spill.path), offset=record.offset) from None
+                log.warning("%s; skipped (salvage)", msg)
+        self.size = sum(len(frame(r.header, r.body)) for r in records)
         stored, released, _ = contents.groups.counts()
         rows = contents.metadata.seq
         if records:
             log.info(
                 "node %s: replayed %d spill records from %s in %.3fs: %d groups, %d released, %d metadata rows",
-                node_name, records, self._spill.path, time.perf_counter() - t0, stored, released, rows,
+                node_name, len(records), self._spill.path, time.perf_counter() - t0, stored, released, rows,
             )
-        return {"records": records, "groups": stored, "released": released, "rows": rows}
+        return {"records": len(records), "groups": stored, "released": released, "rows": rows}
+
+    # ---- compaction: the log rewritten with only what is live -----------------------------------
+
+    def maybe_compact(self, contents: StoreContents) -> bool:
+        """Rewrite the log with the live state when it is over ``compact_bytes`` and twice the live bytes."""
+        if self._spill is None or self.size <= self.compact_bytes or self.size <= 2 * contents.memory.payload:
+            return False
+        t0 = time.perf_counter()
+        before = self.size
+        records = snapshot(contents)
+        self._spill.rewrite(records)
+        self.size = sum(len(frame(h, b)) for h, b in records)
+        self.compactions += 1
+        log.info("spill log %s compacted: %d -> %d bytes in %.3fs", self._spill.path, before, self.size,
+                 time.perf_counter() - t0)
+        return True
 
     def close(self) -> None:
         """Close the spill log; the store logs nothing after this (it keeps serving from memory)."""
@@ -97,11 +136,35 @@ class Journal:
             self._spill = None
 
 
+def snapshot(contents: StoreContents) -> list[tuple[dict[str, Any], bytes]]:
+    """The records of a log holding exactly the live state of ``contents`` (see the module)."""
+    out: list[tuple[dict[str, Any], bytes]] = [
+        ({"kind": "state", "next_seq": contents.metadata.seq, "version": contents.weights.published}, b"")]
+    tombs = contents.groups.tombstones()
+    if tombs:
+        table = pa.table({"group_id": [g for g, _ in tombs], "rows": [t.rows for _, t in tombs],
+                          "seq": [t.seq for _, t in tombs], "digests": [t.digests for _, t in tombs]})
+        out.append(({"kind": "tombstones"}, encode_batches(table.to_batches(), table.schema)))
+    images = contents.images.all_rows()
+    if images:
+        out.append(({"kind": "images"}, encode_batches(images)))
+    for version in contents.weights.versions:
+        table = contents.weights.get(version)[0]
+        out.append(({"kind": "weights", "version": version}, encode_batches(table.to_batches(), table.schema)))
+    for gid, group in contents.groups.live_items():
+        header: dict[str, Any] = {"kind": "group", "group_id": gid, "seq": group.seq}
+        if group.meta:
+            header["meta"] = group.meta
+        out.append((header, encode_batches(group.batches)))
+    return out
+
+
 def _apply(contents: StoreContents, header: dict[str, Any], body: bytes, path: Path) -> None:
     """Commit one spill record to ``contents`` (an unknown kind is skipped with a warning)."""
     kind = header.get("kind")
     if kind == "group":
-        contents.commit_group(str(header["group_id"]), decode_batches(body), meta=header.get("meta"))
+        contents.commit_group(str(header["group_id"]), decode_batches(body), meta=header.get("meta"),
+                              seq=header.get("seq"))
     elif kind == "release":
         contents.commit_release([str(g) for g in header.get("group_ids", [])])
     elif kind == "images":
@@ -110,5 +173,10 @@ def _apply(contents: StoreContents, header: dict[str, Any], body: bytes, path: P
         contents.commit_weights(pa.Table.from_batches(decode_batches(body)), int(header["version"]))
     elif kind == "version":
         contents.commit_version(int(header["version"]))
+    elif kind == "state":
+        contents.metadata.seq = max(contents.metadata.seq, int(header["next_seq"]))
+        contents.commit_version(int(header["version"]))
+    elif kind == "tombstones":
+        contents.restore_tombstones(pa.Table.from_batches(decode_batches(body)))
     else:
         log.warning("spill log %s: skipping a record of unknown kind %r", path, kind)

@@ -132,6 +132,28 @@ class BudgetExceededError(KnitError, flight.FlightUnavailableError):
     available: int | None
 
 
+class TooManyWritersError(KnitError, flight.FlightUnavailableError):
+    """The node is receiving as many writes as it takes at once (``limit``); nothing stored. Retry shortly."""
+
+    retryable = True
+    _attrs = ("limit",)
+    limit: int | None
+
+
+class WriteTimedOutError(KnitError, flight.FlightUnavailableError):
+    """The write's stream stalled longer than the node's idle limit and was given up; nothing stored. Retry."""
+
+    retryable = True
+
+
+class LimitExceededError(KnitError, flight.FlightServerError):
+    """A request larger than a documented limit (``limit`` names it, ``value`` says how large it was)."""
+
+    _attrs = ("limit", "value")
+    limit: str | None
+    value: int | None
+
+
 class NodeUnavailableError(KnitError, flight.FlightUnavailableError):
     """A store node cannot be reached (connection refused, timed out). ``node`` names it.
 
@@ -158,6 +180,9 @@ ERROR_CLASSES: dict[str, type[KnitError]] = {
         WrongNodeError,
         ConflictError,
         BudgetExceededError,
+        TooManyWritersError,
+        WriteTimedOutError,
+        LimitExceededError,
         NodeUnavailableError,
     )
 }

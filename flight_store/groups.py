@@ -15,6 +15,7 @@ Not thread-safe by itself: the store calls a :class:`GroupTable` under its lock.
 from __future__ import annotations
 
 import hashlib
+from collections import OrderedDict
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
@@ -52,8 +53,10 @@ class Group:
     """The writer's ``knittrans.*`` schema metadata (e.g. ``knittrans.logprobs_mode``), served back with slices."""
     rows: int = 0
     """Rows the group holds (or held, once released)."""
+    seq: int = 0
+    """``seq`` of the group's first metadata row."""
     released: bool = False
-    digests: tuple[bytes, ...] = ()
+    digests: bytes = b""
     """Of a released group: :func:`content_digests` of what it held (its payload is gone)."""
 
     def batch(self, i: int) -> pa.RecordBatch:
@@ -93,19 +96,23 @@ IDENTITY_COLUMNS: tuple[str, ...] = tuple(c for c in TRAJECTORY_SCHEMA.names
 bookkeeping: a retry may restamp them)."""
 
 
-def content_digests(batches: Sequence[pa.RecordBatch]) -> tuple[bytes, ...]:
-    """A 16-byte digest of each :data:`IDENTITY_COLUMNS` column of a group's rows, in ``sample_idx`` order."""
+_DIGEST = 16
+
+
+def content_digests(batches: Sequence[pa.RecordBatch]) -> bytes:
+    """A 16-byte digest of each :data:`IDENTITY_COLUMNS` column of a group's rows (``sample_idx`` order), joined."""
     table = pa.Table.from_batches(list(batches), schema=TRAJECTORY_SCHEMA).sort_by("sample_idx")
-    out = []
+    out = b""
     for name in IDENTITY_COLUMNS:
         column = pa.RecordBatch.from_arrays([table.column(name).combine_chunks()], names=[name])
-        out.append(hashlib.blake2b(column.serialize(), digest_size=16).digest())
-    return tuple(out)
+        out += hashlib.blake2b(column.serialize(), digest_size=_DIGEST).digest()
+    return out
 
 
-def first_difference(a: Sequence[bytes], b: Sequence[bytes]) -> str | None:
+def first_difference(a: bytes, b: bytes) -> str | None:
     """The first of :data:`IDENTITY_COLUMNS` whose digests differ (``None`` when the contents are equal)."""
-    return next((name for name, x, y in zip(IDENTITY_COLUMNS, a, b, strict=True) if x != y), None)
+    return next((name for i, name in enumerate(IDENTITY_COLUMNS)
+                 if a[i * _DIGEST:(i + 1) * _DIGEST] != b[i * _DIGEST:(i + 1) * _DIGEST]), None)
 
 
 def writer_meta(schema: pa.Schema) -> dict[str, str]:
@@ -140,21 +147,40 @@ def check_columns(columns: Sequence[str] | None) -> None:
 
 
 def project(
-    out: list[pa.RecordBatch], columns: Sequence[str] | None, served: int, coalesce_below: int
+    out: list[pa.RecordBatch], sizes: Sequence[int], columns: Sequence[str] | None, coalesce_below: int
 ) -> list[pa.RecordBatch]:
-    """The slices of :meth:`GroupTable.slices` projected to ``columns``; several tiny ones copied into one.
+    """The slices of :meth:`GroupTable.slices` projected to ``columns``, small ones copied together.
 
-    When ``coalesce_below`` > 0, more than one slice results and their payload ``served`` is under
-    ``coalesce_below`` bytes, the slices are copied into ONE batch: for tiny micro-batches one small
-    copy is cheaper than one IPC message per slice.
+    With ``coalesce_below`` > 0: an answer of several slices under ``coalesce_below`` payload bytes in
+    all is copied into ONE batch (for a tiny micro-batch one small copy is cheaper than one IPC message
+    per slice); in a larger answer, each run of consecutive slices under ``coalesce_below // 16`` bytes
+    is copied into batches of up to ``coalesce_below`` bytes, so an answer of thousands of tiny slices
+    streams as a few messages of bounded size. Larger slices stay zero-copy views.
     """
     if columns is not None:
         out = [b.select(list(columns)) for b in out]
-    if 0 < served < coalesce_below and len(out) > 1:
-        # this thread's earlier coalesced answers were freed once sent; hand their pages back first
-        pa.default_memory_pool().release_unused()
-        out = [pa.concat_batches(out)]
-    return out
+    if coalesce_below <= 0 or len(out) < 2:
+        return out
+    # this thread's earlier coalesced answers were freed once sent; hand their pages back first
+    pa.default_memory_pool().release_unused()
+    if sum(sizes) < coalesce_below:
+        return [pa.concat_batches(out)]
+    small = coalesce_below // 16
+    chunks: list[pa.RecordBatch] = []
+    run: list[pa.RecordBatch] = []
+    run_bytes = 0
+    for batch, size in zip(out, sizes, strict=True):
+        if run and (size >= small or run_bytes + size > coalesce_below):
+            chunks.append(pa.concat_batches(run) if len(run) > 1 else run[0])
+            run, run_bytes = [], 0
+        if size >= small:
+            chunks.append(batch)
+        else:
+            run.append(batch)
+            run_bytes += size
+    if run:
+        chunks.append(pa.concat_batches(run) if len(run) > 1 else run[0])
+    return chunks
 
 
 def runs(sample_idx: Iterable[int]) -> list[tuple[int, int]]:
@@ -169,45 +195,65 @@ def runs(sample_idx: Iterable[int]) -> list[tuple[int, int]]:
 
 
 class GroupTable:
-    """The prompt groups of one store, in arrival order (released ones stay, without payload)."""
+    """The prompt groups of one store: the live ones in arrival order, and tombstones of released ones.
 
-    def __init__(self, node_name: str) -> None:
+    A released group leaves a tombstone (its row count and content digests) so a retried write of it is
+    recognised; at most ``tombstones`` are kept, the oldest forgotten first (a write of a forgotten group
+    would be stored again: keep the window far longer than any writer's retries).
+    """
+
+    def __init__(self, node_name: str, *, tombstones: int = 100_000) -> None:
         self.node_name = node_name
-        self._groups: dict[str, Group] = {}
+        self.max_tombstones = tombstones
+        self._live: dict[str, Group] = {}
+        self._released: OrderedDict[str, Group] = OrderedDict()
         self.rows = 0
         """Rows ever committed (released ones included)."""
+        self.rows_live = 0
+        """Rows of the unreleased groups."""
+        self.released_total = 0
+        """Groups released since the store started (tombstones forgotten included)."""
 
     def __getitem__(self, group_id: str) -> Group:
-        return self._groups[group_id]
+        return self._live.get(group_id) or self._released[group_id]
 
     def __contains__(self, group_id: object) -> bool:
-        return group_id in self._groups
+        return group_id in self._live or group_id in self._released
+
+    def get(self, group_id: str) -> Group | None:
+        """The group (live, or the tombstone of a released one), or ``None``."""
+        return self._live.get(group_id) or self._released.get(group_id)
 
     def live(self, group_id: str) -> Group:
         """The unreleased group ``group_id``; raises :class:`UnknownGroupError` / :class:`GroupReleasedError`."""
-        group = self._groups.get(group_id)
-        if group is None:
-            msg = f"group {group_id!r} is not stored on node {self.node_name}"
-            raise UnknownGroupError(msg, group_id=group_id)
-        if group.released:
+        group = self._live.get(group_id)
+        if group is not None:
+            return group
+        if group_id in self._released:
             msg = f"group {group_id!r} was released; its payload is gone"
             raise GroupReleasedError(msg, group_id=group_id)
-        return group
+        msg = f"group {group_id!r} is not stored on node {self.node_name}"
+        raise UnknownGroupError(msg, group_id=group_id)
 
     def is_live(self, group_id: str) -> bool:
         """Whether ``group_id`` is stored and not released."""
-        g = self._groups.get(group_id)
-        return g is not None and not g.released
+        return group_id in self._live
 
     def ids(self) -> list[str]:
         """Ids of the unreleased groups, in arrival order."""
-        return [g for g, v in self._groups.items() if not v.released]
+        return list(self._live)
+
+    def live_items(self) -> list[tuple[str, Group]]:
+        """The unreleased groups, in arrival order."""
+        return list(self._live.items())
+
+    def tombstones(self) -> list[tuple[str, Group]]:
+        """The released groups remembered, oldest first."""
+        return list(self._released.items())
 
     def counts(self) -> tuple[int, int, int]:
         """``(stored groups, released groups, rows stored)``."""
-        released = sum(1 for g in self._groups.values() if g.released)
-        rows = sum(g.rows for g in self._groups.values() if not g.released)
-        return len(self._groups) - released, released, rows
+        return len(self._live), self.released_total, self.rows_live
 
     # ---- writes ----------------------------------------------------------------------------------
 
@@ -219,7 +265,7 @@ class GroupTable:
         Raises:
             ConflictError: the group was written with other content (names the first differing column).
         """
-        group = self._groups.get(group_id)
+        group = self.get(group_id)
         if group is None:
             return False
         state = "was consumed" if group.released else "is stored"
@@ -235,9 +281,10 @@ class GroupTable:
         return True
 
     def add(self, group_id: str, fresh: Sequence[pa.RecordBatch], packed: Sequence[tuple[Block, int]],
-            meta: dict[str, str] | None = None) -> frozenset[bytes]:
-        """Store the validated batches of a new group and their blocks; returns the image keys it names."""
-        group = self._groups[group_id] = Group(meta=meta or _NO_META)
+            meta: dict[str, str] | None = None, seq: int = 0) -> frozenset[bytes]:
+        """Store the validated batches of a new group (its first metadata row is ``seq``) and their blocks;
+        returns the image keys it names."""
+        group = self._live[group_id] = Group(meta=meta or _NO_META, seq=seq)
         for b, (block, held) in zip(fresh, packed, strict=True):
             bno = len(group.blocks)
             group.blocks.append(block)
@@ -248,6 +295,7 @@ class GroupTable:
             group.held += held
             group.rows += b.num_rows
             self.rows += b.num_rows
+            self.rows_live += b.num_rows
         keys = image_keys_of(fresh)
         if keys:
             group.image_keys = keys
@@ -259,37 +307,38 @@ class GroupTable:
         The returned record keeps the group's ``held``, ``nbytes`` and ``image_keys`` for the caller's
         accounting; the table keeps only its ``consumed`` ``sample_idx``.
         """
-        group = self._groups.get(group_id)
-        if group is None or group.released:
+        group = self._live.pop(group_id, None)
+        if group is None:
             return None
-        freed = Group(nbytes=group.nbytes, held=group.held, image_keys=group.image_keys)
-        group.digests = content_digests(group.batches)  # recognises a retried write; ~150 bytes, not the payload
-        group.released = True
-        group.blocks = []
-        group.row_bytes = []
-        group.index = {}
-        group.image_keys = frozenset()  # the empty frozenset is a shared singleton
-        group.meta = _NO_META
-        return freed
+        self.rows_live -= group.rows
+        self.released_total += 1
+        self.remember(group_id, group.rows, content_digests(group.batches), group.seq)
+        return group
+
+    def remember(self, group_id: str, rows: int, digests: bytes, seq: int) -> None:
+        """Keep the tombstone of a released group (the oldest one is forgotten beyond ``tombstones``)."""
+        self._released[group_id] = Group(rows=rows, released=True, digests=digests, seq=seq)
+        while len(self._released) > self.max_tombstones:
+            self._released.popitem(last=False)
 
     def released_among(self, group_ids: Iterable[str]) -> list[str]:
-        """The ids among ``group_ids`` of groups that were released here."""
-        return [g for g in group_ids if (grp := self._groups.get(g)) is not None and grp.released]
+        """The ids among ``group_ids`` of groups that were released here (and are still remembered)."""
+        return [g for g in group_ids if g in self._released]
 
     # ---- reads -----------------------------------------------------------------------------------
 
     def slices(
         self, refs: Iterable[tuple[str, int, int]], columns: Sequence[str] | None
-    ) -> tuple[list[pa.RecordBatch], int, dict[str, str]]:
-        """Zero-copy slices of rows ``[start, stop)`` per ``(group_id, start, stop)``, their projected bytes
-        and the writer metadata all their groups share.
+    ) -> tuple[list[pa.RecordBatch], list[int], dict[str, str]]:
+        """Zero-copy slices of rows ``[start, stop)`` per ``(group_id, start, stop)``, the projected bytes of
+        each, and the writer metadata all their groups share.
 
         Each run of consecutive rows of one stored batch is one ``RecordBatch.slice`` (a view, no
         copy); the bytes count the payload of ``columns`` (all when ``None``) of the rows served.
         """
         cols = slice(None) if columns is None else [_COLUMN_INDEX[c] for c in columns]
         out: list[pa.RecordBatch] = []
-        served = 0  # payload bytes of the projected rows (see row_bytes)
+        sizes: list[int] = []  # payload bytes of the projected rows of each slice (see row_bytes)
         views: dict[tuple[str, int], pa.RecordBatch] = {}
         seen: dict[str, Group] = {}
         for group_id, start, stop in refs:
@@ -299,8 +348,8 @@ class GroupTable:
                 if got is None:
                     got = views[group_id, bno] = group.batch(bno)
                 out.append(got.slice(off, rows))
-                served += int(group.row_bytes[bno][off : off + rows, cols].sum())
-        return out, served, common_meta(seen.values())
+                sizes.append(int(group.row_bytes[bno][off : off + rows, cols].sum()))
+        return out, sizes, common_meta(seen.values())
 
     def _runs_of(self, group_id: str, group: Group, start: int, stop: int) -> list[tuple[int, int, int]]:
         """``(batch, offset, rows)`` runs of consecutive stored rows holding ``sample_idx`` ``[start, stop)``."""

@@ -91,6 +91,10 @@ class ImageTable:
                 freed.append(img)
         return freed
 
+    def all_rows(self) -> list[pa.RecordBatch]:
+        """Every stored image row (views into their blocks)."""
+        return [img.row for img in self._images.values()]
+
     def check_present(self, keys: Iterable[bytes], group_id: str) -> None:
         """Refuse a group naming an image not stored here (:class:`UnknownImageError`: write the images first)."""
         missing = next((k for k in keys if k not in self._images), None)

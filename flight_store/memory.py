@@ -29,7 +29,7 @@ from typing import TypeAlias, cast
 
 import pyarrow as pa
 
-from flight_store.errors import BudgetExceededError, CapacityExceededError
+from flight_store.errors import BudgetExceededError, CapacityExceededError, WriteTimedOutError
 from schemas.arrow import TRAJECTORY_SCHEMA
 
 log = logging.getLogger(__name__)
@@ -46,7 +46,9 @@ def _libc_function(name: str) -> Callable[..., int] | None:
 
 
 _malloc_trim = _libc_function("malloc_trim")
-_M_ARENA_MAX = -8  # glibc's mallopt parameter number
+_M_ARENA_MAX = -8  # glibc's mallopt parameter numbers
+_M_MMAP_THRESHOLD = -3
+_MMAP_THRESHOLD = 1 << 20
 _MALLOC_ARENAS = 2
 _arenas_capped = False
 _TRIM_EVERY_S = 0.05
@@ -61,17 +63,26 @@ def cap_malloc_arenas() -> None:
     gRPC thread; by default glibc gives up to 8 x cores threads arenas of their own, each keeping
     its high-water mark of transient buffers (in the 64-writer load test ~3 MiB more at peak).
     An explicit ``MALLOC_ARENA_MAX`` in the environment wins.
+
+    Also pins glibc's mmap threshold at :data:`_MMAP_THRESHOLD`: by default glibc raises it (up to
+    32 MiB) each time a large mapped block is freed, after which large transient buffers (a request of
+    several MB, refused or served) come from the heap and stay resident after they are freed. Pinned,
+    each is mapped on its own and unmapped when freed. ``MALLOC_MMAP_THRESHOLD_`` in the environment wins.
     """
     global _arenas_capped
-    if _arenas_capped or "MALLOC_ARENA_MAX" in os.environ:
+    if _arenas_capped:
         return
     _arenas_capped = True
     mallopt = _libc_function("mallopt")
-    if mallopt is not None:
+    if mallopt is None:
+        return
+    if "MALLOC_ARENA_MAX" not in os.environ:
         mallopt(_M_ARENA_MAX, _MALLOC_ARENAS)
+    if "MALLOC_MMAP_THRESHOLD_" not in os.environ:
+        mallopt(_M_MMAP_THRESHOLD, _MMAP_THRESHOLD)
 
 
-def return_free_memory() -> None:
+def return_free_memory(*, force: bool = False) -> None:
     """Give the memory allocators hold but nothing uses back to the OS (after a write or a release).
 
     Two allocators keep freed memory resident while a node serves dozens of concurrent RPCs, each
@@ -80,14 +91,15 @@ def return_free_memory() -> None:
     thread (``release_unused``, ~1 us); glibc malloc (gRPC's message buffers, numpy, Python) keeps
     freed chunks in up to 8 x cores arenas, so ``malloc_trim`` runs at most every
     :data:`_TRIM_EVERY_S` (~0.2 ms each). In the 64-writer load test these held 10-50 MiB, as much
-    as a 64 MiB budget's worth of groups the budget could not see.
+    as a 64 MiB budget's worth of groups the budget could not see. ``force`` trims now (after a large
+    answer was sent: what it borrowed must not stand in the way of the next write).
     """
     global _trimmed_at
     pa.default_memory_pool().release_unused()
     if _malloc_trim is None:
         return
     now = time.monotonic()
-    if now - _trimmed_at < _TRIM_EVERY_S or not _trim_lock.acquire(blocking=False):
+    if (now - _trimmed_at < _TRIM_EVERY_S and not force) or not _trim_lock.acquire(blocking=force):
         return
     try:
         _trimmed_at = now
@@ -179,7 +191,6 @@ server thread's call state, buffers and allocator caches (RSS grew ~110-210 KiB 
 COPIES_IN_FLIGHT = 3
 """Copies of a write's batches alive while it is processed: the received message, the serialized
 message and the block being filled (the block is counted as stored once committed)."""
-_writing = threading.local()  # .overhead: what write_in_flight() counted for this thread's write
 
 
 @dataclass(slots=True)
@@ -231,6 +242,8 @@ class MemoryAccount:
         """Payload bytes (``nbytes``) of the stored groups, images and weights."""
         self.in_flight = 0
         """Bytes writes being received and processed hold (their copies, their server threads)."""
+        self.reads = 0
+        """Bytes of the answers being sent (not held against writes by the RSS guard)."""
         self._lock = lock
         if budget is not None:
             cap_malloc_arenas()
@@ -277,7 +290,7 @@ class MemoryAccount:
         if self._rss is None or not self.used:
             return
         rss = self._rss.read()
-        if rss + needed <= self.rss_limit:
+        if rss + needed <= self.rss_limit + self.reads:
             return
         self._rss_refusals += 1
         budget = cast(int, self.budget)
@@ -299,46 +312,87 @@ class MemoryAccount:
         return None if self._rss is None else self._rss.read()
 
     @contextlib.contextmanager
-    def write_in_flight(self) -> Iterator[None]:
-        """Count one write being received (its server thread, :data:`WRITE_OVERHEAD`) as in flight."""
+    def reading(self, nbytes: int) -> Iterator[None]:
+        """An answer of ``nbytes`` being sent: the RSS guard allows that much more resident memory meanwhile,
+        so reads never lock out writes (a read's memory is transient and given back when it ends)."""
         with self._lock:
-            self.in_flight += WRITE_OVERHEAD
-        _writing.overhead = WRITE_OVERHEAD
+            self.reads += nbytes
         try:
             yield
         finally:
-            _writing.overhead = 0
             with self._lock:
-                self.in_flight -= WRITE_OVERHEAD
+                self.reads -= nbytes
 
-    @contextlib.contextmanager
-    def writing(self, raw: int, what: str, *, admit: Callable[[], bool]) -> Iterator[int]:
-        """Count the copies of a write of ``raw`` payload bytes as in flight while it is processed.
-
-        When anything is stored and ``admit()`` (called under the lock) says so, first refuse a write that
-        cannot fit anyway: twice its bytes next to the stored data and the OTHER writes in flight, and the
-        RSS guard (the exact check comes at commit; an empty store always gets there, so nothing that fits
-        alone is refused forever). Yields this write's share of
-        :attr:`in_flight` (its copies plus what :meth:`write_in_flight` counted for its thread), so its
-        commit can check the budget against the others' share alone. Hands freed memory back at the end.
-        """
-        cost = COPIES_IN_FLIGHT * raw
-        mine = cost + getattr(_writing, "overhead", 0)
-        self.check_capacity(raw, what)  # its payload alone is more than the node holds
-        with self._lock:
-            if self.used and admit():
-                self.reserve(2 * raw, what, self.in_flight - (mine - cost), exact=False)
-                self.check_rss(2 * raw, what)
-            self.in_flight += cost
-        try:
-            yield mine
-        finally:
-            with self._lock:
-                self.in_flight -= cost
-            return_free_memory()
+    def incoming(self, what: str, *, admit: Callable[[], bool]) -> Incoming:
+        """A write about to be received: its reservation grows as its bytes arrive (:meth:`Incoming.add`)."""
+        return Incoming(self, what, admit)
 
     def close(self) -> None:
         """Stop the RSS guard (closes ``/proc/self/statm``)."""
         if self._rss is not None:
             os.close(self._rss.fd)
             self._rss = None
+
+
+class Incoming:
+    """One write being received: what it holds in flight, reserved as its bytes arrive, refused as soon as
+    it cannot fit.
+
+    :meth:`add` counts each received batch: the write's thread (:data:`WRITE_OVERHEAD`, from the first
+    byte on) and :data:`COPIES_IN_FLIGHT` copies of its bytes. It refuses at once a write whose bytes so
+    far exceed the whole budget (:class:`CapacityExceededError`, never retry) and, when anything is
+    stored and ``admit()`` says the write would add new data, one that cannot fit next to the stored data
+    and the OTHER writes in flight (twice its bytes; retryable), and the RSS guard. The exact check
+    comes at commit (:meth:`MemoryAccount.reserve` against :attr:`others`). :meth:`release` (idempotent)
+    gives the reservation back: the store calls it when the write ends, the server's idle-writer
+    watchdog when a writer stalls. An idle stream reserves nothing.
+    """
+
+    def __init__(self, account: MemoryAccount, what: str, admit: Callable[[], bool]) -> None:
+        self._account = account
+        self.what = what
+        self._admit = admit
+        self.received = 0
+        """Payload bytes received so far."""
+        self.mine = 0
+        """This write's share of :attr:`MemoryAccount.in_flight`."""
+        self.released = False
+
+    def add(self, nbytes: int) -> None:
+        """Count ``nbytes`` more received bytes, refusing the write if it cannot fit (see the class)."""
+        account = self._account
+        account.check_capacity(self.received + nbytes, self.what)
+        with account._lock:
+            if self.released:
+                msg = f"{self.what}: the write was given up (idle too long) before its stream ended"
+                raise WriteTimedOutError(msg)
+            more = COPIES_IN_FLIGHT * nbytes + (WRITE_OVERHEAD if not self.mine else 0)
+            total = self.received + nbytes
+            if account.used and self._admit():
+                account.reserve(2 * total, self.what, account.in_flight - self.mine, exact=False)
+                account.check_rss(2 * total, self.what)
+            account.in_flight += more
+            self.mine += more
+            self.received = total
+
+    @property
+    def others(self) -> int:
+        """What the OTHER writes in flight hold (the exact check at commit counts these)."""
+        return self._account.in_flight - self.mine
+
+    def release(self) -> bool:
+        """Give the reservation back (once); returns whether this call released it."""
+        with self._account._lock:
+            if self.released:
+                return False
+            self.released = True
+            self._account.in_flight -= self.mine
+            self.mine = 0
+        return_free_memory()
+        return True
+
+    def __enter__(self) -> Incoming:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.release()

@@ -1,9 +1,12 @@
 """The append-only metadata log of a store: one row per stored trajectory, numbered by ``seq``.
 
-Rows follow ``METADATA_SCHEMA`` (``seq`` = position in the log, then the metadata columns). They
-are kept as a list of small record batches holding their OWN copies of the metadata columns (so
-releasing a group frees its payload while its history stays), compacted as they pile up
-(:data:`COMPACT_AT`), and read from a cursor by slicing a lazily built, cached table.
+Rows follow ``METADATA_SCHEMA`` without ``released`` (``seq`` = the row's number, ascending, then the
+metadata columns). They are kept as a list of small record batches holding their OWN copies of the
+metadata columns (so releasing a group frees its payload while its history stays), compacted as
+they pile up (:data:`COMPACT_AT`), and read from a cursor (``seq >= since``, found by binary
+search) over a lazily built, cached table. The history of released groups is bounded: the store
+drops their rows (:meth:`MetadataLog.drop`) beyond ``StoreConfig.history_rows``, keeping the
+``seq`` of every other row, so memory follows the live data.
 
 Not thread-safe by itself: the store calls a :class:`MetadataLog` under its lock.
 
@@ -13,7 +16,8 @@ Example:
     >>> log = MetadataLog()
     >>> batch = records_to_batch([TrajectoryRecord(group_id="g0", sample_idx=i, policy_version=0,
     ...     prompt_ids=[1], response_ids=[2], response_logprobs=[-0.5]) for i in range(3)])
-    >>> log.append(normalize_group([batch], "g0", 3))
+    >>> log.append(normalize_group([batch], "g0", 3))  # the first row's seq
+    0
     >>> log.table().slice(1).column("seq").to_pylist()
     [1, 2]
 """
@@ -47,7 +51,9 @@ def check_columns(columns: Sequence[str] | None) -> None:
 
 def project(table: pa.Table, since: int, columns: Sequence[str] | None) -> pa.Table:
     """Rows of the log ``table`` with ``seq >= since``; ``seq`` first, then ``columns`` (all when ``None``)."""
-    table = table.slice(min(since, table.num_rows))
+    if since:
+        seq = table.column("seq").to_numpy()  # ascending
+        table = table.slice(int(np.searchsorted(seq, since, side="left")))
     if columns is not None:
         table = table.select(["seq", *(c for c in dict.fromkeys(columns) if c != "seq")])
     return table
@@ -74,15 +80,35 @@ class MetadataLog:
         self._merged = 0  # leading entries of _batches already merged
         self._cache: pa.Table | None = None
 
-    def append(self, batches: Sequence[pa.RecordBatch]) -> None:
-        """Number the rows of trajectory ``batches`` and keep own copies of their metadata columns."""
+    def append(self, batches: Sequence[pa.RecordBatch], seq: int | None = None) -> int:
+        """Number the rows of trajectory ``batches`` (from ``seq``, default the next number) and keep own copies
+        of their metadata columns; returns the first row's ``seq``."""
+        first, top = (self.seq if seq is None else seq), self.seq
+        self.seq = first
         self._batches.extend(self._rows(b) for b in batches)
+        self.seq = max(self.seq, top)  # a restored group's rows lie below the numbers already handed out
         self._cache = None
         if len(self._batches) - self._merged > COMPACT_AT:
             self._compact()  # bound the many tiny per-write batches even when nobody scans
+        return first
 
+    def drop(self, group_ids: Sequence[str]) -> int:
+        """Forget the rows of ``group_ids`` (released history); the others keep their ``seq``. Returns rows dropped."""
+        table = self.table()
+        keep = pc.invert(pc.is_in(table.column("group_id"), value_set=pa.array(list(group_ids), pa.string())))
+        kept = table.filter(keep).combine_chunks()
+        dropped = table.num_rows - kept.num_rows
+        self._batches = kept.to_batches() or []
+        self._merged = len(self._batches)
+        self._cache = None
+        return dropped
+
+    @property
+    def rows(self) -> int:
+        """Rows held."""
+        return sum(b.num_rows for b in self._batches)
     def table(self) -> pa.Table:
-        """The whole log as one table (cached until the next append; building it compacts the chunks)."""
+        """The whole log as one table (cached until the next change; building it compacts the chunks)."""
         if self._cache is None:
             self._compact()
             self._cache = pa.Table.from_batches(self._batches, schema=LOG_SCHEMA)
@@ -97,7 +123,7 @@ class MetadataLog:
         """Own copies of the metadata columns of ``b`` plus ``seq`` (payload buffers are not kept alive)."""
         n = b.num_rows
         seq = pa.array(np.arange(self.seq, self.seq + n, dtype=np.int64))
-        self.seq += n
+        self.seq += n  # the next number (a log restored from a compacted spill log may skip numbers)
         copy_idx = pa.array(np.arange(n, dtype=np.int64))
         arrays = [seq, *(b.column(c).take(copy_idx) for c in METADATA_COLUMNS)]
         return pa.RecordBatch.from_arrays(arrays, schema=LOG_SCHEMA)

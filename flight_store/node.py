@@ -28,6 +28,7 @@ from typing import cast
 
 from flight_store.config import ServerConfig
 from flight_store.server import StoreServer
+from flight_store.spill import SpillCorruptionError
 from schemas import documents
 
 
@@ -39,7 +40,11 @@ def serve(config: ServerConfig) -> int:
     """
     logging.basicConfig(level=config.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     owned = dataclasses.replace(config, store=dataclasses.replace(config.store, rss_guard=True))
-    server = StoreServer(owned)
+    try:
+        server = StoreServer(owned)
+    except (SpillCorruptionError, PermissionError, OSError, ValueError) as exc:
+        print(f"knit serve: cannot start: {exc}", file=sys.stderr, flush=True)
+        return 2
     stop = threading.Event()
 
     def on_signal(signum: int, frame: FrameType | None) -> None:
@@ -54,10 +59,13 @@ def serve(config: ServerConfig) -> int:
         while not stop.wait(0.5):
             pass
     finally:
-        server.shutdown()
+        clean = server.shutdown()
         for sig, handler in previous.items():
             signal.signal(sig, handler)
     print("knit serve: stopped", flush=True)
+    if not clean:  # a stalled writer's gRPC thread would keep the process alive: the log is fsynced, leave now
+        logging.shutdown()
+        os._exit(0)
     return 0
 
 

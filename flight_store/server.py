@@ -20,6 +20,8 @@ import dataclasses
 import hmac
 import json
 import logging
+import secrets
+import threading
 from collections.abc import Callable, Iterator
 from typing import Any, TypeVar
 
@@ -27,16 +29,25 @@ import pyarrow as pa
 import pyarrow.flight as flight
 
 from flight_store.config import ClusterMember, ServerConfig
-from flight_store.errors import KnitError, SchemaMismatchError, WireDecodeError, WrongNodeError
+from flight_store.errors import (
+    KnitError,
+    LimitExceededError,
+    SchemaMismatchError,
+    WireDecodeError,
+    WrongNodeError,
+)
 from flight_store.groups import writer_meta
+from flight_store.memory import Incoming, return_free_memory
 from flight_store.metrics import Record, StoreMetrics
 from flight_store.secrets import read_public, read_secret, read_token_file
 from flight_store.store import Store
+from flight_store.writes import Write, WriteSlots
 from schemas import routing
 from schemas.arrow import SCHEMA_VERSION, TRAJECTORY_SCHEMA
 from schemas.routing import ROUTING
 from schemas.wire import (
     ACTION_DESCRIPTIONS,
+    LIMITS,
     GroupRef,
     ImagesTicket,
     MetadataTicket,
@@ -49,26 +60,37 @@ from schemas.wire import (
     SlicesTicket,
     WeightsTicket,
     WireError,
+    WireLimitError,
     decode_action_body,
     decode_descriptor,
+    decode_list_criteria,
     decode_ticket,
 )
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
+ANSWER_ROWS = 16384
+"""Most rows of one message of a metadata answer (~2 MB): a scan of 100k rows streams, it is not one message."""
 
 
 def _guard(what: str, fn: Callable[[], T]) -> T:
-    """Run ``fn`` and turn any error into one a Flight client receives typed."""
+    """Run ``fn`` and turn any error into one a Flight client receives typed.
+
+    A bug (any other exception) is logged here with its traceback under a short id; the client sees
+    only the id, never internal names or the traceback.
+    """
     try:
         return fn()
+    except WireLimitError as exc:
+        raise LimitExceededError(str(exc), limit=exc.limit, value=exc.value) from None
     except WireError as exc:
         raise WireDecodeError(str(exc)) from None
     except (KnitError, flight.FlightError):
         raise
-    except Exception as exc:
-        log.exception("%s failed", what)
-        msg = f"{what} failed: {type(exc).__name__}: {exc}"
+    except Exception:
+        incident = secrets.token_hex(4)
+        log.exception("%s failed (incident %s)", what, incident)
+        msg = f"{what} failed: an internal error (incident {incident}, logged by the node)"
         raise flight.FlightInternalError(msg) from None
 
 
@@ -138,6 +160,7 @@ class StoreServer(flight.FlightServerBase):
         self.node_name = config.node_name or self.location
         """Name reported by health/stats and in error messages; the node's id for routing."""
         self._members = list(config.cluster) or [ClusterMember(id=self.node_name, location=self.location)]
+        self._writes = WriteSlots(max_writers=config.max_writers, idle_timeout_s=config.write_idle_timeout_s)
         self.store = Store(dataclasses.replace(config.store, node_name=self.node_name))
         self.metrics: StoreMetrics | None = None
         """The node's :class:`~flight_store.metrics.StoreMetrics` when ``metrics_port`` was given."""
@@ -145,7 +168,7 @@ class StoreServer(flight.FlightServerBase):
         """Port of ``/metrics`` (``None`` without metrics)."""
         if config.metrics_port is not None:
             self.metrics = StoreMetrics(node=self.node_name, stats=self._metric_stats)
-            self.metrics_port = self.metrics.serve(config.metrics_port)
+            self.metrics_port = self.metrics.serve(config.metrics_port, host=config.host)
 
     def cluster_view(self) -> dict[str, Any]:
         """The ``cluster`` action's answer: the routing, the view's version, the nodes (id, location), this id."""
@@ -185,31 +208,37 @@ class StoreServer(flight.FlightServerBase):
         reader: flight.MetadataRecordBatchReader,
         writer: flight.FlightMetadataWriter,
     ) -> None:
-        def run() -> dict[str, Any]:
-            doc = decode_descriptor(_descriptor_bytes(descriptor))
-            if isinstance(doc, PutGroup):
-                self._check_owner(doc.group_id)  # before a byte of the stream is read
-            table = reader.read_all()
-            rec.bytes_in += table.nbytes
+        with self._observe("do_put") as rec:
+            answer = _guard("DoPut", lambda: self._put(context, descriptor, reader, rec))
+        writer.write(pa.py_buffer(json.dumps(answer).encode()))
+
+    def _put(self, context: flight.ServerCallContext, descriptor: flight.FlightDescriptor,
+             reader: flight.MetadataRecordBatchReader, rec: Record) -> dict[str, Any]:
+        """One DoPut: decode, take a writer slot, receive batch by batch (each counted as it arrives), store."""
+        doc = decode_descriptor(_descriptor_bytes(descriptor))
+        if isinstance(doc, GroupRef):
+            msg = "a 'group' descriptor names a stored group (GetFlightInfo); to write one, use kind 'put_group'"
+            raise WireError(msg)
+        if isinstance(doc, PutGroup):
+            self._check_owner(doc.group_id)  # before a byte of the stream is read
+        what = (f"group {doc.group_id!r}" if isinstance(doc, PutGroup) else
+                f"weights v{doc.version}" if isinstance(doc, PutWeights) else "images")
+        with self._writes.slot() as write, self.store.incoming(
+                what, new_group=doc.group_id if isinstance(doc, PutGroup) else None) as incoming:
+            write.incoming = incoming
+            batches = _receive(reader, write, incoming, doc.rows if isinstance(doc, PutGroup) else None, what)
+            rec.bytes_in += incoming.received
             if context.is_cancelled():  # the client went away or its deadline passed: nothing is stored
                 msg = "the DoPut was cancelled before its stream ended; nothing stored"
                 raise flight.FlightCancelledError(msg)
             if isinstance(doc, PutGroup):
-                rows = self.store.put_group(doc.group_id, table.to_batches(), doc.rows, writer_meta(table.schema))
+                rows = self.store.put_group(doc.group_id, batches, doc.rows, writer_meta(reader.schema),
+                                            incoming=incoming)
                 return {"group_id": doc.group_id, "rows_added": rows}
+            table = pa.Table.from_batches(batches, schema=reader.schema)
             if isinstance(doc, PutImages):
-                return {"stored": self.store.put_images(table)}
-            if isinstance(doc, PutWeights):
-                return {"version": doc.version, "stored": self.store.put_weights(table, doc.version)}
-            if isinstance(doc, GroupRef):
-                msg = "a 'group' descriptor names a stored group (GetFlightInfo); to write one, use kind 'put_group'"
-                raise WireError(msg)
-            msg = f"unsupported descriptor {doc!r}"  # pragma: no cover - the union is exhaustive
-            raise WireError(msg)
-
-        with self._observe("do_put") as rec, self.store.write_in_flight():
-            answer = _guard("DoPut", run)
-        writer.write(pa.py_buffer(json.dumps(answer).encode()))
+                return {"stored": self.store.put_images(table, incoming=incoming)}
+            return {"version": doc.version, "stored": self.store.put_weights(table, doc.version, incoming=incoming)}
 
     # ---- DoGet ---------------------------------------------------------------------------------
 
@@ -219,16 +248,27 @@ class StoreServer(flight.FlightServerBase):
             # everything here runs before the answer's first byte goes out; without metrics there is
             # nothing to count, and ``table.nbytes`` is not free: for sliced columns it dedups byte
             # ranges (~50 us warm, ~0.1-0.2 ms on the cold caches of a node streaming MBs per call)
-            return flight.RecordBatchStream(_guard("DoGet", lambda: self._get_table(raw)))
-        with self._observe("do_get") as rec:
-            table = _guard("DoGet", lambda: self._get_table(raw))
-            rec.bytes_out += table.nbytes
-        return flight.RecordBatchStream(table)
+            table = _guard("DoGet", lambda: self._answer(decode_ticket(raw)))
+        else:
+            with self._observe("do_get") as rec:
+                table = _guard("DoGet", lambda: self._answer(decode_ticket(raw)))
+                rec.bytes_out += table.nbytes
+        return flight.GeneratorStream(table.schema, self._stream(table))
 
-    def _get_table(self, raw: bytes) -> pa.Table:
-        doc = decode_ticket(raw)
-        if isinstance(doc, MetadataTicket):
-            return self.store.metadata(doc.since, doc.columns)
+    def _stream(self, table: pa.Table) -> Iterator[pa.RecordBatch]:
+        """The answer's batches; while they stream, the memory the answer holds is a read, which the RSS
+        guard does not count against writes; once sent, what it borrowed goes back to the OS."""
+        try:
+            with self.store.reading(table.get_total_buffer_size()):
+                yield from table.to_batches()
+        finally:
+            del table
+            return_free_memory(force=True)
+
+    def _answer(self, doc: Any) -> pa.Table:
+        if isinstance(doc, MetadataTicket):  # streamed in chunks of ANSWER_ROWS rows (zero-copy slices)
+            table = self.store.metadata(doc.since, doc.columns)
+            return pa.Table.from_batches(table.to_batches(max_chunksize=ANSWER_ROWS), schema=table.schema)
         if isinstance(doc, SlicesTicket):
             refs = [(s.group_id, s.start, s.stop) for s in doc.slices]
             batches, meta = self.store.slices_with_meta(refs, doc.columns, coalesce_below=self.coalesce_below)
@@ -257,7 +297,7 @@ class StoreServer(flight.FlightServerBase):
             if action.type == "cluster":
                 return self.cluster_view()
             if action.type == "stats":
-                return self.store.stats()
+                return {**self.store.stats(), "writers": self._writes.active, "writes_given_up": self._writes.given_up}
             if isinstance(body, ReleaseBody):
                 return {"released": self.store.release(body.group_ids)}
             if isinstance(body, PublishVersionBody):
@@ -281,7 +321,10 @@ class StoreServer(flight.FlightServerBase):
         return flight.FlightInfo(TRAJECTORY_SCHEMA, descriptor, [endpoint], rows, nbytes)
 
     def list_flights(self, context: flight.ServerCallContext, criteria: bytes) -> Iterator[flight.FlightInfo]:
-        for gid in self.store.group_ids():
+        """Up to ``groups_per_list`` stored groups in arrival order (criteria ``after``/``limit`` page on)."""
+        crit = _guard("ListFlights", lambda: decode_list_criteria(criteria or b""))
+        limit = min(crit.limit or LIMITS["groups_per_list"], LIMITS["groups_per_list"])
+        for gid in self.store.group_ids(after=crit.after, limit=limit):
             try:
                 yield self._group_info(gid)
             except KnitError:  # released between the listing and now
@@ -302,13 +345,50 @@ class StoreServer(flight.FlightServerBase):
     def __enter__(self) -> StoreServer:
         return self
 
-    def shutdown(self) -> None:
-        """Stop serving, then close the metrics endpoint and the spill log."""
-        super().shutdown()
+    def shutdown(self, timeout_s: float = 10.0) -> bool:
+        """Stop serving, then close the metrics endpoint and the spill log; returns whether every call ended.
+
+        gRPC lets running calls finish; a DoPut whose client stalls mid-stream never does (its handler
+        waits for the client's next message), so after ``timeout_s`` the node stops waiting for it: such a
+        write was refused already (idle limit) and stores nothing.
+        """
+        stopper = threading.Thread(target=super().shutdown, name="knit-shutdown", daemon=True)
+        stopper.start()
+        stopper.join(timeout_s)
+        clean = not stopper.is_alive()
+        if not clean:
+            log.warning("node %s: %d call(s) still open after %.0f s (stalled writers); stopping without them",
+                        self.node_name, self._writes.active, timeout_s)
+        self._writes.close()
         if self.metrics is not None:
             self.metrics.close()
             self.metrics = None
         self.store.close()
+        return clean
 
     def __exit__(self, *exc: object) -> None:
         self.shutdown()
+
+
+def _receive(reader: flight.MetadataRecordBatchReader, write: Write, incoming: Incoming, rows: int | None,
+             what: str) -> list[pa.RecordBatch]:
+    """The stream's batches, each counted against the budget as it arrives (so an oversized write is refused
+    at the batch that makes it too large, not after all of it arrived); ``rows``: the most rows a group
+    may send."""
+    batches: list[pa.RecordBatch] = []
+    got = 0
+    while True:
+        try:
+            chunk = reader.read_chunk()
+        except StopIteration:
+            write.touch()
+            return batches
+        write.touch()
+        if chunk.data is None or not chunk.data.num_rows:
+            continue
+        incoming.add(chunk.data.nbytes)
+        got += chunk.data.num_rows
+        if rows is not None and got > rows:
+            msg = f"{what} declares {rows} rows but its stream carried more; nothing stored"
+            raise SchemaMismatchError(msg, column="sample_idx")
+        batches.append(chunk.data)

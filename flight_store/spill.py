@@ -5,14 +5,26 @@ One append-only file, ``<spill_dir>/store.log``. Each record is a frame::
     b"KNIT" | u32 header length | u64 body length | u32 crc32(header + body) | header | body
 
 where the header is a small JSON document (``{"kind": "group", "group_id": ...}``, ``release``,
-``images``, ``weights``, ``version``) and the body, when there is one, is an Arrow IPC stream of
-the record batches committed (empty for ``release`` and ``version``). :meth:`SpillLog.append`
-writes one frame and fsyncs it; the store calls it under its lock right before it commits in
-memory, so the log order is the commit order (and replaying it assigns the same ``seq``).
+``images``, ``weights``, ``version``, ...) and the body, when there is one, is an Arrow IPC stream of
+the record batches committed. :meth:`SpillLog.append` writes one frame and fsyncs it; the store calls
+it under its lock right before it commits in memory, so the log order is the commit order.
 
-:meth:`SpillLog.replay` yields the intact records in order. A torn or corrupt tail (a frame cut
-short by a crash, or whose checksum fails) is dropped with a warning and the file is truncated
-to the last intact frame, so later appends continue from there.
+Reading it back (:meth:`SpillLog.records`) tells two kinds of damage apart:
+
+* a **torn tail**: the last frame is cut short (its header, or the bytes its lengths announce, run
+  past the end of the file; or the file ends in zeros). That is an append a crash interrupted, before
+  its fsync, so before anything was acknowledged: it is dropped (the file is cut back to the last
+  whole frame) with a warning;
+* **corruption**: anything else (a bad magic, a checksum that fails, an unreadable header, inside the
+  file or in its last whole frame). Acknowledged records may be lost there, so the node refuses to
+  start with :class:`SpillCorruptionError` naming the file, the offset and what is wrong, and never
+  truncates. ``recovery="salvage"`` (``StoreConfig.spill_recovery``) keeps every intact frame
+  instead: it resynchronises on the next frame whose magic and checksum hold, moves the damaged file
+  aside (``store.log.corrupt-<time>``) and writes a new log of the intact frames, logging each
+  skipped byte range.
+
+:meth:`SpillLog.rewrite` replaces the whole log atomically (a new file, fsynced, renamed over the old
+one): the store's compaction writes only what is live.
 """
 
 from __future__ import annotations
@@ -23,10 +35,12 @@ import logging
 import os
 import struct
 import threading
+import time
 import zlib
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import pyarrow as pa
 
@@ -35,6 +49,8 @@ log = logging.getLogger(__name__)
 MAGIC = b"KNIT"
 _FRAME = struct.Struct("<4sIQI")
 LOG_NAME = "store.log"
+Recovery = Literal["refuse", "salvage"]
+"""What a node does with a spill log damaged inside: refuse to start, or keep every intact frame."""
 
 
 def encode_batches(batches: Sequence[pa.RecordBatch], schema: pa.Schema | None = None) -> bytes:
@@ -65,7 +81,7 @@ class SpillLog:
         >>> spill.append({"kind": "version", "version": 3})
         >>> spill.close()
         >>> again = SpillLog(d)
-        >>> [h for h, _ in again.replay()]
+        >>> [r.header for r in again.records()]
         [{'kind': 'version', 'version': 3}]
         >>> again.close()
     """
@@ -80,58 +96,66 @@ class SpillLog:
         if created:
             _fsync_dir(self.directory)
 
-    def replay(self) -> Iterator[tuple[dict[str, Any], bytes]]:
-        """Yield ``(header, body)`` of every intact record; drop (truncate) a torn or corrupt tail."""
+    def records(self, *, recovery: Recovery = "refuse") -> list[Record]:
+        """Every intact record, in log order; a torn tail is dropped, corruption refused (see the module)."""
         with self._lock:
             self._file.seek(0)
             data = self._file.read()
-        pos = 0
-        good = 0
-        records: list[tuple[dict[str, Any], bytes]] = []
-        reason = ""
-        while pos < len(data):
-            if len(data) - pos < _FRAME.size:
-                reason = "a frame header cut short"
-                break
-            magic, hlen, blen, crc = _FRAME.unpack_from(data, pos)
-            if magic != MAGIC:
-                reason = f"bad magic {magic!r}"
-                break
-            start = pos + _FRAME.size
-            end = start + hlen + blen
-            if end > len(data):
-                reason = f"a frame of {hlen + blen} bytes cut short at {len(data) - start}"
-                break
-            if zlib.crc32(data[start:end]) != crc:
-                reason = "a checksum mismatch"
-                break
-            try:
-                header = json.loads(data[start : start + hlen])
-            except ValueError:
-                reason = "an unreadable header"
-                break
-            records.append((header, data[start + hlen : end]))
-            pos = good = end
-        if good < len(data):
-            log.warning(
-                "spill log %s: dropping a torn tail of %d bytes at offset %d (%s); %d intact records kept",
-                self.path, len(data) - good, good, reason, len(records),
-            )
-            with self._lock:
-                self._file.truncate(good)
-                self._file.flush()
-                os.fsync(self._file.fileno())
-        yield from records
+        records, end, problem = scan(data)
+        if problem is None:
+            if end < len(data):
+                log.warning("spill log %s: dropping a torn tail of %d bytes at offset %d (an interrupted append); "
+                            "%d intact records kept", self.path, len(data) - end, end, len(records))
+                self._truncate(end)
+            return records
+        offset, reason = problem
+        if recovery != "salvage":
+            msg = (f"spill log {self.path} is corrupt at offset {offset} ({reason}); {len(records)} intact records "
+                   f"before it. The node does not start: acknowledged data may be lost there. Inspect the file, or "
+                   f"start with spill_recovery='salvage' to keep every intact frame")
+            raise SpillCorruptionError(msg, path=str(self.path), offset=offset)
+        return self._salvage(data)
+
+    def _salvage(self, data: bytes) -> list[Record]:
+        """Keep every intact frame of a damaged log (resynchronising past damage); the original moves aside."""
+        records, skipped = salvage(data)
+        aside = self.path.with_name(f"{LOG_NAME}.corrupt-{time.strftime('%Y%m%d-%H%M%S')}")
+        for start, stop in skipped:
+            log.warning("spill log %s: skipping damaged bytes [%d, %d)", self.path, start, stop)
+        os.replace(self.path, aside)
+        self.rewrite([(r.header, r.body) for r in records])
+        log.warning("spill log %s: salvaged %d intact records; the damaged file is kept as %s", self.path,
+                    len(records), aside)
+        return records
+
+    def _truncate(self, size: int) -> None:
+        with self._lock:
+            self._file.truncate(size)
+            self._file.flush()
+            os.fsync(self._file.fileno())
+
+    def rewrite(self, records: Sequence[tuple[dict[str, Any], bytes]]) -> None:
+        """Replace the log by ``records``, atomically: a new file, fsynced, renamed over the old one."""
+        tmp = self.path.with_name(LOG_NAME + ".tmp")
+        with open(tmp, "wb") as f:
+            for header, body in records:
+                f.write(frame(header, body))
+            f.flush()
+            os.fsync(f.fileno())
+        with self._lock:
+            self._file.close()
+            os.replace(tmp, self.path)
+            _fsync_dir(self.directory)
+            self._file = open(self.path, "ab+")  # noqa: SIM115 - kept open for the store's lifetime
 
     def append(self, header: dict[str, Any], body: bytes = b"") -> None:
         """Write one record and fsync it; on failure the partial frame is cut off and the error raised."""
-        head = json.dumps(header, separators=(",", ":")).encode()
-        frame = _FRAME.pack(MAGIC, len(head), len(body), zlib.crc32(head + body)) + head + body
+        data = frame(header, body)
         with self._lock:
             self._file.seek(0, os.SEEK_END)
             offset = self._file.tell()
             try:
-                self._file.write(frame)
+                self._file.write(data)
                 self._file.flush()
                 os.fsync(self._file.fileno())
             except OSError:
@@ -155,3 +179,80 @@ def _fsync_dir(directory: Path) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
+
+
+@dataclass(frozen=True, slots=True)
+class Record:
+    """One intact frame: where it starts, its header and its body."""
+
+    offset: int
+    header: dict[str, Any]
+    body: bytes
+
+
+class SpillCorruptionError(RuntimeError):
+    """The spill log is damaged inside (not a torn tail); ``path`` and ``offset`` say where."""
+
+    def __init__(self, message: str, *, path: str, offset: int) -> None:
+        super().__init__(message)
+        self.path = path
+        self.offset = offset
+
+
+def frame(header: dict[str, Any], body: bytes = b"") -> bytes:
+    """One record as the bytes of its frame."""
+    head = json.dumps(header, separators=(",", ":")).encode()
+    return _FRAME.pack(MAGIC, len(head), len(body), zlib.crc32(head + body)) + head + body
+
+
+def _read_frame(data: bytes, pos: int) -> tuple[Record | None, int, str]:
+    """The frame at ``pos``: ``(record, end, "")``, or ``(None, pos, reason)`` (reason ``"torn"`` for a cut)."""
+    if len(data) - pos < _FRAME.size:
+        return None, pos, "torn"
+    magic, hlen, blen, crc = _FRAME.unpack_from(data, pos)
+    if magic != MAGIC:
+        return None, pos, f"bad magic {magic!r}"
+    start = pos + _FRAME.size
+    end = start + hlen + blen
+    if end > len(data):
+        return None, pos, "torn"
+    if zlib.crc32(data[start:end]) != crc:
+        return None, pos, "a checksum mismatch"
+    try:
+        header = json.loads(data[start:start + hlen])
+    except ValueError:
+        return None, pos, "an unreadable header"
+    return Record(offset=pos, header=header, body=data[start + hlen:end]), end, ""
+
+
+def scan(data: bytes) -> tuple[list[Record], int, tuple[int, str] | None]:
+    """The whole frames of ``data`` from its start, where they end, and the first damage that is not a torn tail."""
+    records: list[Record] = []
+    pos = 0
+    while pos < len(data):
+        record, end, reason = _read_frame(data, pos)
+        if record is None:
+            if reason == "torn" or not data[pos:].strip(b"\0"):  # cut short, or zeros a crash left: not acked
+                return records, pos, None
+            return records, pos, (pos, reason)
+        records.append(record)
+        pos = end
+    return records, pos, None
+
+
+def salvage(data: bytes) -> tuple[list[Record], list[tuple[int, int]]]:
+    """Every intact frame of ``data``, resynchronising on the next magic after damage; and the skipped ranges."""
+    records: list[Record] = []
+    skipped: list[tuple[int, int]] = []
+    pos = 0
+    while pos < len(data):
+        record, end, _ = _read_frame(data, pos)
+        if record is not None:
+            records.append(record)
+            pos = end
+            continue
+        nxt = data.find(MAGIC, pos + 1)
+        stop = len(data) if nxt < 0 else nxt
+        skipped.append((pos, stop))
+        pos = stop
+    return records, skipped

@@ -32,7 +32,7 @@ from __future__ import annotations
 import contextlib
 import threading
 import time
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Iterable, Sequence
 
 import pyarrow as pa
 import pyarrow.compute as pc
@@ -42,12 +42,17 @@ from flight_store import metadata as _metadata
 from flight_store.config import StoreConfig
 from flight_store.contents import StoreContents
 from flight_store.durability import Journal
+from flight_store.errors import LimitExceededError, SchemaMismatchError
 from flight_store.images import images_table
-from flight_store.memory import MemoryAccount, pack, return_free_memory
+from flight_store.memory import Incoming, MemoryAccount, pack, return_free_memory
 from flight_store.validate import normalize_group, normalize_images
+from schemas import weights as weights_codec
 from schemas.arrow import SCHEMA_VERSION
 
-__all__ = ["Store", "StoreConfig"]
+__all__ = ["MAX_VERSION_STEP", "Store", "StoreConfig"]
+
+MAX_VERSION_STEP = 1 << 20
+"""The most a published version may move forward at once."""
 
 
 class Store:
@@ -80,15 +85,21 @@ class Store:
             rss_guard=self.config.rss_guard,
             lock=self._lock,
         )
-        self._contents = StoreContents(self.config.node_name, self._memory)
-        self._journal = Journal(self.config.spill_dir)
+        cfg = self.config
+        self._contents = StoreContents(cfg.node_name, self._memory, weights_versions=cfg.weights_versions,
+                                       history_rows=cfg.history_rows, tombstones=cfg.tombstones)
+        self._journal = Journal(cfg.spill_dir, recovery=cfg.spill_recovery, compact_bytes=cfg.spill_compact_bytes)
         self.bytes_out = 0
         """Payload bytes served (slices, images, weights)."""
         self.started = time.time()
         self.recovered: dict[str, int] = {}
         """What replaying the spill log restored: records, groups (unreleased), released groups, rows."""
-        with self._lock:
-            self.recovered = self._journal.replay(self._contents, self.config.node_name)
+        try:
+            with self._lock:
+                self.recovered = self._journal.replay(self._contents, self.config.node_name)
+        except BaseException:
+            self.close()
+            raise
 
     @property
     def bytes_in(self) -> int:
@@ -102,12 +113,39 @@ class Store:
 
     # ---- groups --------------------------------------------------------------------------------
 
+    def reading(self, nbytes: int) -> contextlib.AbstractContextManager[None]:
+        """An answer of ``nbytes`` being sent: memory the RSS guard does not hold against writes meanwhile."""
+        return self._memory.reading(nbytes)
+
+    def incoming(self, what: str, *, new_group: str | None = None) -> Incoming:
+        """A write about to be received (the server counts its bytes as they arrive, see :class:`Incoming`).
+
+        ``new_group``: the write is group ``new_group`` (checked early against the budget only if the
+        group is not stored yet: a retry of a stored group adds nothing).
+        """
+        def admit() -> bool:
+            return new_group is None or new_group not in self._contents.groups
+
+        return self._memory.incoming(what, admit=admit)
+
+    def _own_incoming(self, what: str, batches: Sequence[pa.RecordBatch | pa.Table],
+                      new_group: str | None = None) -> Incoming:
+        """An in-process caller's write: all its bytes arrived at once."""
+        incoming = self.incoming(what, new_group=new_group)
+        try:
+            incoming.add(sum(b.nbytes for b in batches))
+        except BaseException:
+            incoming.release()
+            raise
+        return incoming
+
     def put_group(self, group_id: str, batches: Sequence[pa.RecordBatch | pa.Table], rows: int | None = None,
-                  meta: dict[str, str] | None = None) -> int:
+                  meta: dict[str, str] | None = None, *, incoming: Incoming | None = None) -> int:
         """Validate and store one whole group ``group_id`` of ``rows`` rows, atomically; returns rows added.
 
         ``rows`` is what the writer declared (the server passes the descriptor's); ``None`` = the rows of
-        ``batches`` (an in-process caller hands over the whole group at once).
+        ``batches`` (an in-process caller hands over the whole group at once). ``incoming``: the server's
+        reservation for the bytes it received (default: one made here for ``batches``).
 
         A group is written once: a rewrite with the same content is a no-op (returns 0; an idempotent
         retry, also of a group already released), one with other content is refused. ``meta`` is the
@@ -122,10 +160,9 @@ class Store:
             BudgetExceededError: the node's memory budget cannot hold it now (retry later).
         """
         what = f"group {group_id!r}"
-        raw = sum(b.nbytes for b in batches)
-        # Refuse a new group before validating and copying what cannot fit anyway: under backpressure
-        # dozens of writes would otherwise each hold their copies at once on top of a full budget.
-        with self._memory.writing(raw, what, admit=lambda: group_id not in self._contents.groups) as mine:
+        with contextlib.ExitStack() as stack:
+            if incoming is None:
+                incoming = stack.enter_context(self._own_incoming(what, batches, new_group=group_id))
             flat: list[pa.RecordBatch] = []
             for b in batches:
                 flat.extend(b.to_batches() if isinstance(b, pa.Table) else [b])
@@ -136,22 +173,11 @@ class Store:
                 self._contents.images.check_present(_groups.image_keys_of(normalized), group_id)
                 packed = [pack(b) for b in normalized]
                 # stored groups + this group + what the OTHER writes in flight hold must fit
-                self._memory.reserve(sum(held for _, held in packed), what, self._memory.in_flight - mine)
+                self._memory.reserve(sum(held for _, held in packed), what, incoming.others)
                 self._memory.check_rss(0, what)  # the packed blocks' pages are resident already
                 self._journal.group(group_id, normalized, meta or {})
                 return self._contents.commit_group(group_id, normalized, packed, meta)
-
-    @contextlib.contextmanager
-    def write_in_flight(self) -> Iterator[None]:
-        """Count one write being received (its server thread) against the budget while it runs.
-
-        The server wraps each DoPut in it, from before it reads the stream until it answers: a
-        commit is refused unless the stored groups, the new group and everything other writes
-        in flight hold fit the budget together. With 64 concurrent writers that is ~20 MiB a
-        node holds beyond its stored groups (gRPC buffers, copies, thread caches).
-        """
-        with self._memory.write_in_flight():
-            yield
+        raise AssertionError  # pragma: no cover - the with block returns or raises
 
     def slices(
         self,
@@ -180,9 +206,9 @@ class Store:
         """:meth:`slices`, and the writer metadata (``knittrans.logprobs_mode``, ...) all their groups share."""
         _groups.check_columns(columns)
         with self._lock:
-            out, served, meta = self._contents.groups.slices(refs, columns)
-            self.bytes_out += served
-        return _groups.project(out, columns, served, coalesce_below), meta
+            out, sizes, meta = self._contents.groups.slices(refs, columns)
+            self.bytes_out += sum(sizes)
+        return _groups.project(out, sizes, columns, coalesce_below), meta
 
     def release(self, group_ids: Iterable[str]) -> int:
         """Free the payload of these groups (unknown ids are ignored); returns how many were freed.
@@ -195,6 +221,7 @@ class Store:
             if todo:
                 self._journal.release(todo)
                 freed = self._contents.commit_release(todo)
+                self._journal.maybe_compact(self._contents)
         if freed:
             return_free_memory()
         return freed
@@ -212,10 +239,13 @@ class Store:
             nbytes = group.nbytes
         return len(idx), nbytes, _groups.runs(idx)
 
-    def group_ids(self) -> list[str]:
-        """Ids of the unreleased groups, in arrival order."""
+    def group_ids(self, *, after: str | None = None, limit: int | None = None) -> list[str]:
+        """Ids of the unreleased groups, in arrival order (those after ``after``; at most ``limit``)."""
         with self._lock:
-            return self._contents.groups.ids()
+            ids = self._contents.groups.ids()
+        if after is not None:
+            ids = ids[ids.index(after) + 1:] if after in ids else []
+        return ids if limit is None else ids[:limit]
 
     # ---- metadata ------------------------------------------------------------------------------
 
@@ -237,22 +267,26 @@ class Store:
 
     # ---- images --------------------------------------------------------------------------------
 
-    def put_images(self, table: pa.Table | pa.RecordBatch) -> int:
+    def put_images(self, table: pa.Table | pa.RecordBatch, *, incoming: Incoming | None = None) -> int:
         """Store the images whose key is new; returns how many were stored.
 
         Raises:
-            SchemaMismatchError: the table does not fit ``IMAGE_SCHEMA``.
-            BudgetExceededError: the new images do not fit the memory budget (none stored).
+            SchemaMismatchError: the table does not fit ``IMAGE_SCHEMA`` or a key does not match its bytes.
+            CapacityExceededError, BudgetExceededError: the new images do not fit (none stored).
         """
-        t = normalize_images(table)
-        with self._lock:
-            new = self._contents.images.new(t.to_batches())
-            needed = sum(v.held for v in new.values())
-            self._memory.reserve(needed, f"{len(new)} image(s)")
-            if new:
-                self._memory.check_rss(needed, f"{len(new)} image(s)")
-                self._journal.images([v.row for v in new.values()])
-            return self._contents.commit_images(new)
+        with contextlib.ExitStack() as stack:
+            if incoming is None:
+                incoming = stack.enter_context(self._own_incoming("images", [table]))
+            t = normalize_images(table)
+            with self._lock:
+                new = self._contents.images.new(t.to_batches())
+                needed = sum(v.held for v in new.values())
+                self._memory.reserve(needed, f"{len(new)} image(s)", incoming.others)
+                if new:
+                    self._memory.check_rss(0, f"{len(new)} image(s)")
+                    self._journal.images([v.row for v in new.values()])
+                return self._contents.commit_images(new)
+        raise AssertionError  # pragma: no cover - the with block returns or raises
 
     def images(self, keys: Sequence[bytes], *, missing_ok: bool = False) -> pa.Table:
         """Image rows for ``keys``, in key order. Raises :class:`UnknownImageError` naming a missing key
@@ -270,16 +304,40 @@ class Store:
 
     # ---- weights & version ---------------------------------------------------------------------
 
-    def put_weights(self, table: pa.Table, version: int) -> bool:
-        """Keep ``table`` as the latest weights if ``version`` is not older than the stored one."""
-        with self._lock:
-            weights = self._contents.weights
-            if not weights.accepts(version):
-                return False
-            self._memory.reserve(max(0, table.nbytes - weights.nbytes), f"weights v{version}")
-            self._journal.weights(table, version)
-            self._contents.commit_weights(table, version)
-            return True
+    def put_weights(self, table: pa.Table, version: int, *, incoming: Incoming | None = None) -> bool:
+        """Keep ``table`` as the newest weights, of ``version``; a version not newer than the latest is ignored.
+
+        The table is checked first (``schemas.weights``: schema, at least one tensor, unique names, known
+        dtypes, data sizes matching the shapes), counted against the budget and the RSS guard like any
+        write, and logged before it is kept. The newest :attr:`StoreConfig.weights_versions` are kept.
+
+        Raises:
+            SchemaMismatchError: the table breaks a rule of the weights table (names the tensor).
+            CapacityExceededError, BudgetExceededError: it does not fit (nothing stored).
+        """
+        what = f"weights v{version}"
+        with contextlib.ExitStack() as stack:
+            if incoming is None:
+                incoming = stack.enter_context(self._own_incoming(what, [table]))
+            try:
+                checked = weights_codec.check(table)
+            except weights_codec.WeightsError as exc:
+                raise SchemaMismatchError(str(exc), column=None) from None
+            with self._lock:
+                slot = self._contents.weights
+                if not slot.accepts(version):
+                    return False
+                batches = checked.combine_chunks().to_batches()
+                packed = pack(batches[0])
+                leaving = slot.versions[0] if len(slot.versions) >= slot.keep else None
+                freed = slot.held(leaving) if leaving is not None else 0
+                self._memory.reserve(max(0, packed[1] - freed), what, incoming.others)
+                self._memory.check_rss(0, what)
+                self._journal.weights(checked, version)
+                self._contents.commit_weights(checked, version, packed)
+                self._journal.maybe_compact(self._contents)
+                return True
+        raise AssertionError  # pragma: no cover - the with block returns or raises
 
     def weights(self, version: int | None = None) -> tuple[pa.Table, int]:
         """The latest weights table and its version (exactly ``version`` when given)."""
@@ -289,8 +347,18 @@ class Store:
             return table, stored
 
     def publish_version(self, version: int) -> int:
-        """Record the newest policy version (monotonic: an older one is ignored); returns the stored one."""
+        """Record the newest policy version (monotonic: an older one is ignored); returns the stored one.
+
+        Raises:
+            LimitExceededError: ``version`` jumps more than :data:`MAX_VERSION_STEP` past the stored one (it
+                would freeze the version: every real one after it would be ignored).
+        """
         with self._lock:
+            published = self._contents.weights.published
+            if version > published + MAX_VERSION_STEP:
+                msg = (f"version {version} jumps more than {MAX_VERSION_STEP} past the published {published}; "
+                       "refused (a policy version counts optimizer steps)")
+                raise LimitExceededError(msg, limit="version_step", value=version - published)
             if self._contents.weights.newer(int(version)):
                 self._journal.version(int(version))
                 self._contents.commit_version(int(version))
@@ -315,6 +383,10 @@ class Store:
                 "rows": c.groups.rows,
                 "rows_stored": rows_stored,
                 "metadata_rows": c.metadata.seq,
+                "metadata_rows_held": c.metadata.rows,
+                "tombstones": len(c.groups.tombstones()),
+                "spill_bytes": self._journal.size,
+                "spill_compactions": self._journal.compactions,
                 "groups": {"stored": stored, "released": released},
                 "bytes": memory.payload,
                 "images": len(c.images),

@@ -20,6 +20,29 @@ class WireError(ValueError):
     """A descriptor, ticket or action body that cannot be decoded (bad JSON, version, field)."""
 
 
+class WireLimitError(WireError):
+    """A document over one of the documented limits; ``limit`` names it, ``value`` is what was sent."""
+
+    def __init__(self, message: str, *, limit: str, value: int) -> None:
+        super().__init__(message)
+        self.limit = limit
+        self.value = value
+
+
+LIMITS: dict[str, int] = {
+    "descriptor_bytes": 64 << 10,
+    "ticket_bytes": 4 << 20,
+    "action_body_bytes": 4 << 20,
+    "slices_per_ticket": 8192,
+    "keys_per_ticket": 4096,
+    "groups_per_release": 65536,
+    "groups_per_list": 1000,
+}
+"""The wire's limits (README, Limits): bytes of a document, entries of its lists, FlightInfos per ListFlights.
+A request over one is refused (``LimitExceededError`` naming it) before it is parsed further."""
+_LIST_LIMITS = {"slices": "slices_per_ticket", "keys": "keys_per_ticket", "group_ids": "groups_per_release"}
+
+
 class _Doc(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True, strict=True)
 
@@ -40,6 +63,8 @@ class _Doc(BaseModel):
 
 GroupId = Annotated[str, Field(min_length=1, max_length=512)]
 NonNegInt = Annotated[int, Field(ge=0, le=2**62)]
+Version = Annotated[int, Field(ge=0, lt=2**31)]
+"""A policy version: optimizer steps, below 2^31."""
 MAX_GROUP_ROWS = 1 << 16
 """Most trajectories one prompt group may hold (G)."""
 
@@ -89,7 +114,7 @@ class PutWeights(_Doc):
     """
 
     kind: Literal["put_weights"] = "put_weights"
-    version: NonNegInt
+    version: Version
 
 
 Descriptor = Annotated[PutGroup | PutImages | PutWeights | GroupRef, Field(discriminator="kind")]
@@ -159,7 +184,7 @@ class WeightsTicket(_Doc):
     """
 
     kind: Literal["weights"] = "weights"
-    version: NonNegInt | None = None
+    version: Version | None = None
 
 
 Ticket = Annotated[MetadataTicket | SlicesTicket | ImagesTicket | WeightsTicket, Field(discriminator="kind")]
@@ -177,11 +202,29 @@ class ReleaseBody(_Doc):
 class PublishVersionBody(_Doc):
     """Record the trainer's newest policy version. Example: ``{"v": 2, "version": 5}``"""
 
-    version: NonNegInt
+    version: Version
 
 
 class EmptyBody(_Doc):
     """Body of ``health`` and ``stats`` (may also be sent empty). Example: ``{"v": 2}``"""
+
+
+class ListCriteria(_Doc):
+    """ListFlights criteria (or empty): up to ``limit`` groups (at most ``groups_per_list``) after ``after``.
+
+    Example: ``{"v": 2, "after": "step3-prompt17", "limit": 500}`` (groups in arrival order)
+    """
+
+    after: GroupId | None = None
+    limit: Annotated[int, Field(ge=1)] | None = None
+
+
+def decode_list_criteria(raw: bytes) -> ListCriteria:
+    """Parse ListFlights criteria (empty = from the first group)."""
+    if not raw:
+        return ListCriteria()
+    return _validate(ListCriteria, _load_json(raw, "ListFlights criteria", "descriptor_bytes"),  # type: ignore[no-any-return]
+                     "ListFlights criteria")
 
 
 ACTION_BODIES: dict[str, type[_Doc]] = {
@@ -199,8 +242,8 @@ ACTION_DESCRIPTIONS: dict[str, str] = {
     "cluster": 'the cluster view: {"routing": "rendezvous-sha256", "version": N, "nodes": [{"id", "location"}], '
                '"self": id}; a group belongs to the node routing picks from "nodes"',
     "stats": "rows, bytes, groups by state, images, memory budget and use, bytes in/out",
-    "release": 'free the payload of consumed groups; body {"v":1,"group_ids":[...]}',
-    "publish_version": 'record the newest policy version; body {"v":1,"version":N}',
+    "release": 'free the payload of consumed groups; body {"v":2,"group_ids":[...]}',
+    "publish_version": 'record the newest policy version; body {"v":2,"version":N}',
     "get_version": 'the newest published policy version; answers {"version": N}',
 }
 
@@ -220,7 +263,10 @@ def _no_duplicate_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
     return dict(pairs)
 
 
-def _load_json(raw: bytes, what: str) -> Any:
+def _load_json(raw: bytes, what: str, limit: str) -> Any:
+    if len(raw) > LIMITS[limit]:
+        msg = f"{what} of {len(raw)} bytes is over the limit {limit}={LIMITS[limit]}"
+        raise WireLimitError(msg, limit=limit, value=len(raw))
     try:
         return json.loads(raw, object_pairs_hook=_no_duplicate_keys)
     except (UnicodeDecodeError, ValueError) as exc:
@@ -235,6 +281,11 @@ def _validate(adapter: TypeAdapter[Any] | type[BaseModel], doc: Any, what: str) 
     if "v" not in doc:
         msg = f"{what} lacks the schema version field 'v' (this store speaks v={SCHEMA_VERSION})"
         raise WireError(msg)
+    for field, limit in _LIST_LIMITS.items():
+        value = doc.get(field)
+        if isinstance(value, list) and len(value) > LIMITS[limit]:
+            msg = f"{what} lists {len(value)} {field}, over the limit {limit}={LIMITS[limit]}"
+            raise WireLimitError(msg, limit=limit, value=len(value))
     try:
         if isinstance(adapter, TypeAdapter):
             return adapter.validate_python(doc)
@@ -249,12 +300,12 @@ def _validate(adapter: TypeAdapter[Any] | type[BaseModel], doc: Any, what: str) 
 
 def decode_descriptor(raw: bytes) -> PutGroup | PutImages | PutWeights | GroupRef:
     """Parse a DoPut command descriptor."""
-    return _validate(_DESCRIPTOR, _load_json(raw, "descriptor"), "descriptor")  # type: ignore[no-any-return]
+    return _validate(_DESCRIPTOR, _load_json(raw, "descriptor", "descriptor_bytes"), "descriptor")  # type: ignore[no-any-return]
 
 
 def decode_ticket(raw: bytes) -> MetadataTicket | SlicesTicket | ImagesTicket | WeightsTicket:
     """Parse a DoGet ticket."""
-    return _validate(_TICKET, _load_json(raw, "ticket"), "ticket")  # type: ignore[no-any-return]
+    return _validate(_TICKET, _load_json(raw, "ticket", "ticket_bytes"), "ticket")  # type: ignore[no-any-return]
 
 
 def decode_action_body(action: str, raw: bytes) -> _Doc:
@@ -265,4 +316,5 @@ def decode_action_body(action: str, raw: bytes) -> _Doc:
         raise WireError(msg)
     if not raw and model is EmptyBody:
         return EmptyBody()
-    return _validate(model, _load_json(raw, f"body of action {action!r}"), f"body of action {action!r}")  # type: ignore[no-any-return]
+    what = f"body of action {action!r}"
+    return _validate(model, _load_json(raw, what, "action_body_bytes"), what)  # type: ignore[no-any-return]

@@ -21,6 +21,7 @@ from schemas.arrow import METADATA_SCHEMA
 from schemas.images import images_to_table
 from schemas.plan import PlannedSlice
 from schemas.routing import owner
+from schemas.weights import WEIGHTS_SCHEMA
 
 
 class _CountingServer(StoreServer):
@@ -217,7 +218,7 @@ def test_images_release_version_and_weights(store_nodes, make_group) -> None:
         )
         client.put_weights(weights, 3)
         for loc in locs:
-            assert client.get_weights(node=loc).equals(weights)
+            assert client.get_weights(node=loc).equals(weights.cast(WEIGHTS_SCHEMA))  # stored as the schema says
         assert client.get_weights(3).num_rows == 2
         stats = client.stats()
         assert set(stats) == set(locs) and all(s["weights_version"] == 3 for s in stats.values())
@@ -228,6 +229,7 @@ def test_token_is_sent_as_bearer_header(monkeypatch, tmp_path) -> None:
     servers = []
     for token in ("s3cret", "from-env"):
         (tmp_path / token).write_text(token, encoding="utf-8")
+        (tmp_path / token).chmod(0o600)
         servers.append(StoreServer(ServerConfig(auth_token_file=str(tmp_path / token))))
     try:
         explicit, from_env = (s.location for s in servers)

@@ -18,7 +18,7 @@ import pytest
 from flight_store.client import StoreClient
 from flight_store.config import ServerConfig, StoreConfig
 from flight_store.errors import GroupReleasedError
-from flight_store.spill import LOG_NAME
+from flight_store.spill import LOG_NAME, SpillCorruptionError
 from flight_store.store import Store
 from schemas.images import images_to_table
 from schemas.plan import PlannedSlice
@@ -39,7 +39,7 @@ def test_restart_restores_groups_seq_images_weights_version(tmp_path: Path, make
     assert store.put_group("b", [make_group("b", size=3)]) == 0  # a retry: a no-op, not logged
     assert store.put_images(images) == 1  # a group's images before the group
     store.put_group("c", [make_group("c", size=2, image_keys=[key], num_images=1)])
-    store.put_weights(pa.table({"name": ["w"], "data": [b"\x01\x02"]}), 7)
+    store.put_weights(pa.table({"name": ["w"], "shape": [[1]], "dtype": ["int16"], "data": [b"\x01\x02"]}), 7)
     store.publish_version(5)
     assert store.release(["a", "a", "ghost"]) == 1
     before = _meta(store)
@@ -74,8 +74,8 @@ def test_restart_restores_groups_seq_images_weights_version(tmp_path: Path, make
     third.close()
 
 
-@pytest.mark.parametrize("damage", ["cut_in_body", "cut_in_header", "garbage", "flipped_byte"])
-def test_torn_tail_is_dropped_with_a_log_line(tmp_path: Path, make_group, caplog, damage: str) -> None:
+@pytest.mark.parametrize("damage", ["cut_in_body", "cut_in_header", "zeros"])
+def test_a_torn_tail_is_dropped_with_a_log_line(tmp_path: Path, make_group, caplog, damage: str) -> None:
     store = Store(StoreConfig(spill_dir=str(tmp_path)))
     for g in ("a", "b"):
         store.put_group(g, [make_group(g, size=4)])
@@ -84,27 +84,116 @@ def test_torn_tail_is_dropped_with_a_log_line(tmp_path: Path, make_group, caplog
     store.close()
     path = tmp_path / LOG_NAME
     data = path.read_bytes()
-    if damage == "cut_in_body":
+    if damage == "cut_in_body":  # an append a crash interrupted: never acknowledged
         data = data[:-7]
     elif damage == "cut_in_header":
         data = data[: intact + 9]
-    elif damage == "flipped_byte":
-        data = data[:-100] + bytes([data[-100] ^ 0xFF]) + data[-99:]
-    else:
-        data = data + b"\x00garbage-after-a-crash"
+    else:  # the file ends in zeros a crash left
+        data = data + bytes(64)
     path.write_bytes(data)
     with caplog.at_level(logging.WARNING, logger="flight_store.spill"):
         again = Store(StoreConfig(spill_dir=str(tmp_path)))
     assert any("torn tail" in r.getMessage() for r in caplog.records)
-    want = ["a", "b"] if damage != "garbage" else ["a", "b", "c"]
+    want = ["a", "b"] if damage != "zeros" else ["a", "b", "c"]
     assert again.group_ids() == want
     assert sorted({g for _, g, _ in _meta(again)}) == want  # no partial group visible
-    assert path.stat().st_size == (intact if damage != "garbage" else len(data) - len(b"\x00garbage-after-a-crash"))
+    assert path.stat().st_size == (intact if damage != "zeros" else len(data) - 64)
     again.put_group("d", [make_group("d", size=1)])  # appends continue after the intact prefix
     again.close()
     last = Store(StoreConfig(spill_dir=str(tmp_path)))
     assert last.group_ids() == [*want, "d"]
     last.close()
+
+
+def _log_of_twelve(tmp_path: Path, make_group) -> tuple[Path, list[int]]:
+    """A spill log of 12 records (9 groups, a release, weights, a version) and the offset of each frame."""
+    store = Store(StoreConfig(spill_dir=str(tmp_path)))
+    offsets = []
+    for i in range(9):
+        offsets.append((tmp_path / LOG_NAME).stat().st_size)
+        store.put_group(f"g{i}", [make_group(f"g{i}", size=4)])
+        if i == 1:
+            offsets.append((tmp_path / LOG_NAME).stat().st_size)
+            store.release(["g0"])
+    offsets.append((tmp_path / LOG_NAME).stat().st_size)
+    store.put_weights(pa.table({"name": ["w"], "shape": [[1]], "dtype": ["int16"], "data": [b"\x01\x02"]}), 3)
+    offsets.append((tmp_path / LOG_NAME).stat().st_size)
+    store.publish_version(5)
+    store.close()
+    return tmp_path / LOG_NAME, offsets
+
+
+@pytest.mark.parametrize("damage", ["flipped_byte_in_frame_3", "bad_magic_in_frame_3", "garbage_after_the_end"])
+def test_damage_inside_the_log_refuses_to_start_and_never_truncates(tmp_path: Path, make_group,
+                                                                     damage: str) -> None:
+    path, offsets = _log_of_twelve(tmp_path, make_group)
+    data = bytearray(path.read_bytes())
+    where = offsets[3]
+    if damage == "flipped_byte_in_frame_3":
+        data[where + 60] ^= 0xFF
+    elif damage == "bad_magic_in_frame_3":
+        data[where:where + 4] = b"XXXX"
+    else:
+        where = len(data)
+        data += b"\x00garbage-after-a-crash"
+    path.write_bytes(bytes(data))
+    with pytest.raises(SpillCorruptionError, match=f"corrupt at offset {where}") as exc:
+        Store(StoreConfig(spill_dir=str(tmp_path)))
+    assert exc.value.offset == where and exc.value.path == str(path)
+    assert path.read_bytes() == bytes(data)  # nothing truncated, nothing lost
+
+    salvaged = Store(StoreConfig(spill_dir=str(tmp_path), spill_recovery="salvage"))
+    lost = {"flipped_byte_in_frame_3": ["g2"], "bad_magic_in_frame_3": ["g2"], "garbage_after_the_end": []}[damage]
+    assert salvaged.group_ids() == [f"g{i}" for i in range(1, 9) if f"g{i}" not in lost]  # every intact frame
+    assert salvaged.get_version() == 5 and salvaged.weights()[1] == 3  # ... also those after the damage
+    assert salvaged.put_group("g0", [make_group("g0", size=4)]) == 0  # still released: not trained twice
+    salvaged.close()
+    assert list(tmp_path.glob(f"{LOG_NAME}.corrupt-*"))  # the damaged file is kept aside
+    third = Store(StoreConfig(spill_dir=str(tmp_path)))
+    assert third.group_ids() == [f"g{i}" for i in range(1, 9) if f"g{i}" not in lost]
+    third.close()
+
+
+def test_a_record_that_does_not_decode_is_named_not_a_traceback(tmp_path: Path) -> None:
+    from flight_store.spill import SpillLog
+
+    spill = SpillLog(tmp_path)
+    spill.append({"kind": "version", "version": 2})
+    spill.append({"kind": "group", "group_id": "bad"}, b"not an arrow stream")  # checksum valid, content not
+    spill.close()
+    with pytest.raises(SpillCorruptionError, match="the 'group' record at offset") as exc:
+        Store(StoreConfig(spill_dir=str(tmp_path)))
+    assert exc.value.offset > 0
+    again = Store(StoreConfig(spill_dir=str(tmp_path), spill_recovery="salvage"))
+    assert again.get_version() == 2 and again.group_ids() == []
+    again.close()
+
+
+def test_compaction_keeps_the_log_proportional_to_what_is_live(tmp_path: Path, make_group) -> None:
+    store = Store(StoreConfig(spill_dir=str(tmp_path), spill_compact_bytes=64 << 10, history_rows=40))
+    w = pa.table({"name": ["w"], "shape": [[1]], "dtype": ["int16"], "data": [b"\x01\x02"]})
+    sizes = []
+    for i in range(200):
+        store.put_group(f"g{i}", [make_group(f"g{i}", size=4, response_len=64)])
+        if i >= 3:
+            store.release([f"g{i - 3}"])  # three groups live at any time
+        if i % 50 == 0:
+            store.put_weights(w, i)
+        sizes.append((tmp_path / LOG_NAME).stat().st_size)
+    stats = store.stats()
+    assert stats["spill_compactions"] > 3 and max(sizes[100:]) < 3 * (64 << 10)  # bounded, not 200 groups' worth
+    assert int(stats["metadata_rows_held"]) <= 4 * 3 + 40 + 10  # live rows + the bounded history
+    before = _meta(store)
+    live = store.group_ids()
+    store.close()
+    again = Store(StoreConfig(spill_dir=str(tmp_path), history_rows=40))
+    assert again.group_ids() == live == ["g197", "g198", "g199"]
+    assert [m for m in _meta(again) if m[1] in live] == [m for m in before if m[1] in live]  # same seq
+    assert again.put_group("g10", [make_group("g10", size=4, response_len=64)]) == 0  # a tombstone recognises it
+    assert again.weights()[1] == 150 and again.stats()["weights_version"] == 150
+    again.put_group("new", [make_group("new", size=1)])
+    assert _meta(again)[-1][0] == 800  # numbering continues after every row ever written
+    again.close()
 
 
 def _stop(proc: subprocess.Popen[str], sig: int = signal.SIGTERM) -> None:

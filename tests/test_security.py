@@ -66,6 +66,8 @@ def _secured_config(directory: Path, cert: tuple[bytes, bytes]) -> ServerConfig:
     cert_file.write_bytes(cert[0])
     key_file.write_bytes(cert[1])
     token_file.write_text(TOKEN + "\n", encoding="utf-8")
+    key_file.chmod(0o600)
+    token_file.chmod(0o600)
     return ServerConfig(tls_cert_file=str(cert_file), tls_key_file=str(key_file), auth_token_file=str(token_file))
 
 
@@ -73,6 +75,7 @@ def _token_config(directory: Path, token: str) -> ServerConfig:
     """A plaintext node config requiring the bearer token in a file holding exactly ``token``."""
     token_file = directory / "token"
     token_file.write_text(token, encoding="utf-8")
+    token_file.chmod(0o600)
     return ServerConfig(auth_token_file=str(token_file))
 
 
@@ -211,3 +214,21 @@ def test_secured_node_process(tmp_path: Path, cert, make_group, node_process) ->
         client.scan_metadata()
     proc.send_signal(signal.SIGTERM)
     assert proc.wait(timeout=20) == 0
+
+
+def test_secret_files_readable_by_others_are_refused(cert, tmp_path: Path) -> None:
+    token_file = tmp_path / "token"
+    token_file.write_text("tok", encoding="utf-8")
+    token_file.chmod(0o644)
+    with pytest.raises(PermissionError, match=r"accessible to other users \(mode -rw-r--r--\); run `chmod 600"):
+        StoreServer(ServerConfig(auth_token_file=str(token_file)))
+    cert_file, key_file = tmp_path / "cert.pem", tmp_path / "key.pem"
+    cert_file.write_bytes(cert[0])  # a certificate is public: mode 644 is fine
+    key_file.write_bytes(cert[1])
+    key_file.chmod(0o640)
+    with pytest.raises(PermissionError, match="TLS key file"):
+        StoreServer(ServerConfig(tls_cert_file=str(cert_file), tls_key_file=str(key_file)))
+    from flight_store.config import ClientConfig
+
+    with pytest.raises(PermissionError, match="auth token file"):
+        StoreClient.from_config("grpc://127.0.0.1:1", ClientConfig(token_file=str(token_file)))

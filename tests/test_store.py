@@ -345,17 +345,32 @@ def test_images_are_stored_once_and_freed_with_their_last_group(make_group) -> N
     assert exc.value.key == keys[0].hex()
 
 
-def test_weights_keep_only_the_newest() -> None:
-    store = Store()
+def _weights(fill: int, nbytes: int = 8) -> pa.Table:
+    return pa.table({"name": ["w"], "shape": [[2]], "dtype": ["float32"], "data": [bytes([fill]) * nbytes]})
+
+
+def test_weights_are_checked_and_only_the_newest_versions_kept() -> None:
+    store = Store(StoreConfig(weights_versions=2))
     with pytest.raises(UnknownWeightsError):
         store.weights()
-    w = pa.table({"name": ["w"], "shape": [[2]], "dtype": ["float32"], "data": [b"\0" * 8]})
-    assert store.put_weights(w, 2)
-    assert not store.put_weights(w.slice(0, 0), 1)  # older: ignored
-    table, version = store.weights()
-    assert version == 2 and table.num_rows == 1
-    with pytest.raises(UnknownWeightsError, match="v1"):
+    assert store.put_weights(_weights(1), 1) and store.put_weights(_weights(2), 2)
+    assert not store.put_weights(_weights(9), 2)  # not newer: ignored (a retry)
+    assert not store.put_weights(_weights(0), 0)
+    assert store.put_weights(_weights(3), 3)  # pushes v1 out
+    with pytest.raises(UnknownWeightsError, match=r"v1 are not stored .*stored: v2, v3"):
         store.weights(1)
+    assert store.weights(2)[0].column("data")[0].as_py() == bytes([2]) * 8
+    table, version = store.weights()
+    assert version == 3 and table.column("data")[0].as_py() == bytes([3]) * 8
+    used = store.stats()["memory_used"]
+    assert isinstance(used, int) and used > 0
+    with pytest.raises(SchemaMismatchError, match="holds no tensor"):
+        store.put_weights(_weights(4).slice(0, 0), 4)  # a DoPut of zero batches is no weights table
+    with pytest.raises(SchemaMismatchError, match="'w' has 4 bytes of data, but shape \\[2\\] of float32 needs 8"):
+        store.put_weights(_weights(4, nbytes=4), 4)
+    with pytest.raises(SchemaMismatchError, match="columns"):
+        store.put_weights(pa.table({"name": ["w"], "data": [b"\x01\x02"]}), 4)
+    assert store.weights()[1] == 3 and store.stats()["memory_used"] == used  # nothing of them stored
     assert store.publish_version(5) == 5 and store.publish_version(3) == 5 and store.get_version() == 5
 
 

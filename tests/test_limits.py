@@ -1,0 +1,266 @@
+"""A node no client can knock over: bounded requests, writers that cannot hold it hostage, strict documents.
+
+Raw pyarrow.flight, as a careless or hostile client would call it. Each case takes seconds.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from typing import Any
+
+import pyarrow as pa
+import pyarrow.flight as flight
+import pytest
+
+from flight_store.client import StoreClient
+from flight_store.config import ServerConfig, StoreConfig
+from flight_store.server import StoreServer
+from schemas.wire import LIMITS
+
+G = 4
+
+
+def _cmd(doc: dict[str, object]) -> flight.FlightDescriptor:
+    return flight.FlightDescriptor.for_command(json.dumps(doc).encode())
+
+
+def _info(err: flight.FlightError) -> dict[str, Any]:
+    head, _, body = err.extra_info.partition(b"\n")
+    return {"class": head.decode().removeprefix("knit:"), **json.loads(body)}
+
+
+def _refusal(call: Any) -> dict[str, Any]:
+    with pytest.raises(flight.FlightError) as exc:
+        call()
+    return _info(exc.value)
+
+
+def _action(client: flight.FlightClient, name: str, raw: bytes = b"") -> Any:
+    (result,) = list(client.do_action(flight.Action(name, raw)))
+    return json.loads(result.body.to_pybytes())
+
+
+def _group(gid: str, rows: int = G, tokens: int = 3) -> pa.Table:
+    return pa.table({
+        "group_id": [gid] * rows, "sample_idx": pa.array(range(rows), pa.int32()), "policy_version": [0] * rows,
+        "prompt_len": pa.array([1] * rows, pa.int32()), "response_len": pa.array([tokens] * rows, pa.int32()),
+        "reward": pa.array([0.0] * rows, pa.float32()), "prompt_ids": pa.array([[1]] * rows, pa.list_(pa.int32())),
+        "response_ids": pa.array([[2] * tokens] * rows, pa.list_(pa.int32())),
+        "response_logprobs": pa.array([[-0.5] * tokens] * rows, pa.list_(pa.float32())),
+    })
+
+
+def _put_group(client: flight.FlightClient, table: pa.Table) -> Any:
+    gid = table.column("group_id")[0].as_py()
+    writer, reader = client.do_put(_cmd({"v": 2, "kind": "put_group", "group_id": gid, "rows": table.num_rows}),
+                                   table.schema)
+    writer.write_table(table)
+    writer.done_writing()
+    buf = reader.read()
+    writer.close()
+    return json.loads(buf.to_pybytes())
+
+
+# ---- 1. bounded requests ------------------------------------------------------------------------
+
+
+def test_tickets_bodies_and_lists_are_bounded_and_the_node_keeps_serving() -> None:
+    with StoreServer() as server:
+        raw = flight.connect(server.location)
+        _put_group(raw, _group("g"))
+        huge = {"v": 2, "kind": "slices", "slices": [{"group_id": "g", "start": 0, "stop": 1}] * 300_000}
+        info = _refusal(lambda: raw.do_get(flight.Ticket(json.dumps(huge).encode())).read_all())
+        assert info["class"] == "LimitExceededError" and info["limit"] == "ticket_bytes" and not info["retryable"]
+        many = {"v": 2, "kind": "slices", "slices": [{"group_id": "g", "start": 0, "stop": 1}] * 9000}
+        info = _refusal(lambda: raw.do_get(flight.Ticket(json.dumps(many).encode())).read_all())
+        assert info["limit"] == "slices_per_ticket" and info["value"] == 9000
+        body = json.dumps({"v": 2, "group_ids": ["x" * 500] * 100_000}).encode()  # 50 MB
+        info = _refusal(lambda: _action(raw, "release", body))
+        assert info["limit"] == "action_body_bytes" and info["value"] == len(body)
+        ok = {"v": 2, "kind": "slices", "slices": [{"group_id": "g", "start": 0, "stop": 1}] * 8000}
+        assert raw.do_get(flight.Ticket(json.dumps(ok).encode())).read_all().num_rows == 8000
+        assert _action(raw, "health")["ok"] is True
+        raw.close()
+
+
+def test_list_flights_answers_a_page_at_a_time() -> None:
+    with StoreServer() as server, StoreClient(server.location) as client:
+        for i in range(LIMITS["groups_per_list"] + 200):
+            client.put_group(_group(f"g{i:05d}", rows=1))
+        raw = flight.connect(server.location)
+        first = [json.loads(i.descriptor.command)["group_id"] for i in raw.list_flights()]
+        assert len(first) == LIMITS["groups_per_list"] and first[0] == "g00000"
+        crit = json.dumps({"v": 2, "after": first[-1]}).encode()
+        rest = [json.loads(i.descriptor.command)["group_id"] for i in raw.list_flights(crit)]
+        assert rest == [f"g{i:05d}" for i in range(LIMITS["groups_per_list"], LIMITS["groups_per_list"] + 200)]
+        small = json.dumps({"v": 2, "limit": 5}).encode()
+        assert len(list(raw.list_flights(small))) == 5
+        raw.close()
+
+
+def test_an_oversized_write_is_refused_as_it_arrives_not_after() -> None:
+    budget = 4 << 20
+    with StoreServer(ServerConfig(store=StoreConfig(memory_budget=budget))) as server:
+        raw = flight.connect(server.location)
+        batch = _group("big", rows=1, tokens=256 << 10).to_batches()[0]  # ~2 MiB a batch
+        writer, _ = raw.do_put(_cmd({"v": 2, "kind": "put_group", "group_id": "big", "rows": 100}), batch.schema)
+        sent = 0
+        with pytest.raises(flight.FlightError) as exc:
+            for i in range(100):  # 200 MiB announced
+                writer.write_batch(batch.set_column(1, "sample_idx", pa.array([i], pa.int32())))
+                sent += 1
+            writer.done_writing()
+            writer.close()
+        assert sent < 20  # refused a few batches in, not after 200 MiB arrived
+        stats = _action(raw, "stats")
+        assert stats["bytes_in"] == 0 and stats["memory_in_flight"] == 0 and stats["rows"] == 0
+        assert _info(exc.value)["class"] in ("CapacityExceededError", "BudgetExceededError")
+        raw.close()
+
+
+def test_a_weights_put_of_zero_batches_or_a_bad_table_is_refused_and_the_node_restarts(tmp_path) -> None:
+    store = StoreConfig(spill_dir=str(tmp_path))
+    schema = pa.schema([("name", pa.string()), ("shape", pa.list_(pa.int32())), ("dtype", pa.string()),
+                        ("data", pa.large_binary())])
+    with StoreServer(ServerConfig(store=store)) as server:
+        raw = flight.connect(server.location)
+        writer, _ = raw.do_put(_cmd({"v": 2, "kind": "put_weights", "version": 1}), schema)
+        with pytest.raises(flight.FlightError, match="holds no tensor"):
+            writer.done_writing()
+            writer.close()
+        bad = pa.table({"name": ["w", "w"], "shape": [[1], [1]], "dtype": ["int16", "int16"],
+                        "data": [b"\0\0", b"\0\0"]}, schema=schema)
+        writer, _ = raw.do_put(_cmd({"v": 2, "kind": "put_weights", "version": 1}), schema)
+        with pytest.raises(flight.FlightError, match="'w' is empty or repeated"):
+            writer.write_table(bad)
+            writer.done_writing()
+            writer.close()
+        assert _refusal(lambda: raw.do_get(flight.Ticket(b'{"v": 2, "kind": "weights"}')).read_all())[
+            "class"] == "UnknownWeightsError"
+        raw.close()
+    with StoreServer(ServerConfig(store=store)) as again:  # nothing poisonous was logged
+        assert again.store.recovered["records"] == 0
+
+
+# ---- 4. writers that cannot hold a node hostage ----------------------------------------------------
+
+
+def test_idle_writers_lose_their_slot_and_honest_writers_get_through() -> None:
+    config = ServerConfig(max_writers=8, write_idle_timeout_s=1.0, store=StoreConfig(memory_budget=1 << 20))
+    with StoreServer(config) as server:
+        raw = flight.connect(server.location)
+        schema = _group("x").schema
+        idle = []
+        refused = 0
+        for i in range(12):  # open streams that never send a batch
+            client = flight.connect(server.location)
+            try:
+                writer, _ = client.do_put(_cmd({"v": 2, "kind": "put_group", "group_id": f"idle{i}", "rows": G}),
+                                          schema)
+                idle.append((client, writer))
+            except flight.FlightError:
+                refused += 1
+        time.sleep(0.3)
+        stats = _action(raw, "stats")
+        assert stats["writers"] <= 8 and stats["memory_in_flight"] == 0  # idle streams reserve no memory
+        time.sleep(1.5)  # past the idle limit: their slots are free again
+        stats = _action(raw, "stats")
+        assert stats["writers"] == 0 and stats["writes_given_up"] >= 8
+        assert _put_group(raw, _group("honest")) == {"group_id": "honest", "rows_added": G}
+        client, writer = idle[0]
+        with pytest.raises(flight.FlightError) as exc:  # an idle writer that resumes is refused, retryably
+            writer.write_table(_group("idle0"))
+            writer.done_writing()
+            writer.close()
+        assert _info(exc.value)["class"] in ("WriteTimedOutError", "TooManyWritersError")
+        assert _info(exc.value)["retryable"] is True
+        for c, w in idle[1:]:  # the stalled writers end their streams: each is refused, nothing stored
+            with pytest.raises(flight.FlightError):
+                w.close()
+            c.close()
+        client.close()
+        assert server.store.group_ids() == ["honest"]
+        raw.close()
+
+
+def test_writers_beyond_the_cap_are_refused_retryably_and_the_client_retries() -> None:
+    config = ServerConfig(max_writers=1, write_idle_timeout_s=30.0)
+    with StoreServer(config) as server:
+        slow = flight.connect(server.location)
+        writer, _ = slow.do_put(_cmd({"v": 2, "kind": "put_group", "group_id": "slow", "rows": G}), _group("a").schema)
+        raw = flight.connect(server.location)
+        info = _refusal(lambda: _put_group(raw, _group("b")))
+        assert info["class"] == "TooManyWritersError" and info["retryable"] is True and info["limit"] == 1
+        timer = threading.Timer(0.5, lambda: (writer.write_table(_group("slow")), writer.done_writing(),
+                                              writer.close()))
+        timer.start()
+        with StoreClient(server.location, retries=6, backoff=0.1) as client:
+            client.put_group(_group("b"))  # retried until the slot is free
+        timer.join()
+        assert sorted(server.store.group_ids()) == ["b", "slow"]
+        raw.close()
+        slow.close()
+
+
+# ---- 6. strict documents and quiet errors ----------------------------------------------------------
+
+
+def test_versions_are_bounded_so_none_can_freeze_the_node() -> None:
+    with StoreServer() as server:
+        raw = flight.connect(server.location)
+        info = _refusal(lambda: _action(raw, "publish_version", json.dumps({"v": 2, "version": 2**62}).encode()))
+        assert info["class"] == "WireDecodeError"
+        info = _refusal(lambda: _action(raw, "publish_version", json.dumps({"v": 2, "version": 2**30}).encode()))
+        assert info["class"] == "LimitExceededError" and info["limit"] == "version_step"
+        assert _action(raw, "publish_version", json.dumps({"v": 2, "version": 7}).encode()) == {"version": 7}
+        assert _action(raw, "publish_version", json.dumps({"v": 2, "version": 8}).encode()) == {"version": 8}
+        raw.close()
+
+
+def test_an_internal_error_names_an_incident_not_the_code(monkeypatch: pytest.MonkeyPatch) -> None:
+    with StoreServer() as server:
+        def broken() -> None:
+            raise KeyError("_internal_secret_field")
+
+        monkeypatch.setattr(server.store, "stats", broken)
+        raw = flight.connect(server.location)
+        with pytest.raises(flight.FlightInternalError) as exc:
+            _action(raw, "stats")
+        text = str(exc.value)
+        assert "incident" in text and "KeyError" not in text and "_internal_secret_field" not in text
+        assert "Traceback" not in text
+        raw.close()
+
+
+def test_metrics_listen_on_the_node_host() -> None:
+    pytest.importorskip("prometheus_client")
+    with StoreServer(ServerConfig(host="127.0.0.1", metrics_port=0)) as server:
+        import urllib.request
+
+        body = urllib.request.urlopen(f"http://127.0.0.1:{server.metrics_port}/metrics", timeout=10).read()
+        assert b"knit_rows" in body
+
+
+def test_reads_never_lock_out_writes_on_a_node_holding_its_memory(node_process) -> None:
+    """A node process with the RSS guard: the largest reads it takes leave room for every honest write."""
+    _, location = node_process(ServerConfig(log_level="WARNING", store=StoreConfig(memory_budget=32 << 20)))
+    raw = flight.connect(location)
+    for i in range(40):
+        _put_group(raw, _group(f"g{i}", tokens=64))
+    huge = {"v": 2, "kind": "slices", "slices": [{"group_id": "g0", "start": 0, "stop": 1}] * 300_000}
+    for _ in range(3):  # refused before it is parsed: it borrows no memory
+        assert _refusal(lambda: raw.do_get(flight.Ticket(json.dumps(huge).encode())).read_all())["class"] == \
+            "LimitExceededError"
+    big = {"v": 2, "kind": "slices", "slices": [{"group_id": f"g{i % 40}", "start": 0, "stop": G}
+                                                for i in range(LIMITS["slices_per_ticket"])]}
+    for k in range(5):  # the largest ticket the node takes, full metadata scans: each write right after goes in
+        assert raw.do_get(flight.Ticket(json.dumps(big).encode())).read_all().num_rows == G * len(big["slices"])
+        assert _put_group(raw, _group(f"after-read-{k}", tokens=64))["rows_added"] == G
+        raw.do_get(flight.Ticket(b'{"v": 2, "kind": "metadata"}')).read_all()
+        list(raw.list_flights())
+        assert _put_group(raw, _group(f"after-scan-{k}", tokens=64))["rows_added"] == G
+    stats = _action(raw, "stats")
+    assert stats["memory_rss"] < stats["memory_rss_limit"]  # what the reads borrowed went back
+    raw.close()

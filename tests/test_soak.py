@@ -1,0 +1,64 @@
+"""Growth without bound: a node that writes and releases groups for a long time stays flat.
+
+A ``knit serve`` node process (spill log, memory budget, RSS guard) takes thousands of small groups,
+each released shortly after (what a trainer does), plus a weights version now and then. Its resident
+memory, its metadata history and its spill log must stay flat once warmed up, and a write must never
+be refused while the node holds next to nothing. ``SOAK_GROUPS`` sets the length (the closing note of
+this change ran 20,000).
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from pathlib import Path
+
+import pyarrow as pa
+
+from flight_store.client import StoreClient
+from flight_store.config import ServerConfig, StoreConfig
+from schemas.records import TrajectoryRecord, records_to_batch
+
+GROUPS = int(os.environ.get("SOAK_GROUPS", "6000"))
+WARM_UP = GROUPS // 5
+
+
+def _group(gid: str) -> pa.RecordBatch:
+    return records_to_batch([TrajectoryRecord(group_id=gid, sample_idx=i, policy_version=0, prompt_ids=[1, 2],
+                                              response_ids=[3] * 32, response_logprobs=[-0.5] * 32, reward=i % 2)
+                             for i in range(4)])
+
+
+def test_a_node_writing_and_releasing_for_long_stays_flat(node_process, tmp_path: Path) -> None:
+    store = StoreConfig(memory_budget=64 << 20, spill_dir=str(tmp_path / "spill"), history_rows=2000,
+                        tombstones=4000, spill_compact_bytes=2 << 20)
+    _, location = node_process(ServerConfig(log_level="WARNING", store=store))
+    weights = pa.table({"name": ["w"], "shape": [[4096]], "dtype": ["float32"], "data": [bytes(4 * 4096)]})
+    rss: dict[int, int] = {}
+    t0 = time.monotonic()
+    with StoreClient(location, retries=0) as client:  # no retry: a refused write fails the test
+        pending: list[str] = []
+        for i in range(GROUPS):
+            gid = f"g{i}"
+            client.put_group(_group(gid))
+            pending.append(gid)
+            if len(pending) == 8:  # a mini-batch consumed
+                client.release(pending)
+                pending = []
+            if i % 500 == 0:
+                client.put_weights(weights, i)
+                client.publish_version(i)
+            if i in (WARM_UP, GROUPS - 1):
+                rss[i] = int(client.stats()[location]["memory_rss"])
+        stats = client.stats()[location]
+    elapsed = time.monotonic() - t0
+    growth = (rss[GROUPS - 1] - rss[WARM_UP]) / rss[WARM_UP]
+    print(f"soak: {GROUPS} groups in {elapsed:.1f} s; RSS {rss[WARM_UP] >> 20} -> {rss[GROUPS - 1] >> 20} MiB "
+          f"({100 * growth:+.1f}%); metadata rows held {stats['metadata_rows_held']}, tombstones "
+          f"{stats['tombstones']}, spill log {stats['spill_bytes'] >> 10} KiB after {stats['spill_compactions']} "
+          f"compactions")
+    assert growth < 0.10, rss
+    assert stats["metadata_rows_held"] <= 4 * (2000 + 500 + 8)  # live rows + the bounded history
+    assert stats["tombstones"] <= 4000
+    assert stats["spill_compactions"] > 0 and stats["spill_bytes"] < 3 * (2 << 20)
+    assert (tmp_path / "spill" / "store.log").stat().st_size == stats["spill_bytes"]
