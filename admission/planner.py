@@ -10,8 +10,10 @@ Inputs:
 * ``metadata``: required columns ``group_id, sample_idx, policy_version, prompt_len, response_len,
   reward, status`` and every quota column; optional ``node`` (default ``""``), ``seq`` (default row
   order), ``policy_version_min`` (default ``policy_version``), ``finish_reason`` (default ``"stop"``).
-  Rows of groups already admitted or dropped may stay in the frame; they are ignored. Quota columns
-  are read from a group's first row (they must be constant within a group).
+  Rows of groups already admitted or dropped may stay in the frame; they are ignored (while the state
+  holds their ids: a caller that removes them for good may forget the ids, see
+  :meth:`PlannerState.forget`). Quota columns are read from a group's first row (they must be constant
+  within a group).
 * ``inflight``: groups dispatched to rollout but not yet complete in the frame (and, if the caller's
   data loader is committed to them, prompts queued for dispatch), per quota class: a mapping from the
   tuple of quota-column values (in ``config.quota_columns`` order; a plain value when there is one
@@ -70,6 +72,7 @@ Example:
 from __future__ import annotations
 
 import logging
+from collections.abc import Iterable
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -89,7 +92,7 @@ REQUIRED_COLUMNS: tuple[str, ...] = (
     "group_id", "sample_idx", "policy_version", "prompt_len", "response_len", "reward", "status",
 )
 
-_CONSUMED_SCHEMA: dict[str, Any] = {
+CONSUMED_SCHEMA: dict[str, Any] = {  # the columns of PlanResult.consumed (plus the quota columns)
     "group_id": pl.String, "node": pl.String, "sample_idx": pl.Int64, "step": pl.Int64,
     "train_batch": pl.Int64, "position": pl.Int64, "dp_rank": pl.Int64, "policy_version": pl.Int64,
     "policy_version_min": pl.Int64, "prompt_len": pl.Int64, "response_len": pl.Int64, "reward": pl.Float64,
@@ -322,7 +325,7 @@ def _plans_and_consumed(meta: pl.DataFrame, cands: pl.DataFrame, batches: list[B
                         current_version: int) -> tuple[list[MiniBatchPlan], pl.DataFrame]:
     """The plans of the admitted mini-batches and one consumed row per admitted trajectory."""
     if not batches:
-        return [], pl.DataFrame(schema=_CONSUMED_SCHEMA)
+        return [], pl.DataFrame(schema=CONSUMED_SCHEMA)
     assign = [(name, step, t, k) for step, t, k, names in batches for name in names]
     a = pl.DataFrame({"group_id": [x[0] for x in assign], "step": [x[1] for x in assign],
                       "train_batch": [x[2] for x in assign], "position": [x[3] for x in assign]},
@@ -344,7 +347,7 @@ def _plans_and_consumed(meta: pl.DataFrame, cands: pl.DataFrame, batches: list[B
         rows.join(a, on="group_id").join(ranks_frame, on="group_id")
         .with_columns(pl.lit(current_version, dtype=pl.Int64).alias("admitted_at_version"))
         .with_columns(staleness_exprs(config.mini_batches))
-        .select([pl.col(c).cast(dt) for c, dt in _CONSUMED_SCHEMA.items()])
+        .select([pl.col(c).cast(dt) for c, dt in CONSUMED_SCHEMA.items()])
         .sort(["step", "group_id", "sample_idx"])
     )
     if config.quota_columns:
@@ -355,6 +358,11 @@ def _plans_and_consumed(meta: pl.DataFrame, cands: pl.DataFrame, batches: list[B
 
 class Planner:
     """Stateful convenience wrapper over :func:`plan` for a trainer or a simulator.
+
+    It keeps the consumed and dropped frames of every update (:meth:`consumed_frame`,
+    :meth:`dropped_frame`). A long-running caller keeps it bounded instead: after each update it
+    takes those frames out (:meth:`drain`) and, once the settled groups' rows are out of its frame
+    for good, forgets their ids (:meth:`forget`); the trainer's ``train.planning.PlanSource`` does both.
 
     Example:
         >>> import polars as pl
@@ -385,14 +393,26 @@ class Planner:
             self._dropped.append(res.dropped)
         return res.plans
 
+    def forget(self, group_ids: Iterable[str]) -> None:
+        """Forget settled groups whose rows will never be in a frame passed to :meth:`update` again
+        (see :meth:`PlannerState.forget`)."""
+        self.state = self.state.forget(group_ids)
+
+    def drain(self) -> tuple[pl.DataFrame, pl.DataFrame]:
+        """``(consumed, dropped)`` since the last drain (as :meth:`consumed_frame` and :meth:`dropped_frame`
+        return them), no longer kept by the planner."""
+        out = self.consumed_frame(), self.dropped_frame()
+        self._consumed, self._dropped = [], []
+        return out
+
     def consumed_frame(self) -> pl.DataFrame:
-        """Every trajectory admitted so far (see :attr:`PlanResult.consumed`)."""
+        """Every trajectory admitted so far (since the last :meth:`drain`; see :attr:`PlanResult.consumed`)."""
         if not self._consumed:
-            return pl.DataFrame(schema=_CONSUMED_SCHEMA)
+            return pl.DataFrame(schema=CONSUMED_SCHEMA)
         return pl.concat(self._consumed, how="diagonal_relaxed")
 
     def dropped_frame(self) -> pl.DataFrame:
-        """Every group dropped so far, with its reason."""
+        """Every group dropped so far (since the last :meth:`drain`), with its reason."""
         if not self._dropped:
             return pl.DataFrame(schema={"group_id": pl.String, "node": pl.String, "reason": pl.String})
         return pl.concat(self._dropped, how="diagonal_relaxed")

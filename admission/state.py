@@ -1,12 +1,17 @@
 """Planner state: what has been admitted, where the current train batch stands, its quota use.
 
-The state is immutable; :func:`admission.planner.plan` returns a new one. It is small (group ids
-plus a few counters) and can be checkpointed with :meth:`PlannerState.to_dict`.
+The state is immutable; :func:`admission.planner.plan` returns a new one. It holds the ids of the
+groups settled (admitted or dropped) whose rows may still be in a frame, plus a few counters, and can
+be checkpointed with :meth:`PlannerState.to_dict`. A long-running caller keeps it bounded with
+:meth:`PlannerState.forget`: once a settled group's rows are out of its frame for good (the trainer's
+``train.planning.PlanSource`` removes them after each call and scans each store row only once), its
+id is no longer needed, so the state holds only the groups settled since the caller last pruned.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Iterable
+from dataclasses import dataclass, replace
 from typing import Any
 
 
@@ -39,6 +44,15 @@ class PlannerState:
     def used(self) -> dict[tuple[str, str], int]:
         """Quota use of the current train batch as a dict."""
         return {(c, v): n for c, v, n in self.quota_used}
+
+    def forget(self, group_ids: Iterable[str]) -> PlannerState:
+        """This state without ``group_ids`` among the admitted and dropped groups.
+
+        Only for groups whose rows will never be in a frame passed to ``plan`` again: a forgotten group
+        whose rows came back would be planned anew (guarantee 1 holds for the frames ``plan`` is given).
+        """
+        ids = frozenset(group_ids)
+        return replace(self, admitted=self.admitted - ids, dropped=self.dropped - ids)
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-friendly form (for checkpoints)."""

@@ -2,7 +2,8 @@
 
 On a terminal: a live panel with progress bars (groups written by the rollout, admitted by the
 planner, consumed by the trainer; optimizer steps) and a status line (policy version, architectural
-staleness so far, phase). Elsewhere (logs, tests, ``--plain``): one plain line every few seconds.
+staleness so far, phase, the store nodes down and being restarted). Elsewhere (logs, tests,
+``--plain``): one plain line every few seconds, and one at once when a store node goes down or is back.
 """
 
 from __future__ import annotations
@@ -39,16 +40,16 @@ class Display:
     def live(self, policy: str, total_groups: int, total_steps: int) -> Iterator[Callable[[Any], None]]:
         """A context whose value is ``update(state)`` (state: ``launcher.run.LiveState``)."""
         if self.plain:
-            last = [0.0]
+            last: list[Any] = [0.0, []]  # time of the last line, the stores down then
 
             def update_plain(state: Any) -> None:
                 now = time.monotonic()
-                if now - last[0] < 5.0 and state.phase != "finishing":
+                if now - last[0] < 5.0 and state.phase != "finishing" and state.stores_down == last[1]:
                     return
-                last[0] = now
+                last[0], last[1] = now, list(state.stores_down)
                 print(f"[{policy}] {state.phase}: written {state.written}/{total_groups} admitted {state.admitted} "
                       f"consumed {state.consumed} steps {len(state.steps)}/{total_steps} version v{state.version} "
-                      f"arch staleness mean {state.staleness_mean:.2f} max {state.staleness_max} "
+                      f"arch staleness mean {state.staleness_mean:.2f} max {state.staleness_max}{_down(state)} "
                       f"({now - state.started:.0f} s)", flush=True)
 
             yield update_plain
@@ -74,7 +75,8 @@ class Display:
             bars.update(steps, completed=len(state.steps))
             loss = state.steps[-1]["loss"] if state.steps else float("nan")
             status.plain = (f"{policy}: {state.phase} | policy version v{state.version} | arch. staleness so far: "
-                            f"mean {state.staleness_mean:.2f}, max {state.staleness_max} | last loss {loss:.4f}")
+                            f"mean {state.staleness_mean:.2f}, max {state.staleness_max} | last loss {loss:.4f}"
+                            f"{_down(state)}")
 
         with Live(Group(bars, status), console=self.console, refresh_per_second=4, transient=False):
             yield update
@@ -99,3 +101,8 @@ class Display:
             self.console.print(f"architectural staleness: mini_batch is {100 * doc['arch_staleness_reduction']:.1f}% "
                                f"lower than train_batch (throughput ratio {doc.get('throughput_ratio')})",
                                highlight=False)
+
+
+def _down(state: Any) -> str:
+    """`` | store nodes down (restarting): node1`` while some are, else nothing."""
+    return f" | store nodes down (restarting): {', '.join(state.stores_down)}" if state.stores_down else ""

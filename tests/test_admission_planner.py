@@ -236,6 +236,24 @@ def test_state_round_trip_and_purity() -> None:
     assert again.plans == []  # admitted groups are never admitted again
 
 
+def test_forget_and_drain_leave_the_planner_holding_nothing_per_settled_group() -> None:
+    c = cfg()
+    p = Planner(c)
+    meta = frame(rows("c1", "chat"), rows("c2", "chat"), rows("x", "chat", status="aborted"))
+    assert [pl_.group_ids for pl_ in p.update(meta, inflight={"math": 2})] == [["c1", "c2"]]
+    state = p.state
+    assert state.admitted == {"c1", "c2"} and state.dropped == {"x"}
+    consumed, dropped = p.drain()
+    assert consumed.height == 4 and dropped["group_id"].to_list() == ["x"]
+    assert p.consumed_frame().height == 0 and p.dropped_frame().height == 0
+    p.forget(["c1", "x", "never-seen"])
+    assert p.state.admitted == {"c2"} and p.state.dropped == frozenset()
+    assert (p.state.train_batch, p.state.position, p.state.quota_used) == (
+        state.train_batch, state.position, state.quota_used)  # only the ids go
+    assert PlannerState.from_dict(p.state.to_dict()) == p.state
+    assert p.update(meta.filter(pl.col("group_id") == "c2"), inflight={"math": 2}) == []  # remembered: ignored
+
+
 def test_inflight_as_frame() -> None:
     c = cfg()
     meta = frame(rows("c1", "chat"), rows("c2", "chat"))

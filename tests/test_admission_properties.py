@@ -9,11 +9,12 @@ from __future__ import annotations
 
 import itertools
 from collections import Counter
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import polars as pl
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from polars.testing import assert_frame_equal
 
 from admission import AdmissionConfig, Filters, Planner, Quota
 from schemas.plan import MiniBatchPlan
@@ -118,54 +119,80 @@ def _check_plan_shape(p: MiniBatchPlan, cfg: AdmissionConfig, lengths: dict[str,
     assert sum(seen.values()) == cfg.groups_per_mini_batch * cfg.group_size
 
 
+class _Arrivals:
+    """The scenario's groups, dispatched through its window and completed in its order."""
+
+    def __init__(self, sc: Scenario) -> None:
+        self.sc = sc
+        self.versions: dict[int, int] = {}
+        self.dispatched: list[int] = []
+        self.completed: set[int] = set()
+        self.seq = 0
+        self._next = 0
+        self._order = list(sc.order)
+
+    def done(self) -> bool:
+        return len(self.completed) == len(self.sc.classes)
+
+    def complete_next(self, steps: int) -> list[dict[str, object]]:
+        """Dispatch up to the window (at policy version ``steps``), complete the next group; its rows."""
+        sc, cfg = self.sc, self.sc.config
+        while self._next < len(sc.classes) and len(self.dispatched) - len(self.completed) < sc.window:
+            self.versions[self._next] = steps
+            self.dispatched.append(self._next)
+            self._next += 1
+        i = next(j for j in self._order if j in self.versions and j not in self.completed)
+        self._order.remove(i)
+        self.completed.add(i)
+        out: list[dict[str, object]] = []
+        for s in range(cfg.group_size):
+            status = "aborted" if sc.aborted[i] and s == 0 else "completed"
+            out.append({"seq": self.seq, "node": f"n{i % 2}", "group_id": f"g{i}", "sample_idx": s,
+                        "policy_version": self.versions[i], "policy_version_min": self.versions[i],
+                        "data_source": sc.classes[i][0], "level": sc.classes[i][1], "prompt_len": 10,
+                        "response_len": sc.lengths[i][s], "reward": sc.rewards[i][s],
+                        "finish_reason": "stop", "status": status})
+            self.seq += 1
+        return out
+
+    def flight(self) -> Counter[tuple[str, str]]:
+        """Groups dispatched, not completed, per (data_source, level)."""
+        return Counter(self.sc.classes[j] for j in self.dispatched if j not in self.completed)
+
+    def inflight(self) -> dict[object, int]:
+        """:meth:`flight` keyed as the planner's ``inflight`` wants it for the scenario's quotas."""
+        if len(self.sc.config.quotas) == 2:
+            return dict(self.flight())
+        merged: Counter[str] = Counter()
+        for key, c in self.flight().items():
+            merged[key[0]] += c
+        return dict(merged)
+
+
 @settings(max_examples=120, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(scenarios())
 def test_planner_guarantees(sc: Scenario) -> None:
     cfg = sc.config
     planner = Planner(cfg)
     n = len(sc.classes)
+    arrivals = _Arrivals(sc)
     rows: list[dict[str, object]] = []
-    versions: dict[int, int] = {}
-    dispatched: list[int] = []
-    next_group = 0
     steps = 0
     all_plans: list[MiniBatchPlan] = []
     lengths = {f"g{i}": sc.lengths[i] for i in range(n)}
-    completed: set[int] = set()
-    pending_order = list(sc.order)
-    while len(completed) < n:
-        while next_group < n and len(dispatched) - len(completed) < sc.window:
-            versions[next_group] = steps
-            dispatched.append(next_group)
-            next_group += 1
-        i = next(j for j in pending_order if j in versions and j not in completed)
-        pending_order.remove(i)
-        completed.add(i)
-        for s in range(cfg.group_size):
-            status = "aborted" if sc.aborted[i] and s == 0 else "completed"
-            rows.append({"seq": len(rows), "node": f"n{i % 2}", "group_id": f"g{i}", "sample_idx": s,
-                         "policy_version": versions[i], "policy_version_min": versions[i],
-                         "data_source": sc.classes[i][0], "level": sc.classes[i][1], "prompt_len": 10,
-                         "response_len": sc.lengths[i][s], "reward": sc.rewards[i][s],
-                         "finish_reason": "stop", "status": status})
-        flight = Counter(sc.classes[j] for j in dispatched if j not in completed)
-        inflight = {key if len(cfg.quotas) == 2 else key[0]: c for key, c in flight.items()}
-        if len(cfg.quotas) == 1:
-            merged: Counter[str] = Counter()
-            for key, c in flight.items():
-                merged[key[0]] += c
-            inflight = dict(merged)
+    while not arrivals.done():
+        rows += arrivals.complete_next(steps)
         before = planner.state
-        plans = planner.update(_frame(rows), inflight=inflight, current_version=steps)
+        plans = planner.update(_frame(rows), inflight=arrivals.inflight(), current_version=steps)
         steps += len(plans)
         all_plans.extend(plans)
         for p in plans:
             _check_plan_shape(p, cfg, lengths)
         state = planner.state
         # groups still admissible after this call (completed, not admitted, not dropped)
-        live = [j for j in completed if f"g{j}" not in state.admitted and f"g{j}" not in state.dropped]
+        live = [j for j in arrivals.completed if f"g{j}" not in state.admitted and f"g{j}" not in state.dropped]
         avail = Counter(sc.classes[j] for j in live)
-        supply = Counter(sc.classes[j] for j in dispatched if j not in completed)
+        supply = arrivals.flight()
         used = state.used()
         qc = cfg.quota_counts()
         need = [{v: qc[qi][v] - used.get((q.column, v), 0) for v in qc[qi]} for qi, q in enumerate(cfg.quotas)]
@@ -204,3 +231,42 @@ def test_planner_guarantees(sc: Scenario) -> None:
     for i in range(n):
         if sc.aborted[i]:
             assert f"g{i}" not in ids
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(scenarios())
+def test_a_planner_that_forgets_settled_groups_plans_the_same(sc: Scenario) -> None:
+    """The trainer's bounded use (``train.planning.PlanSource``): each update sees only the rows of groups not
+    yet settled, then the planner's frames are drained and the settled ids forgotten. Plans, consumed and dropped
+    rows and the state's counters equal those of a planner that sees every row and keeps everything, while the
+    bounded planner's state holds no id after each round."""
+    cfg = sc.config
+    full, bounded = Planner(cfg), Planner(cfg)
+    arrivals = _Arrivals(sc)
+    rows: list[dict[str, object]] = []
+    pending: list[dict[str, object]] = []
+    consumed: list[pl.DataFrame] = []
+    dropped: list[pl.DataFrame] = []
+    steps = 0
+    while not arrivals.done():
+        new = arrivals.complete_next(steps)
+        rows += new
+        pending += new
+        plans = full.update(_frame(rows), inflight=arrivals.inflight(), current_version=steps)
+        assert bounded.update(_frame(pending), inflight=arrivals.inflight(), current_version=steps) == plans
+        steps += len(plans)
+        c, d = bounded.drain()
+        consumed += [c] if c.height else []
+        dropped += [d] if d.height else []
+        settled = bounded.state.admitted | bounded.state.dropped
+        pending = [r for r in pending if r["group_id"] not in settled]
+        bounded.forget(settled)
+        assert bounded.state == replace(full.state, admitted=frozenset(), dropped=frozenset())
+    if consumed:
+        assert_frame_equal(pl.concat(consumed, how="diagonal_relaxed"), full.consumed_frame())
+    else:
+        assert full.consumed_frame().height == 0
+    if dropped:
+        assert_frame_equal(pl.concat(dropped, how="diagonal_relaxed"), full.dropped_frame())
+    else:
+        assert full.dropped_frame().height == 0

@@ -203,7 +203,8 @@ def test_plan_source_scans_metadata_and_plans(store_nodes, make_group) -> None: 
         for p in plans:
             assert {r.dp_rank for r in p.ranks} == {0, 1}
         assert source.poll(0) == []  # admitted groups are not planned twice
-        assert source.pending_rows == 0 and len(source.planner.state.admitted) == 4
+        assert source.pending_rows == 0 and source.admitted_groups == 4
+        assert source.planner.state.admitted == frozenset()  # their rows are gone, so are their ids
 
 
 def test_plan_source_keeps_only_rows_of_pending_groups(store_nodes, make_group) -> None:  # type: ignore[no-untyped-def]
@@ -216,8 +217,8 @@ def test_plan_source_keeps_only_rows_of_pending_groups(store_nodes, make_group) 
         client.put_group(make_group("short", size=2))  # 2 rows for G=4: a whole group of the wrong size
         client.put_group(make_group("lost", status="aborted"))  # dropped
         assert source.poll(0) == []
-        assert source.planner.state.dropped == {"lost", "short"}
-        assert source.pending_rows == 0  # the dropped groups' rows are gone
+        assert source.dropped == {"size": 1, "aborted": 1}
+        assert source.pending_rows == 0 and source.planner.state.dropped == frozenset()  # rows and ids gone
         client.put_group(make_group("whole"))
         plans = source.poll(0)
         assert [g for p in plans for g in p.group_ids] == ["whole"]

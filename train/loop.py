@@ -8,10 +8,11 @@ plan's fetches of this rank's slices to its prefetch thread, and takes the optim
 each step rank 0 publishes the new policy version to every store (and the weights, when asked) and
 releases the consumed groups.
 
-Per-step metrics (returned, logged, and written to ``report_path``): the step's own (see
+Per-step metrics (logged, and written to ``report_path`` by :class:`RankReport`): the step's own (see
 ``train.backbone.step_metrics`` and each step) plus ``version``, ``publish_s``, ``plan_wait_s`` and
-``t_end``. Rank 0 appends a progress line per step (``progress_path``) and writes the planner's
-consumed trajectories at the end (``consumed_path``).
+``t_end``. Rank 0 appends a progress line per step (``progress_path``) and the planner's consumed
+trajectories as they are admitted (``consumed_path``, ``train.planning.ConsumedLog``). Every record
+goes to disk as the run goes: the loop keeps nothing per step or per group in memory.
 """
 
 from __future__ import annotations
@@ -56,40 +57,38 @@ class Step(Protocol):
         ...
 
 
-def run(cfg: TrainConfig, *, planner: PlannerLike | None = None) -> list[dict[str, Any]]:
+def run(cfg: TrainConfig, *, planner: PlannerLike | None = None) -> int:
     """Train until ``max_steps`` mini-batches are consumed or no data arrives for ``idle_timeout_s``.
 
     Collective: every rank calls it. Rank 0 plans with ``planner`` when given, else with
-    ``admission.Planner(cfg.admission)`` (``dp_ranks`` set from the process group). Returns this
-    rank's per-step metrics.
+    ``admission.Planner(cfg.admission)`` (``dp_ranks`` set from the process group). Returns the number
+    of optimizer steps taken (their metrics are in the report and the log).
     """
     from admission.planner import Planner
     from flight_store.client import StoreClient
     from train import mcore_compat, model
-    from train.planning import with_dp_ranks
+    from train.planning import ConsumedLog, with_dp_ranks
 
     env = mcore_compat.init_distributed(cfg.parallel, seed=cfg.seed)
     admission = with_dp_ranks(cfg.admission, env["dp_size"])  # every rank checks: none waits on a failed rank 0
-    consumed: list[list[Any]] = []
     if env["rank"] == 0 and planner is None:
         planner = Planner(admission)
     with contextlib.ExitStack() as stack:
         client = stack.enter_context(StoreClient.from_config(cfg.stores, cfg.client))
         kind = _build_step(cfg, env, client)
         stack.callback(kind.close)
-        source = PlanSource(client, planner) if env["rank"] == 0 and planner is not None else None
+        report = stack.enter_context(RankReport(cfg.report_path, env)) if cfg.report_path else None
+        source = None
+        if env["rank"] == 0 and planner is not None:
+            source = PlanSource(client, planner, consumed_log=stack.enter_context(ConsumedLog(cfg.consumed_path)))
         log.info("rank %d ready: %s", env["rank"], env)
         if cfg.publish_weights:  # the rollout starts from the trainer's weights (version initial_version)
             publish_weights(kind.built, client, cfg.initial_version, env)
-        history = _train(cfg, env, kind, client, source, consumed)
+        steps = _train(cfg, env, kind, client, source, report)
         if cfg.save_dir:
             model.save_checkpoint(kind.built.gpt, cfg.save_dir)
-    if cfg.report_path:
-        write_report(cfg, env, history, consumed)
-    if cfg.consumed_path and env["rank"] == 0:
-        write_consumed(cfg.consumed_path, planner)
     mcore_compat.shutdown()
-    return history
+    return steps
 
 
 def _build_step(cfg: TrainConfig, env: dict[str, int], client: Any) -> Step:
@@ -103,17 +102,17 @@ def _build_step(cfg: TrainConfig, env: dict[str, int], client: Any) -> Step:
 
 
 def _train(cfg: TrainConfig, env: dict[str, int], kind: Step, client: Any, source: PlanSource | None,
-           consumed: list[list[Any]]) -> list[dict[str, Any]]:
+           report: RankReport | None) -> int:
     """The loop: plan (rank 0, broadcast), submit fetches, step, publish the version, release the groups."""
     from train.planning import exchange_plans
 
     queue: deque[MiniBatchPlan] = deque()
     version = cfg.initial_version
-    history: list[dict[str, Any]] = []
+    steps = 0
     plan_wait = 0.0
     while True:
         # scan + plan on rank 0, broadcast (every rank knows the queue, so all skip or all join)
-        if not cfg.max_steps or len(history) + len(queue) < cfg.max_steps:
+        if not cfg.max_steps or steps + len(queue) < cfg.max_steps:
             t_plan = time.perf_counter()
             new = exchange_plans(source, version, block=not queue, idle_timeout_s=cfg.idle_timeout_s,
                                  poll_interval_s=cfg.poll_interval_s)
@@ -124,7 +123,8 @@ def _train(cfg: TrainConfig, env: dict[str, int], kind: Step, client: Any, sourc
         if not queue:
             break  # idle for idle_timeout_s, or max_steps reached
         plan = queue.popleft()
-        if cfg.report_path is not None:
+        consumed: list[list[Any]] = []
+        if report is not None:
             consumed.extend(["slice", plan.step, s.node, s.group_id, s.start, s.stop]
                             for m in plan.for_rank(env["dp_rank"]).micro_batches for s in m.slices)
         metrics = kind.step(plan, consumed)
@@ -137,12 +137,18 @@ def _train(cfg: TrainConfig, env: dict[str, int], kind: Step, client: Any, sourc
             client.release(plan.group_ids)  # frees images no unreleased group references
         metrics.update(version=version, publish_s=time.perf_counter() - t_pub, plan_wait_s=plan_wait, t_end=time.time())
         plan_wait = 0.0
-        history.append(metrics)
-        if cfg.progress_path and source is not None:
-            write_progress(cfg.progress_path, metrics, source.planner)
+        steps += 1
+        if report is not None:
+            report.add(metrics, consumed)
+        if source is not None:
+            figures = source.consumed_log.take_step(plan.step)
+            if cfg.progress_path:
+                write_progress(cfg.progress_path, metrics, source.admitted_groups, figures)
     if queue:
         log.warning("rank %d stops with %d planned mini-batches unconsumed", env["rank"], len(queue))
-    return history
+    if source is not None:
+        log.info("rank 0 admitted %d groups and dropped %s", source.admitted_groups, dict(source.dropped))
+    return steps
 
 
 def publish_weights(built: Any, client: Any, version: int, env: dict[str, int]) -> None:
@@ -154,40 +160,66 @@ def publish_weights(built: Any, client: Any, version: int, env: dict[str, int]) 
         client.put_weights(weights_table(named), version)
 
 
-def write_report(cfg: TrainConfig, env: dict[str, int], history: list[dict[str, Any]],
-                 consumed: list[list[Any]]) -> None:
-    """One JSON per rank: environment, per-step metrics, and what it consumed.
+class RankReport:
+    """One JSON document per rank at ``path`` (``{rank}`` replaced): ``{"env", "steps", "consumed"}``.
 
-    ``consumed`` holds ``["slice", step, node, group_id, start, stop]`` for every planned slice of this
-    rank and ``["row", step, group_id, sample_idx]`` for every row it actually received (text step).
+    ``steps`` holds the per-step metrics; ``consumed`` holds ``["slice", step, node, group_id, start, stop]``
+    for every planned slice of this rank and ``["row", step, group_id, sample_idx]`` for every row it
+    actually received (text step). Written as the run goes, so a rank holds one step's entries at a time:
+    :meth:`add` appends a step to two side files (``<path>.steps.jsonl``, ``<path>.consumed.jsonl``);
+    :meth:`close` joins them into the document line by line and removes them.
+
+    Example::
+
+        with RankReport("run/trainer_rank{rank}.json", env) as report:
+            report.add(metrics, consumed)
     """
-    path = cfg.report_path.replace("{rank}", str(env["rank"])) if cfg.report_path else ""
-    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    with open(path, "w") as f:
-        json.dump({"env": env, "steps": history, "consumed": consumed}, f)
+
+    def __init__(self, path: str, env: dict[str, int]) -> None:
+        self.path = path.replace("{rank}", str(env["rank"]))
+        self._env = env
+        os.makedirs(os.path.dirname(os.path.abspath(self.path)), exist_ok=True)
+        self._parts = {name: open(f"{self.path}.{name}.jsonl", "w") for name in ("steps", "consumed")}  # noqa: SIM115
+
+    def add(self, metrics: dict[str, Any], consumed: list[list[Any]]) -> None:
+        """Append one step's metrics and consumed entries."""
+        self._parts["steps"].write(json.dumps(metrics) + "\n")
+        self._parts["consumed"].writelines(json.dumps(c) + "\n" for c in consumed)
+        for part in self._parts.values():
+            part.flush()
+
+    def close(self) -> None:
+        """Write the document (safe to call twice)."""
+        if not self._parts:
+            return
+        tmp = f"{self.path}.tmp"
+        with open(tmp, "w") as out:
+            out.write('{"env": ' + json.dumps(self._env))
+            for name, part in self._parts.items():
+                part.close()
+                out.write(f', "{name}": [')
+                with open(part.name) as f:
+                    for i, line in enumerate(f):
+                        out.write(("," if i else "") + line.rstrip("\n"))
+                out.write("]")
+                os.remove(part.name)
+            out.write("}")
+        os.replace(tmp, self.path)
+        self._parts = {}
+
+    def __enter__(self) -> RankReport:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
 
 
-def write_progress(path: str, metrics: dict[str, Any], planner: Any) -> None:
-    """Rank 0: append one JSON line for the step just taken (with its staleness, from the planner)."""
+def write_progress(path: str, metrics: dict[str, Any], admitted_groups: int, figures: dict[str, Any]) -> None:
+    """Rank 0: append one JSON line for the step just taken, with the groups admitted so far and the step's
+    staleness and reward figures (:meth:`train.planning.ConsumedLog.take_step`)."""
     line = {k: metrics[k] for k in ("step", "train_batch", "position", "version", "loss", "rows", "abs_logp_diff",
                                     "plan_wait_s", "step_time_s", "t_end")}
-    line["admitted_groups"] = len(planner.state.admitted)
-    if hasattr(planner, "consumed_frame"):
-        import polars as pl
-
-        frame = planner.consumed_frame().filter(pl.col("step") == metrics["step"])
-        if frame.height:
-            line["arch_staleness_mean"] = float(frame["arch_staleness"].mean())
-            line["arch_staleness_max"] = int(frame["arch_staleness"].max())
-            line["reward_mean"] = float(frame["reward"].mean())
+    line["admitted_groups"] = admitted_groups
+    line.update(figures)
     with open(path, "a") as f:
         f.write(json.dumps(line) + "\n")
-
-
-def write_consumed(path: str, planner: Any) -> None:
-    """Rank 0: the planner's consumed trajectories (keys, step, versions, staleness) as Parquet."""
-    if not hasattr(planner, "consumed_frame"):
-        log.warning("planner %r keeps no consumed frame; %s not written", planner, path)
-        return
-    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    planner.consumed_frame().write_parquet(path)

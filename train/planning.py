@@ -2,25 +2,32 @@
 
 ``PlanSource`` (rank 0 only) scans new metadata rows from every store (``StoreClient.scan_new``,
 metadata columns only, never payload), keeps the rows of the groups the planner has neither
-admitted nor dropped (both read from the planner's state, so the frame stays as small as the
-pending work), and asks the planner for every mini-batch admissible now. ``exchange_plans`` is the
-one collective: rank 0 broadcasts the new plans (as JSON); the other ranks receive them.
+admitted nor dropped, and asks the planner for every mini-batch admissible now. After each update
+it removes the settled groups' rows from its frame and their ids from the planner's state, and
+hands the consumed trajectories to a :class:`ConsumedLog` (a Parquet file, written as the run goes),
+so rank 0's memory stays proportional to the pending work, not to the groups processed.
+``exchange_plans`` is the one collective: rank 0 broadcasts the new plans (as JSON); the other
+ranks receive them.
 
 The planner is ``admission.Planner`` built from ``TrainConfig.admission`` with ``dp_ranks`` set
-from the process group (:func:`with_dp_ranks`), or any object with the same ``update`` and
-``state`` (:class:`PlannerLike`) passed to ``train.loop.run``.
+from the process group (:func:`with_dp_ranks`), or any object with the same ``state``, ``update``,
+``drain`` and ``forget`` (:class:`PlannerLike`) passed to ``train.loop.run``.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import logging
+import os
 import time
+from collections import Counter
+from collections.abc import Iterable
 from typing import Any, Protocol
 
 import polars as pl
 
 from admission.config import AdmissionConfig
+from admission.planner import CONSUMED_SCHEMA
 from admission.state import PlannerState
 from schemas.plan import MiniBatchPlan
 
@@ -32,12 +39,20 @@ class PlannerLike(Protocol):
 
     @property
     def state(self) -> PlannerState:
-        """Groups admitted and dropped so far (their rows are never needed again)."""
+        """Groups admitted and dropped since they were last forgotten (their rows are never needed again)."""
         ...
 
     def update(self, metadata: pl.DataFrame, *, inflight: Any = None,
                current_version: int = 0) -> list[MiniBatchPlan]:
         """The mini-batches admissible now, given every pending metadata row."""
+        ...
+
+    def drain(self) -> tuple[pl.DataFrame, pl.DataFrame]:
+        """The consumed trajectories and dropped groups since the last drain, no longer kept by the planner."""
+        ...
+
+    def forget(self, group_ids: Iterable[str]) -> None:
+        """Forget settled groups whose rows will never be planned on again."""
         ...
 
 
@@ -57,6 +72,11 @@ def with_dp_ranks(admission: AdmissionConfig, dp_size: int) -> AdmissionConfig:
 class PlanSource:
     """Rank 0's view of the stores: metadata in, plans out.
 
+    After each planner update it settles what the planner decided: the consumed trajectories go to
+    ``consumed_log`` (a :class:`ConsumedLog`), the settled (admitted or dropped) groups' rows leave
+    the frame and their ids leave the planner's state (the store's cursor never returns a row twice),
+    so neither grows with the groups processed.
+
     Example::
 
         planner = Planner(AdmissionConfig(train_batch_groups=8, group_size=4, dp_ranks=2))
@@ -64,16 +84,22 @@ class PlanSource:
         plans = source.wait(current_version=0, idle_timeout_s=60, poll_interval_s=0.05)
     """
 
-    def __init__(self, client: Any, planner: PlannerLike, *, inflight: Any = None) -> None:
+    def __init__(self, client: Any, planner: PlannerLike, *, inflight: Any = None,
+                 consumed_log: ConsumedLog | None = None) -> None:
         self._client = client
         self._planner = planner
         self._inflight = inflight
         self._frame: pl.DataFrame | None = None
-        self._settled = 0  # admitted + dropped groups when the frame was last pruned
+        self.consumed_log = consumed_log if consumed_log is not None else ConsumedLog(None)
+        """Where the consumed trajectories go (by default: only their per-step figures)."""
+        self.admitted_groups = 0
+        """Groups admitted so far."""
+        self.dropped: Counter[str] = Counter()
+        """Groups dropped so far, per reason."""
 
     @property
     def planner(self) -> PlannerLike:
-        """The planner this source feeds (its state counts the admitted and dropped groups)."""
+        """The planner this source feeds."""
         return self._planner
 
     @property
@@ -89,18 +115,29 @@ class PlanSource:
         if self._frame is None or self._frame.height == 0:
             return []
         plans = self._planner.update(self._frame, inflight=self._inflight, current_version=current_version)
-        self._prune()
+        self._settle()
         return plans
 
-    def _prune(self) -> None:
-        """Drop the rows of every group the planner admitted or dropped since the last prune."""
+    def _settle(self) -> None:
+        """Log the planner's consumed rows; drop the settled groups' rows from the frame, their ids from its state.
+
+        Only ids whose rows were in the frame are forgotten: the store commits a group's rows at once and the
+        cursor returns each row once, so those rows never come back.
+        """
+        consumed, dropped = self._planner.drain()
+        self.consumed_log.append(consumed)
+        self.admitted_groups += consumed["group_id"].n_unique()
+        if dropped.height:
+            reasons = Counter(dropped["reason"].to_list())
+            log.info("dropped %d group(s): %s", dropped.height, dict(reasons))
+            self.dropped.update(reasons)
         state = self._planner.state
-        settled = len(state.admitted) + len(state.dropped)
-        if self._frame is None or settled == self._settled:
+        done = state.admitted | state.dropped
+        if not done or self._frame is None:
             return
-        done = pl.Series(list(state.admitted | state.dropped), dtype=pl.String)
-        self._frame = self._frame.filter(~pl.col("group_id").is_in(done.implode()))
-        self._settled = settled
+        settled = pl.col("group_id").is_in(pl.Series(list(done), dtype=pl.String).implode())
+        self._planner.forget(self._frame.filter(settled)["group_id"].unique().to_list())
+        self._frame = self._frame.filter(~settled)
 
     def wait(self, current_version: int, *, idle_timeout_s: float, poll_interval_s: float) -> list[MiniBatchPlan]:
         """Poll until at least one mini-batch is admissible, or ``idle_timeout_s`` passes (then ``[]``)."""
@@ -110,6 +147,92 @@ class PlanSource:
             if plans or time.monotonic() >= deadline:
                 return plans
             time.sleep(poll_interval_s)
+
+
+class ConsumedLog:
+    """Rank 0's record of the trajectories the planner admitted, kept on disk rather than in memory.
+
+    :meth:`append` takes each update's consumed rows (``admission.PlanResult.consumed``) and appends
+    them to an Arrow IPC stream beside ``path`` (``<path>.arrows``; a stream writer keeps nothing per
+    batch); each step's figures for its progress line are kept until :meth:`take_step` takes them.
+    :meth:`close` turns the stream into the Parquet file ``path`` (row groups of at least
+    ``rows_per_group`` rows, read back one batch at a time) holding what
+    ``admission.Planner.consumed_frame`` would hold, in the same order (no rows when nothing was
+    admitted). ``path=None`` keeps only the figures. Memory: the figures of the steps planned but not
+    yet trained.
+
+    Example::
+
+        with ConsumedLog("run/consumed.parquet") as consumed_log:
+            source = PlanSource(client, planner, consumed_log=consumed_log)
+    """
+
+    def __init__(self, path: str | None, *, rows_per_group: int = 16384) -> None:
+        if rows_per_group < 1:
+            msg = f"rows_per_group must be >= 1, got {rows_per_group}"
+            raise ValueError(msg)
+        self.path = path
+        self.rows_per_group = rows_per_group
+        self._stream: Any = None
+        self._steps: dict[int, dict[str, Any]] = {}
+
+    def append(self, consumed: pl.DataFrame) -> None:
+        """Record one update's consumed rows (rows of whole steps, in step order)."""
+        if consumed.height == 0:
+            return
+        figures = consumed.group_by("step", maintain_order=True).agg(
+            pl.col("arch_staleness").mean().alias("arch_staleness_mean"),
+            pl.col("arch_staleness").max().alias("arch_staleness_max"),
+            pl.col("reward").mean().alias("reward_mean"))
+        for row in figures.iter_rows(named=True):
+            self._steps[int(row.pop("step"))] = row
+        if self.path is None:
+            return
+        table = consumed.to_arrow()
+        if self._stream is None:
+            import pyarrow as pa
+
+            os.makedirs(os.path.dirname(os.path.abspath(self.path)), exist_ok=True)
+            self._stream = pa.ipc.new_stream(f"{self.path}.arrows", table.schema)
+        self._stream.write_table(table)
+
+    def take_step(self, step: int) -> dict[str, Any]:
+        """``arch_staleness_mean``, ``arch_staleness_max``, ``reward_mean`` of ``step``'s trajectories (``{}``
+        when none were logged); forgotten afterwards."""
+        return self._steps.pop(step, {})
+
+    def close(self) -> None:
+        """Write the Parquet file and remove the stream (safe to call twice)."""
+        if self.path is None:
+            return
+        path, self.path = self.path, None
+        if self._stream is None:
+            os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+            pl.DataFrame(schema=CONSUMED_SCHEMA).write_parquet(path)
+            return
+        import pyarrow as pa
+        import pyarrow.parquet as pq
+
+        self._stream.close()
+        spool = f"{path}.arrows"
+        with pa.ipc.open_stream(spool) as reader, pq.ParquetWriter(path, reader.schema) as writer:
+            chunk: list[Any] = []
+            rows = 0
+            for batch in reader:
+                chunk.append(batch)
+                rows += batch.num_rows
+                if rows >= self.rows_per_group:  # one row group of at least rows_per_group rows
+                    writer.write_table(pa.Table.from_batches(chunk), row_group_size=rows)
+                    chunk, rows = [], 0
+            if chunk:
+                writer.write_table(pa.Table.from_batches(chunk), row_group_size=rows)
+        os.remove(spool)
+
+    def __enter__(self) -> ConsumedLog:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
 
 
 def exchange_plans(source: PlanSource | None, current_version: int, *, block: bool, idle_timeout_s: float,

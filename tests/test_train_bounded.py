@@ -1,0 +1,120 @@
+"""Rank 0's planning path and every rank's records stay bounded over a long run (issue 18, item 5).
+
+Counts, not timings or RSS: over hundreds of groups written to real store nodes (port 0), released
+as they are consumed, the planner's state and ``PlanSource``'s frame hold only the pending work, the
+planner keeps no consumed rows, and the plans and ``consumed.parquet`` equal those of a planner that
+keeps everything (the one ``train.planning`` used before). ``ConsumedLog`` and ``train.loop.RankReport``
+write their records to disk as the run goes and end with the same files as before.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import polars as pl
+import pyarrow.parquet as pq
+from polars.testing import assert_frame_equal
+
+from admission import CONSUMED_SCHEMA, AdmissionConfig, Planner
+from train.loop import RankReport
+from train.planning import ConsumedLog, PlanSource
+
+
+def test_rank0_planning_stays_bounded_and_plans_as_a_planner_that_keeps_everything(  # type: ignore[no-untyped-def]
+        store_nodes, make_group, tmp_path: Path) -> None:
+    from flight_store.client import StoreClient
+
+    cfg = AdmissionConfig(train_batch_groups=4, group_size=2, mini_batches=2, dp_ranks=2)
+    groups, lookahead = 240, 6
+    servers = store_nodes(2)
+    locations = [s.location for s in servers]
+    path = tmp_path / "consumed.parquet"
+    reference = Planner(cfg)  # sees every row ever scanned, forgets nothing, keeps every consumed frame
+    written = aborted = consumed = steps = 0
+    max_pending = max_state = 0
+    with StoreClient(locations) as client, StoreClient(locations) as ref_client, \
+            ConsumedLog(str(path), rows_per_group=50) as log:
+        source = PlanSource(client, Planner(cfg), consumed_log=log)
+        seen = ref_client.scan_new()  # no rows yet, the metadata columns
+        while consumed < groups:
+            while written - aborted < min(groups, consumed + lookahead):
+                lost = written % 7 == 3
+                client.put_group(make_group(f"g{written}", size=2, response_len=1 + written % 5,
+                                            policy_version=steps, status="aborted" if lost else "completed"))
+                written, aborted = written + 1, aborted + lost
+            plans = source.poll(steps)
+            seen = pl.concat([seen, ref_client.scan_new()], how="vertical_relaxed")
+            assert plans == reference.update(seen, current_version=steps)
+            for plan in plans:
+                client.release(plan.group_ids)
+                figures = log.take_step(plan.step)
+                assert set(figures) == {"arch_staleness_mean", "arch_staleness_max", "reward_mean"}
+                assert log.take_step(plan.step) == {}  # taken once, then forgotten
+                steps, consumed = steps + 1, consumed + len(plan.group_ids)
+            state = source.planner.state
+            max_state = max(max_state, len(state.admitted) + len(state.dropped))
+            max_pending = max(max_pending, source.pending_rows)
+            assert source.planner.consumed_frame().height == 0  # drained into the log every poll
+    assert steps == groups // cfg.groups_per_mini_batch and source.admitted_groups == groups
+    assert source.dropped == {"aborted": aborted} and aborted > 30
+    assert max_state == 0  # settled ids leave the state in the poll that settles them
+    assert max_pending <= (lookahead + 1) * cfg.group_size  # the frame holds the pending groups only
+    assert len(reference.state.admitted) == groups  # what the state used to hold: one id per group
+    assert_frame_equal(pl.read_parquet(path), reference.consumed_frame())
+    assert pq.ParquetFile(path).metadata.num_row_groups <= groups * cfg.group_size // 50  # not one per step
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["consumed.parquet"]
+
+
+def _consumed(step: int, rewards: list[float], arch: list[int]) -> pl.DataFrame:
+    n = len(rewards)
+    cols: dict[str, Any] = {c: [0] * n for c, dt in CONSUMED_SCHEMA.items() if dt == pl.Int64}
+    cols.update(group_id=[f"s{step}"] * n, node=["n0"] * n, sample_idx=list(range(n)), step=[step] * n,
+                reward=rewards, advantage=[0.0] * n, arch_staleness=arch)
+    return pl.DataFrame(cols, schema=CONSUMED_SCHEMA)
+
+
+def test_consumed_log_streams_rows_to_disk_and_keeps_step_figures_until_taken(tmp_path: Path) -> None:
+    path = tmp_path / "sub" / "consumed.parquet"
+    spool = tmp_path / "sub" / "consumed.parquet.arrows"
+    frames = [_consumed(0, [1.0, 0.0], [0, 2]), _consumed(1, [1.0, 1.0], [1, 1]), _consumed(2, [0.0, 0.5], [3, 0])]
+    with ConsumedLog(str(path), rows_per_group=3) as log:
+        log.append(frames[0])
+        log.append(pl.DataFrame(schema=CONSUMED_SCHEMA))  # an update that admitted nothing
+        size = spool.stat().st_size
+        log.append(pl.concat(frames[1:]))  # one update admitting two steps
+        assert spool.stat().st_size > size and not path.exists()  # on disk as it comes, Parquet at the end
+        assert log.take_step(0) == {"arch_staleness_mean": 1.0, "arch_staleness_max": 2, "reward_mean": 0.5}
+        assert log.take_step(2) == {"arch_staleness_mean": 1.5, "arch_staleness_max": 3, "reward_mean": 0.25}
+        assert log.take_step(7) == {}
+    assert_frame_equal(pl.read_parquet(path), pl.concat(frames))
+    assert [pq.ParquetFile(path).metadata.row_group(i).num_rows for i in range(2)] == [4, 2]
+    assert not spool.exists()
+    log.close()  # twice is fine
+
+
+def test_consumed_log_without_rows_writes_an_empty_file_and_without_path_none(tmp_path: Path) -> None:
+    path = tmp_path / "consumed.parquet"
+    ConsumedLog(str(path)).close()
+    assert_frame_equal(pl.read_parquet(path), pl.DataFrame(schema=CONSUMED_SCHEMA))
+    figures_only = ConsumedLog(None)
+    figures_only.append(_consumed(4, [1.0], [2]))
+    figures_only.close()
+    assert figures_only.take_step(4)["arch_staleness_max"] == 2
+    assert list(tmp_path.iterdir()) == [path]
+
+
+def test_rank_report_is_written_as_the_run_goes_into_the_same_document(tmp_path: Path) -> None:
+    env = {"rank": 1, "world": 2, "dp_rank": 1, "dp_size": 2, "tp_rank": 0, "tp_size": 1}
+    steps = [{"step": 0, "loss": 0.5, "fetch_s": [0.1, 0.2]}, {"step": 1, "loss": 0.25, "fetch_s": []}]
+    entries = [[["slice", 0, "grpc://n0", "a", 0, 2], ["row", 0, "a", 0], ["row", 0, "a", 1]], []]
+    with RankReport(str(tmp_path / "out" / "trainer_rank{rank}.json"), env) as report:
+        report.add(steps[0], entries[0])
+        side = tmp_path / "out" / "trainer_rank1.json.consumed.jsonl"
+        assert [json.loads(line) for line in side.read_text().splitlines()] == entries[0]  # on disk already
+        report.add(steps[1], entries[1])
+    doc = json.loads((tmp_path / "out" / "trainer_rank1.json").read_text())
+    assert doc == {"env": env, "steps": steps, "consumed": entries[0]}
+    assert sorted(p.name for p in (tmp_path / "out").iterdir()) == ["trainer_rank1.json"]  # side files removed
+    report.close()  # twice is fine
