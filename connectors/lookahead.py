@@ -9,6 +9,11 @@ The trainer consumes groups (releases them); the rollout must not run arbitraril
   since the last check, so ``limit`` bounds every group dispatched and not yet consumed;
 * ``hook``: a caller's own rule over the stores' stats (``LookaheadHook``), checked with ``limit``.
 
+A store that cannot be reached (``NodeUnavailableError``, e.g. while ``knit run`` restarts it) skips
+the check: the last decision and counts stay, and the groups written since keep counting toward
+``limit`` (so the limit never loosens during an outage); the next check after the store is back
+takes the stores' counts again.
+
 Example:
     >>> stats = {"grpc://a:1": {"groups": {"stored": 3}}}
     >>> LookaheadLimit(lambda: stats, limit=3, poll_s=0.0).allows(running=0)
@@ -21,6 +26,8 @@ import logging
 import time
 from collections.abc import Callable, Mapping
 from typing import Any
+
+from flight_store.errors import NodeUnavailableError
 
 logger = logging.getLogger(__name__)
 
@@ -66,6 +73,7 @@ class LookaheadLimit:
         self._paused = False
         self._stored_at_poll = 0  # unreleased groups in the stores at the last check
         self._written_since_poll = 0
+        self._unreachable_since: float | None = None  # when a check first found a store unreachable
 
     def note_written(self) -> None:
         """Count one group this worker wrote (the stores will count it at the next check)."""
@@ -78,7 +86,18 @@ class LookaheadLimit:
         now = time.perf_counter()
         if now >= self._next_poll:
             self._next_poll = now + self._poll_s
-            self._check(self._stats())
+            try:
+                stats = self._stats()
+            except NodeUnavailableError as exc:  # keep the last counts (the limit stays as tight)
+                if self._unreachable_since is None:
+                    self._unreachable_since = now
+                    logger.warning("lookahead check skipped: %s; keeping the last counts until it answers", exc)
+            else:
+                if self._unreachable_since is not None:
+                    logger.info("lookahead check: every store answers again (after %.1f s)",
+                                   now - self._unreachable_since)
+                    self._unreachable_since = None
+                self._check(stats)
         if self._counts_running and self._limit is not None:
             # between checks: what the stores held, plus what this worker wrote since, plus what runs
             outstanding = self._stored_at_poll + self._written_since_poll + running

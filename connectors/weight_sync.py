@@ -4,7 +4,9 @@ The trainer publishes a version (``client.publish_version``) after it stores tha
 (``client.put_weights``). ``WeightSync.poll`` reads the published version at most every ``poll_s``
 seconds; when it is newer than the engine's, and ``load`` is on, it fetches that version's weights
 and loads them into the running engine (``Engine.load_weights``) before adopting the version. Weights
-not readable yet leave the engine on its current version (retried at the next poll). Without
+not readable yet leave the engine on its current version (retried at the next poll), and so does a
+store that cannot be reached for the version (``NodeUnavailableError``, e.g. while ``knit run``
+restarts it): the engine keeps generating with its weights and the next poll asks again. Without
 ``load``, the version is adopted as is (the weights are synced some other way).
 
 ``version`` is what the rollout tags its groups with: the version of the weights the engine runs.
@@ -23,6 +25,7 @@ from collections.abc import Callable
 from typing import Any
 
 from connectors.engine import Engine
+from flight_store.errors import NodeUnavailableError
 
 logger = logging.getLogger(__name__)
 
@@ -44,6 +47,7 @@ class WeightSync:
         self._poll_s = poll_s
         self._load = load
         self._next_poll = 0.0
+        self._unreachable_since: float | None = None  # when a poll first found a store unreachable
         self.version = version
         """Policy version of the weights the engine runs."""
 
@@ -73,7 +77,17 @@ class WeightSync:
         if not force and now < self._next_poll:
             return
         self._next_poll = now + self._poll_s
-        published = int(self._client.get_version())
+        try:
+            published = int(self._client.get_version())
+        except NodeUnavailableError as exc:  # keep generating with the current weights; ask at the next poll
+            if self._unreachable_since is None:
+                self._unreachable_since = now
+                logger.warning("published version unknown: %s; staying on version %d until it answers", exc,
+                               self.version)
+            return
+        if self._unreachable_since is not None:
+            logger.info("every store answers get_version again (after %.1f s)", now - self._unreachable_since)
+            self._unreachable_since = None
         if published <= self.version:
             return
         if self._load:

@@ -3,7 +3,9 @@
 Every child the launcher starts (store nodes, trainer, rollout worker) runs with :func:`child_env`
 (one thread per process, offline, the project on the path) in a new session, so a signal to the
 driver does not reach it and :meth:`Children.stop` can stop it and everything it spawned (the
-trainer's ranks) by its process group id, never by name.
+trainer's ranks) by its process group id, never by name. :meth:`Children.restart` starts a child
+that exited again, under the same name with the same command, its log continued; ``children.json``
+in the log folder always names each child's current pid and how often it was restarted.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ import logging
 import os
 import signal
 import subprocess
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import IO
@@ -47,9 +50,12 @@ class Child:
     """A started subprocess (leader of its own process group) and its log file."""
 
     name: str
+    cmd: list[str]
     proc: subprocess.Popen[bytes]
     log_path: Path
     log_file: IO[bytes]
+    restarts: int = 0
+    """How often this child was started again after it exited (:meth:`Children.restart`)."""
 
     @property
     def pid(self) -> int:
@@ -73,17 +79,43 @@ class Children:
 
     def start(self, name: str, cmd: list[str]) -> Child:
         """Start ``cmd`` with its output in ``<log_dir>/<name>.log``."""
+        child = self._spawn(name, cmd, restarts=0)
+        self.started.append(child)
+        self._write_index()
+        return child
+
+    def restart(self, child: Child) -> Child:
+        """Start the command of ``child`` (which has exited) again under its name; returns the new child.
+
+        Its output is appended to the same log; :attr:`started` and ``children.json`` name the new process.
+
+        Raises:
+            ValueError: ``child`` is still running, or was not started here.
+        """
+        if child.alive() or child not in self.started:
+            msg = f"cannot restart {child.name} (pid {child.pid}): it is still running or was not started here"
+            raise ValueError(msg)
+        child.log_file.close()
+        new = self._spawn(child.name, child.cmd, restarts=child.restarts + 1)
+        self.started[self.started.index(child)] = new
+        self._write_index()
+        return new
+
+    def _spawn(self, name: str, cmd: list[str], *, restarts: int) -> Child:
         self.log_dir.mkdir(parents=True, exist_ok=True)
         path = self.log_dir / f"{name}.log"
-        fh = path.open("wb")
+        fh = path.open("ab" if restarts else "wb")
+        if restarts:
+            fh.write(f"---- {time.strftime('%H:%M:%S')} restart {restarts} of {name} ----\n".encode())
+            fh.flush()
         proc = subprocess.Popen(cmd, cwd=ROOT, env=child_env(), stdout=fh, stderr=subprocess.STDOUT,
                                 stdin=subprocess.DEVNULL, start_new_session=True)
-        child = Child(name=name, proc=proc, log_path=path, log_file=fh)
-        self.started.append(child)
-        doc = [{"name": c.name, "pid": c.pid, "cmd": c.proc.args} for c in self.started]
-        (self.log_dir / "children.json").write_text(json.dumps(doc, indent=1, default=str))
-        log.info("started %s (pid %d): %s", name, proc.pid, " ".join(cmd))
-        return child
+        log.info("started %s (pid %d, restart %d): %s", name, proc.pid, restarts, " ".join(cmd))
+        return Child(name=name, cmd=list(cmd), proc=proc, log_path=path, log_file=fh, restarts=restarts)
+
+    def _write_index(self) -> None:
+        doc = [{"name": c.name, "pid": c.pid, "cmd": c.cmd, "restarts": c.restarts} for c in self.started]
+        (self.log_dir / "children.json").write_text(json.dumps(doc, indent=1))
 
     @staticmethod
     def _signal(child: Child, sig: int) -> None:

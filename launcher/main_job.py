@@ -71,6 +71,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             display.note(f"[{cfg.policy}] lookahead {cfg.lookahead_groups} groups; logs in {cfg.out / 'logs'}")
             with display.live(cfg.policy, cfg.total_groups, cfg.steps) as update:
                 results[cfg.policy] = run_policy(cfg, model, stop=stop, on_update=update)
+            for o in results[cfg.policy]["store_outages"]:
+                display.note(f"[{cfg.policy}] store {o['node']} ({o['store']}) exited with {o['exit_code']}; "
+                             f"started again {o['restarts']} time(s), back after {o['down_s']} s")
             urls = results[cfg.policy].get("metrics_urls") or []
             if urls:
                 display.note(f"[{cfg.policy}] Prometheus metrics were served at {', '.join(urls)}")

@@ -15,7 +15,9 @@ Figures per policy (``policy_summary``):
 * transfer latency (fetch time per micro-batch), exposed wait (time the step loop blocked on data),
   trainer idle (time waiting for an admissible mini-batch, start-up excluded);
 * throughput (trajectories and tokens per second of the training window) and the reward trend
-  (mean reward per train batch).
+  (mean reward per train batch);
+* ``store_outages`` (each store node that died and was started again: ``launcher.stores.Outage``) and
+  ``store_restarts`` (processes started again, over all nodes).
 
 Plots: ``staleness_per_step.png``, ``time_breakdown.png``, ``reward_per_train_batch.png``; with
 two policies also ``staleness_compare.png`` in the top folder.
@@ -47,8 +49,8 @@ def _rank_reports(folder: Path) -> list[dict[str, Any]]:
     return out
 
 
-def policy_summary(folder: Path, *, config: dict[str, Any], wall_s: float,
-                   metrics_urls: list[str] | None = None) -> dict[str, Any]:
+def policy_summary(folder: Path, *, config: dict[str, Any], wall_s: float, metrics_urls: list[str] | None = None,
+                   outages: list[dict[str, Any]] | None = None) -> dict[str, Any]:
     """The figures of one policy's run folder (JSON-serialisable)."""
     from admission.staleness import summary as staleness_summary
 
@@ -94,6 +96,8 @@ def policy_summary(folder: Path, *, config: dict[str, Any], wall_s: float,
         "rollout": {k: rollout.get(k) for k in ("groups", "aborted_groups", "rows", "response_tokens", "tokens_per_s",
                                                 "engine_start_s", "generate_s", "policy_versions", "bytes_written")},
         "wall_s": round(wall_s, 2),
+        "store_outages": outages or [],
+        "store_restarts": sum(int(o["restarts"]) for o in outages or []),
         "metrics_urls": metrics_urls or [],
         "config": {k: (str(v) if isinstance(v, Path) else v) for k, v in config.items()},
     }
@@ -220,6 +224,7 @@ ROWS: tuple[tuple[str, str], ...] = (
     ("trainer idle, start-up excl. (s)", "trainer_idle_s"),
     ("throughput (traj/s, tok/s)", "throughput"),
     ("reward, first -> last train batch", "reward_per_train_batch"),
+    ("store restarts (down s)", "store_outages"),
     ("wall time (s)", "wall_s"),
 )
 
@@ -242,6 +247,9 @@ def table_rows(result: dict[str, Any]) -> list[tuple[str, str]]:
         elif key == "reward_per_train_batch":
             rewards = result[key]
             text = f"{rewards[0]:.3f} -> {rewards[-1]:.3f} ({len(rewards)} batches)" if rewards else "-"
+        elif key == "store_outages":
+            downs = ", ".join(f"{o['node']}: {o['down_s']}" for o in result[key])
+            text = f"{result['store_restarts']} ({downs})" if downs else "0"
         else:
             text = str(result[key])
         out.append((label, text))

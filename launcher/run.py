@@ -4,7 +4,10 @@ What it starts, each as a subprocess in its own process group (``launcher.childr
 its config as a validated document (``schemas.documents``), never as re-typed argv:
 
 1. ``num_stores`` store nodes (``python -m flight_store --config node.json``, with Prometheus
-   ``/metrics``);
+   ``/metrics`` and a spill log in ``stores/node{i}``); a node whose process dies is started again on
+   the same port and spill log (:class:`Stores`), replays its log and comes back with every
+   acknowledged group, while the trainer and the rollout retry their calls; the report lists each
+   outage;
 2. a Megatron-core trainer (``python -m train --config train.json --nproc D``; gloo on CPU), whose
    rank 0 plans with ``admission.Planner`` (``mini_batch`` by default, ``train_batch`` as the
    baseline), publishes its starting weights as version 0 and the weights of every new version, and
@@ -44,10 +47,11 @@ from typing import Any
 from admission.config import AdmissionConfig, Policy
 from connectors.config import RolloutConfig
 from flight_store.client import StoreClient
-from flight_store.config import ClusterMember, ServerConfig
+from flight_store.config import ClusterMember, ServerConfig, StoreConfig
 from flight_store.net import free_port
 from launcher import report
 from launcher.children import ROOT, Child, Children
+from launcher.stores import Stores
 from schemas import documents
 from train.config import ModelConfig, OptimConfig, ParallelConfig, TrainConfig
 
@@ -101,8 +105,16 @@ class RunConfig:
     """The run folder."""
     metrics: bool = True
     """Serve Prometheus metrics from each store."""
+    max_store_restarts: int = 3
+    """Times one store node that dies is started again (same port and spill log) before the run fails."""
+    store_start_timeout_s: float = 60.0
+    """Seconds a store node may take to answer ``health`` after it was started (or restarted)."""
 
     def __post_init__(self) -> None:
+        if self.max_store_restarts < 0 or self.store_start_timeout_s <= 0:
+            msg = (f"RunConfig: max_store_restarts={self.max_store_restarts} must be >= 0 and "
+                   f"store_start_timeout_s={self.store_start_timeout_s} > 0")
+            raise ValueError(msg)
         for name in ("train_batches", "max_tokens", "num_stores"):
             if getattr(self, name) < 1:
                 msg = f"RunConfig.{name}={getattr(self, name)} must be >= 1"
@@ -146,12 +158,14 @@ class RunConfig:
 
 
 def store_configs(cfg: RunConfig) -> list[ServerConfig]:
-    """One node config per store: free loopback ports, metrics on a free port when asked, and the cluster's
-    membership, so every node refuses a group routing gives another."""
+    """One node config per store: free loopback ports, metrics on a free port when asked, the cluster's
+    membership (so every node refuses a group routing gives another), and a spill directory in the run folder
+    (``stores/node{i}``: every acknowledged write is logged, so a node started again replays it)."""
     ports = [free_port() for _ in range(cfg.num_stores)]
     cluster = [ClusterMember(id=f"node{i}", location=f"grpc://127.0.0.1:{p}") for i, p in enumerate(ports)]
     return [ServerConfig(port=p, node_name=f"node{i}", log_level="WARNING", cluster=cluster,
-                         metrics_port=free_port() if cfg.metrics else None)
+                         metrics_port=free_port() if cfg.metrics else None,
+                         store=StoreConfig(spill_dir=str(cfg.out / "stores" / f"node{i}")))
             for i, p in enumerate(ports)]
 
 
@@ -192,6 +206,7 @@ class LiveState:
     admitted: int = 0
     consumed: int = 0
     version: int = 0
+    stores_down: list[str] = field(default_factory=list)
     steps: list[dict[str, Any]] = field(default_factory=list)
     started: float = field(default_factory=time.monotonic)
 
@@ -226,25 +241,6 @@ class LiveState:
         self.version = max(int(s.get("policy_version", 0)) for s in stats.values())
 
 
-def start_stores(kids: Children, cfg: RunConfig, *, timeout_s: float = 60.0) -> list[ServerConfig]:
-    """Start the store nodes and wait until each answers ``health``; returns their configs."""
-    nodes = store_configs(cfg)
-    children = []
-    for i, node in enumerate(nodes):
-        path = documents.write(node, cfg.out / "configs" / f"store{i}.json")
-        children.append(kids.start(f"store{i}", [sys.executable, "-m", "flight_store", "--config", str(path)]))
-    deadline = time.monotonic() + timeout_s
-    with StoreClient([n.location for n in nodes], timeout=2.0) as client:
-        while not all(h.get("ok") for h in client.health().values()):
-            dead = [c for c in children if not c.alive()]
-            if dead or time.monotonic() > deadline:
-                who = dead[0] if dead else children[0]
-                msg = f"store node {who.name} did not come up:\n{kids.tail(who)}"
-                raise RuntimeError(msg)
-            time.sleep(0.2)
-    return nodes
-
-
 def run_policy(cfg: RunConfig, model: ModelConfig, *, stop: threading.Event,
                on_update: Callable[[LiveState], None] | None = None) -> dict[str, Any]:
     """Run one policy end to end; returns the run's results (``launcher.report.policy_summary``)."""
@@ -254,24 +250,28 @@ def run_policy(cfg: RunConfig, model: ModelConfig, *, stop: threading.Event,
     state = LiveState(policy=cfg.policy, total_groups=cfg.total_groups, total_steps=cfg.steps)
     t0 = time.time()
     with Children(cfg.out / "logs") as kids:
-        nodes = start_stores(kids, cfg)
-        stores = [n.location for n in nodes]
+        stores = Stores(kids, store_configs(cfg), cfg.out, max_restarts=cfg.max_store_restarts,
+                        start_timeout_s=cfg.store_start_timeout_s)
+        stores.start()
+        locations = stores.locations
         state.phase = "starting trainer + vLLM"
-        train_doc = documents.write(train_config(cfg, model, stores), cfg.out / "configs" / "train.json")
-        rollout_doc = documents.write(rollout_config(cfg, stores), cfg.out / "configs" / "rollout.json")
+        train_doc = documents.write(train_config(cfg, model, locations), cfg.out / "configs" / "train.json")
+        rollout_doc = documents.write(rollout_config(cfg, locations), cfg.out / "configs" / "rollout.json")
         trainer = kids.start("trainer", [sys.executable, "-m", "train", "--config", str(train_doc),
                                          "--nproc", str(cfg.admission.dp_ranks)])
         rollout = kids.start("rollout", [sys.executable, "-m", "connectors", "--config", str(rollout_doc)])
-        with StoreClient(stores, timeout=5.0) as client:
-            interrupted = _supervise(cfg, kids, trainer, rollout, client, state, stop, on_update)
-            # the stores are still up: export the metadata of every node, then stop them (Children.__exit__)
+        with StoreClient(locations, timeout=5.0) as client:
+            interrupted = _supervise(cfg, kids, stores, (trainer, rollout), client, state, stop, on_update)
+        stores.wait_up()  # every node answers: export their metadata, then stop them (Children.__exit__)
+        with StoreClient(locations, timeout=30.0, retries=20) as client:  # fresh connections, none in reconnect backoff
             metadata = client.metadata().collect()
             stats = client.stats()
         metadata.write_parquet(cfg.out / "metadata.parquet")
         (cfg.out / "store_stats.json").write_text(json.dumps(stats, indent=1))
-    urls = [f"http://127.0.0.1:{n.metrics_port}/metrics" for n in nodes if n.metrics_port is not None]
+    urls = [f"http://127.0.0.1:{n.metrics_port}/metrics" for n in stores.nodes if n.metrics_port is not None]
     result = report.policy_summary(cfg.out, config=json.loads(documents.dump(cfg)) | {
-        "lookahead_groups": cfg.lookahead_groups}, wall_s=time.time() - t0, metrics_urls=urls)
+        "lookahead_groups": cfg.lookahead_groups}, wall_s=time.time() - t0, metrics_urls=urls,
+        outages=[o.to_dict() for o in stores.outages])
     result["interrupted"] = interrupted
     (cfg.out / "policy_summary.json").write_text(json.dumps(result, indent=1, default=str))
     report.plot_policy(cfg.out, result)
@@ -280,9 +280,13 @@ def run_policy(cfg: RunConfig, model: ModelConfig, *, stop: threading.Event,
     return result
 
 
-def _supervise(cfg: RunConfig, kids: Children, trainer: Child, rollout: Child, client: StoreClient,
+def _supervise(cfg: RunConfig, kids: Children, stores: Stores, workers: tuple[Child, Child], client: StoreClient,
                state: LiveState, stop: threading.Event, on_update: Callable[[LiveState], None] | None) -> bool:
-    """Follow the run until the trainer exits; returns True when interrupted. Raises when a child fails."""
+    """Follow the run until the trainer exits, restarting a store node that dies; returns True when interrupted.
+
+    Raises when the trainer or the rollout fails, or a store cannot be brought back (:meth:`Stores.check`).
+    """
+    trainer, rollout = workers
     deadline = time.monotonic() + cfg.timeout_s
 
     def refresh() -> None:
@@ -301,6 +305,7 @@ def _supervise(cfg: RunConfig, kids: Children, trainer: Child, rollout: Child, c
             if time.monotonic() > deadline:
                 msg = f"run {cfg.policy} exceeded {cfg.timeout_s} s"
                 raise TimeoutError(msg)
+            state.stores_down = stores.check()
             refresh()
             if not rollout.alive() and rollout.proc.returncode not in (0, None):
                 msg = f"the rollout worker failed (exit {rollout.proc.returncode}):\n{kids.tail(rollout)}"

@@ -4,17 +4,22 @@ Both runs are subprocesses (``python -m launcher run``, i.e. ``knit run``). The 
 summary keys, the plots, that versions advanced and reached the engine, that every consumed
 trajectory was received exactly once, that no payload went through the driver, and that the engine
 started from the trainer's weights (the first step's trainer/rollout logprob gap is ~0). The Ctrl-C
-test interrupts a run and checks that every process it started is gone.
+test interrupts a run and checks that every process it started is gone. The outage test SIGKILLs one
+store node once training runs and checks that the run still ends well: the node was started again
+(same port, its spill log replayed), every trajectory was trained exactly once, the summary records
+the outage, and no process is left.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
 import time
+from datetime import datetime
 from pathlib import Path
 
 import pytest
@@ -129,3 +134,65 @@ def test_ctrl_c_stops_every_process(model_dir: Path, tmp_path: Path) -> None:
     assert not _alive_children(out)
     assert (out / "metadata.parquet").exists()  # the stores' metadata was saved before they stopped
     assert json.loads((out / "policy_summary.json").read_text())["interrupted"] is True
+
+
+def _retry_window(log: Path, location: str) -> tuple[float, float] | None:
+    """Unix times ``log`` tells of calls to ``location`` failing or skipped: the first, and the last (plus the backoff
+    it announced: when the call was tried again)."""
+    stamps = []
+    for line in log.read_text(errors="replace").splitlines():
+        if location in line and ("failed (attempt" in line or "unavailable" in line):
+            m = re.search(r"\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3}", line)
+            backoff = re.search(r"retrying in ([0-9.]+)s", line)
+            if m:
+                t = datetime.strptime(m.group(0), "%Y-%m-%d %H:%M:%S,%f").timestamp()
+                stamps.append((t, t + (float(backoff.group(1)) if backoff else 0.0)))
+    return (min(a for a, _ in stamps), max(b for _, b in stamps)) if stamps else None
+
+
+def test_a_store_killed_mid_run_is_restarted_and_every_trajectory_trained_once(model_dir: Path,
+                                                                                tmp_path: Path) -> None:
+    from launcher.children import child_env
+
+    out, batches = tmp_path / "run", 3
+    proc = subprocess.Popen(_cmd(out, model_dir, "--train-batches", str(batches)), cwd=ROOT, env=child_env(),
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        deadline = time.monotonic() + 150
+        while time.monotonic() < deadline and not (out / "progress.jsonl").exists():  # training has started
+            time.sleep(0.2)
+        assert (out / "progress.jsonl").exists(), "the run did not start training"
+        victim = next(c for c in json.loads((out / "logs" / "children.json").read_text()) if c["name"] == "store0")
+        os.kill(victim["pid"], signal.SIGKILL)  # node0: groups, the weights the rollout reads, the version
+        killed_at = time.time()
+        output, _ = proc.communicate(timeout=200)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 0, output[-4000:]
+    r = json.loads((out / "summary.json").read_text())["policies"]["mini_batch"]
+    rows = batches * B * G
+    assert r["trajectories_consumed"] == r["rows_received"] == rows and r["duplicate_rows"] == 0
+    assert r["steps"] == batches * K and r["final_version"] == batches * K
+    assert r["rollout"]["groups"] == batches * B and r["rollout"]["aborted_groups"] == 0
+    (outage,) = r["store_outages"]
+    assert r["store_restarts"] == 1 and outage["restarts"] == 1
+    assert outage["store"] == "store0" and outage["node"] == "node0" and outage["exit_code"] == -signal.SIGKILL
+    assert killed_at - 0.1 <= outage["died_at"] <= killed_at + 5  # found dead within the driver's poll
+    assert outage["back_at"] > outage["died_at"] and outage["down_s"] < 60
+    assert "store node0 (store0) exited with -9" in output and "store restarts (down s)" in output
+    store0 = next(c for c in json.loads((out / "logs" / "children.json").read_text()) if c["name"] == "store0")
+    assert store0["pid"] != victim["pid"] and store0["restarts"] == 1
+    assert not _procs_mentioning(str(out)), "processes of the run are still alive"
+    assert not _alive_children(out)
+
+    import polars as pl
+
+    meta = pl.read_parquet(out / "metadata.parquet")
+    assert meta.select(["group_id", "sample_idx"]).is_unique().all() and meta["node"].n_unique() == 2
+    loc = outage["location"]
+    waits = {name: _retry_window(out / "logs" / f"{name}.log", loc) for name in ("trainer", "rollout")}
+    print(f"outage: killed {killed_at:.2f}, found dead +{outage['died_at'] - killed_at:.2f} s, back "
+          f"+{outage['back_at'] - killed_at:.2f} s; retries/skips seen (s after the kill): "
+          + ", ".join(f"{n}: {w[0] - killed_at:+.2f} .. {w[1] - killed_at:+.2f}" if w else f"{n}: none"
+                      for n, w in waits.items()))

@@ -1,0 +1,170 @@
+"""The store nodes of a ``knit run``, kept up: a node whose process dies is started again, and the outage recorded.
+
+Each node runs from its config document (``configs/store{i}.json``), which names its port and its
+spill directory (``stores/node{i}`` in the run folder). A node started again from the same document
+listens on the same port and replays its spill log, so it comes back with every acknowledged group
+under the same ``seq`` numbers (the planner's scan cursor stays valid: no group is scanned twice or
+skipped), released groups still released, its images, the latest weights and the published version.
+While it is down the trainer and the rollout retry their calls (``ClientConfig.retries``); nothing
+here talks to them.
+
+Guarantees of :class:`Stores`:
+
+* a node whose process exited (any exit code, a signal included) is started again within one
+  :meth:`Stores.check` (the driver calls it every half second), at most ``max_restarts`` times per node;
+* every outage is recorded (:class:`Outage`: which node, how its process ended, when the driver found
+  it dead, when it answered ``health`` again, how many processes it took);
+* a node that cannot be brought back (too many restarts, or no answer within ``start_timeout_s``)
+  raises ``RuntimeError`` naming it, with the end of its log.
+"""
+
+from __future__ import annotations
+
+import logging
+import shutil
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from flight_store.client import StoreClient
+from flight_store.config import ServerConfig
+from launcher.children import Child, Children
+from schemas import documents
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(slots=True)
+class Outage:
+    """A store node whose process died during the run, and its way back (unix times, as the driver saw them)."""
+
+    store: str
+    """The child's name (``store1``)."""
+    node: str
+    """The node's id (``node1``)."""
+    location: str
+    """Where it listens, before and after (the same port)."""
+    exit_code: int | None
+    """How its process ended (negative: the signal that ended it, -9 = SIGKILL)."""
+    died_at: float
+    """When the driver found the process gone (it looks every half second)."""
+    restarts: int = 1
+    """Processes started for it during this outage (more than one when a restarted node died before it answered)."""
+    back_at: float | None = None
+    """When the restarted node first answered ``health`` (None: not back)."""
+
+    def to_dict(self) -> dict[str, Any]:
+        """The outage as the report shows it, with ``down_s`` (None while it is not back)."""
+        down = None if self.back_at is None else round(self.back_at - self.died_at, 3)
+        return {"store": self.store, "node": self.node, "location": self.location, "exit_code": self.exit_code,
+                "died_at": round(self.died_at, 3), "back_at": None if self.back_at is None else round(self.back_at, 3),
+                "down_s": down, "restarts": self.restarts}
+
+
+class Stores:
+    """Starts the store nodes of a run and keeps them up.
+
+    Args:
+        kids: starts, restarts and stops the processes.
+        nodes: each node's config (with its port and ``store.spill_dir``).
+        out: the run folder (``configs/store{i}.json`` is written there; ``stores/`` is cleared at start).
+        max_restarts: times one node may be started again.
+        start_timeout_s: seconds a node may take to answer ``health`` after a (re)start.
+
+    Example:
+        >>> with Children(out / "logs") as kids:  # doctest: +SKIP
+        ...     stores = Stores(kids, store_configs(cfg), out, max_restarts=3, start_timeout_s=60)
+        ...     stores.start()
+        ...     while training():
+        ...         stores.check()
+    """
+
+    def __init__(self, kids: Children, nodes: list[ServerConfig], out: Path, *, max_restarts: int,
+                 start_timeout_s: float) -> None:
+        self._kids = kids
+        self._out = out
+        self._max_restarts = max_restarts
+        self._start_timeout_s = start_timeout_s
+        self.nodes = nodes
+        """Each node's config (as its document says)."""
+        self.children: list[Child] = []
+        """Each node's current process."""
+        self.outages: list[Outage] = []
+        """Every outage so far, in the order they began."""
+
+    @property
+    def locations(self) -> list[str]:
+        return [n.location for n in self.nodes]
+
+    def start(self) -> None:
+        """Start every node on a fresh spill directory and wait until each answers ``health``.
+
+        Raises:
+            RuntimeError: a node exited, or did not answer within ``start_timeout_s`` (names it, with its log).
+        """
+        shutil.rmtree(self._out / "stores", ignore_errors=True)  # the spill logs of an earlier run in this folder
+        for i, node in enumerate(self.nodes):
+            path = documents.write(node, self._out / "configs" / f"store{i}.json")
+            cmd = [sys.executable, "-m", "flight_store", "--config", str(path)]
+            self.children.append(self._kids.start(f"store{i}", cmd))
+        deadline = time.monotonic() + self._start_timeout_s
+        while not all(answers(loc) for loc in self.locations):
+            dead = [c for c in self.children if not c.alive()]
+            if dead or time.monotonic() > deadline:
+                who = dead[0] if dead else self.children[0]
+                msg = f"store node {who.name} did not come up:\n{self._kids.tail(who)}"
+                raise RuntimeError(msg)
+            time.sleep(0.2)
+
+    def check(self) -> list[str]:
+        """Start again every node whose process exited, note those back; returns the ids of the nodes down now.
+
+        Raises:
+            RuntimeError: a node exited more than ``max_restarts`` times, or did not answer within
+                ``start_timeout_s`` of the outage's start.
+        """
+        for i, child in enumerate(self.children):
+            if not child.alive():
+                self._restart(i, child)
+        for outage in self.outages:
+            if outage.back_at is not None:
+                continue
+            if answers(outage.location):
+                outage.back_at = time.time()
+                log.warning("store %s (%s) is back after %.1f s", outage.node, outage.store,
+                            outage.back_at - outage.died_at)
+            elif time.time() - outage.died_at > self._start_timeout_s:
+                child = self.children[self.locations.index(outage.location)]
+                msg = (f"store node {outage.node} ({outage.store}) did not answer within {self._start_timeout_s} s "
+                       f"of its restart:\n{self._kids.tail(child)}")
+                raise RuntimeError(msg)
+        return [o.node for o in self.outages if o.back_at is None]
+
+    def wait_up(self) -> None:
+        """Return once no node is down (starting again those that exit); raises as :meth:`check` does."""
+        while self.check():
+            time.sleep(0.2)
+
+    def _restart(self, i: int, child: Child) -> None:
+        node, code = self.nodes[i], child.proc.returncode
+        if child.restarts >= self._max_restarts:
+            msg = (f"store node {node.node_name} ({child.name}) exited with {code} after {child.restarts} "
+                   f"restart(s) (max_store_restarts={self._max_restarts}):\n{self._kids.tail(child)}")
+            raise RuntimeError(msg)
+        log.warning("store %s (%s, pid %d) exited with %s: starting it again on %s from its spill log",
+                    node.node_name, child.name, child.pid, code, node.location)
+        still_down = next((o for o in self.outages if o.store == child.name and o.back_at is None), None)
+        if still_down is not None:
+            still_down.restarts += 1
+        else:
+            self.outages.append(Outage(store=child.name, node=str(node.node_name or node.location),
+                                       location=node.location, exit_code=code, died_at=time.time()))
+        self.children[i] = self._kids.restart(child)
+
+
+def answers(location: str) -> bool:
+    """Whether the node at ``location`` answers ``health`` now (a fresh connection: no reconnect backoff)."""
+    with StoreClient(location, timeout=1.0, retries=0) as probe:
+        return bool(probe.health()[location].get("ok"))
