@@ -18,13 +18,9 @@ stays strict: the first unreachable node raises).
 
 from __future__ import annotations
 
-import json
 import logging
-import os
 import threading
-import time
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, TypeVar, cast
 
@@ -33,9 +29,10 @@ import pyarrow as pa
 import pyarrow.flight as flight
 
 from flight_store import streams
+from flight_store.calls import NodeCalls
 from flight_store.cluster import ClusterView, view_from
 from flight_store.config import ClientConfig
-from flight_store.errors import KnitError, NodeUnavailableError, UnknownImageError, from_flight_error
+from flight_store.errors import NodeUnavailableError, UnknownImageError
 from flight_store.secrets import read_token_file
 from schemas.arrow import IMAGE_SCHEMA, METADATA_SCHEMA
 from schemas.plan import MicroBatch, MiniBatchPlan, PlannedSlice
@@ -90,40 +87,21 @@ class StoreClient:
         retries: int = 3,
         backoff: float = 0.1,
     ) -> None:
-        if retries < 0 or backoff < 0:
-            msg = f"retries and backoff must be >= 0, got retries={retries}, backoff={backoff}"
-            raise ValueError(msg)
-        self.retries = retries
-        """Extra attempts of a call that failed with a retryable error."""
-        self.backoff = backoff
-        """Seconds before the first retry (doubled each time, at most 5 s)."""
+        locs = [locations] if isinstance(locations, str) else list(locations)
+        self._calls = NodeCalls(locs, token=token, tls_root_certs=tls_root_certs, timeout=timeout, retries=retries,
+                                backoff=backoff)
+        self._nodes = self._calls.nodes
         self.last_failed_nodes: list[str] = []
         """Nodes that did not answer the latest ``scan_metadata(partial=True)`` / ``scan_new(partial=True)``."""
-        locs = [locations] if isinstance(locations, str) else list(locations)
-        if not locs:
-            msg = "StoreClient needs at least one location"
-            raise ValueError(msg)
-        if len(set(locs)) != len(locs):
-            msg = f"duplicate locations in {locs}"
-            raise ValueError(msg)
-        self._nodes = locs
-        token = token if token is not None else os.environ.get("KNIT_TOKEN") or None
-        if token is not None and not (token.isascii() and token.isprintable()):
-            msg = "token must be printable ASCII (it travels as a gRPC header value)"
-            raise ValueError(msg)
-        headers = [(b"authorization", b"Bearer " + token.encode())] if token else []
-        self._timeout = timeout
-        self._headers = headers
-        self._options = flight.FlightCallOptions(timeout=timeout, headers=headers)
-        kwargs: dict[str, Any] = {}
-        if tls_root_certs is not None:
-            kwargs["tls_root_certs"] = tls_root_certs
-        self._clients = {loc: flight.FlightClient(loc, **kwargs) for loc in locs}
-        self._pool = ThreadPoolExecutor(max_workers=max(2, min(32, 2 * len(locs))), thread_name_prefix="knit-client")
         self._cursor: dict[str, int] = dict.fromkeys(locs, 0)
         self._cursor_lock = threading.Lock()
         self._cluster: ClusterView | None = None
         self._cluster_lock = threading.Lock()
+
+    @property
+    def retries(self) -> int:
+        """Extra attempts of a call that failed with a retryable error."""
+        return self._calls.retries
 
     @classmethod
     def from_config(cls, locations: str | Sequence[str], config: ClientConfig) -> StoreClient:
@@ -160,89 +138,16 @@ class StoreClient:
 
     def cluster(self) -> dict[str, dict[str, Any]]:
         """The ``cluster`` answer of every node (its id, and its configured membership)."""
-        return self._fan_out(self._nodes, lambda n: self._retrying(n, lambda: self._action(n, "cluster", b"")))
-
-    def _client(self, node: str) -> flight.FlightClient:
-        try:
-            return self._clients[node]
-        except KeyError:
-            msg = f"unknown node {node!r}; this client knows {self._nodes}"
-            raise ValueError(msg) from None
-
-    def _call(self, node: str, fn: Callable[[flight.FlightClient], T]) -> T:
-        client = self._client(node)
-        try:
-            return fn(client)
-        except flight.FlightError as exc:
-            raise from_flight_error(exc, node=node) from None
-        except pa.ArrowException as exc:
-            raise from_flight_error(exc, node=node) from None
+        return self._fan_out(self._nodes, lambda n: self._calls.action(n, "cluster"))
 
     def _fan_out(
         self, nodes: Iterable[str], fn: Callable[[str], T], *, partial: bool = False, what: str = "call"
     ) -> dict[str, T]:
-        """``fn(node)`` for every node, concurrently (one node: on this thread); answers in node order.
-
-        Strict (default): the error of the first node (in order) that failed is raised. With
-        ``partial``, a node that raises :class:`NodeUnavailableError` is left out of the answer and
-        listed in :attr:`last_failed_nodes` (set by every partial call); other errors still raise.
-        """
-        todo = list(nodes)
-        if len(todo) == 1:
-            only = todo[0]
-            futures: dict[str, Callable[[], T]] = {only: lambda: fn(only)}
-        else:
-            futures = {n: self._pool.submit(fn, n).result for n in todo}
-        out: dict[str, T] = {}
-        failed: list[str] = []
-        for n, result in futures.items():
-            try:
-                out[n] = result()
-            except NodeUnavailableError as exc:
-                if not partial:
-                    raise
-                log.warning("%s: node %s is unavailable (%s); its answer is left out", what, n, exc)
-                failed.append(n)
+        """:meth:`NodeCalls.fan_out`; a partial call lists the nodes it left out in :attr:`last_failed_nodes`."""
+        out, failed = self._calls.fan_out(nodes, fn, partial=partial, what=what)
         if partial:
             self.last_failed_nodes = failed
         return out
-
-    def _retrying(self, node: str, call: Callable[[], T]) -> T:
-        """``call()`` retried with exponential backoff while it fails with a retryable error."""
-        delay = self.backoff
-        for attempt in range(self.retries):
-            try:
-                return call()
-            except KnitError as exc:
-                if not exc.retryable:
-                    raise
-                log.warning("call to %s failed (attempt %d): %s; retrying in %.2fs", node, attempt + 1, exc, delay)
-                time.sleep(delay)
-                delay = min(5.0, delay * 2)
-        return call()
-
-    def _action(self, node: str, name: str, body: bytes) -> dict[str, Any]:
-        def run(c: flight.FlightClient) -> dict[str, Any]:
-            results = list(c.do_action(flight.Action(name, body), self._options))
-            return json.loads(results[0].body.to_pybytes()) if results else {}
-
-        return self._call(node, run)
-
-    def _put(self, node: str, descriptor: bytes, table: pa.Table) -> dict[str, Any]:
-        def run(c: flight.FlightClient) -> dict[str, Any]:
-            writer, reader = c.do_put(flight.FlightDescriptor.for_command(descriptor), table.schema, self._options)
-            try:
-                writer.write_table(table)
-                writer.done_writing()
-                buf = reader.read()
-            finally:
-                writer.close()
-            return json.loads(buf.to_pybytes()) if buf is not None else {}
-
-        return self._call(node, run)
-
-    def _get(self, node: str, ticket: bytes) -> pa.Table:
-        return self._call(node, lambda c: c.do_get(flight.Ticket(ticket), self._options).read_all())
 
     # ---- writes --------------------------------------------------------------------------------
 
@@ -266,7 +171,7 @@ class StoreClient:
             group_id = str(table.column("group_id")[0].as_py())
         target = node if node is not None else self.node_for(group_id)
         desc = PutGroup(group_id=group_id, rows=table.num_rows).to_bytes()
-        self._retrying(target, lambda: self._put(target, desc, table))
+        self._calls.put(target, desc, table)
         return target
 
     def put_images(self, table: pa.Table | pa.RecordBatch, *, group_ids: Iterable[str] = (),
@@ -281,19 +186,19 @@ class StoreClient:
             msg = "put_images needs group_ids= (the groups that reference the images) or node="
             raise ValueError(msg)
         desc = PutImages().to_bytes()
-        answers = self._fan_out(sorted(nodes), lambda n: self._retrying(n, lambda: self._put(n, desc, t)))
+        answers = self._fan_out(sorted(nodes), lambda n: self._calls.put(n, desc, t))
         return sum(int(a.get("stored", 0)) for a in answers.values())
 
     def put_weights(self, table: pa.Table, version: int, *, node: str | None = None) -> None:
         """DoPut a weights table (``schemas.weights``) as ``version`` to ``node`` (default: every node)."""
         desc = PutWeights(version=version).to_bytes()
         self._fan_out([node] if node is not None else self._nodes,
-                      lambda n: self._retrying(n, lambda: self._put(n, desc, table)))
+                      lambda n: self._calls.put(n, desc, table))
 
     def get_weights(self, version: int | None = None, *, node: str | None = None) -> pa.Table:
         """The latest weights (exactly ``version`` when given) from ``node`` (default: the first node)."""
         target = node or self._nodes[0]
-        return self._retrying(target, lambda: self._get(target, WeightsTicket(version=version).to_bytes()))
+        return self._calls.get(target, WeightsTicket(version=version).to_bytes())
 
     # ---- metadata ------------------------------------------------------------------------------
 
@@ -323,7 +228,7 @@ class StoreClient:
 
         def scan(n: str) -> pa.Table:
             ticket = MetadataTicket(since=int(since.get(n, 0)), columns=cols).to_bytes()
-            return self._retrying(n, lambda: self._get(n, ticket))
+            return self._calls.get(n, ticket)
 
         tables = self._fan_out(self._nodes, scan, partial=partial, what="metadata scan")
         if not partial:
@@ -363,7 +268,7 @@ class StoreClient:
             return streams.empty_table(cols)
         per_node = streams.by_node(slices)
         for n in per_node:
-            self._client(n)
+            self._calls.client(n)
 
         def one(n: str) -> pa.Table:
             return self._get_retrying(n, streams.slices_ticket(per_node[n], cols), streams.group_ids(per_node[n]))
@@ -390,16 +295,16 @@ class StoreClient:
         mbs = [list(m) for m in micro_batches]
         per_node = streams.by_node([s for m in mbs for s in m])
         for n in per_node:
-            self._client(n)
-        timeout = None if self._timeout is None else self._timeout * max(1, len(mbs))
-        options = flight.FlightCallOptions(timeout=timeout, headers=self._headers)
+            self._calls.client(n)
+        timeout = None if self._calls.timeout is None else self._calls.timeout * max(1, len(mbs))
+        options = flight.FlightCallOptions(timeout=timeout, headers=self._calls.headers)
         readers: dict[str, streams.NodeStream | None] = {}
 
         def take(n: str, node_slices: list[PlannedSlice]) -> pa.Table:
             node_stream, rows = readers[n], sum(s.rows for s in node_slices)
             if node_stream is not None:
                 try:
-                    return self._call(n, lambda _c: node_stream.take(rows))
+                    return self._calls.call(n, lambda _c: node_stream.take(rows))
                 except NodeUnavailableError as exc:
                     log.warning("stream from %s broke (%s); fetching its slices one micro-batch at a time", n, exc)
                     readers[n] = None
@@ -412,7 +317,7 @@ class StoreClient:
             def run(c: flight.FlightClient) -> streams.NodeStream:
                 return streams.NodeStream(c.do_get(ticket, options), n)
 
-            return self._call(n, run)
+            return self._calls.call(n, run)
 
         try:
             for n, ss in per_node.items():
@@ -430,7 +335,7 @@ class StoreClient:
                     for n, node_stream in readers.items():
                         if node_stream is not None:
                             try:
-                                self._call(n, node_stream.finish)
+                                self._calls.call(n, node_stream.finish)
                             except NodeUnavailableError as exc:  # every row arrived; only the end is missing
                                 log.info("stream from %s did not end cleanly (%s); all its rows had arrived", n, exc)
                             readers[n] = None
@@ -441,9 +346,9 @@ class StoreClient:
                     node_stream.reader.cancel()
 
     def _get_retrying(self, node: str, ticket: bytes, group_ids: list[str]) -> pa.Table:
-        """``_get`` with :meth:`_retrying`; a node still unavailable at the end is named with the groups it held."""
+        """:meth:`NodeCalls.get`; a node still unavailable after its retries is named with the groups it held."""
         try:
-            return self._retrying(node, lambda: self._get(node, ticket))
+            return self._calls.get(node, ticket)
         except NodeUnavailableError as exc:
             more = f", ... ({len(group_ids)} in all)" if len(group_ids) > 8 else ""
             shown = ", ".join(group_ids[:8]) + more
@@ -468,7 +373,7 @@ class StoreClient:
 
         def get(n: str) -> pa.Table:
             ticket = ImagesTicket(keys=[k.hex() for k in asked[n]], missing_ok=nodes is None).to_bytes()
-            return self._retrying(n, lambda: self._get(n, ticket))
+            return self._calls.get(n, ticket)
 
         found = pa.concat_tables([t.cast(IMAGE_SCHEMA) for t in self._fan_out(asked, get).values()])
         first: dict[bytes, int] = {}
@@ -503,30 +408,31 @@ class StoreClient:
         if not ids:
             return dict.fromkeys(self._nodes, 0)
         body = ReleaseBody(group_ids=ids).to_bytes()
-        return self._fan_out(self._nodes, lambda n: int(self._retrying(n, lambda: self._action(n, "release", body))[
-            "released"]), partial=partial, what="release")
+        answers = self._fan_out(self._nodes, lambda n: self._calls.action(n, "release", body), partial=partial,
+                                what="release")
+        return {n: int(a["released"]) for n, a in answers.items()}
 
     def publish_version(self, version: int) -> None:
         """Record the newest policy version on every node."""
         body = PublishVersionBody(version=version).to_bytes()
-        self._fan_out(self._nodes, lambda n: self._retrying(n, lambda: self._action(n, "publish_version", body)))
+        self._fan_out(self._nodes, lambda n: self._calls.action(n, "publish_version", body))
 
     def get_version(self) -> int:
         """The newest published policy version (max over nodes)."""
         body = EmptyBody().to_bytes()
-        answers = self._fan_out(self._nodes, lambda n: self._action(n, "get_version", body))
+        answers = self._fan_out(self._nodes, lambda n: self._calls.action(n, "get_version", body, retry=False))
         return max(int(a["version"]) for a in answers.values())
 
     def stats(self) -> dict[str, dict[str, Any]]:
         """The ``stats`` answer of every node."""
-        return self._fan_out(self._nodes, lambda n: self._action(n, "stats", b""))
+        return self._fan_out(self._nodes, lambda n: self._calls.action(n, "stats", retry=False))
 
     def health(self) -> dict[str, dict[str, Any]]:
         """The ``health`` answer of every node; an unreachable node answers ``{"ok": False, "error": ...}``."""
 
         def one(n: str) -> dict[str, Any]:
             try:
-                return self._action(n, "health", b"")
+                return self._calls.action(n, "health", retry=False)
             except Exception as exc:  # health reports, it does not raise
                 return {"ok": False, "node": n, "error": str(exc)}
 
@@ -534,9 +440,7 @@ class StoreClient:
 
     def close(self) -> None:
         """Close every connection and the thread pool."""
-        self._pool.shutdown(wait=False, cancel_futures=True)
-        for c in self._clients.values():
-            c.close()
+        self._calls.close()
 
     def __enter__(self) -> StoreClient:
         return self

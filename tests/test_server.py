@@ -70,7 +70,7 @@ def test_malformed_ticket_is_a_wire_error(store_nodes, make_group, raw_ticket: b
     (server,) = store_nodes(1)
     with StoreClient(server.location) as client:
         with pytest.raises(WireDecodeError):
-            client._get(server.location, raw_ticket)
+            client._calls.get(server.location, raw_ticket)
         _still_serves(client, make_group)
 
 
@@ -82,7 +82,7 @@ def test_malformed_descriptor_is_a_wire_error(store_nodes, make_group, raw_descr
     (server,) = store_nodes(1)
     with StoreClient(server.location) as client:
         with pytest.raises(WireDecodeError, match="descriptor"):
-            client._put(server.location, raw_descriptor, pa.Table.from_batches([make_group("g")]))
+            client._calls.put(server.location, raw_descriptor, pa.Table.from_batches([make_group("g")]))
         assert server.store.group_ids() == []
         _still_serves(client, make_group)
 
@@ -183,7 +183,7 @@ def test_doget_slices_projection_and_order(store_nodes, make_group) -> None:
             ("c", 3),
             ("a", 0),
         ]
-        meta = client._get(loc, MetadataTicket(since=4, columns=["group_id"]).to_bytes())
+        meta = client._calls.get(loc, MetadataTicket(since=4, columns=["group_id"]).to_bytes())
         assert meta.column_names == ["seq", "group_id"] and meta["group_id"].to_pylist() == ["b"] * 4 + ["c"] * 4
 
 

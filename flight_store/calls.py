@@ -1,0 +1,154 @@
+"""The plumbing under :class:`flight_store.client.StoreClient`: one Flight client per node, and how a call is made.
+
+:class:`NodeCalls` holds the connections, the call options (deadline, bearer token) and a thread
+pool, and gives every client call the same four things: a typed error for every Flight failure
+(:func:`flight_store.errors.from_flight_error`, naming the node), retries of exactly the retryable
+errors with exponential backoff, a fan-out over several nodes at once, and the three raw Flight
+calls the client builds on (an action, a DoPut of one table, a DoGet read whole).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import time
+from collections.abc import Callable, Iterable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, TypeVar
+
+import pyarrow as pa
+import pyarrow.flight as flight
+
+from flight_store.errors import KnitError, NodeUnavailableError, from_flight_error
+
+T = TypeVar("T")
+log = logging.getLogger(__name__)
+
+MAX_BACKOFF_S = 5.0
+"""The longest wait between two attempts of a call."""
+
+
+class NodeCalls:
+    """Calls to a fixed set of store nodes (see :class:`flight_store.client.StoreClient` for the arguments)."""
+
+    def __init__(self, locations: Sequence[str], *, token: str | None, tls_root_certs: bytes | None,
+                 timeout: float | None, retries: int, backoff: float) -> None:
+        if retries < 0 or backoff < 0:
+            msg = f"retries and backoff must be >= 0, got retries={retries}, backoff={backoff}"
+            raise ValueError(msg)
+        if not locations:
+            msg = "StoreClient needs at least one location"
+            raise ValueError(msg)
+        if len(set(locations)) != len(locations):
+            msg = f"duplicate locations in {list(locations)}"
+            raise ValueError(msg)
+        token = token if token is not None else os.environ.get("KNIT_TOKEN") or None
+        if token is not None and not (token.isascii() and token.isprintable()):
+            msg = "token must be printable ASCII (it travels as a gRPC header value)"
+            raise ValueError(msg)
+        self.nodes = list(locations)
+        """The node names (= locations), in the order given."""
+        self.retries = retries
+        self.backoff = backoff
+        self.timeout = timeout
+        self.headers = [(b"authorization", b"Bearer " + token.encode())] if token else []
+        """The headers every call carries (the bearer token)."""
+        self.options = flight.FlightCallOptions(timeout=timeout, headers=self.headers)
+        kwargs: dict[str, Any] = {} if tls_root_certs is None else {"tls_root_certs": tls_root_certs}
+        self._clients = {loc: flight.FlightClient(loc, **kwargs) for loc in self.nodes}
+        self._pool = ThreadPoolExecutor(max_workers=max(2, min(32, 2 * len(self.nodes))),
+                                        thread_name_prefix="knit-client")
+
+    def client(self, node: str) -> flight.FlightClient:
+        """The Flight client of ``node``; ``ValueError`` for a node this client does not know."""
+        try:
+            return self._clients[node]
+        except KeyError:
+            msg = f"unknown node {node!r}; this client knows {self.nodes}"
+            raise ValueError(msg) from None
+
+    def call(self, node: str, fn: Callable[[flight.FlightClient], T]) -> T:
+        """``fn(client of node)``, its Flight and Arrow errors turned into the project's typed errors."""
+        client = self.client(node)
+        try:
+            return fn(client)
+        except (flight.FlightError, pa.ArrowException) as exc:
+            raise from_flight_error(exc, node=node) from None
+
+    def retrying(self, node: str, call: Callable[[], T]) -> T:
+        """``call()`` retried with exponential backoff while it fails with a retryable error."""
+        delay = self.backoff
+        for attempt in range(self.retries):
+            try:
+                return call()
+            except KnitError as exc:
+                if not exc.retryable:
+                    raise
+                log.warning("call to %s failed (attempt %d): %s; retrying in %.2fs", node, attempt + 1, exc, delay)
+                time.sleep(delay)
+                delay = min(MAX_BACKOFF_S, delay * 2)
+        return call()
+
+    def fan_out(self, nodes: Iterable[str], fn: Callable[[str], T], *, partial: bool = False,
+                what: str = "call") -> tuple[dict[str, T], list[str]]:
+        """``fn(node)`` for every node, concurrently (one node: on this thread): the answers in node order, and
+        the nodes left out.
+
+        Strict (default): the error of the first node (in order) that failed is raised. With
+        ``partial``, a node that raises :class:`NodeUnavailableError` is left out of the answers and
+        listed; other errors still raise.
+        """
+        todo = list(nodes)
+        if len(todo) == 1:
+            only = todo[0]
+            futures: dict[str, Callable[[], T]] = {only: lambda: fn(only)}
+        else:
+            futures = {n: self._pool.submit(fn, n).result for n in todo}
+        out: dict[str, T] = {}
+        failed: list[str] = []
+        for n, result in futures.items():
+            try:
+                out[n] = result()
+            except NodeUnavailableError as exc:
+                if not partial:
+                    raise
+                log.warning("%s: node %s is unavailable (%s); its answer is left out", what, n, exc)
+                failed.append(n)
+        return out, failed
+
+    def action(self, node: str, name: str, body: bytes = b"", *, retry: bool = True) -> dict[str, Any]:
+        """Flight action ``name`` on ``node``: its one JSON answer (``{}`` for none); retried unless ``retry=False``."""
+        def run(c: flight.FlightClient) -> dict[str, Any]:
+            results = list(c.do_action(flight.Action(name, body), self.options))
+            return json.loads(results[0].body.to_pybytes()) if results else {}
+
+        return self._once_or_retried(node, lambda: self.call(node, run), retry)
+
+    def put(self, node: str, descriptor: bytes, table: pa.Table) -> dict[str, Any]:
+        """DoPut ``table`` under ``descriptor``, ended cleanly (the node commits only then): its answer; retried."""
+        def run(c: flight.FlightClient) -> dict[str, Any]:
+            writer, reader = c.do_put(flight.FlightDescriptor.for_command(descriptor), table.schema, self.options)
+            try:
+                writer.write_table(table)
+                writer.done_writing()
+                buf = reader.read()
+            finally:
+                writer.close()
+            return json.loads(buf.to_pybytes()) if buf is not None else {}
+
+        return self.retrying(node, lambda: self.call(node, run))
+
+    def get(self, node: str, ticket: bytes) -> pa.Table:
+        """DoGet ``ticket`` from ``node``, read whole; retried."""
+        return self.retrying(node, lambda: self.call(node, lambda c: c.do_get(flight.Ticket(ticket),
+                                                                               self.options).read_all()))
+
+    def _once_or_retried(self, node: str, call: Callable[[], T], retry: bool) -> T:
+        return self.retrying(node, call) if retry else call()
+
+    def close(self) -> None:
+        """Stop the pool and close every connection."""
+        self._pool.shutdown(wait=False, cancel_futures=True)
+        for c in self._clients.values():
+            c.close()
