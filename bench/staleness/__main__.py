@@ -1,0 +1,124 @@
+"""Architectural-staleness simulator: train-batch vs mini-batch admission at matched throughput.
+
+``python -m bench.staleness [--quick] [--math-sigma 0.9] --out results/staleness.json``
+
+Variant flags (to locate what bounds the reduction): ``--math-sigma`` (tail length), ``--sync
+per_train_batch`` (sync granularity), ``--version-at start`` (version semantics: no in-flight weight
+updates), ``--trainer-slowdown F`` (optimizer-step time relative to generation latency: F times the
+calibrated trainer), ``--loader-order slow_first``. Each run reports the lookahead search it did.
+
+The trainer is calibrated first (:func:`~bench.staleness.search.calibrate`); ``train_batch`` (L = 2B)
+and ``colocated`` (L = B) run at fixed lookaheads, ``mini_batch`` at the smallest lookahead that
+matches ``train_batch``'s throughput (:func:`~bench.staleness.search.match_throughput`); then the
+planner's decision time over 100k trajectories (:mod:`bench.staleness.plan_time`). The model is in
+:mod:`bench.staleness.sim`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any
+
+from bench._common import timer, write_result
+from bench.staleness.plan_time import plan_ms_p50_100k
+from bench.staleness.search import calibrate, match_throughput, run_policy
+from bench.staleness.workload import SimParams
+
+log = logging.getLogger(__name__)
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    """Run the benchmark; returns the result document written to ``--out``."""
+    args = _parser().parse_args(argv)
+    p = SimParams(train_batches=args.train_batches or (6 if args.quick else 20), math_sigma=args.math_sigma,
+                  sync=args.sync, version_at=args.version_at,
+                  loader_order=args.loader_order)
+    seeds = list(range(args.seeds))
+    with timer() as wall:
+        p.train_s_per_token = args.trainer_slowdown * calibrate(
+            SimParams(**{**asdict(p), "train_batches": min(p.train_batches, 6)}), 0, target_busy=0.92)
+        p.trainer_slowdown = args.trainer_slowdown
+        b = p.groups
+        res: dict[str, dict[str, Any]] = {
+            "train_batch": run_policy(p, "train_batch", 2 * b, seeds),
+            "colocated": run_policy(p, "colocated", b, seeds),
+        }
+        res["mini_batch"], search = match_throughput(p, seeds, res["train_batch"]["throughput"])
+        plan_ms = plan_ms_p50_100k()
+    tb, mb = res["train_batch"], res["mini_batch"]
+    metrics: dict[str, Any] = {
+        f"{pol}_{key}": val for pol, r in res.items() for key, val in r.items() if key != "per_step_arch_mean"
+    }
+    metrics.update({
+        "mini_batch_lookahead_groups": mb["lookahead_groups"],
+        "quota_violations": int(sum(r["quota_violations"] for r in res.values())),
+        "plan_ms_p50_100k": plan_ms,
+        "wall_s": wall[0],
+        "lookahead_search": search,
+    })
+    ratios = {
+        "arch_staleness_reduction": 1.0 - mb["arch_mean"] / tb["arch_mean"] if tb["arch_mean"] else 0.0,
+        "arch_staleness_reduction_token_weighted":
+            1.0 - mb["arch_token_weighted"] / tb["arch_token_weighted"] if tb["arch_token_weighted"] else 0.0,
+        "throughput_mini_vs_train": mb["throughput"] / tb["throughput"],
+    }
+    params = {**asdict(p), "seeds": seeds, "quick": args.quick,
+              "lookahead": {"train_batch": 2 * p.groups, "colocated": p.groups, "mini_batch": mb["lookahead_groups"]}}
+    doc = write_result(args.out, metrics, ratios, params,
+                       per_step_arch_mean={k: v["per_step_arch_mean"] for k, v in res.items()})
+    _plot(Path(args.out).with_suffix(".png"), res)
+    print(f"arch staleness mean: train_batch {tb['arch_mean']:.3f}  mini_batch {mb['arch_mean']:.3f}  "
+          f"colocated {res['colocated']['arch_mean']:.3f}")
+    print(f"reduction {ratios['arch_staleness_reduction']:.3f}  throughput mini/train "
+          f"{ratios['throughput_mini_vs_train']:.3f}  L={mb['lookahead_groups']}  quota violations "
+          f"{metrics['quota_violations']}  plan p50 {plan_ms:.1f} ms  wall {wall[0]:.0f}s")
+    return doc
+
+
+def _parser() -> argparse.ArgumentParser:
+    """The command line: ``--quick``, ``--out``, the variant flags, seeds and train batches."""
+    ap = argparse.ArgumentParser(prog="python -m bench.staleness", description=__doc__.splitlines()[0])
+    ap.add_argument("--quick", action="store_true", help="6 train batches instead of 20")
+    ap.add_argument("--out", required=True, help="result JSON path (PNG written beside it)")
+    ap.add_argument("--math-sigma", type=float, default=0.9, help="lognormal sigma of math response lengths")
+    ap.add_argument("--sync", choices=["per_step", "per_train_batch"], default="per_step")
+    ap.add_argument("--version-at", choices=["start", "complete"], default="complete",
+                    help="policy_version of a group: rollout version at its completion (default, in-flight weight "
+                         "updates as the rollout worker does) or at its start")
+    ap.add_argument("--trainer-slowdown", type=float, default=1.0,
+                    help="multiply the calibrated trainer time (variant: trainer-bound pipeline)")
+    ap.add_argument("--loader-order", choices=["shuffled", "slow_first", "math_ahead"], default="shuffled",
+                    help="dispatch order: slow_first = math before chat in a chunk; math_ahead = math one chunk early")
+    ap.add_argument("--seeds", type=int, default=3)
+    ap.add_argument("--train-batches", type=int, default=None)
+    return ap
+
+
+def _plot(path: Path, res: dict[str, dict[str, Any]]) -> None:
+    """Mean architectural staleness per optimizer step, one line per policy (optional: needs matplotlib)."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:  # plotting is optional
+        log.warning("matplotlib not installed (pip install knittrans[bench]); no plot written")
+        return
+    fig, ax = plt.subplots(figsize=(8, 4))
+    for pol, r in res.items():
+        label = f"{pol} (L={r['lookahead_groups']})"
+        ax.plot(range(len(r["per_step_arch_mean"])), r["per_step_arch_mean"], label=label, marker=".")
+    ax.set_xlabel("optimizer step")
+    ax.set_ylabel("mean architectural staleness (versions)")
+    ax.set_title("Architectural staleness per optimizer step (seed 0)")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+if __name__ == "__main__":
+    main()
