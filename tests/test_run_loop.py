@@ -109,17 +109,30 @@ def test_knit_run_quick_loop(model_dir: Path, tmp_path: Path) -> None:
     assert meta.height == rows and meta["node"].n_unique() == 2  # both store nodes held groups
 
 
-def test_ctrl_c_stops_every_process(model_dir: Path, tmp_path: Path) -> None:
+def _start_training(out: Path, model_dir: Path, batches: int, *, within_s: float) -> subprocess.Popen[str]:
+    """``knit run`` of ``batches`` train batches into ``out``, returned once its trainer has started training."""
     from launcher.children import child_env
 
-    out = tmp_path / "run"
-    proc = subprocess.Popen(_cmd(out, model_dir, "--train-batches", "50"), cwd=ROOT, env=child_env(),
+    proc = subprocess.Popen(_cmd(out, model_dir, "--train-batches", str(batches)), cwd=ROOT, env=child_env(),
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    deadline = time.monotonic() + within_s
+    while time.monotonic() < deadline and not (out / "progress.jsonl").exists() and proc.poll() is None:
+        time.sleep(0.2)
+    if not (out / "progress.jsonl").exists():
+        proc.send_signal(signal.SIGINT)  # the driver stops its children
+        try:
+            output, _ = proc.communicate(timeout=90)
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+        raise AssertionError(f"the run did not start training:\n{output[-3000:]}")
+    return proc
+
+
+def test_ctrl_c_stops_every_process(model_dir: Path, tmp_path: Path) -> None:
+    out = tmp_path / "run"
+    proc = _start_training(out, model_dir, 50, within_s=120)
     try:
-        deadline = time.monotonic() + 120
-        while time.monotonic() < deadline and not (out / "progress.jsonl").exists():  # training has started
-            time.sleep(0.5)
-        assert (out / "progress.jsonl").exists(), "the run did not start training"
         proc.send_signal(signal.SIGINT)
         output, _ = proc.communicate(timeout=90)
     finally:
@@ -152,16 +165,9 @@ def _retry_window(log: Path, location: str) -> tuple[float, float] | None:
 
 def test_a_store_killed_mid_run_is_restarted_and_every_trajectory_trained_once(model_dir: Path,
                                                                                 tmp_path: Path) -> None:
-    from launcher.children import child_env
-
     out, batches = tmp_path / "run", 3
-    proc = subprocess.Popen(_cmd(out, model_dir, "--train-batches", str(batches)), cwd=ROOT, env=child_env(),
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    proc = _start_training(out, model_dir, batches, within_s=150)
     try:
-        deadline = time.monotonic() + 150
-        while time.monotonic() < deadline and not (out / "progress.jsonl").exists():  # training has started
-            time.sleep(0.2)
-        assert (out / "progress.jsonl").exists(), "the run did not start training"
         victim = next(c for c in json.loads((out / "logs" / "children.json").read_text()) if c["name"] == "store0")
         os.kill(victim["pid"], signal.SIGKILL)  # node0: groups, the weights the rollout reads, the version
         killed_at = time.time()
