@@ -107,3 +107,19 @@ def make_group():  # type: ignore[no-untyped-def]
         return records_to_batch(recs)
 
     return make
+
+
+@pytest.fixture
+def spread_ids():  # type: ignore[no-untyped-def]
+    """Factory: ``spread_ids(client, n)`` -> ``n`` group ids owned by the client's nodes in turn.
+
+    Routing hashes the nodes' locations, whose ports are random; fixed ids could all land on one node.
+    """
+
+    def spread(client, n: int) -> list[str]:  # type: ignore[no-untyped-def]
+        by_node: dict[str, list[str]] = {node: [] for node in client.nodes}
+        for gid in (f"g{i}" for i in range(50 * n)):
+            by_node[client.node_for(gid)].append(gid)
+        return [gid for taken in zip(*by_node.values(), strict=False) for gid in taken][:n]
+
+    return spread

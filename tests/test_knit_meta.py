@@ -16,18 +16,18 @@ ROOT = Path(__file__).resolve().parents[1]
 SQL = "SELECT data_source, avg(reward) AS reward, count(*) AS n FROM trajectories GROUP BY 1 ORDER BY 1"
 
 
-def _write(client: StoreClient, make_group) -> None:  # type: ignore[no-untyped-def]
-    # 6 groups of 4 over 3 sources; make_group's rewards are i % 2 -> 0.5 per group
-    for g in range(6):
+def _write(client: StoreClient, make_group, spread_ids) -> None:  # type: ignore[no-untyped-def]
+    # 6 groups of 4 over 3 sources, owned by every node; make_group's rewards are i % 2 -> 0.5 per group
+    for g, gid in enumerate(spread_ids(client, 6)):
         source = ("math", "code", "chat")[g % 3]
-        client.put_group(make_group(f"g{g}", size=4, data_source=source, policy_version=g // 2))
+        client.put_group(make_group(gid, size=4, data_source=source, policy_version=g // 2))
 
 
-def test_knit_meta_sql_over_two_live_nodes(store_nodes, make_group) -> None:  # type: ignore[no-untyped-def]
+def test_knit_meta_sql_over_two_live_nodes(store_nodes, make_group, spread_ids) -> None:  # type: ignore[no-untyped-def]
     servers = store_nodes(2)
     nodes = [s.location for s in servers]
     with StoreClient(nodes) as client:
-        _write(client, make_group)
+        _write(client, make_group, spread_ids)
         assert set(client.scan_metadata(columns=["group_id"])["node"].unique()) == set(nodes)  # both nodes hold data
     res = subprocess.run([sys.executable, "-m", "launcher", "meta", "--stores", ",".join(nodes), "--sql", SQL,
                           "--format", "json"], cwd=ROOT, capture_output=True, text=True, timeout=60, check=False)
@@ -38,10 +38,10 @@ def test_knit_meta_sql_over_two_live_nodes(store_nodes, make_group) -> None:  # 
     assert all(abs(r["reward"] - 0.5) < 1e-9 for r in rows)
 
 
-def test_knit_meta_refuses_a_bad_query(store_nodes, make_group) -> None:  # type: ignore[no-untyped-def]
+def test_knit_meta_refuses_a_bad_query(store_nodes, make_group, spread_ids) -> None:  # type: ignore[no-untyped-def]
     (server,) = store_nodes(1)
     with StoreClient(server.location) as client:
-        _write(client, make_group)
+        _write(client, make_group, spread_ids)
     res = subprocess.run([sys.executable, "-m", "launcher", "meta", "--stores", server.location, "--sql",
                           "SELECT no_such_column FROM trajectories"], cwd=ROOT, capture_output=True, text=True,
                          timeout=60, check=False)
@@ -49,10 +49,10 @@ def test_knit_meta_refuses_a_bad_query(store_nodes, make_group) -> None:  # type
     assert "no_such_column" in res.stderr
 
 
-def test_metadata_lazyframe_api(store_nodes, make_group) -> None:  # type: ignore[no-untyped-def]
+def test_metadata_lazyframe_api(store_nodes, make_group, spread_ids) -> None:  # type: ignore[no-untyped-def]
     servers = store_nodes(2)
     with StoreClient([s.location for s in servers]) as client:
-        _write(client, make_group)
+        _write(client, make_group, spread_ids)
         lazy = client.metadata()
         assert isinstance(lazy, pl.LazyFrame)
         per_version = (lazy.group_by("policy_version").agg(pl.len().alias("n"), pl.col("response_len").sum())

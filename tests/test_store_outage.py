@@ -53,15 +53,16 @@ def _wait_down(stores: Stores, i: int) -> None:
         time.sleep(0.02)
 
 
-def test_a_killed_node_comes_back_on_its_port_with_every_acknowledged_group(tmp_path: Path, make_group) -> None:  # type: ignore[no-untyped-def]
+def test_a_killed_node_comes_back_on_its_port_with_every_acknowledged_group(  # type: ignore[no-untyped-def]
+        tmp_path: Path, make_group, spread_ids) -> None:
     with Children(tmp_path / "logs") as kids:
         stores = Stores(kids, _configs(tmp_path, 2), tmp_path, max_restarts=1, start_timeout_s=30)
         stores.start()
         assert stores.check() == [] and stores.outages == []
         node0 = stores.locations[0]
         with StoreClient(stores.locations, retries=20, backoff=0.05, timeout=5) as client:
-            for i in range(8):
-                client.put_group(make_group(f"g{i}", size=4))
+            for gid in spread_ids(client, 8):
+                client.put_group(make_group(gid, size=4))
             before = client.scan_new(columns=["group_id", "sample_idx"]).sort("seq")
             held = before.filter(before["node"] == node0)["group_id"].unique().to_list()
             assert held, "routing gave node0 no group"
