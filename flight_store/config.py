@@ -12,6 +12,15 @@ import logging
 from dataclasses import dataclass, field
 from typing import Literal
 
+HISTORY_ROW_BYTES = 220
+"""Resident bytes of one metadata row kept for a released group (measured: ~217)."""
+TOMBSTONE_BYTES = 900
+"""Resident bytes of one released group's tombstone (measured: ~897)."""
+BOOKKEEPING_SHARE = 16
+"""The history and the tombstones each get at most ``memory_budget // BOOKKEEPING_SHARE`` by default."""
+MIN_BOOKKEEPING, MAX_BOOKKEEPING = 64, 100_000
+"""The derived bounds of the history rows and the tombstones stay within these."""
+
 
 @dataclass(kw_only=True, slots=True)
 class StoreConfig:
@@ -41,12 +50,14 @@ class StoreConfig:
     """Directory of the durable spill log (created if missing); ``None`` = memory only."""
     weights_versions: int = 2
     """Weights versions kept (the newest ones); storing one more frees the oldest."""
-    history_rows: int = 100_000
+    history_rows: int | None = None
     """Metadata rows of released groups kept for scans (``released`` true); beyond them the oldest are dropped,
-    so memory follows the live data (~120 bytes a row)."""
-    tombstones: int = 100_000
-    """Released groups remembered (id, row count, content digests: ~600 bytes each) so a retried write of one
-    is recognised; beyond them the oldest are forgotten."""
+    so memory follows the live data. ``None`` = as many as a sixteenth of ``memory_budget`` holds (~220 bytes a
+    row), at most 100,000 (100,000 without a budget)."""
+    tombstones: int | None = None
+    """Released groups remembered (id, row count, content digests) so a retried write of one is recognised;
+    beyond them the oldest are forgotten. ``None`` = as many as a sixteenth of ``memory_budget`` holds (~900
+    bytes a group), at most 100,000 (100,000 without a budget)."""
     spill_recovery: Literal["refuse", "salvage"] = "refuse"
     """A spill log damaged inside (not a torn tail): ``refuse`` to start, naming the file and offset, or
     ``salvage`` every intact frame (the damaged file is kept aside)."""
@@ -65,7 +76,7 @@ class StoreConfig:
             msg = f"memory_budget must be positive bytes or None, got {self.memory_budget}"
             raise ValueError(msg)
         for name in ("weights_versions", "history_rows", "tombstones", "spill_compact_bytes"):
-            if getattr(self, name) < 1:
+            if getattr(self, name) is not None and getattr(self, name) < 1:
                 msg = f"{name} must be >= 1, got {getattr(self, name)}"
                 raise ValueError(msg)
         if not self.node_name:
@@ -74,6 +85,29 @@ class StoreConfig:
         if self.spill_dir is not None and not self.spill_dir:
             msg = f"spill_dir must be a directory path or None, got {self.spill_dir!r}"
             raise ValueError(msg)
+
+
+    def bookkeeping(self) -> tuple[int, int]:
+        """``(history_rows, tombstones)``: the bounds given, or those derived from the budget (see the fields).
+
+        What a node keeps of its released groups must never crowd out the groups it stores: with the
+        derived bounds it holds about an eighth of the budget at most, so releasing consumed groups always
+        makes room.
+
+        Example:
+            >>> StoreConfig(memory_budget=64 << 20).bookkeeping()
+            (19065, 4660)
+            >>> StoreConfig().bookkeeping(), StoreConfig(history_rows=10).bookkeeping()[0]
+            ((100000, 100000), 10)
+        """
+        share = None if self.memory_budget is None else self.memory_budget // BOOKKEEPING_SHARE
+
+        def bound(given: int | None, each: int) -> int:
+            if given is not None:
+                return given
+            return MAX_BOOKKEEPING if share is None else max(MIN_BOOKKEEPING, min(MAX_BOOKKEEPING, share // each))
+
+        return bound(self.history_rows, HISTORY_ROW_BYTES), bound(self.tombstones, TOMBSTONE_BYTES)
 
 
 @dataclass(kw_only=True, slots=True)

@@ -341,8 +341,9 @@ class Incoming:
     :meth:`add` counts each received batch: the write's thread (:data:`WRITE_OVERHEAD`, from the first
     byte on) and :data:`COPIES_IN_FLIGHT` copies of its bytes. It refuses at once a write whose bytes so
     far exceed the whole budget (:class:`CapacityExceededError`, never retry) and, when anything is
-    stored and ``admit()`` says the write would add new data, one that cannot fit next to the stored data
-    and the OTHER writes in flight (twice its bytes; retryable), and the RSS guard. The exact check
+    stored and ``admit()`` says the write would add new data, one whose bytes cannot fit next to the stored data
+    and the OTHER writes in flight (retryable), and one whose block (the copy still to be made: what it
+    received is resident already) would take the process past the RSS guard. The exact check
     comes at commit (:meth:`MemoryAccount.reserve` against :attr:`others`). :meth:`release` (idempotent)
     gives the reservation back: the store calls it when the write ends, the server's idle-writer
     watchdog when a writer stalls. An idle stream reserves nothing.
@@ -369,8 +370,8 @@ class Incoming:
             more = COPIES_IN_FLIGHT * nbytes + (WRITE_OVERHEAD if not self.mine else 0)
             total = self.received + nbytes
             if account.used and self._admit():
-                account.reserve(2 * total, self.what, account.in_flight - self.mine, exact=False)
-                account.check_rss(2 * total, self.what)
+                account.reserve(total, self.what, account.in_flight - self.mine, exact=False)
+                account.check_rss(total, self.what)  # what it received is resident already; its block is to come
             account.in_flight += more
             self.mine += more
             self.received = total

@@ -86,8 +86,9 @@ class Store:
             lock=self._lock,
         )
         cfg = self.config
+        history_rows, tombstones = cfg.bookkeeping()
         self._contents = StoreContents(cfg.node_name, self._memory, weights_versions=cfg.weights_versions,
-                                       history_rows=cfg.history_rows, tombstones=cfg.tombstones)
+                                       history_rows=history_rows, tombstones=tombstones)
         self._journal = Journal(cfg.spill_dir, recovery=cfg.spill_recovery, compact_bytes=cfg.spill_compact_bytes)
         self.bytes_out = 0
         """Payload bytes served (slices, images, weights)."""
