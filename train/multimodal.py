@@ -61,22 +61,26 @@ class DedupVisionEncoder:
 
     def begin(self, images: Mapping[bytes, torch.Tensor]) -> torch.Tensor:
         """Encode ``images`` (distinct keys -> pixel tensors of one shape) in one pass; returns the leaf."""
+        pixels = self._open(images, "the previous mini-batch's encoder gradient is pending")
+        self._encoded = self.encoder(pixels)
+        self.encoder_calls += 1
+        self.forward_images += len(images)
+        self._leaf = self._encoded.detach().requires_grad_(self._encoded.requires_grad)
+        return self._leaf
+
+    def _open(self, images: Mapping[bytes, torch.Tensor], pending: str) -> torch.Tensor:
+        """Index this mini-batch's ``images`` and stack their pixels; refuses a second open or no images."""
         import torch
 
         if self._leaf is not None:
-            msg = "begin() called twice without finish(): the previous mini-batch's encoder gradient is pending"
+            msg = f"begin() called twice without finish(): {pending}"
             raise RuntimeError(msg)
         if not images:
             msg = "begin() needs at least one image"
             raise ValueError(msg)
         keys = list(images)
         self._index = {k: i for i, k in enumerate(keys)}
-        pixels = torch.stack([images[k] for k in keys])
-        self._encoded = self.encoder(pixels)
-        self.encoder_calls += 1
-        self.forward_images += len(keys)
-        self._leaf = self._encoded.detach().requires_grad_(self._encoded.requires_grad)
-        return self._leaf
+        return torch.stack([images[k] for k in keys])
 
     def lookup(self, keys: Sequence[bytes]) -> torch.Tensor:
         """Encodings of ``keys`` (repeats allowed), stacked; gradients flow into the shared leaf."""
@@ -122,17 +126,7 @@ class PerReferenceEncoder(DedupVisionEncoder):
 
     def begin(self, images: Mapping[bytes, torch.Tensor]) -> torch.Tensor:
         """Keep ``images`` for this mini-batch (nothing is encoded yet); returns them stacked."""
-        import torch
-
-        if self._leaf is not None:
-            msg = "begin() called twice without finish(): the previous mini-batch is still open"
-            raise RuntimeError(msg)
-        if not images:
-            msg = "begin() needs at least one image"
-            raise ValueError(msg)
-        keys = list(images)
-        self._index = {k: i for i, k in enumerate(keys)}
-        self._leaf = torch.stack([images[k] for k in keys])
+        self._leaf = self._open(images, "the previous mini-batch is still open")
         return self._leaf
 
     def lookup(self, keys: Sequence[bytes]) -> torch.Tensor:
