@@ -59,7 +59,7 @@ class StoreContents:
             packed = [pack(b) for b in fresh]
         first = self.metadata.append(fresh, seq)
         self.images.add_refs(self.groups.add(group_id, fresh, packed, meta, first))
-        payload = sum(b.nbytes for b in fresh)
+        payload = self.groups.live(group_id).nbytes
         self.memory.hold(sum(held for _, held in packed), payload)
         self.bytes_in += payload
         return sum(b.num_rows for b in fresh)

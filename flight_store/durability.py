@@ -32,7 +32,18 @@ from typing import Any
 import pyarrow as pa
 
 from flight_store.contents import StoreContents
-from flight_store.spill import Recovery, SpillCorruptionError, SpillLog, decode_batches, encode_batches, frame
+from flight_store.memory import Block
+from flight_store.spill import (
+    Body,
+    Recovery,
+    SpillCorruptionError,
+    SpillLog,
+    decode_batches,
+    encode_batches,
+    frame_size,
+    stream_of_messages,
+)
+from schemas.arrow import TRAJECTORY_SCHEMA
 
 log = logging.getLogger(__name__)
 
@@ -50,12 +61,14 @@ class Journal:
 
     # ---- live writes: append a record (fsynced) before the commit ---------------------------------
 
-    def group(self, group_id: str, fresh: Sequence[pa.RecordBatch], meta: dict[str, str]) -> None:
-        """Log a new group: its rows, and the writer's schema metadata."""
+    def group(self, group_id: str, blocks: Sequence[Block], meta: dict[str, str]) -> None:
+        """Log a new group: its rows (its packed ``blocks``, written as they are), and the writer's schema metadata."""
+        if self._spill is None:
+            return
         header: dict[str, object] = {"kind": "group", "group_id": group_id}
         if meta:
             header["meta"] = meta
-        self._append(header, encode_batches(fresh))
+        self._append(header, stream_of_messages(TRAJECTORY_SCHEMA, blocks))
 
     def release(self, group_ids: list[str]) -> None:
         """Log the release of unreleased groups."""
@@ -63,20 +76,22 @@ class Journal:
 
     def images(self, rows: Sequence[pa.RecordBatch]) -> None:
         """Log new image rows."""
-        self._append({"kind": "images"}, encode_batches(rows))
+        if self._spill is not None:
+            self._append({"kind": "images"}, encode_batches(rows))
 
     def weights(self, table: pa.Table, version: int) -> None:
         """Log a weights table that becomes the newest."""
-        self._append({"kind": "weights", "version": int(version)}, encode_batches(table.to_batches(), table.schema))
+        if self._spill is not None:
+            self._append({"kind": "weights", "version": int(version)},
+                         encode_batches(table.to_batches(), table.schema))
 
     def version(self, version: int) -> None:
         """Log a newer published policy version."""
         self._append({"kind": "version", "version": int(version)})
 
-    def _append(self, header: dict[str, object], body: bytes = b"") -> None:
+    def _append(self, header: dict[str, object], body: Body = b"") -> None:
         if self._spill is not None:
-            self._spill.append(header, body)
-            self.size += len(frame(header, body))
+            self.size += self._spill.append(header, body)
 
     # ---- reopening: replay every record through the commit path -----------------------------------
 
@@ -103,7 +118,7 @@ class Journal:
                 if self._recovery != "salvage":
                     raise SpillCorruptionError(msg, path=str(self._spill.path), offset=record.offset) from None
                 log.warning("%s; skipped (salvage)", msg)
-        self.size = sum(len(frame(r.header, r.body)) for r in records)
+        self.size = sum(frame_size(r.header, r.body) for r in records)
         stored, released, _ = contents.groups.counts()
         rows = contents.metadata.seq
         if records:
@@ -123,7 +138,7 @@ class Journal:
         before = self.size
         records = snapshot(contents)
         self._spill.rewrite(records)
-        self.size = sum(len(frame(h, b)) for h, b in records)
+        self.size = sum(frame_size(h, b) for h, b in records)
         self.compactions += 1
         log.info("spill log %s compacted: %d -> %d bytes in %.3fs", self._spill.path, before, self.size,
                  time.perf_counter() - t0)
@@ -136,9 +151,9 @@ class Journal:
             self._spill = None
 
 
-def snapshot(contents: StoreContents) -> list[tuple[dict[str, Any], bytes]]:
+def snapshot(contents: StoreContents) -> list[tuple[dict[str, Any], Body]]:
     """The records of a log holding exactly the live state of ``contents`` (see the module)."""
-    out: list[tuple[dict[str, Any], bytes]] = [
+    out: list[tuple[dict[str, Any], Body]] = [
         ({"kind": "state", "next_seq": contents.metadata.seq, "version": contents.weights.published}, b"")]
     tombs = contents.groups.tombstones()
     if tombs:
@@ -155,7 +170,7 @@ def snapshot(contents: StoreContents) -> list[tuple[dict[str, Any], bytes]]:
         header: dict[str, Any] = {"kind": "group", "group_id": gid, "seq": group.seq}
         if group.meta:
             header["meta"] = group.meta
-        out.append((header, encode_batches(group.batches)))
+        out.append((header, stream_of_messages(TRAJECTORY_SCHEMA, group.blocks)))
     return out
 
 

@@ -124,9 +124,8 @@ class MetadataLog:
         n = b.num_rows
         seq = pa.array(np.arange(self.seq, self.seq + n, dtype=np.int64))
         self.seq += n  # the next number (a log restored from a compacted spill log may skip numbers)
-        copy_idx = pa.array(np.arange(n, dtype=np.int64))
-        arrays = [seq, *(b.column(c).take(copy_idx) for c in METADATA_COLUMNS)]
-        return pa.RecordBatch.from_arrays(arrays, schema=LOG_SCHEMA)
+        copied = b.select(METADATA_COLUMNS).take(pa.array(np.arange(n, dtype=np.int64)))  # one pass, all columns
+        return pa.RecordBatch.from_arrays([seq, *copied.columns], schema=LOG_SCHEMA)
 
     def _compact(self) -> None:
         """Merge the small per-write metadata batches that arrived since the last read into one.

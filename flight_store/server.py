@@ -386,7 +386,7 @@ def _receive(reader: flight.MetadataRecordBatchReader, write: Write, incoming: I
         write.touch()
         if chunk.data is None or not chunk.data.num_rows:
             continue
-        incoming.add(chunk.data.nbytes)
+        incoming.add(chunk.data.get_total_buffer_size())  # the buffers received (nbytes costs ~40 us a batch)
         got += chunk.data.num_rows
         if rows is not None and got > rows:
             msg = f"{what} declares {rows} rows but its stream carried more; nothing stored"

@@ -32,6 +32,7 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
+import mmap
 import os
 import struct
 import threading
@@ -40,7 +41,7 @@ import zlib
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, TypeAlias, cast
 
 import pyarrow as pa
 
@@ -51,6 +52,31 @@ _FRAME = struct.Struct("<4sIQI")
 LOG_NAME = "store.log"
 Recovery = Literal["refuse", "salvage"]
 """What a node does with a spill log damaged inside: refuse to start, or keep every intact frame."""
+
+
+Piece: TypeAlias = bytes | mmap.mmap | pa.Buffer
+"""Bytes in any of the forms a store holds them (a stored block is an ``mmap`` or a ``pa.Buffer``)."""
+Body: TypeAlias = bytes | Sequence[Piece]
+"""A record's body: bytes, or pieces written one after the other (a group's blocks, never joined)."""
+_EOS = b"\xff\xff\xff\xff\x00\x00\x00\x00"
+"""The end-of-stream marker of the Arrow IPC stream format."""
+
+
+def stream_of_messages(schema: pa.Schema, messages: Sequence[Piece]) -> list[Piece]:
+    """An Arrow IPC stream, as pieces, of encapsulated record batch ``messages`` (``RecordBatch.serialize``).
+
+    The same bytes :func:`encode_batches` writes for those batches, without serializing them again.
+    """
+    return [schema.serialize(), *messages, _EOS]
+
+
+def _pieces(body: Body) -> list[Piece]:
+    return [body] if isinstance(body, bytes) else list(cast("Sequence[Piece]", body))
+
+
+def body_size(body: Body) -> int:
+    """Bytes of a record body."""
+    return sum(memoryview(piece).nbytes for piece in _pieces(body))
 
 
 def encode_batches(batches: Sequence[pa.RecordBatch], schema: pa.Schema | None = None) -> bytes:
@@ -78,7 +104,8 @@ class SpillLog:
         >>> import tempfile
         >>> d = tempfile.mkdtemp()
         >>> spill = SpillLog(d)
-        >>> spill.append({"kind": "version", "version": 3})
+        >>> spill.append({"kind": "version", "version": 3})  # the frame's bytes
+        50
         >>> spill.close()
         >>> again = SpillLog(d)
         >>> [r.header for r in again.records()]
@@ -134,12 +161,12 @@ class SpillLog:
             self._file.flush()
             os.fsync(self._file.fileno())
 
-    def rewrite(self, records: Sequence[tuple[dict[str, Any], bytes]]) -> None:
+    def rewrite(self, records: Sequence[tuple[dict[str, Any], Body]]) -> None:
         """Replace the log by ``records``, atomically: a new file, fsynced, renamed over the old one."""
         tmp = self.path.with_name(LOG_NAME + ".tmp")
         with open(tmp, "wb") as f:
             for header, body in records:
-                f.write(frame(header, body))
+                f.writelines(frame_pieces(header, body))
             f.flush()
             os.fsync(f.fileno())
         with self._lock:
@@ -148,14 +175,15 @@ class SpillLog:
             _fsync_dir(self.directory)
             self._file = open(self.path, "ab+")  # noqa: SIM115 - kept open for the store's lifetime
 
-    def append(self, header: dict[str, Any], body: bytes = b"") -> None:
-        """Write one record and fsync it; on failure the partial frame is cut off and the error raised."""
-        data = frame(header, body)
+    def append(self, header: dict[str, Any], body: Body = b"") -> int:
+        """Write one record and fsync it; returns its frame's bytes. On failure the partial frame is cut off
+        and the error raised."""
+        pieces = frame_pieces(header, body)
         with self._lock:
             self._file.seek(0, os.SEEK_END)
             offset = self._file.tell()
             try:
-                self._file.write(data)
+                self._file.writelines(pieces)
                 self._file.flush()
                 os.fsync(self._file.fileno())
             except OSError:
@@ -163,6 +191,7 @@ class SpillLog:
                 with contextlib.suppress(OSError):  # the disk is gone: replay drops the torn tail
                     self._file.truncate(offset)
                 raise
+            return self._file.tell() - offset
 
     def close(self) -> None:
         """Close the file (appends after this fail)."""
@@ -199,10 +228,24 @@ class SpillCorruptionError(RuntimeError):
         self.offset = offset
 
 
-def frame(header: dict[str, Any], body: bytes = b"") -> bytes:
-    """One record as the bytes of its frame."""
+def frame_pieces(header: dict[str, Any], body: Body = b"") -> list[Piece]:
+    """One record as the pieces of its frame (the body's pieces are not copied)."""
     head = json.dumps(header, separators=(",", ":")).encode()
-    return _FRAME.pack(MAGIC, len(head), len(body), zlib.crc32(head + body)) + head + body
+    pieces = _pieces(body)
+    crc = zlib.crc32(head)
+    for piece in pieces:
+        crc = zlib.crc32(piece, crc)
+    return [_FRAME.pack(MAGIC, len(head), body_size(body), crc) + head, *pieces]
+
+
+def frame(header: dict[str, Any], body: Body = b"") -> bytes:
+    """One record as the bytes of its frame."""
+    return b"".join(bytes(p) if not isinstance(p, bytes) else p for p in frame_pieces(header, body))
+
+
+def frame_size(header: dict[str, Any], body: Body = b"") -> int:
+    """Bytes of the frame of a record."""
+    return _FRAME.size + len(json.dumps(header, separators=(",", ":")).encode()) + body_size(body)
 
 
 def _read_frame(data: bytes, pos: int) -> tuple[Record | None, int, str]:

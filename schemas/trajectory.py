@@ -48,6 +48,7 @@ from schemas.images import IMAGE_DTYPES, key_of
 
 _EXPECTED: dict[str, pa.DataType] = {f.name: f.type for f in TRAJECTORY_SCHEMA}
 _IMAGE_EXPECTED: dict[str, pa.DataType] = {f.name: f.type for f in IMAGE_SCHEMA}
+_LIST_COLUMNS = tuple(name for name, typ in _EXPECTED.items() if pa.types.is_list(typ))
 _FILLED_FROM_LISTS = {"prompt_len": "prompt_ids", "response_len": "response_ids"}
 """Columns the records helpers may leave out (the wire requires them): the length of this list column."""
 
@@ -83,15 +84,24 @@ def _castable(src: pa.DataType, dst: pa.DataType) -> bool:
     return False
 
 
-def conform_column(name: str, arr: pa.Array | pa.ChunkedArray, expected: pa.DataType) -> pa.Array:
-    """``arr`` as type ``expected`` (safe cast where allowed); refuses corrupt structure and nulls, naming ``name``."""
-    if isinstance(arr, pa.ChunkedArray):
-        arr = arr.combine_chunks()
+def _check_structure(name: str, arr: pa.Array) -> None:
     try:
         arr.validate(full=True)  # offsets in bounds and monotonic, lengths, UTF-8: before anything reads it
     except (pa.ArrowInvalid, pa.ArrowException) as exc:
         msg = f"column {name!r} is not a valid Arrow array: {exc}"
         raise TrajectoryError(msg, column=name) from None
+
+
+def conform_column(name: str, arr: pa.Array | pa.ChunkedArray, expected: pa.DataType, *,
+                   validated: bool = False) -> pa.Array:
+    """``arr`` as type ``expected`` (safe cast where allowed); refuses corrupt structure and nulls, naming ``name``.
+
+    ``validated``: the caller checked the structure already (:func:`normalize_batch` does so for a whole batch).
+    """
+    if isinstance(arr, pa.ChunkedArray):
+        arr = arr.combine_chunks()
+    if not validated:
+        _check_structure(name, arr)
     if arr.type != expected:
         if not _castable(arr.type, expected):
             msg = f"column {name!r} has type {arr.type}, expected {expected}"
@@ -104,7 +114,7 @@ def conform_column(name: str, arr: pa.Array | pa.ChunkedArray, expected: pa.Data
     if arr.null_count:
         msg = f"column {name!r} has {arr.null_count} null value(s); nulls are not allowed"
         raise TrajectoryError(msg, column=name)
-    if pa.types.is_list(expected):
+    if pa.types.is_list(expected) and arr.values.null_count:  # all child values first: the common case, cheap
         values = pc.list_flatten(arr)
         if values.null_count:
             msg = f"column {name!r} has {values.null_count} null list element(s); nulls are not allowed"
@@ -122,17 +132,25 @@ def _without_validity(arr: pa.Array) -> pa.Array:
                                  children=children)
 
 
-def list_lengths(arr: pa.Array) -> np.ndarray:
-    """Length of each list of ``arr``, int64."""
+def list_lengths(arr: pa.Array | pa.ChunkedArray) -> np.ndarray:
+    """Length of each list of ``arr``, int64 (read off the offsets of a ``list`` array without nulls)."""
+    if isinstance(arr, pa.Array) and pa.types.is_list(arr.type) and not arr.null_count:
+        offsets = np.frombuffer(arr.buffers()[1], dtype=np.int32, count=len(arr) + 1, offset=4 * arr.offset)
+        return np.diff(offsets).astype(np.int64)
     return pc.list_value_length(arr).to_numpy(zero_copy_only=False).astype(np.int64)
 
 
-def payload_bytes(columns: dict[str, pa.Array]) -> pa.Array:
-    """Per-row payload size in bytes: list values times their width, plus one 4-byte offset per list."""
+def payload_bytes(columns: dict[str, pa.Array], lengths: dict[str, np.ndarray] | None = None) -> pa.Array:
+    """Per-row payload size in bytes: list values times their width, plus one 4-byte offset per list.
+
+    ``lengths``: list lengths already known, by column (the others are read off the offsets).
+    """
+    known = lengths or {}
     total = np.zeros(len(columns[PAYLOAD_COLUMNS[0]]), dtype=np.int64)
     for name in PAYLOAD_COLUMNS:
         arr = columns[name]
-        total += list_lengths(arr) * arr.type.value_type.byte_width + 4
+        got = known.get(name)
+        total += (list_lengths(arr) if got is None else got) * arr.type.value_type.byte_width + 4
     return pa.array(total, type=pa.int64())
 
 
@@ -205,32 +223,47 @@ def _check_values(cols: dict[str, pa.Array]) -> None:
     if bad.size:
         msg = f"column 'reward' row {int(bad[0])} is {float(reward[bad[0]])}; rewards must be finite"
         raise TrajectoryError(msg, column="reward")
-    mask = pc.list_flatten(cols["loss_mask"]).to_numpy(zero_copy_only=False)
+    mask = cols["loss_mask"].flatten().to_numpy(zero_copy_only=False)
     if mask.size and int(mask.max()) > 1:
         msg = f"column 'loss_mask' holds {int(mask.max())}; a loss mask is 0 (not trained on) or 1"
         raise TrajectoryError(msg, column="loss_mask")
     for name in ("policy_version", "policy_version_min"):
-        if len(cols[name]) and pc.min(cols[name]).as_py() < 0:
-            msg = f"column {name!r} holds a negative version {pc.min(cols[name]).as_py()}"
+        values = cols[name].to_numpy()
+        if values.size and values.min() < 0:
+            msg = f"column {name!r} holds a negative version {int(values.min())}"
             raise TrajectoryError(msg, column=name)
 
 
-def check_rules(cols: dict[str, pa.Array], group_id: str) -> None:
-    """The value rules every row of group ``group_id`` must keep (columns already of the schema's types)."""
+def _all_equal(arr: pa.Array, value: str) -> bool:
+    """Whether every value of the string array ``arr`` (no nulls) is ``value``, read off its buffers."""
+    want = value.encode()
+    offsets = np.frombuffer(arr.buffers()[1], dtype=np.int32, count=len(arr) + 1, offset=4 * arr.offset)
+    if not (np.diff(offsets) == len(want)).all():
+        return False
+    data = arr.buffers()[2]
+    return data is not None and bytes(data[int(offsets[0]):int(offsets[-1])]) == want * len(arr)
+
+
+def check_rules(cols: dict[str, pa.Array], group_id: str) -> dict[str, np.ndarray]:
+    """The value rules every row of group ``group_id`` must keep (columns already of the schema's types).
+
+    Returns the list lengths it read, by column (for :func:`payload_bytes`).
+    """
     n = len(cols["group_id"])
-    if n and not pc.all(pc.equal(cols["group_id"], pa.scalar(group_id))).as_py():
+    if n and not _all_equal(cols["group_id"], group_id):
         first = next(g for g in cols["group_id"].to_pylist() if g != group_id)
         msg = f"column 'group_id' holds {first!r} but the descriptor names group {group_id!r}"
         raise TrajectoryError(msg, column="group_id")
-    if n and pc.min(cols["sample_idx"]).as_py() < 0:
+    sample_idx = cols["sample_idx"].to_numpy()
+    if n and sample_idx.min() < 0:
         msg = "column 'sample_idx' has a negative value"
         raise TrajectoryError(msg, column="sample_idx")
-    if len(set(cols["sample_idx"].to_numpy().tolist())) != n:
+    if np.unique(sample_idx).size != n:
         msg = f"column 'sample_idx' repeats a value within one stream of group {group_id!r}"
         raise TrajectoryError(msg, column="sample_idx")
-    if n and not pc.all(pc.is_in(cols["status"], value_set=pa.array(STATUSES))).as_py():
-        bad = next(s for s in cols["status"].to_pylist() if s not in STATUSES)
-        msg = f"column 'status' holds {bad!r}, not one of {STATUSES}"
+    bad_status = [s for s in cols["status"].unique().to_pylist() if s not in STATUSES]
+    if bad_status:
+        msg = f"column 'status' holds {bad_status[0]!r}, not one of {STATUSES}"
         raise TrajectoryError(msg, column="status")
     _check_values(cols)
     vmin, vmax = cols["policy_version_min"].to_numpy(), cols["policy_version"].to_numpy()
@@ -240,14 +273,16 @@ def check_rules(cols: dict[str, pa.Array], group_id: str) -> None:
         msg = (f"column 'policy_version_min' row {i}: {int(vmin[i])} > policy_version {int(vmax[i])} "
                "(the oldest version that produced a token cannot be newer than the last)")
         raise TrajectoryError(msg, column="policy_version_min")
-    resp = list_lengths(cols["response_ids"])
-    _check_lengths("response_logprobs", list_lengths(cols["response_logprobs"]), resp, "len(response_ids)")
-    _check_lengths("loss_mask", list_lengths(cols["loss_mask"]), resp, "len(response_ids)")
+    lengths = {name: list_lengths(cols[name]) for name in _LIST_COLUMNS}
+    resp = lengths["response_ids"]
+    _check_lengths("response_logprobs", lengths["response_logprobs"], resp, "len(response_ids)")
+    _check_lengths("loss_mask", lengths["loss_mask"], resp, "len(response_ids)")
     _check_lengths("response_len", cols["response_len"].to_numpy().astype(np.int64), resp, "len(response_ids)")
-    prompt = list_lengths(cols["prompt_ids"])
+    prompt = lengths["prompt_ids"]
     _check_lengths("prompt_len", cols["prompt_len"].to_numpy().astype(np.int64), prompt, "len(prompt_ids)")
-    nimg = list_lengths(cols["image_keys"])
+    nimg = lengths["image_keys"]
     _check_lengths("num_images", cols["num_images"].to_numpy().astype(np.int64), nimg, "len(image_keys)")
+    return lengths
 
 
 def _check_names(names: Sequence[str], fillable: frozenset[str]) -> None:
@@ -267,8 +302,7 @@ def _check_names(names: Sequence[str], fillable: frozenset[str]) -> None:
 
 
 def _finish(cols: dict[str, pa.Array], group_id: str) -> pa.RecordBatch:
-    check_rules(cols, group_id)
-    cols["bytes"] = payload_bytes(cols)
+    cols["bytes"] = payload_bytes(cols, check_rules(cols, group_id))
     return pa.RecordBatch.from_arrays([cols[name] for name in _EXPECTED], schema=TRAJECTORY_SCHEMA)
 
 
@@ -294,7 +328,12 @@ def normalize_batch(batch: pa.RecordBatch, group_id: str, *, now: dt.datetime | 
         TrajectoryError: naming the offending column.
     """
     _check_names(batch.schema.names, OPTIONAL_ON_WRITE)
-    cols = {name: conform_column(name, batch.column(name), _EXPECTED[name])
+    try:
+        batch.validate(full=True)  # every column in one pass; the slow path below names the broken one
+        validated = True
+    except (pa.ArrowInvalid, pa.ArrowException):
+        validated = False
+    cols = {name: conform_column(name, batch.column(name), _EXPECTED[name], validated=validated)
             for name in batch.schema.names if name != "bytes"}
     fill_defaults(cols, batch.num_rows, now=now)
     return _finish(cols, group_id)

@@ -1,0 +1,160 @@
+"""The write path: ``put_group`` into a store node beside a minimal Flight DoPut of the same batches.
+
+``python -m bench.write_path [--quick] --out F.json``
+
+Both servers run in processes of their own on loopback: a ``knit serve`` node (no spill log, no
+budget) and a minimal pyarrow Flight server whose DoPut reads the stream and keeps its batches (no
+validation, no copy, no metadata: the floor a Flight write cannot go below). The client writes the
+same groups (G trajectories of ``--tokens`` response tokens, all 19 columns, as ``StoreClient``
+users send them) one DoPut per group to each, in interleaved repetitions, and reports throughput
+(payload GB/s) and the time per group; ``ratios.put_vs_minimal_flight`` is the node's throughput over
+the floor's (the node's validation included). ``metrics.server_us_per_group`` is
+``Store.put_group`` in-process on the same groups: the node's own time per group, without gRPC.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.flight as flight
+
+from bench._common import write_result
+from bench.flight_throughput import make_group, start_store_process
+from flight_store.client import StoreClient
+from flight_store.net import free_port
+from flight_store.store import Store, StoreConfig
+
+
+class MinimalSink(flight.FlightServerBase):  # type: ignore[misc]
+    """DoPut reads the whole stream and keeps its batches by descriptor; nothing else."""
+
+    def __init__(self, location: str) -> None:
+        super().__init__(location)
+        self.kept: dict[bytes, list[pa.RecordBatch]] = {}
+
+    def do_put(self, context: Any, descriptor: flight.FlightDescriptor, reader: Any, writer: Any) -> None:
+        self.kept[descriptor.command] = [chunk.data for chunk in reader]
+        writer.write(pa.py_buffer(b"{}"))
+
+
+def _serve_minimal(port: int) -> None:
+    MinimalSink(f"grpc://127.0.0.1:{port}").serve()
+
+
+def _start_minimal() -> tuple[subprocess.Popen[bytes], str]:
+    port = free_port()
+    proc = subprocess.Popen([sys.executable, "-m", "bench.write_path", "--serve-minimal", str(port)])
+    location = f"grpc://127.0.0.1:{port}"
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        try:
+            client = flight.connect(location)
+            client.wait_for_available(timeout=1)
+            client.close()
+            return proc, location
+        except flight.FlightError:
+            time.sleep(0.1)
+    proc.kill()
+    raise RuntimeError("the minimal Flight server did not start within 30 s")
+
+
+def _time(write: Callable[[pa.RecordBatch], object], groups: list[pa.RecordBatch]) -> float:
+    t0 = time.perf_counter()
+    for g in groups:
+        write(g)
+    return time.perf_counter() - t0
+
+
+def _server_us_per_group(groups: list[pa.RecordBatch]) -> float:
+    """``Store.put_group`` in-process over ``groups`` (the first tenth warms up), microseconds per group."""
+    store = Store(StoreConfig())
+    warm = max(1, len(groups) // 10)
+    for g in groups[:warm]:
+        store.put_group(str(g.column("group_id")[0]), [g])
+    t0 = time.perf_counter()
+    for g in groups[warm:]:
+        store.put_group(str(g.column("group_id")[0]), [g])
+    us = (time.perf_counter() - t0) / (len(groups) - warm) * 1e6
+    store.close()
+    return us
+
+
+def run(groups_n: int, size: int, tokens: int, reps: int, seed: int) -> dict[str, Any]:
+    rng = np.random.default_rng(seed)
+    payload = make_group("g", size, tokens, rng).nbytes
+    node = start_store_process()
+    sink, sink_location = _start_minimal()
+    knit: list[float] = []
+    floor: list[float] = []
+    try:
+        with StoreClient(node.location) as client:
+            raw = flight.connect(sink_location)
+            for rep in range(reps):
+                groups = [make_group(f"r{rep}g{i}", size, tokens, rng) for i in range(groups_n)]
+
+                def minimal(g: pa.RecordBatch) -> None:
+                    desc = flight.FlightDescriptor.for_command(str(g.column("group_id")[0]).encode())
+                    writer, reader = raw.do_put(desc, g.schema)
+                    writer.write_batch(g)
+                    writer.done_writing()
+                    reader.read()
+                    writer.close()
+
+                order = [("knit", lambda g: client.put_group(g)), ("minimal", minimal)]
+                for name, write in order if rep % 2 == 0 else order[::-1]:
+                    (knit if name == "knit" else floor).append(_time(write, groups))
+            raw.close()
+    finally:
+        node.stop()
+        sink.kill()
+        sink.wait(timeout=10)
+    server_us = _server_us_per_group([make_group(f"s{i}", size, tokens, rng) for i in range(groups_n)])
+    gbps = {name: groups_n * payload / statistics.median(ts) / 1e9 for name, ts in (("knit", knit), ("minimal", floor))}
+    return {
+        "metrics": {
+            "put_group_gbps": gbps["knit"], "minimal_flight_put_gbps": gbps["minimal"],
+            "put_group_ms_per_group": statistics.median(knit) / groups_n * 1e3,
+            "minimal_flight_ms_per_group": statistics.median(floor) / groups_n * 1e3,
+            "server_us_per_group": server_us, "group_bytes": payload,
+            "put_group_s_per_rep": knit, "minimal_flight_s_per_rep": floor,
+        },
+        "ratios": {"put_vs_minimal_flight": gbps["knit"] / gbps["minimal"]},
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m bench.write_path", description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="fewer groups per repetition")
+    parser.add_argument("--out", default="results/write_path.json")
+    parser.add_argument("--groups", type=int, default=None, help="groups per repetition (400; quick 150)")
+    parser.add_argument("--size", type=int, default=8, help="trajectories per group (G)")
+    parser.add_argument("--tokens", type=int, default=2048, help="response tokens per trajectory")
+    parser.add_argument("--reps", type=int, default=5, help="interleaved repetitions (medians reported)")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--serve-minimal", type=int, default=None, help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.serve_minimal is not None:
+        _serve_minimal(args.serve_minimal)
+        return 0
+    groups_n = args.groups or (150 if args.quick else 400)
+    result = run(groups_n, args.size, args.tokens, args.reps, args.seed)
+    params = {"quick": args.quick, "groups": groups_n, "size": args.size, "tokens": args.tokens, "reps": args.reps,
+              "seed": args.seed, "transport": "loopback, one DoPut per group, servers in processes of their own"}
+    write_result(args.out, result["metrics"], result["ratios"], params)
+    m = result["metrics"]
+    print(f"put_group {m['put_group_gbps']:.3f} GB/s ({m['put_group_ms_per_group']:.2f} ms/group), minimal Flight "
+          f"{m['minimal_flight_put_gbps']:.3f} GB/s ({m['minimal_flight_ms_per_group']:.2f} ms/group); ratio "
+          f"{result['ratios']['put_vs_minimal_flight']:.2f}; server {m['server_us_per_group']:.0f} us/group in-process")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
