@@ -238,11 +238,6 @@ def frame_pieces(header: dict[str, Any], body: Body = b"") -> list[Piece]:
     return [_FRAME.pack(MAGIC, len(head), body_size(body), crc) + head, *pieces]
 
 
-def frame(header: dict[str, Any], body: Body = b"") -> bytes:
-    """One record as the bytes of its frame."""
-    return b"".join(bytes(p) if not isinstance(p, bytes) else p for p in frame_pieces(header, body))
-
-
 def frame_size(header: dict[str, Any], body: Body = b"") -> int:
     """Bytes of the frame of a record."""
     return _FRAME.size + len(json.dumps(header, separators=(",", ":")).encode()) + body_size(body)

@@ -282,3 +282,20 @@ def test_sigkill_during_four_writers_loses_no_acknowledged_group(tmp_path: Path,
             assert new["seq"].to_list() == [len(seqs), len(seqs) + 1]
     finally:
         _stop(proc)
+
+
+def test_a_group_record_is_its_stored_blocks_byte_for_byte(make_group) -> None:  # type: ignore[no-untyped-def]
+    """The log writes a group from the blocks the store holds (no second encoding): the same IPC stream."""
+    from flight_store.memory import pack
+    from flight_store.spill import decode_batches, encode_batches, stream_of_messages
+    from flight_store.validate import normalize_group
+    from schemas.arrow import TRAJECTORY_SCHEMA
+
+    small = normalize_group([make_group("s", size=2)], "s", 2)[0]  # a block from the Arrow pool
+    large = normalize_group([make_group("l", size=4, response_len=4096)], "l", 4)[0]  # a block of its own pages
+    blocks = [pack(small)[0], pack(large)[0]]
+    assert {type(b).__name__ for b in blocks} == {"Buffer", "mmap"}
+    body = b"".join(bytes(piece) for piece in stream_of_messages(TRAJECTORY_SCHEMA, blocks))
+    assert body == encode_batches([small, large])
+    back = decode_batches(body)
+    assert back[0].equals(small) and back[1].equals(large)
