@@ -41,7 +41,7 @@ class StoreConfig:
     What counts is resident memory, not ``RecordBatch.nbytes``: each stored batch's block (its
     whole pages, see :func:`flight_store.memory.pack`) plus an estimate of its objects and index
     entries, and the memory writes in flight hold (copies of their batches; their server thread, see
-    :meth:`flight_store.store.Store.write_in_flight`). A write is committed only if the stored groups,
+    :meth:`flight_store.store.Store.incoming`). A write is committed only if the stored groups,
     the new group and the other writes in flight fit together."""
     node_name: str = "local"
     """Name reported by ``health``/``stats`` and in error messages (a server names its store itself, see
@@ -91,8 +91,8 @@ class StoreConfig:
         """``(history_rows, tombstones)``: the bounds given, or those derived from the budget (see the fields).
 
         What a node keeps of its released groups must never crowd out the groups it stores: with the
-        derived bounds it holds about an eighth of the budget at most, so releasing consumed groups always
-        makes room.
+        derived bounds it holds 9/64 of the budget at most (the history is trimmed once past 5/4 of its
+        bound), so releasing consumed groups always makes room.
 
         Example:
             >>> StoreConfig(memory_budget=64 << 20).bookkeeping()

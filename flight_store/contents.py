@@ -13,7 +13,7 @@ Not thread-safe by itself: the store calls it under its lock.
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 
 import pyarrow as pa
 
@@ -48,30 +48,32 @@ class StoreContents:
 
     def commit_group(
         self, group_id: str, fresh: Sequence[pa.RecordBatch], packed: Sequence[tuple[Block, int]] | None = None,
-        meta: dict[str, str] | None = None, seq: int | None = None,
+        meta: dict[str, str] | None = None, seq: int | None = None, image_keys: frozenset[bytes] | None = None,
     ) -> int:
         """Add the validated batches of the new group ``group_id`` (and their :func:`~flight_store.memory.pack`).
 
         Their metadata rows get the next ``seq`` (or from ``seq``: a compacted log restores gaps); the images
-        they name gain a reference; ``meta`` is the writer's schema metadata. Returns the rows added.
+        they name (``image_keys``, when the caller read them already) gain a reference; ``meta`` is the writer's
+        schema metadata. Returns the rows added.
         """
         if packed is None:
             packed = [pack(b) for b in fresh]
         first = self.metadata.append(fresh, seq)
-        self.images.add_refs(self.groups.add(group_id, fresh, packed, meta, first))
+        self.images.add_refs(self.groups.add(group_id, fresh, packed, meta, first, image_keys))
         payload = self.groups.live(group_id).nbytes
         self.memory.hold(sum(held for _, held in packed), payload)
         self.bytes_in += payload
         return sum(b.num_rows for b in fresh)
 
-    def commit_release(self, group_ids: Iterable[str]) -> int:
+    def commit_release(self, group_ids: Iterable[str], digests: Mapping[str, bytes] | None = None) -> int:
         """Free the payload of the unreleased groups among ``group_ids`` and the images only they named.
 
-        Returns how many groups were freed; their metadata history stays.
+        ``digests``: the groups' content digests, when computed already. Returns how many groups were freed;
+        their metadata history stays.
         """
         freed = 0
         for gid in group_ids:
-            group = self.groups.release(gid)
+            group = self.groups.release(gid, (digests or {}).get(gid))
             if group is None:
                 continue
             self.memory.hold(-group.held, -group.nbytes)
@@ -109,9 +111,9 @@ class StoreContents:
         self.bytes_in += payload
         return len(new)
 
-    def commit_weights(self, table: pa.Table, version: int, packed: tuple[Block, int] | None = None) -> None:
-        """Keep ``table`` as the newest weights, of ``version`` (versions beyond the kept ones are freed)."""
-        for old in self.weights.set(table, version, packed):
+    def commit_weights(self, batch: pa.RecordBatch, version: int, packed: tuple[Block, int] | None = None) -> None:
+        """Keep ``batch`` as the newest weights, of ``version`` (versions beyond the kept ones are freed)."""
+        for old in self.weights.set(batch, version, packed):
             self.memory.hold(-old.held, -old.nbytes)
         stored = self.weights.stored(version)
         self.memory.hold(stored.held, stored.nbytes)

@@ -43,6 +43,7 @@ from flight_store.spill import (
     frame_size,
     stream_of_messages,
 )
+from flight_store.weights import one_batch
 from schemas.arrow import TRAJECTORY_SCHEMA
 
 log = logging.getLogger(__name__)
@@ -79,11 +80,10 @@ class Journal:
         if self._spill is not None:
             self._append({"kind": "images"}, encode_batches(rows))
 
-    def weights(self, table: pa.Table, version: int) -> None:
-        """Log a weights table that becomes the newest."""
+    def weights(self, schema: pa.Schema, block: Block, version: int) -> None:
+        """Log a weights table that becomes the newest (its packed ``block``, written as it is)."""
         if self._spill is not None:
-            self._append({"kind": "weights", "version": int(version)},
-                         encode_batches(table.to_batches(), table.schema))
+            self._append({"kind": "weights", "version": int(version)}, stream_of_messages(schema, [block]))
 
     def version(self, version: int) -> None:
         """Log a newer published policy version."""
@@ -164,8 +164,8 @@ def snapshot(contents: StoreContents) -> list[tuple[dict[str, Any], Body]]:
     if images:
         out.append(({"kind": "images"}, encode_batches(images)))
     for version in contents.weights.versions:
-        table = contents.weights.get(version)[0]
-        out.append(({"kind": "weights", "version": version}, encode_batches(table.to_batches(), table.schema)))
+        stored = contents.weights.stored(version)
+        out.append(({"kind": "weights", "version": version}, stream_of_messages(stored.schema, [stored.block])))
     for gid, group in contents.groups.live_items():
         header: dict[str, Any] = {"kind": "group", "group_id": gid, "seq": group.seq}
         if group.meta:
@@ -185,7 +185,7 @@ def _apply(contents: StoreContents, header: dict[str, Any], body: bytes, path: P
     elif kind == "images":
         contents.commit_images(contents.images.new(decode_batches(body)))
     elif kind == "weights":
-        contents.commit_weights(pa.Table.from_batches(decode_batches(body)), int(header["version"]))
+        contents.commit_weights(one_batch(pa.Table.from_batches(decode_batches(body))), int(header["version"]))
     elif kind == "version":
         contents.commit_version(int(header["version"]))
     elif kind == "state":

@@ -26,6 +26,7 @@ import pyarrow.compute as pc
 from flight_store.errors import ConflictError, GroupReleasedError, SchemaMismatchError, UnknownGroupError
 from flight_store.memory import Block, view
 from schemas.arrow import TRAJECTORY_SCHEMA
+from schemas.trajectory import offset_lengths
 
 _TRAJ_COLUMNS = frozenset(TRAJECTORY_SCHEMA.names)
 _NO_META: dict[str, str] = {}  # shared by every group without writer metadata; never mutated
@@ -81,10 +82,9 @@ def row_bytes(batch: pa.RecordBatch) -> np.ndarray:
     for j, col in enumerate(batch.columns):
         t = col.type
         if pa.types.is_string(t) or pa.types.is_binary(t) or pa.types.is_list(t):  # 32-bit offsets, no nulls
-            offsets = np.frombuffer(col.buffers()[1], dtype=np.int32, count=n + 1, offset=4 * col.offset)
             value = t.value_type if pa.types.is_list(t) else pa.uint8()
             width = value.byte_width if pa.types.is_fixed_size_binary(value) else value.bit_width // 8
-            out[:, j] = np.diff(offsets) * width + 4
+            out[:, j] = offset_lengths(col) * width + 4
         else:
             out[:, j] = t.bit_width // 8
     return out
@@ -101,7 +101,9 @@ _DIGEST = 16
 
 def content_digests(batches: Sequence[pa.RecordBatch]) -> bytes:
     """A 16-byte digest of each :data:`IDENTITY_COLUMNS` column of a group's rows (``sample_idx`` order), joined."""
-    table = pa.Table.from_batches(list(batches), schema=TRAJECTORY_SCHEMA).sort_by("sample_idx")
+    table = pa.Table.from_batches(list(batches), schema=TRAJECTORY_SCHEMA).select(list(IDENTITY_COLUMNS))
+    if (np.diff(table.column("sample_idx").to_numpy()) < 0).any():  # rows out of order: a copy in order
+        table = table.sort_by("sample_idx")
     out = b""
     for name in IDENTITY_COLUMNS:
         column = pa.RecordBatch.from_arrays([table.column(name).combine_chunks()], names=[name])
@@ -134,7 +136,9 @@ def image_keys_of(batches: Sequence[pa.RecordBatch]) -> frozenset[bytes]:
     """The distinct image keys the rows of ``batches`` reference."""
     keys: set[bytes] = set()
     for b in batches:
-        keys.update(pc.unique(pc.list_flatten(b.column("image_keys"))).to_pylist())
+        flat = b.column("image_keys").flatten()
+        if len(flat):  # most groups name no image
+            keys.update(pc.unique(flat).to_pylist())
     return frozenset(keys)
 
 
@@ -281,9 +285,10 @@ class GroupTable:
         return True
 
     def add(self, group_id: str, fresh: Sequence[pa.RecordBatch], packed: Sequence[tuple[Block, int]],
-            meta: dict[str, str] | None = None, seq: int = 0) -> frozenset[bytes]:
+            meta: dict[str, str] | None = None, seq: int = 0, image_keys: frozenset[bytes] | None = None,
+            ) -> frozenset[bytes]:
         """Store the validated batches of a new group (its first metadata row is ``seq``) and their blocks;
-        returns the image keys it names."""
+        returns the image keys it names (``image_keys``, when the caller read them already)."""
         group = self._live[group_id] = Group(meta=meta or _NO_META, seq=seq)
         for b, (block, held) in zip(fresh, packed, strict=True):
             bno = len(group.blocks)
@@ -297,23 +302,24 @@ class GroupTable:
             group.rows += b.num_rows
             self.rows += b.num_rows
             self.rows_live += b.num_rows
-        keys = image_keys_of(fresh)
+        keys = image_keys_of(fresh) if image_keys is None else image_keys
         if keys:
             group.image_keys = keys
         return keys
 
-    def release(self, group_id: str) -> Group | None:
+    def release(self, group_id: str, digests: bytes | None = None) -> Group | None:
         """Drop the payload of ``group_id`` (``None`` if unknown or released); returns what it held.
 
         The returned record keeps the group's ``held``, ``nbytes`` and ``image_keys`` for the caller's
-        accounting; the table keeps only its ``consumed`` ``sample_idx``.
+        accounting; the table keeps the group's tombstone (``digests``: its :func:`content_digests`, computed
+        here unless the caller did so already, outside the store's lock).
         """
         group = self._live.pop(group_id, None)
         if group is None:
             return None
         self.rows_live -= group.rows
         self.released_total += 1
-        self.remember(group_id, group.rows, content_digests(group.batches), group.seq)
+        self.remember(group_id, group.rows, content_digests(group.batches) if digests is None else digests, group.seq)
         return group
 
     def remember(self, group_id: str, rows: int, digests: bytes, seq: int) -> None:

@@ -11,7 +11,7 @@
   cannot take (:meth:`MemoryAccount.check_rss`).
 
 Not thread-safe by itself: the store calls a :class:`MemoryAccount` under its lock, which the
-account shares (:meth:`MemoryAccount.write_in_flight` and :meth:`MemoryAccount.writing` take it).
+account shares (:meth:`MemoryAccount.incoming` and :meth:`MemoryAccount.reading` take it).
 """
 
 from __future__ import annotations
@@ -221,7 +221,7 @@ class MemoryAccount:
         node_name: named in refusals.
         rss_guard: also refuse while the process's RSS is more than ``budget`` above its value now
             (see :attr:`flight_store.config.StoreConfig.rss_guard`).
-        lock: the store's lock (taken by :meth:`write_in_flight` and :meth:`writing`).
+        lock: the store's lock (taken by :meth:`incoming` and :meth:`reading`).
 
     Example:
         >>> import threading

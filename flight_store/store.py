@@ -8,7 +8,8 @@
   read from a cursor;
 * :mod:`flight_store.images`: images keyed by content hash, stored once, reference-counted by the
   unreleased groups naming them;
-* :mod:`flight_store.weights`: the latest weights table and the newest published policy version;
+* :mod:`flight_store.weights`: the newest weights tables (``weights_versions`` of them) and the published
+  policy version;
 * :mod:`flight_store.memory`: the blocks, the memory budget, writes in flight, the RSS guard;
 * :mod:`flight_store.durability`: the spill log records and their replay;
 * :mod:`flight_store.contents`: the one commit path that changes all of the above.
@@ -46,6 +47,7 @@ from flight_store.errors import LimitExceededError, SchemaMismatchError
 from flight_store.images import images_table
 from flight_store.memory import Incoming, MemoryAccount, pack, return_free_memory
 from flight_store.validate import normalize_group, normalize_images
+from flight_store.weights import one_batch
 from schemas import weights as weights_codec
 from schemas.arrow import SCHEMA_VERSION
 
@@ -171,13 +173,14 @@ class Store:
             with self._lock:
                 if self._contents.groups.check_rewrite(group_id, normalized):
                     return 0
-                self._contents.images.check_present(_groups.image_keys_of(normalized), group_id)
+                keys = _groups.image_keys_of(normalized)
+                self._contents.images.check_present(keys, group_id)
                 packed = [pack(b) for b in normalized]
                 # stored groups + this group + what the OTHER writes in flight hold must fit
                 self._memory.reserve(sum(held for _, held in packed), what, incoming.others)
                 self._memory.check_rss(0, what)  # the packed blocks' pages are resident already
                 self._journal.group(group_id, [block for block, _ in packed], meta or {})
-                return self._contents.commit_group(group_id, normalized, packed, meta)
+                return self._contents.commit_group(group_id, normalized, packed, meta, image_keys=keys)
         raise AssertionError  # pragma: no cover - the with block returns or raises
 
     def slices(
@@ -217,11 +220,18 @@ class Store:
         Metadata history stays; images no longer referenced by any unreleased group are freed.
         """
         freed = 0
+        ids = list(dict.fromkeys(group_ids))
         with self._lock:
-            todo = [g for g in dict.fromkeys(group_ids) if self._contents.groups.is_live(g)]
+            live = {g: self._contents.groups.live(g) for g in ids if self._contents.groups.is_live(g)}
+        # the tombstones' digests (~1 ms a group) outside the lock: a stored group's blocks never change
+        digests = {g: _groups.content_digests(group.batches) for g, group in live.items()}
+        with self._lock:
+            todo = [g for g in ids if self._contents.groups.is_live(g)]  # released meanwhile: skipped
+            # a group written again meanwhile (its tombstone forgotten) is digested anew, under the lock
+            same = {g: digests[g] for g in todo if g in live and self._contents.groups.live(g) is live[g]}
             if todo:
                 self._journal.release(todo)
-                freed = self._contents.commit_release(todo)
+                freed = self._contents.commit_release(todo, same)
                 self._journal.maybe_compact(self._contents)
         if freed:
             return_free_memory()
@@ -328,14 +338,14 @@ class Store:
                 slot = self._contents.weights
                 if not slot.accepts(version):
                     return False
-                batches = checked.combine_chunks().to_batches()
-                packed = pack(batches[0])
-                leaving = slot.versions[0] if len(slot.versions) >= slot.keep else None
+                batch = one_batch(checked)
+                packed = pack(batch)
+                leaving = slot.leaving()
                 freed = slot.held(leaving) if leaving is not None else 0
                 self._memory.reserve(max(0, packed[1] - freed), what, incoming.others)
                 self._memory.check_rss(0, what)
-                self._journal.weights(checked, version)
-                self._contents.commit_weights(checked, version, packed)
+                self._journal.weights(batch.schema, packed[0], version)
+                self._contents.commit_weights(batch, version, packed)
                 self._journal.maybe_compact(self._contents)
                 return True
         raise AssertionError  # pragma: no cover - the with block returns or raises

@@ -68,11 +68,6 @@ class WeightsSlot:
         """The stored versions, oldest first."""
         return list(self._versions)
 
-    @property
-    def nbytes(self) -> int:
-        """Payload bytes of the stored weights tables."""
-        return sum(w.nbytes for w in self._versions.values())
-
     def held(self, version: int) -> int:
         """Memory the stored ``version`` holds."""
         return self._versions[version].held
@@ -89,11 +84,13 @@ class WeightsSlot:
             return False
         return True
 
-    def set(self, table: pa.Table, version: int, packed: tuple[Block, int] | None = None) -> list[StoredWeights]:
-        """Keep ``table`` (already checked) as the newest weights, of ``version``; returns the versions it pushed
-        out (their memory is the caller's to free)."""
-        combined = table.combine_chunks().to_batches()
-        batch = combined[0] if combined else pa.RecordBatch.from_pylist([], schema=table.schema)
+    def leaving(self) -> int | None:
+        """The version storing another one would push out (``None`` while fewer than ``keep`` are stored)."""
+        return self.versions[0] if len(self._versions) >= self.keep else None
+
+    def set(self, batch: pa.RecordBatch, version: int, packed: tuple[Block, int] | None = None) -> list[StoredWeights]:
+        """Keep ``batch`` (already checked: see :func:`one_batch`) as the newest weights, of ``version``; returns the
+        versions it pushed out (their memory is the caller's to free)."""
         block, held = packed if packed is not None else pack(batch)
         self._versions[version] = StoredWeights(block=block, schema=batch.schema, nbytes=batch.nbytes, held=held)
         freed = []
@@ -121,3 +118,9 @@ class WeightsSlot:
     def publish(self, version: int) -> None:
         """Record ``version`` as published (never moves back)."""
         self.published = max(self.published, version)
+
+
+def one_batch(table: pa.Table) -> pa.RecordBatch:
+    """A weights table as the one record batch it is stored as."""
+    combined = table.combine_chunks().to_batches()
+    return combined[0] if combined else pa.RecordBatch.from_pylist([], schema=table.schema)
