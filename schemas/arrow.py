@@ -67,7 +67,7 @@ OPTIONAL_ON_WRITE: frozenset[str] = frozenset(
     {"policy_version_min", "num_images", "created_at", "completed_at", "bytes", "image_keys", "loss_mask",
      "finish_reason", "status", "data_source"}
 )
-"""Columns a writer may leave out; the store fills them (see ``flight_store.validate``)."""
+"""Columns a writer may leave out; every writer fills them the same way (``schemas.trajectory.fill_defaults``)."""
 
 # ---- metadata projection -----------------------------------------------------------------------
 

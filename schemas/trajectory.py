@@ -19,8 +19,9 @@ them accepts, the others accept too.
   ``"completed"``, ``data_source`` = ``"default"``, ``prompt_len``/``response_len`` = the list
   lengths (for the records helpers; the wire requires them);
 * ``bytes`` is always recomputed as the row's payload size (:func:`payload_bytes`);
-* every column is validated structurally first (``Array.validate(full=True)``: offsets monotonic and
-  in bounds, lengths, UTF-8), so a corrupt batch is refused naming its column;
+* the batch is validated structurally first (``RecordBatch.validate(full=True)``, one pass: offsets
+  monotonic and in bounds, lengths, UTF-8); if that fails, column by column, so a corrupt batch is refused
+  naming its column (a sent ``bytes`` column is dropped unread: it is recomputed);
 * nulls are refused in every column (and inside list values); timestamps may carry a time zone (the
   instant is stored as naive UTC);
 * the value rules of :func:`check_rules`: every ``group_id`` equals the group's; ``sample_idx >= 0``
@@ -37,6 +38,7 @@ the image table, and checks each image's content key against its bytes.
 from __future__ import annotations
 
 import datetime as dt
+import math
 from collections.abc import Sequence
 
 import numpy as np
@@ -87,7 +89,7 @@ def _castable(src: pa.DataType, dst: pa.DataType) -> bool:
 def _check_structure(name: str, arr: pa.Array) -> None:
     try:
         arr.validate(full=True)  # offsets in bounds and monotonic, lengths, UTF-8: before anything reads it
-    except (pa.ArrowInvalid, pa.ArrowException) as exc:
+    except pa.ArrowException as exc:
         msg = f"column {name!r} is not a valid Arrow array: {exc}"
         raise TrajectoryError(msg, column=name) from None
 
@@ -132,11 +134,16 @@ def _without_validity(arr: pa.Array) -> pa.Array:
                                  children=children)
 
 
+def offset_lengths(arr: pa.Array) -> np.ndarray:
+    """Length of each value of a ``list``, ``string`` or ``binary`` array without nulls (32-bit offsets), read off
+    its offsets: int32."""
+    return np.diff(np.frombuffer(arr.buffers()[1], dtype=np.int32, count=len(arr) + 1, offset=4 * arr.offset))
+
+
 def list_lengths(arr: pa.Array | pa.ChunkedArray) -> np.ndarray:
     """Length of each list of ``arr``, int64 (read off the offsets of a ``list`` array without nulls)."""
     if isinstance(arr, pa.Array) and pa.types.is_list(arr.type) and not arr.null_count:
-        offsets = np.frombuffer(arr.buffers()[1], dtype=np.int32, count=len(arr) + 1, offset=4 * arr.offset)
-        return np.diff(offsets).astype(np.int64)
+        return offset_lengths(arr).astype(np.int64)
     return pc.list_value_length(arr).to_numpy(zero_copy_only=False).astype(np.int64)
 
 
@@ -237,11 +244,11 @@ def _check_values(cols: dict[str, pa.Array]) -> None:
 def _all_equal(arr: pa.Array, value: str) -> bool:
     """Whether every value of the string array ``arr`` (no nulls) is ``value``, read off its buffers."""
     want = value.encode()
-    offsets = np.frombuffer(arr.buffers()[1], dtype=np.int32, count=len(arr) + 1, offset=4 * arr.offset)
-    if not (np.diff(offsets) == len(want)).all():
+    if not (offset_lengths(arr) == len(want)).all():
         return False
+    first = int(np.frombuffer(arr.buffers()[1], dtype=np.int32, count=1, offset=4 * arr.offset)[0])
     data = arr.buffers()[2]
-    return data is not None and bytes(data[int(offsets[0]):int(offsets[-1])]) == want * len(arr)
+    return data is not None and bytes(data[first:first + len(want) * len(arr)]) == want * len(arr)
 
 
 def check_rules(cols: dict[str, pa.Array], group_id: str) -> dict[str, np.ndarray]:
@@ -331,7 +338,7 @@ def normalize_batch(batch: pa.RecordBatch, group_id: str, *, now: dt.datetime | 
     try:
         batch.validate(full=True)  # every column in one pass; the slow path below names the broken one
         validated = True
-    except (pa.ArrowInvalid, pa.ArrowException):
+    except pa.ArrowException:
         validated = False
     cols = {name: conform_column(name, batch.column(name), _EXPECTED[name], validated=validated)
             for name in batch.schema.names if name != "bytes"}
@@ -369,6 +376,9 @@ def normalize_images(table: pa.Table | pa.RecordBatch) -> pa.Table:
     """Validate an image table (columns in any order, safe casts) and return it as ``IMAGE_SCHEMA``."""
     names = table.schema.names
     for name in names:
+        if names.count(name) > 1:
+            msg = f"image column {name!r} appears more than once"
+            raise TrajectoryError(msg, column=name)
         if name not in _IMAGE_EXPECTED:
             msg = f"unknown image column {name!r}; the image schema has {list(_IMAGE_EXPECTED)}"
             raise TrajectoryError(msg, column=name)
@@ -397,7 +407,7 @@ def _check_images(table: pa.Table) -> None:
             msg = f"image {key.hex()} has a negative dimension in shape {shape}"
             raise TrajectoryError(msg, column="shape")
         buf = data[i].as_buffer()
-        want = int(np.prod(shape, dtype=np.int64)) * np.dtype(dtype).itemsize
+        want = math.prod(shape) * np.dtype(dtype).itemsize  # exact: a huge shape must not wrap around
         if buf.size != want:
             msg = f"image {key.hex()} has {buf.size} bytes of data, but shape {shape} of {dtype} needs {want}"
             raise TrajectoryError(msg, column="data")

@@ -103,7 +103,7 @@ def encode(tensors: Iterable[WeightTensor]) -> pa.Table:
             "name": [w.name for w in rows],
             "shape": [list(w.shape) for w in rows],
             "dtype": [w.dtype for w in rows],
-            "data": [bytes(w.data) if not isinstance(w.data, bytes) else w.data for w in rows],
+            "data": [w.data for w in rows],  # buffers and memoryviews as they are: pa.table copies each once
         },
         schema=WEIGHTS_SCHEMA,
     )
@@ -123,6 +123,10 @@ def decode(table: pa.Table) -> list[WeightTensor]:
 
 def check(table: pa.Table) -> pa.Table:
     """The table as ``WEIGHTS_SCHEMA`` if it keeps every rule; raises :class:`WeightsError` naming what does not."""
+    repeated = sorted({c for c in table.column_names if table.column_names.count(c) > 1})
+    if repeated:
+        msg = f"weights table names the columns {repeated} more than once"
+        raise WeightsError(msg)
     missing = [c for c in WEIGHTS_SCHEMA.names if c not in table.column_names]
     extra = [c for c in table.column_names if c not in WEIGHTS_SCHEMA.names]
     if missing or extra:

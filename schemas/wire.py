@@ -255,12 +255,13 @@ _TICKET = TypeAdapter(Ticket)
 
 
 def _no_duplicate_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
-    keys = [k for k, _ in pairs]
-    dup = next((k for k in keys if keys.count(k) > 1), None)
-    if dup is not None:
-        msg = f"duplicate key {dup!r}"
-        raise ValueError(msg)
-    return dict(pairs)
+    out: dict[str, Any] = {}
+    for key, value in pairs:  # linear: a document of many keys must not cost quadratic time
+        if key in out:
+            msg = f"duplicate key {key!r}"
+            raise ValueError(msg)
+        out[key] = value
+    return out
 
 
 def _load_json(raw: bytes, what: str, limit: str) -> Any:

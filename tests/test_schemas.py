@@ -127,3 +127,30 @@ def test_action_bodies() -> None:
         decode_action_body("explode", b"{}")
     with pytest.raises(WireError, match="group_ids"):
         decode_action_body("release", b'{"v": 2, "group_ids": []}')
+
+
+def test_an_image_whose_shape_overflows_int64_is_refused() -> None:
+    from schemas.images import key_of
+    from schemas.trajectory import TrajectoryError, normalize_images
+
+    shape = [65536] * 4  # 2^64 elements: a product in int64 wraps to 0, matching 0 bytes of data
+    table = pa.table({"image_key": pa.array([key_of("uint8", shape, pa.py_buffer(b""))], pa.binary(32)),
+                      "shape": pa.array([shape], pa.list_(pa.int32())), "dtype": ["uint8"],
+                      "data": pa.array([b""], pa.large_binary())})
+    with pytest.raises(TrajectoryError, match="needs 18446744073709551616") as exc:
+        normalize_images(table)
+    assert exc.value.column == "data"
+
+
+def test_a_table_naming_a_column_twice_is_a_schema_error_not_a_crash() -> None:
+    from schemas.trajectory import TrajectoryError, normalize_images
+    from schemas.weights import WeightsError, check
+
+    images = pa.Table.from_arrays([pa.array([b"x" * 32], pa.binary(32)), pa.array(["uint8"]), pa.array(["uint8"])],
+                                  names=["image_key", "dtype", "dtype"])
+    with pytest.raises(TrajectoryError, match="'dtype' appears more than once"):
+        normalize_images(images)
+    weights = pa.Table.from_arrays([pa.array(["w"]), pa.array(["float32"]), pa.array(["float32"])],
+                                   names=["name", "dtype", "dtype"])
+    with pytest.raises(WeightsError, match=r"\['dtype'\] more than once"):
+        check(weights)
