@@ -23,6 +23,8 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import logging
+import os
+import signal
 import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -71,8 +73,9 @@ def serve(argv: Sequence[str]) -> int:
     from flight_store.config import ServerConfig
     from flight_store.node import serve as run_node
 
+    # a node process always guards its RSS, and names its store itself (ServerConfig.node_name): no flags for those
     config, _ = _parse_config("knit serve", "Run one knittrans store node (an Arrow Flight server).",
-                              ServerConfig, argv)
+                              ServerConfig, argv, skip=("store.rss_guard", "store.node_name"))
     return run_node(config)
 
 
@@ -125,7 +128,7 @@ def demo(argv: Sequence[str]) -> int:
 def train(argv: Sequence[str]) -> int:
     """``knit train``: the Megatron-core trainer (``--nproc`` local ranks, or one rank under torchrun)."""
     from train.config import ModelConfig, TrainConfig
-    from train.launch import launch
+    from train.launch import LOG_FORMAT, launch
 
     def extra(p: argparse.ArgumentParser) -> None:
         p.add_argument("--nproc", type=int, default=1, help="ranks to start locally when not under torchrun")
@@ -137,8 +140,11 @@ def train(argv: Sequence[str]) -> int:
 
     config, args = _parse_config("knit train", "Megatron-core GRPO trainer fed by knittrans stores.", TrainConfig,
                                  argv, extra=extra, base=base)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
-    launch(config, nproc=args.nproc)
+    logging.basicConfig(level=logging.INFO, format=LOG_FORMAT.replace("{rank}", os.environ.get("RANK", "0")))
+    try:
+        launch(config, nproc=args.nproc)  # SIGTERM stops the local ranks too
+    except KeyboardInterrupt:
+        return 128 + signal.SIGINT
     return 0
 
 

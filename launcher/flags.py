@@ -106,12 +106,15 @@ def add_flags(parser: argparse.ArgumentParser, cls: type[Any], *, skip: tuple[st
     for path, _ in leaves:
         counts[path[-1]] = counts.get(path[-1], 0) + 1
     flags = []
+    docs: dict[type[Any], dict[str, str]] = {}  # parsing a class's source costs ~10 ms: once per class
     for path, annotation in leaves:
         name = path[-1] if counts[path[-1]] == 1 else ".".join(path)
         owner = _owner(cls, path)
         flag = Flag(path=path, flag="--" + name.replace("_", "-"), annotation=annotation, owner=owner)
-        default = _default_of(owner, path[-1])
-        doc = field_docs(owner).get(path[-1], "").split("\n\n")[0].replace("\n", " ")
+        default = _default_at(cls, path)
+        if owner not in docs:
+            docs[owner] = field_docs(owner)
+        doc = docs[owner].get(path[-1], "").split("\n\n")[0].replace("\n", " ")
         shown = "required" if default is dataclasses.MISSING else f"default: {show_default(default)}"
         help_text = f"{doc} ({shown})".replace("%", "%%")
         if _base(annotation) is bool:
@@ -132,6 +135,19 @@ def _owner(cls: type[Any], path: tuple[str, ...]) -> type[Any]:
             raise TypeError(msg)
         cls = section
     return cls
+
+
+def _default_at(cls: type[Any], path: tuple[str, ...]) -> Any:
+    """What a config of ``cls`` holds at ``path`` when no flag is given: the default the ENCLOSING section
+    gives (a section's factory may set its fields otherwise than their own class), else the field's own."""
+    value = _default_of(cls, path[0])
+    if len(path) == 1:
+        return value
+    if value is dataclasses.MISSING or value is None:  # no section instance to read: the section class's defaults
+        return _default_at(_owner(cls, path[:2]), path[1:])
+    for name in path[1:]:
+        value = getattr(value, name)
+    return value
 
 
 def _default_of(cls: type[Any], name: str) -> Any:

@@ -198,10 +198,7 @@ def rollout_config(cfg: RunConfig, stores: list[str]) -> RolloutConfig:
 class LiveState:
     """What the progress display shows, refreshed from the stores and the trainer's progress file."""
 
-    policy: str = ""
     phase: str = "starting"
-    total_groups: int = 0
-    total_steps: int = 0
     written: int = 0
     admitted: int = 0
     consumed: int = 0
@@ -247,7 +244,7 @@ def run_policy(cfg: RunConfig, model: ModelConfig, *, stop: threading.Event,
     cfg.out.mkdir(parents=True, exist_ok=True)
     for stale in ("progress.jsonl", "consumed.parquet", "rollout.json"):
         (cfg.out / stale).unlink(missing_ok=True)
-    state = LiveState(policy=cfg.policy, total_groups=cfg.total_groups, total_steps=cfg.steps)
+    state = LiveState()  # the display knows the policy and the totals (main_job)
     t0 = time.time()
     with Children(cfg.out / "logs") as kids:
         stores = Stores(kids, store_configs(cfg), cfg.out, max_restarts=cfg.max_store_restarts,

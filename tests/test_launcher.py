@@ -94,19 +94,46 @@ def test_knit_lists_its_commands_and_refuses_an_unknown_one(capsys: pytest.Captu
     assert "unknown command 'explode'" in capsys.readouterr().err
 
 
+def _built(cls: type) -> tuple[object, frozenset[str]]:
+    """A config of ``cls`` with nothing but its required fields given; and the names of those fields."""
+    required = {f.name: f for f in dataclasses.fields(cls)
+                if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING}
+    given = {"stores": ["grpc://127.0.0.1:1"], "model": "m",
+             "admission": AdmissionConfig(train_batch_groups=8, group_size=4)}
+    return cls(**{name: given[name] for name in required}), frozenset(required)
+
+
 @pytest.mark.parametrize("cls", [RunConfig, TrainConfig, RolloutConfig])
-def test_every_field_has_one_flag_whose_default_is_the_field_default(cls: type) -> None:
+def test_every_field_has_one_flag_whose_default_is_what_the_config_holds(cls: type) -> None:
+    """A flag's help shows the value the config gets without it: a section's own factory (``RunConfig``'s
+    admission has B=8, K=2) wins over the section class's defaults (B required, K=1)."""
     parser = argparse.ArgumentParser()
     flags = add_flags(parser, cls)
     helps = {a.option_strings[0]: a.help or "" for a in parser._actions if a.option_strings}
     assert len({f.flag for f in flags}) == len(flags)
+    config, required = _built(cls)
     for f in flags:
         assert field_docs(f.owner).get(f.path[-1]), f"{f.owner.__name__}.{f.path[-1]} has no docstring"
         field = next(x for x in dataclasses.fields(f.owner) if x.name == f.path[-1])
-        if field.default is not dataclasses.MISSING:
-            assert f"default: {show_default(field.default)}" in helps[f.flag], f.flag
-        elif field.default_factory is dataclasses.MISSING:
-            assert "required" in helps[f.flag], f.flag
+        value = config
+        for name in f.path[:-1]:
+            value = getattr(value, name) if value is not None else None
+        if f.path[0] in required or value is None:  # a section given by the caller, or None: its class's defaults
+            if field.default is not dataclasses.MISSING:
+                assert f"default: {show_default(field.default)}" in helps[f.flag], f.flag
+            elif field.default_factory is dataclasses.MISSING:
+                assert "required" in helps[f.flag], f.flag
+            continue
+        value = getattr(value, f.path[-1])
+        assert f"default: {show_default(value)}" in helps[f.flag], (f.flag, value, helps[f.flag])
+
+
+def test_knit_run_help_shows_the_run_s_own_defaults(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit):
+        parse(["--help"])
+    out = " ".join(capsys.readouterr().out.split())
+    for flag, shown in (("--train-batch-groups", "8"), ("--mini-batches", "2"), ("--lr", "0.003")):
+        assert f"{flag} " in out and f"(default: {shown})" in out.rsplit(f"{flag} ", 1)[1].split(" --", 1)[0], flag
 
 
 def test_knit_run_flags_build_the_configs() -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import subprocess
@@ -9,6 +10,7 @@ import sys
 import threading
 import time
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pyarrow as pa
@@ -338,3 +340,30 @@ def test_bench_baseline_builds_verl_dataproto_layout() -> None:
     assert shards[0]["advantages"][0].tolist() == [1.0] * 5
     back = torch.load(__import__("io").BytesIO(serialize(shards[1])), weights_only=True)
     assert torch.equal(back["old_log_probs"], shards[1]["old_log_probs"])
+
+
+def test_sigterm_to_the_rank_launcher_stops_its_local_ranks() -> None:
+    """``knit train --nproc N`` killed by pid (SIGTERM) must not leave its spawned ranks running."""
+    import signal
+
+    psutil = pytest.importorskip("psutil")
+    from launcher.children import child_env
+
+    code = "import time; from train.launch import run_ranks; run_ranks(time.sleep, 600, nproc=2)"
+    proc = subprocess.Popen([sys.executable, "-c", code], cwd=Path(__file__).resolve().parents[1], env=child_env())
+    ranks: list[Any] = []
+    try:
+        parent = psutil.Process(proc.pid)
+        deadline = time.monotonic() + 60
+        while len(ranks := [c for c in parent.children(recursive=True) if "spawn_main" in " ".join(c.cmdline())]) < 2:
+            assert time.monotonic() < deadline and proc.poll() is None, "the ranks did not start"
+            time.sleep(0.2)
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=60) == 128 + signal.SIGTERM
+        _, alive = psutil.wait_procs(ranks, timeout=30)
+        assert not alive, f"ranks still running after the launcher was terminated: {alive}"
+    finally:  # whatever happened, nothing this test started outlives it
+        for p in [*ranks, psutil.Process(proc.pid)] if proc.poll() is None else ranks:
+            with contextlib.suppress(psutil.Error):
+                p.kill()
+        proc.wait(timeout=30)

@@ -5,7 +5,8 @@ Otherwise :func:`run_ranks` starts ``nproc`` local ranks itself (torch.multiproc
 with ``RANK``/``LOCAL_RANK``/``WORLD_SIZE``/``LOCAL_WORLD_SIZE`` set and ``MASTER_ADDR``/``MASTER_PORT``
 pointing at a free port (``flight_store.net.free_port``); each rank logs at the caller's level with
 its rank in every line. If a rank fails, the others are stopped and the failure is raised here; if
-this process is interrupted (SIGINT, or SIGTERM turned into ``SystemExit``), the ranks are stopped.
+this process is interrupted (SIGINT) or terminated (SIGTERM, turned into ``SystemExit`` while the ranks
+run), the ranks are stopped.
 
 :func:`launch` is what ``python -m train`` and ``knit train`` call: the trainer on every rank.
 
@@ -18,7 +19,9 @@ from __future__ import annotations
 
 import logging
 import os
+import signal
 import sys
+import threading
 from collections.abc import Callable
 from typing import Any
 
@@ -68,15 +71,30 @@ def run_ranks(fn: Callable[..., Any], *args: Any, nproc: int = 1, master_addr: s
     level = logging.getLogger().getEffectiveLevel()
     ctx = mp.start_processes(_rank_entry, args=(nproc, master_addr, port, level, fn, args), nprocs=nproc,
                              join=False, start_method="spawn")
+    previous = _exit_on_sigterm()
     try:
         while not ctx.join():
             pass
-    finally:  # interrupted (or a rank failed): stop the ranks still running
+    finally:  # interrupted, terminated (or a rank failed): stop the ranks still running
         alive = [p for p in ctx.processes if p.is_alive()]
         for p in alive:
             p.terminate()
         for p in alive:
             p.join(timeout=30)
+        if previous is not None:
+            signal.signal(signal.SIGTERM, previous)
+
+
+def _exit_on_sigterm() -> Any:
+    """While ranks run, SIGTERM raises ``SystemExit`` here (so they are stopped); returns the handler it replaced
+    (``None`` off the main thread, where handlers cannot be set)."""
+    if threading.current_thread() is not threading.main_thread():
+        return None
+
+    def stop(signum: int, _frame: Any) -> None:
+        raise SystemExit(128 + signum)
+
+    return signal.signal(signal.SIGTERM, stop)
 
 
 def _rank_entry(local_rank: int, world: int, master_addr: str, port: int, level: int, fn: Callable[..., Any],

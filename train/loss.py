@@ -56,8 +56,8 @@ def policy_loss(per_token_ce: Any, batch: dict[str, Any], cfg: GrpoConfig) -> tu
 def reduce_reports(reports: Sequence[dict[str, Any]], rows: int, *, group: Any, device: Any) -> dict[str, Any]:
     """The step's loss metrics: token means over every micro-batch of every rank of the DP ``group``.
 
-    Returns ``loss``, ``ratio``, ``clip_frac``, ``abs_logp_diff`` (token means), ``loss_tokens`` and
-    ``rows`` (sums over the DP group); ``rows`` is this rank's row count.
+    ``rows`` is this rank's row count. Returns ``loss``, ``ratio``, ``clip_frac``, ``abs_logp_diff`` (token
+    means), ``loss_tokens`` and ``rows`` (sums over the DP group).
     """
     import torch
     import torch.distributed as dist
