@@ -296,7 +296,7 @@ def test_run_rollout_writes_the_report_and_stops_cleanly_on_sigterm(store_nodes,
     doc = json.loads(report_path.read_text())
     assert doc["groups"] == report.groups == 6 and doc["aborted_groups"] == 0
     assert len(doc["write_times"]) == 6 and doc["tokens_per_s"] > 0
-    assert set(doc["reward_mean"]) <= {"add_small", "mul_large"}
+    assert doc["reward_mean"] and set(doc["reward_mean"]) <= {"add_small", "mul_large"}
     assert all(0 < r < 1 for r in doc["reward_mean"].values())  # "digits": partial credit
 
     # SIGTERM: no more dispatch, the running groups are written as "aborted", the handler is restored

@@ -42,6 +42,17 @@ def _action(client: flight.FlightClient, name: str, raw: bytes = b"") -> Any:
     return json.loads(result.body.to_pybytes())
 
 
+def _wait_stats(client: flight.FlightClient, done: Any, within_s: float = 10.0) -> dict[str, Any]:
+    """The node's stats once ``done(stats)`` holds (polled); fails naming the last stats after ``within_s``."""
+    deadline = time.monotonic() + within_s
+    while True:
+        stats = _action(client, "stats")
+        if done(stats):
+            return stats  # type: ignore[no-any-return]
+        assert time.monotonic() < deadline, stats
+        time.sleep(0.05)
+
+
 def _group(gid: str, rows: int = G, tokens: int = 3) -> pa.Table:
     return pa.table({
         "group_id": [gid] * rows, "sample_idx": pa.array(range(rows), pa.int32()), "policy_version": [0] * rows,
@@ -54,8 +65,11 @@ def _group(gid: str, rows: int = G, tokens: int = 3) -> pa.Table:
 
 def _put_group(client: flight.FlightClient, table: pa.Table) -> Any:
     gid = table.column("group_id")[0].as_py()
-    writer, reader = client.do_put(_cmd({"v": 2, "kind": "put_group", "group_id": gid, "rows": table.num_rows}),
-                                   table.schema)
+    return _put_group_as(client, _cmd({"v": 2, "kind": "put_group", "group_id": gid, "rows": table.num_rows}), table)
+
+
+def _put_group_as(client: flight.FlightClient, descriptor: flight.FlightDescriptor, table: pa.Table) -> Any:
+    writer, reader = client.do_put(descriptor, table.schema)
     writer.write_table(table)
     writer.done_writing()
     buf = reader.read()
@@ -79,8 +93,31 @@ def test_tickets_bodies_and_lists_are_bounded_and_the_node_keeps_serving() -> No
         body = json.dumps({"v": 2, "group_ids": ["x" * 500] * 100_000}).encode()  # 50 MB
         info = _refusal(lambda: _action(raw, "release", body))
         assert info["limit"] == "action_body_bytes" and info["value"] == len(body)
+        keys = {"v": 2, "kind": "images", "keys": ["ab" * 32] * 5000, "missing_ok": True}
+        info = _refusal(lambda: raw.do_get(flight.Ticket(json.dumps(keys).encode())).read_all())
+        assert info["limit"] == "keys_per_ticket" and info["value"] == 5000
+        ids = json.dumps({"v": 2, "group_ids": [f"x{i}" for i in range(70_000)]}).encode()  # < 1 MB
+        info = _refusal(lambda: _action(raw, "release", ids))
+        assert info["limit"] == "groups_per_release" and info["value"] == 70_000
+        desc = _cmd({"v": 2, "kind": "put_group", "group_id": "y" * 70_000, "rows": G})
+        info = _refusal(lambda: _put_group_as(raw, desc, _group("g")))
+        assert info["limit"] == "descriptor_bytes"
         ok = {"v": 2, "kind": "slices", "slices": [{"group_id": "g", "start": 0, "stop": 1}] * 8000}
         assert raw.do_get(flight.Ticket(json.dumps(ok).encode())).read_all().num_rows == 8000
+        assert _action(raw, "health")["ok"] is True
+        raw.close()
+
+
+def test_a_document_of_many_keys_is_refused_in_linear_time() -> None:
+    """300,000 distinct keys in one ticket (3.6 MB, under ticket_bytes): a quadratic duplicate-key check would
+    keep a node's core busy for many minutes; the node refuses it in about a second and keeps serving."""
+    with StoreServer() as server:
+        raw = flight.connect(server.location)
+        doc = ("{" + ",".join(f'"k{i}":1' for i in range(300_000)) + "}").encode()
+        assert len(doc) < LIMITS["ticket_bytes"]
+        t0 = time.monotonic()
+        info = _refusal(lambda: raw.do_get(flight.Ticket(doc)).read_all())
+        assert info["class"] == "WireDecodeError" and time.monotonic() - t0 < 10
         assert _action(raw, "health")["ok"] is True
         raw.close()
 
@@ -153,21 +190,14 @@ def test_idle_writers_lose_their_slot_and_honest_writers_get_through() -> None:
         raw = flight.connect(server.location)
         schema = _group("x").schema
         idle = []
-        refused = 0
-        for i in range(12):  # open streams that never send a batch
+        for i in range(12):  # open streams that never send a batch (beyond 8, the node refuses them)
             client = flight.connect(server.location)
-            try:
-                writer, _ = client.do_put(_cmd({"v": 2, "kind": "put_group", "group_id": f"idle{i}", "rows": G}),
-                                          schema)
-                idle.append((client, writer))
-            except flight.FlightError:
-                refused += 1
-        time.sleep(0.3)
-        stats = _action(raw, "stats")
-        assert stats["writers"] <= 8 and stats["memory_in_flight"] == 0  # idle streams reserve no memory
-        time.sleep(1.5)  # past the idle limit: their slots are free again
-        stats = _action(raw, "stats")
-        assert stats["writers"] == 0 and stats["writes_given_up"] >= 8
+            writer, _ = client.do_put(_cmd({"v": 2, "kind": "put_group", "group_id": f"idle{i}", "rows": G}), schema)
+            idle.append((client, writer))
+        stats = _wait_stats(raw, lambda st: st["writers"] == 8)
+        assert stats["memory_in_flight"] == 0  # idle streams reserve no memory
+        stats = _wait_stats(raw, lambda st: st["writers"] == 0)  # past the idle limit: their slots are free again
+        assert stats["writes_given_up"] >= 8
         assert _put_group(raw, _group("honest")) == {"group_id": "honest", "rows_added": G}
         client, writer = idle[0]
         with pytest.raises(flight.FlightError) as exc:  # an idle writer that resumes is refused, retryably
@@ -191,6 +221,7 @@ def test_writers_beyond_the_cap_are_refused_retryably_and_the_client_retries() -
         slow = flight.connect(server.location)
         writer, _ = slow.do_put(_cmd({"v": 2, "kind": "put_group", "group_id": "slow", "rows": G}), _group("a").schema)
         raw = flight.connect(server.location)
+        _wait_stats(raw, lambda st: st["writers"] == 1)  # the slow writer holds the one slot
         info = _refusal(lambda: _put_group(raw, _group("b")))
         assert info["class"] == "TooManyWritersError" and info["retryable"] is True and info["limit"] == 1
         timer = threading.Timer(0.5, lambda: (writer.write_table(_group("slow")), writer.done_writing(),
@@ -236,11 +267,14 @@ def test_an_internal_error_names_an_incident_not_the_code(monkeypatch: pytest.Mo
 
 def test_metrics_listen_on_the_node_host() -> None:
     pytest.importorskip("prometheus_client")
-    with StoreServer(ServerConfig(host="127.0.0.1", metrics_port=0)) as server:
-        import urllib.request
+    import urllib.error
+    import urllib.request
 
-        body = urllib.request.urlopen(f"http://127.0.0.1:{server.metrics_port}/metrics", timeout=10).read()
+    with StoreServer(ServerConfig(host="127.0.0.2", metrics_port=0)) as server:  # not the default 127.0.0.1
+        body = urllib.request.urlopen(f"http://127.0.0.2:{server.metrics_port}/metrics", timeout=10).read()
         assert b"knit_rows" in body
+        with pytest.raises(urllib.error.URLError):  # bound to the node's host only, not every address
+            urllib.request.urlopen(f"http://127.0.0.1:{server.metrics_port}/metrics", timeout=10)
 
 
 def test_reads_never_lock_out_writes_on_a_node_holding_its_memory(node_process) -> None:

@@ -242,7 +242,7 @@ def test_a_write_larger_than_the_node_is_refused_for_good(tmp_path: Path) -> Non
         info = _info(_refusal(lambda: _put_group(raw, big)))
         assert info["class"] == "CapacityExceededError" and info["retryable"] is False
         assert info["capacity"] == 64 << 10 and info["needed"] > info["capacity"]
-        with StoreClient(server.location, retries=5, backoff=0.01) as client:
+        with StoreClient(server.location, retries=5, backoff=2.0) as client:  # one retry would wait 2 s
             from flight_store.errors import CapacityExceededError
 
             t0 = time.monotonic()
