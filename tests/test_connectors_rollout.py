@@ -183,7 +183,10 @@ def test_lookahead_counts_running_groups(store_nodes) -> None:  # type: ignore[n
                 client.release(ids)
                 released |= ids
         thread.join(timeout=5)
-        assert done.is_set() and len(released) == 12
+        assert done.is_set()
+        # the last groups may land after the last poll, once the worker no longer waits for releases
+        stored = set(client.scan_metadata(columns=["group_id"])["group_id"].unique().to_list())
+        assert len(released | stored) == 12
         # running + stored-unreleased never exceeded the limit, although prompts_per_wave allows 8 at once
         assert engine.max_running <= 3
 
