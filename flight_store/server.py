@@ -71,6 +71,9 @@ log = logging.getLogger(__name__)
 T = TypeVar("T")
 ANSWER_ROWS = 16384
 """Most rows of one message of a metadata answer (~2 MB): a scan of 100k rows streams, it is not one message."""
+SMALL_ANSWER = 1 << 20
+"""A DoGet answer under this many bytes (a micro-batch) is not accounted as a read nor trimmed after:
+the Python generator that does both costs ~0.3 ms an answer, a quarter of a micro-batch's read."""
 
 
 def _guard(what: str, fn: Callable[[], T]) -> T:
@@ -253,6 +256,10 @@ class StoreServer(flight.FlightServerBase):
             with self._observe("do_get") as rec:
                 table = _guard("DoGet", lambda: self._answer(decode_ticket(raw)))
                 rec.bytes_out += table.nbytes
+        if table.get_total_buffer_size() < SMALL_ANSWER:
+            # a micro-batch's answer goes out as Arrow's own stream: no Python per batch and no forced
+            # trim once sent (what it borrows is under SMALL_ANSWER; the next write's trim gives it back)
+            return flight.RecordBatchStream(table)
         return flight.GeneratorStream(table.schema, self._stream(table))
 
     def _stream(self, table: pa.Table) -> Iterator[pa.RecordBatch]:
