@@ -319,13 +319,21 @@ class StoreClient:
 
             return self._calls.call(n, run)
 
+        def try_open(n: str) -> streams.NodeStream | Exception:
+            try:
+                return open_stream(n, per_node[n])
+            except Exception as exc:  # every node is opened; the first error (in node order) is raised below
+                return exc
+
         try:
-            for n, ss in per_node.items():
-                try:
-                    readers[n] = open_stream(n, ss)
-                except NodeUnavailableError as exc:
-                    log.warning("cannot open a stream from %s (%s); fetching one micro-batch at a time", n, exc)
-                    readers[n] = None
+            # the nodes' streams open concurrently: an open waits for the node's first message
+            opened = self._fan_out(per_node, try_open)
+            readers.update({n: None if isinstance(o, Exception) else o for n, o in opened.items()})
+            for n, o in opened.items():
+                if isinstance(o, NodeUnavailableError):
+                    log.warning("cannot open a stream from %s (%s); fetching one micro-batch at a time", n, o)
+                elif isinstance(o, Exception):
+                    raise o
             for i, m in enumerate(mbs):
                 if m:
                     table = streams.in_order(m, {n: take(n, ss) for n, ss in streams.by_node(m).items()})

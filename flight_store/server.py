@@ -18,11 +18,12 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import hmac
+import itertools
 import json
 import logging
 import secrets
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any, TypeVar
 
 import pyarrow as pa
@@ -72,8 +73,11 @@ T = TypeVar("T")
 ANSWER_ROWS = 16384
 """Most rows of one message of a metadata answer (~2 MB): a scan of 100k rows streams, it is not one message."""
 SMALL_ANSWER = 1 << 20
-"""A DoGet answer under this many bytes (a micro-batch) is not accounted as a read nor trimmed after:
-the Python generator that does both costs ~0.3 ms an answer, a quarter of a micro-batch's read."""
+"""A DoGet answer under this many bytes is not accounted as a read nor trimmed after: the forced trim and
+a Python generator cost ~0.3 ms an answer, a quarter of a micro-batch's read."""
+SMALL_ANSWER_SLICES = 16
+"""A small answer of at most this many slices (one micro-batch) is made whole and sent by Arrow alone; a
+longer one (a whole step's micro-batches, streamed) is made as it is sent, so its first rows go out first."""
 
 
 def _guard(what: str, fn: Callable[[], T]) -> T:
@@ -247,49 +251,56 @@ class StoreServer(flight.FlightServerBase):
 
     def do_get(self, context: flight.ServerCallContext, ticket: flight.Ticket) -> flight.FlightDataStream:
         raw = ticket.ticket
-        if self.metrics is None:
-            # everything here runs before the answer's first byte goes out; without metrics there is
-            # nothing to count, and ``table.nbytes`` is not free: for sliced columns it dedups byte
-            # ranges (~50 us warm, ~0.1-0.2 ms on the cold caches of a node streaming MBs per call)
-            table = _guard("DoGet", lambda: self._answer(decode_ticket(raw)))
-        else:
-            with self._observe("do_get") as rec:
-                table = _guard("DoGet", lambda: self._answer(decode_ticket(raw)))
-                rec.bytes_out += table.nbytes
-        if table.get_total_buffer_size() < SMALL_ANSWER:
+        with self._observe("do_get") as rec:
+            schema, batches, nbytes = _guard("DoGet", lambda: self._answer(decode_ticket(raw)))
+            rec.bytes_out += nbytes
+        if isinstance(batches, list) and nbytes < SMALL_ANSWER:
             # a micro-batch's answer goes out as Arrow's own stream: no Python per batch and no forced
             # trim once sent (what it borrows is under SMALL_ANSWER; the next write's trim gives it back)
-            return flight.RecordBatchStream(table)
-        return flight.GeneratorStream(table.schema, self._stream(table))
+            return flight.RecordBatchStream(pa.Table.from_batches(batches, schema=schema))
+        return flight.GeneratorStream(schema, self._stream(batches, nbytes))
 
-    def _stream(self, table: pa.Table) -> Iterator[pa.RecordBatch]:
-        """The answer's batches; while they stream, the memory the answer holds is a read, which the RSS
-        guard does not count against writes; once sent, what it borrowed goes back to the OS."""
+    def _stream(self, batches: Iterable[pa.RecordBatch], nbytes: int) -> Iterator[pa.RecordBatch]:
+        """The answer's batches, made as they are sent. A large answer's memory is a read while it
+        streams, which the RSS guard does not count against writes; once sent, what it borrowed goes
+        back to the OS."""
+        if nbytes < SMALL_ANSWER:
+            yield from batches
+            return
         try:
-            with self.store.reading(table.get_total_buffer_size()):
-                yield from table.to_batches()
+            with self.store.reading(nbytes):
+                yield from batches
         finally:
-            del table
+            del batches
             return_free_memory(force=True)
 
-    def _answer(self, doc: Any) -> pa.Table:
-        if isinstance(doc, MetadataTicket):  # streamed in chunks of ANSWER_ROWS rows (zero-copy slices)
-            table = self.store.metadata(doc.since, doc.columns)
-            return pa.Table.from_batches(table.to_batches(max_chunksize=ANSWER_ROWS), schema=table.schema)
+    def _answer(self, doc: Any) -> tuple[pa.Schema, Iterable[pa.RecordBatch], int]:
+        """The answer to a ticket: its schema, its batches (a list, or made as they are sent) and its payload
+        bytes (for slices summed from the rows served: ``nbytes`` of sliced columns dedups byte ranges, ~50 us
+        warm and ~0.1-0.2 ms on a busy node's cold caches)."""
         if isinstance(doc, SlicesTicket):
             refs = [(s.group_id, s.start, s.stop) for s in doc.slices]
-            batches, meta = self.store.slices_with_meta(refs, doc.columns, coalesce_below=self.coalesce_below)
-            schema = batches[0].schema
+            batches, meta, nbytes = self.store.slices_with_meta(refs, doc.columns,
+                                                                coalesce_below=self.coalesce_below)
+            first = next(batches)  # at least one slice: its schema is the answer's
+            schema = first.schema
             if meta:
                 schema = schema.with_metadata({**(schema.metadata or {}), **{k.encode(): v.encode()
                                                                               for k, v in meta.items()}})
-            return pa.Table.from_batches(batches, schema=schema)
+            if len(refs) <= SMALL_ANSWER_SLICES and nbytes < SMALL_ANSWER:
+                return schema, [first, *batches], nbytes
+            return schema, itertools.chain([first], batches), nbytes
+        if isinstance(doc, MetadataTicket):  # streamed in chunks of ANSWER_ROWS rows (zero-copy slices)
+            table = self.store.metadata(doc.since, doc.columns)
+            return table.schema, table.to_batches(max_chunksize=ANSWER_ROWS), table.get_total_buffer_size()
         if isinstance(doc, ImagesTicket):
-            return self.store.images([bytes.fromhex(k) for k in doc.keys], missing_ok=doc.missing_ok)
-        if isinstance(doc, WeightsTicket):
-            return self.store.weights(doc.version)[0]
-        msg = f"unsupported ticket {doc!r}"  # pragma: no cover
-        raise WireError(msg)
+            table = self.store.images([bytes.fromhex(k) for k in doc.keys], missing_ok=doc.missing_ok)
+        elif isinstance(doc, WeightsTicket):
+            table = self.store.weights(doc.version)[0]
+        else:  # pragma: no cover
+            msg = f"unsupported ticket {doc!r}"
+            raise WireError(msg)
+        return table.schema, table.to_batches(), table.get_total_buffer_size()
 
     # ---- actions -------------------------------------------------------------------------------
 

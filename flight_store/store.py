@@ -33,7 +33,7 @@ from __future__ import annotations
 import contextlib
 import threading
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 
 import pyarrow as pa
 import pyarrow.compute as pc
@@ -193,26 +193,27 @@ class Store:
         """Zero-copy slices of rows ``sample_idx in [start, stop)`` per ``(group_id, start, stop)``, in order.
 
         Each run of consecutive rows of one stored batch is one ``RecordBatch.slice`` (a view, no
-        copy). When ``coalesce_below`` > 0, more than one slice results and their payload is
-        estimated under ``coalesce_below`` bytes, the slices are copied into ONE batch instead:
-        for tiny micro-batches one small copy is cheaper than one IPC message per slice.
+        copy). When ``coalesce_below`` > 0, runs of small slices are copied into a few batches instead
+        (see :func:`flight_store.groups.project`): one small copy is cheaper than one IPC message per slice.
 
         Raises:
             UnknownGroupError: a group (or one of its rows) is not stored here.
             GroupReleasedError: a group was released.
             SchemaMismatchError: ``columns`` names a column the trajectory schema lacks.
         """
-        return self.slices_with_meta(refs, columns, coalesce_below=coalesce_below)[0]
+        return list(self.slices_with_meta(refs, columns, coalesce_below=coalesce_below)[0])
 
     def slices_with_meta(
         self, refs: Iterable[tuple[str, int, int]], columns: Sequence[str] | None = None, *, coalesce_below: int = 0
-    ) -> tuple[list[pa.RecordBatch], dict[str, str]]:
-        """:meth:`slices`, and the writer metadata (``knittrans.logprobs_mode``, ...) all their groups share."""
+    ) -> tuple[Iterator[pa.RecordBatch], dict[str, str], int]:
+        """:meth:`slices` (as an iterator: coalesced chunks are copied as it reaches them), the writer
+        metadata (``knittrans.logprobs_mode``, ...) all their groups share, and the payload bytes served."""
         _groups.check_columns(columns)
         with self._lock:
             out, sizes, meta = self._contents.groups.slices(refs, columns)
-            self.bytes_out += sum(sizes)
-        return _groups.project(out, sizes, columns, coalesce_below), meta
+            nbytes = sum(sizes)
+            self.bytes_out += nbytes
+        return _groups.project(out, sizes, columns, coalesce_below), meta, nbytes
 
     def release(self, group_ids: Iterable[str]) -> int:
         """Free the payload of these groups (unknown ids are ignored); returns how many were freed.

@@ -394,14 +394,15 @@ def test_concurrent_writers_on_one_store(make_group) -> None:
 
 def test_small_slices_coalesce_into_one_batch(make_group) -> None:
     store = Store()
-    for g in "abc":
+    for g in "abcdef":
         store.put_group(g, [make_group(g, size=4)])
-    refs = [("c", 1, 3), ("a", 0, 1), ("b", 3, 4)]
+    refs = [("c", 1, 3), ("a", 0, 1), ("b", 3, 4), ("f", 0, 2), ("e", 2, 3)]
     views = store.slices(refs)
     one = store.slices(refs, coalesce_below=1 << 20)
-    assert len(views) == 3 and len(one) == 1
+    assert len(views) == 5 and len(one) == 1
     assert pa.Table.from_batches(one).equals(pa.Table.from_batches(views))
-    assert len(store.slices(refs, coalesce_below=10)) == 3  # over the threshold: zero-copy views
+    assert len(store.slices(refs, coalesce_below=10)) == 5  # over the threshold: zero-copy views
+    assert len(store.slices(refs[:4], coalesce_below=1 << 20)) == 4  # a few slices: one message each, no copy
 
 
 def test_metadata_reads_interleaved_with_writes_stay_few_chunks(make_group) -> None:
