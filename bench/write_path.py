@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import subprocess
 import sys
 import time
 from collections.abc import Callable
@@ -26,44 +25,11 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.flight as flight
 
+from bench import minimal_flight
 from bench._common import write_result
 from bench.flight_throughput import make_group, start_store_process
 from flight_store.client import StoreClient
-from flight_store.net import free_port
 from flight_store.store import Store, StoreConfig
-
-
-class MinimalSink(flight.FlightServerBase):  # type: ignore[misc]
-    """DoPut reads the whole stream and keeps its batches by descriptor; nothing else."""
-
-    def __init__(self, location: str) -> None:
-        super().__init__(location)
-        self.kept: dict[bytes, list[pa.RecordBatch]] = {}
-
-    def do_put(self, context: Any, descriptor: flight.FlightDescriptor, reader: Any, writer: Any) -> None:
-        self.kept[descriptor.command] = [chunk.data for chunk in reader]
-        writer.write(pa.py_buffer(b"{}"))
-
-
-def _serve_minimal(port: int) -> None:
-    MinimalSink(f"grpc://127.0.0.1:{port}").serve()
-
-
-def _start_minimal() -> tuple[subprocess.Popen[bytes], str]:
-    port = free_port()
-    proc = subprocess.Popen([sys.executable, "-m", "bench.write_path", "--serve-minimal", str(port)])
-    location = f"grpc://127.0.0.1:{port}"
-    deadline = time.monotonic() + 30
-    while time.monotonic() < deadline:
-        try:
-            client = flight.connect(location)
-            client.wait_for_available(timeout=1)
-            client.close()
-            return proc, location
-        except flight.FlightError:
-            time.sleep(0.1)
-    proc.kill()
-    raise RuntimeError("the minimal Flight server did not start within 30 s")
 
 
 def _time(write: Callable[[pa.RecordBatch], object], groups: list[pa.RecordBatch]) -> float:
@@ -91,7 +57,7 @@ def run(groups_n: int, size: int, tokens: int, reps: int, seed: int) -> dict[str
     rng = np.random.default_rng(seed)
     payload = make_group("g", size, tokens, rng).nbytes
     node = start_store_process()
-    sink, sink_location = _start_minimal()
+    sink, sink_location = minimal_flight.start()
     knit: list[float] = []
     floor: list[float] = []
     try:
@@ -100,15 +66,8 @@ def run(groups_n: int, size: int, tokens: int, reps: int, seed: int) -> dict[str
             for rep in range(reps):
                 groups = [make_group(f"r{rep}g{i}", size, tokens, rng) for i in range(groups_n)]
 
-                def minimal(g: pa.RecordBatch) -> None:
-                    desc = flight.FlightDescriptor.for_command(str(g.column("group_id")[0]).encode())
-                    writer, reader = raw.do_put(desc, g.schema)
-                    writer.write_batch(g)
-                    writer.done_writing()
-                    reader.read()
-                    writer.close()
-
-                order = [("knit", lambda g: client.put_group(g)), ("minimal", minimal)]
+                order = [("knit", lambda g: client.put_group(g)),
+                         ("minimal", lambda g: minimal_flight.put(raw, str(g.column("group_id")[0]), g))]
                 for name, write in order if rep % 2 == 0 else order[::-1]:
                     (knit if name == "knit" else floor).append(_time(write, groups))
             raw.close()
@@ -139,11 +98,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--tokens", type=int, default=2048, help="response tokens per trajectory")
     parser.add_argument("--reps", type=int, default=5, help="interleaved repetitions (medians reported)")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--serve-minimal", type=int, default=None, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
-    if args.serve_minimal is not None:
-        _serve_minimal(args.serve_minimal)
-        return 0
     groups_n = args.groups or (150 if args.quick else 400)
     result = run(groups_n, args.size, args.tokens, args.reps, args.seed)
     params = {"quick": args.quick, "groups": groups_n, "size": args.size, "tokens": args.tokens, "reps": args.reps,

@@ -1,0 +1,73 @@
+"""A minimal pyarrow Flight server: the floor a Flight write or read of the same batches cannot go below.
+
+DoPut reads the stream and keeps its batches under the descriptor's command (no validation, no
+copy, no metadata). DoGet takes a JSON ticket ``[[key, start, stop], ...]`` and streams those row
+ranges of the kept batches as zero-copy slices, in order. It runs in a process of its own
+(:func:`start`), as the store nodes it is compared with do.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+from typing import Any
+
+import pyarrow as pa
+import pyarrow.flight as flight
+
+from flight_store.net import free_port
+
+
+class MinimalFlight(flight.FlightServerBase):  # type: ignore[misc]
+    """Keeps what DoPut sends; DoGet streams row ranges of it. Nothing else."""
+
+    def __init__(self, location: str) -> None:
+        super().__init__(location)
+        self.kept: dict[bytes, pa.Table] = {}
+
+    def do_put(self, context: Any, descriptor: flight.FlightDescriptor, reader: Any, writer: Any) -> None:
+        self.kept[descriptor.command] = pa.Table.from_batches([chunk.data for chunk in reader])
+        writer.write(pa.py_buffer(b"{}"))
+
+    def do_get(self, context: Any, ticket: flight.Ticket) -> flight.RecordBatchStream:
+        parts = [self.kept[key.encode()].slice(start, stop - start)
+                 for key, start, stop in json.loads(ticket.ticket)]
+        return flight.RecordBatchStream(pa.concat_tables(parts))
+
+
+def start() -> tuple[subprocess.Popen[bytes], str]:
+    """The server in a process of its own on a loopback port; returns the process and its location."""
+    port = free_port()
+    proc = subprocess.Popen([sys.executable, "-m", "bench.minimal_flight", str(port)])
+    location = f"grpc://127.0.0.1:{port}"
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        try:
+            client = flight.connect(location)
+            client.wait_for_available(timeout=1)
+            client.close()
+            return proc, location
+        except flight.FlightError:
+            time.sleep(0.1)
+    proc.kill()
+    raise RuntimeError("the minimal Flight server did not start within 30 s")
+
+
+def put(client: flight.FlightClient, key: str, batch: pa.RecordBatch) -> None:
+    """One DoPut of ``batch`` under ``key``, waiting for the server's answer."""
+    writer, reader = client.do_put(flight.FlightDescriptor.for_command(key.encode()), batch.schema)
+    writer.write_batch(batch)
+    writer.done_writing()
+    reader.read()
+    writer.close()
+
+
+def get(client: flight.FlightClient, ranges: list[tuple[str, int, int]]) -> pa.Table:
+    """One DoGet of the row ranges ``[(key, start, stop), ...]``, in order."""
+    return client.do_get(flight.Ticket(json.dumps(ranges).encode())).read_all()
+
+
+if __name__ == "__main__":
+    MinimalFlight(f"grpc://127.0.0.1:{int(sys.argv[1])}").serve()

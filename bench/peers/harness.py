@@ -1,0 +1,243 @@
+"""The peers benchmark's run: one workload, every path side by side, interleaved.
+
+What runs (all on loopback, in one Ray session started here):
+
+* **knittrans**: two ``knit serve`` nodes (processes of their own); ranks DoGet their own slices
+  (:mod:`bench.peers.knit`);
+* **TransferQueue** 0.1.11, the package itself: its controller and two storage units; ranks read
+  their rows through its client (:mod:`bench.peers.tq`);
+* **verl** 0.9.1, the package itself: ``DataProto`` dispatched by its single controller to a Ray
+  worker group, with its default serialization, its numpy one, and ObjectRefs handed to the ranks
+  (:mod:`bench.peers.verl_dp`);
+* a **minimal Flight** server (:mod:`bench.minimal_flight`): the floor for one micro-batch's read
+  and for a group's write.
+
+The groups are generated once (:func:`bench.transfer.workload.make_group`) and every path is given
+them; the admission planner's plans fix each rank's micro-batches, the same on every path
+(:func:`bench.peers.common.step_specs`). Servers, workers and the per-step DataProto batches are
+built before any clock starts. A train step is timed on the driver, from the call that hands the
+ranks their step to the last rank's return; plans go out one step at a time (prefetch only within a
+step); paths take turns step by step, in a rotating order, and the first step of each (path,
+compute) is a warm-up.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import statistics
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import asdict
+from typing import Any
+
+import numpy as np
+import pyarrow as pa
+
+from bench.peers.common import MicroSpec, step_specs
+from bench.transfer.workload import Workload, make_group
+
+log = logging.getLogger(__name__)
+
+StepFn = Callable[[int, list[list[MicroSpec]], float], list[dict[str, Any]]]
+
+
+def ray_env() -> None:
+    """What TransferQueue needs of Ray on a small loopback machine (set before ``ray.init``)."""
+    os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")  # its storage units bind to loopback
+    os.environ.setdefault("TQ_NUM_THREADS", "2")
+
+
+def run(w: Workload, computes: Sequence[float], paths: Sequence[str], fetch_rounds: int) -> dict[str, Any]:
+    """Every path on the same groups and plans; the raw records (see :func:`summarize`)."""
+    import ray
+
+    from bench.flight_throughput import start_store_process
+    from bench.peers.knit import KnitPath
+
+    ray_env()
+    total = w.steps + 1  # + one warm-up step
+    rng = np.random.default_rng(w.seed)
+    groups = [make_group(f"s{s}-g{g}", w, rng) for s in range(total) for g in range(w.groups)]
+    nodes = [start_store_process() for _ in range(2)]
+    ray.init(num_cpus=16, include_dashboard=False, _node_ip_address="127.0.0.1", logging_level=logging.WARNING)
+    built: list[Any] = []
+    try:
+        knit = KnitPath(w, [n.location for n in nodes])
+        built.append(knit)
+        out: dict[str, Any] = {"put": {"knittrans": knit.load(groups)}}
+        specs = step_specs(_plans(knit, w, total), w.mini_batches, w.ranks)
+        steppers: dict[str, StepFn] = {"knittrans": lambda s, per_rank, c: knit.step(per_rank, c, w.prefetch_depth)}
+        fetchers: dict[str, Callable[[list[MicroSpec]], list[float]]] = {"knittrans": knit.fetch_latencies}
+        if "transferqueue" in paths:
+            from bench.peers.tq import TQPath
+
+            tq = TQPath(w)
+            built.append(tq)
+            out["put"]["transferqueue"] = tq.load(groups)
+            steppers["transferqueue"] = lambda s, per_rank, c: tq.step(per_rank, c, w.prefetch_depth)
+            fetchers["transferqueue"] = tq.fetch_latencies
+        for mode in ("default", "numpy", "objectref"):
+            if f"verl_{mode}" in paths:
+                steppers[f"verl_dataproto_{mode}"] = _verl(w, mode, groups, specs, built)
+        fetchers["minimal_flight"], stop_minimal = _minimal_fetcher(knit, groups)
+        built.append(_Closing(stop_minimal))
+        out["steps"] = _steps(steppers, specs, computes)
+        out["fetch"] = _fetch_rounds(fetchers, [m for step in specs for rank in step for m in rank], fetch_rounds)
+        out["driver_payload_bytes_knittrans"] = _knit_driver_bytes(knit, specs)
+        out["groups_bytes"] = sum(g.nbytes for g in groups)
+        out["specs"] = {"micro_batches_per_rank_step": len(specs[0][0]),
+                        "rows_per_micro_batch": statistics.mean(len(m["rows"]) for r in specs[0] for m in r),
+                        "tokens_per_step": sum(m["tokens"] for r in specs[0] for m in r)}
+        return out
+    finally:
+        for path in reversed(built):
+            path.close()
+        ray.shutdown()
+        for n in nodes:
+            n.stop()
+
+
+class _Closing:
+    def __init__(self, close: Callable[[], None]) -> None:
+        self.close = close
+
+
+def _plans(knit: Any, w: Workload, total: int) -> list[Any]:
+    from bench.transfer.cluster import admit
+    from bench.transfer.driver import CountingClient
+
+    return admit(CountingClient(knit.client), w, total)
+
+
+def _verl(w: Workload, mode: str, groups: list[pa.RecordBatch], specs: list[list[list[MicroSpec]]],
+          built: list[Any]) -> StepFn:
+    from bench.peers.verl_dp import VerlPath
+
+    path = VerlPath(w, mode)
+    built.append(path)
+    path.load(groups, specs)
+    return path.step
+
+
+def _minimal_fetcher(knit: Any, groups: list[pa.RecordBatch]) -> tuple[Callable[[list[MicroSpec]], list[float]], Any]:
+    """The same rows from minimal Flight servers, one beside each store node holding that node's groups:
+    one DoGet per server a micro-batch, concurrently (as knittrans' client reads). Returns the fetcher
+    and a function that stops the servers."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    import pyarrow.flight as flight
+
+    from bench import minimal_flight
+    from train.packing import PACK_COLUMNS
+
+    stores = knit.client.nodes
+    servers = [minimal_flight.start() for _ in stores]
+    clients = {node: flight.connect(loc) for node, (_, loc) in zip(stores, servers, strict=True)}
+    for g in groups:
+        gid = str(g.column("group_id")[0])
+        minimal_flight.put(clients[knit.client.node_for(gid)], gid, g.select(PACK_COLUMNS))
+    pool = ThreadPoolExecutor(len(stores))
+
+    def fetch(micros: list[MicroSpec]) -> list[float]:
+        out = []
+        for m in micros:
+            by_node: dict[str, list[tuple[str, int, int]]] = {}
+            for node, g, a, b in m["slices"]:
+                by_node.setdefault(node, []).append((g, a, b))
+            t0 = time.perf_counter()
+            if len(by_node) == 1:
+                ((node, ranges),) = by_node.items()
+                minimal_flight.get(clients[node], ranges)
+            else:
+                list(pool.map(lambda item: minimal_flight.get(clients[item[0]], item[1]), by_node.items()))
+            out.append(time.perf_counter() - t0)
+        return out
+
+    def stop() -> None:
+        pool.shutdown()
+        for c in clients.values():
+            c.close()
+        for proc, _ in servers:
+            proc.kill()
+            proc.wait(timeout=10)
+
+    return fetch, stop
+
+
+def _steps(steppers: dict[str, StepFn], specs: list[list[list[MicroSpec]]],
+           computes: Sequence[float]) -> dict[str, dict[str, list[dict[str, Any]]]]:
+    """Every path's train steps at every compute value, paths taking turns; records without warm-ups."""
+    names = list(steppers)
+    out: dict[str, dict[str, list[dict[str, Any]]]] = {n: {} for n in names}
+    for c in computes:
+        for s, per_rank in enumerate(specs):
+            k = s % len(names)
+            for name in names[k:] + names[:k]:
+                t_wall = time.time()
+                t0 = time.perf_counter()
+                ranks = steppers[name](s, per_rank, c)
+                step_s = time.perf_counter() - t0
+                if s == 0:
+                    continue  # warm-up
+                out[name].setdefault(f"{c:g}", []).append({
+                    "step_s": step_s,
+                    "first_wait_s": max(r["start"] - t_wall + r["first_wait_s"] for r in ranks),
+                    "wait_s": max(r["start"] - t_wall + r["wait_s"] for r in ranks),
+                    "tokens": sum(r["tokens"] for r in ranks), "bytes": sum(r["bytes"] for r in ranks)})
+            log.info("compute %s ms/1k tok: step %d done", c, s)
+    return out
+
+
+def _fetch_rounds(fetchers: dict[str, Callable[[list[MicroSpec]], list[float]]], micros: list[MicroSpec],
+                  rounds: int) -> dict[str, list[float]]:
+    """One micro-batch read at a time, every path in turn over the same micro-batches; seconds each."""
+    out: dict[str, list[float]] = {n: [] for n in fetchers}
+    for i in range(rounds + 1):
+        for name, fetch in fetchers.items():
+            t = fetch(micros)
+            if i:  # round 0 warms up
+                out[name].extend(t)
+    return out
+
+
+def _knit_driver_bytes(knit: Any, specs: list[list[list[MicroSpec]]]) -> int:
+    """Payload bytes the stores served beyond what knittrans' ranks received over one pass of every step."""
+    before = {n: s["bytes_out"] for n, s in knit.client.stats().items()}
+    received = sum(r["bytes"] for per_rank in specs for r in knit.step(per_rank, 0.0, 1))
+    return sum(s["bytes_out"] - before[n] for n, s in knit.client.stats().items()) - received
+
+
+def summarize(raw: dict[str, Any], w: Workload, computes: Sequence[float]) -> tuple[dict[str, Any], dict[str, Any]]:
+    """``metrics`` and ``ratios`` of the result file."""
+    metrics: dict[str, Any] = {"workload": raw["specs"], "groups_bytes": raw["groups_bytes"],
+                               "driver_payload_bytes_knittrans": raw["driver_payload_bytes_knittrans"]}
+    for name, by_c in raw["steps"].items():
+        for c, recs in by_c.items():
+            metrics[f"step_ms_{name}_c{c}"] = 1e3 * statistics.median(r["step_s"] for r in recs)
+            metrics[f"first_wait_ms_{name}_c{c}"] = 1e3 * statistics.median(r["first_wait_s"] for r in recs)
+            metrics[f"wait_ms_{name}_c{c}"] = 1e3 * statistics.median(r["wait_s"] for r in recs)
+    for name, ts in raw["fetch"].items():
+        metrics[f"fetch_p50_ms_{name}"] = 1e3 * float(np.percentile(ts, 50))
+        metrics[f"fetch_p99_ms_{name}"] = 1e3 * float(np.percentile(ts, 99))
+    for name, put in raw["put"].items():
+        metrics[f"load_gbps_{name}"] = put["bytes"] / put["put_s"] / 1e9
+    ratios: dict[str, Any] = {}
+    for c in computes:
+        knit = metrics.get(f"step_ms_knittrans_c{c:g}")
+        for peer, key in (("verl_dataproto_default", "verl_dataproto"), ("verl_dataproto_numpy", "verl_numpy"),
+                          ("verl_dataproto_objectref", "verl_objectref"), ("transferqueue", "transferqueue")):
+            other = metrics.get(f"step_ms_{peer}_c{c:g}")
+            if knit and other:
+                ratios[f"step_vs_{key}_c{c:g}"] = other / knit
+    knit_p50 = metrics["fetch_p50_ms_knittrans"]
+    if "fetch_p50_ms_transferqueue" in metrics:
+        ratios["fetch_p50_vs_transferqueue"] = metrics["fetch_p50_ms_transferqueue"] / knit_p50
+    ratios["fetch_p50_vs_minimal_flight"] = metrics["fetch_p50_ms_minimal_flight"] / knit_p50
+    return metrics, ratios
+
+
+def params(w: Workload, computes: Sequence[float], paths: Sequence[str], quick: bool) -> dict[str, Any]:
+    return {**asdict(w), "computes_ms_per_ktok": list(computes), "paths": list(paths), "quick": quick,
+            "compute": "every tensor touched, then the rank held CPU-free ms_per_ktok per 1k real tokens",
+            "transport": "loopback; stores, storage units and the minimal Flight server in processes of their own"}
