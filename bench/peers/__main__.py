@@ -19,6 +19,7 @@ import argparse
 import logging
 import sys
 from collections.abc import Sequence
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -28,7 +29,7 @@ from bench.transfer.workload import Workload
 
 PATHS = ("transferqueue", "verl_default", "verl_numpy", "verl_objectref")
 TARGETS = {"step_vs_verl_dataproto_c0": 3.0, "step_vs_transferqueue_c0": 1.5, "fetch_p50_vs_transferqueue": 4.0,
-           "fetch_p50_vs_minimal_flight": 0.9}
+           "fetch_p50_vs_minimal_flight": 0.9, "mm_data_path_c0": 5.0}
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -40,12 +41,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--paths", nargs="*", choices=PATHS, default=list(PATHS),
                         help="peer paths to run beside knittrans (default: all)")
     parser.add_argument("--steps", type=int, default=None, help="measured train steps per compute value")
+    parser.add_argument("--no-multimodal", action="store_true", help="skip the multimodal 2x2")
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(list(argv) if argv is not None else None)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
     w = Workload(steps=args.steps or (2 if args.quick else 4), groups=16 if args.quick else 32,
                  mini_batches=2 if args.quick else 4, ranks=2, seed=args.seed)
-    raw = run(w, args.compute, args.paths, fetch_rounds=3 if args.quick else 6)
+    mm = None if args.no_multimodal else replace(w, multimodal=True, image_shape=(3, 448, 448), image_dtype="uint8")
+    mm_computes = [0.0, 10.0] if args.quick else args.compute
+    raw = run(w, args.compute, args.paths, fetch_rounds=3 if args.quick else 6, mm=mm, mm_computes=mm_computes)
     metrics, ratios = summarize(raw, w, args.compute)
     out = Path(args.out)
     write_result(out, metrics, ratios, params(w, args.compute, args.paths, args.quick))
@@ -70,6 +74,14 @@ def _print_table(metrics: dict[str, Any], ratios: dict[str, Any], computes: Sequ
         print(f"| {name} | " + " | ".join(cells) + f" | {metrics[f'first_wait_ms_{name}_c{computes[0]:g}']:.1f} |")
     fetch = {k[len('fetch_p50_ms_'):]: v for k, v in metrics.items() if k.startswith("fetch_p50_ms_")}
     print("fetch p50 ms: " + ", ".join(f"{k} {v:.2f}" for k, v in fetch.items()))
+    mm = sorted({k.rsplit("_c", 1)[1] for k in metrics if k.startswith("mm_step_ms_")}, key=float)
+    if mm:
+        print("| multimodal cell | " + " | ".join(f"step ms, c={c}" for c in mm)
+              + f" | encoder passes, c={mm[-1]} |")
+        print("|---" * (len(mm) + 2) + "|")
+        for cell in ("replicated_per_ref", "replicated_dedup", "by_ref_per_ref", "by_ref_dedup"):
+            cells = [f"{metrics[f'mm_step_ms_{cell}_c{c}']:.1f}" for c in mm]
+            print(f"| {cell} | " + " | ".join(cells) + f" | {metrics[f'mm_encoder_passes_{cell}_c{mm[-1]}']:g} |")
     print("ratios: " + ", ".join(f"{k} {v:.2f}" for k, v in sorted(ratios.items())))
 
 

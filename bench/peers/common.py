@@ -17,8 +17,9 @@ from typing import Any
 from schemas.plan import MiniBatchPlan
 
 MicroSpec = dict[str, Any]
-"""One micro-batch of one rank: ``rows`` ([group_id, sample_idx] in order), ``slices`` ([node,
-group_id, start, stop]), ``advantages`` (one per row), ``tokens`` (prompt + response, no padding)."""
+"""One micro-batch of one rank: ``mini`` (its mini-batch in the step), ``rows`` ([group_id, sample_idx] in
+order), ``slices`` ([node, group_id, start, stop]), ``advantages`` (one per row), ``tokens`` (prompt +
+response, no padding)."""
 
 
 def step_specs(plans: Sequence[MiniBatchPlan], mini_batches: int, ranks: int) -> list[list[list[MicroSpec]]]:
@@ -26,10 +27,10 @@ def step_specs(plans: Sequence[MiniBatchPlan], mini_batches: int, ranks: int) ->
     steps: list[list[list[MicroSpec]]] = []
     for s in range(len(plans) // mini_batches):
         per_rank: list[list[MicroSpec]] = [[] for _ in range(ranks)]
-        for plan in plans[s * mini_batches:(s + 1) * mini_batches]:
+        for mini, plan in enumerate(plans[s * mini_batches:(s + 1) * mini_batches]):
             for r in range(ranks):
                 for mb in plan.for_rank(r).micro_batches:
-                    per_rank[r].append({
+                    per_rank[r].append({"mini": mini,
                         "rows": [[sl.group_id, i] for sl in mb.slices for i in range(sl.start, sl.stop)],
                         "slices": [[sl.node, sl.group_id, sl.start, sl.stop] for sl in mb.slices],
                         "advantages": list(mb.advantages), "tokens": int(mb.tokens)})
@@ -55,16 +56,38 @@ def checksum(tensors: dict[str, Any]) -> list[float]:
     return [float(tokens.sum()), round(float(tensors["advantages"].double().sum()), 3)]
 
 
+class Encoder:
+    """The vision encoder's stand-in: a forward over a batch of images that touches them, then holds the rank
+    ``ms_per_image`` per image (CPU free); :attr:`passes` counts the images that went through it."""
+
+    def __init__(self, ms_per_image: float) -> None:
+        self.ms_per_image = ms_per_image
+        self.passes = 0
+
+    def forward(self, images: Any) -> None:
+        t0 = time.perf_counter()
+        n = int(images.shape[0])
+        if n:
+            _ = float(images.reshape(n, -1)[:, ::64].float().sum())  # touch every image
+        self.passes += n
+        hold = self.ms_per_image * n / 1e3 - (time.perf_counter() - t0)
+        if hold > 0:
+            time.sleep(hold)
+
+
 def run_micro_batches(micros: Sequence[MicroSpec], get: Callable[[MicroSpec], dict[str, Any]], *,
-                      ms_per_ktok: float, depth: int = 1, checksums: bool = False) -> dict[str, Any]:
+                      ms_per_ktok: float, depth: int = 1, checksums: bool = False,
+                      encoder: Encoder | None = None) -> dict[str, Any]:
     """One train step on one rank: ``get`` each micro-batch (prefetched ``depth`` ahead), compute on it.
 
-    ``get(spec)`` returns ``{"tensors": dict of torch tensors, "bytes": payload bytes received}``.
+    ``get(spec)`` returns ``{"tensors": dict of torch tensors, "bytes": payload bytes received}``, and
+    with images ``"encode"``: the images the micro-batch must put through ``encoder`` (before its compute).
     Returns the rank's record: ``start`` and ``end`` (``time.time()``, to set against the driver's
     clock: a path whose data arrives with the call has its transfer before ``start``), ``step_s``
     (wall), ``first_wait_s`` (until the first micro-batch was there), ``wait_s`` (all time blocked
     on data), ``fetch_s`` (time spent getting, overlapped or not), ``tokens``, ``bytes``, ``micro_batches``;
-    with ``checksums``, also each micro-batch's :func:`checksum` (to check that every path delivered the same).
+    with ``checksums``, also each micro-batch's :func:`checksum` (to check that every path delivered the same);
+    with ``encoder``, ``encoder_passes`` (images its forward saw in this step).
     """
     from train.prefetch import Prefetcher
 
@@ -73,6 +96,7 @@ def run_micro_batches(micros: Sequence[MicroSpec], get: Callable[[MicroSpec], di
                            "micro_batches": len(micros)}
     if checksums:
         rec["checksums"] = []
+    passes0 = encoder.passes if encoder is not None else 0
     waits = []
     if depth > 0:
         pf = Prefetcher(get, depth=depth)
@@ -82,7 +106,7 @@ def run_micro_batches(micros: Sequence[MicroSpec], get: Callable[[MicroSpec], di
                 got = pf.get(timeout=300)
                 waits.append(got.wait_s)
                 rec["fetch_s"] += got.fetch_s
-                _account(rec, got.value, spec, ms_per_ktok)
+                _account(rec, got.value, spec, ms_per_ktok, encoder)
         finally:
             pf.close()
     else:
@@ -91,15 +115,20 @@ def run_micro_batches(micros: Sequence[MicroSpec], get: Callable[[MicroSpec], di
             value = get(spec)
             waits.append(time.perf_counter() - t1)
             rec["fetch_s"] += waits[-1]
-            _account(rec, value, spec, ms_per_ktok)
+            _account(rec, value, spec, ms_per_ktok, encoder)
+    if encoder is not None:
+        rec["encoder_passes"] = encoder.passes - passes0
     rec.update(wait_s=sum(waits), first_wait_s=waits[0] if waits else 0.0, step_s=time.perf_counter() - t0,
                end=time.time())
     return rec
 
 
-def _account(rec: dict[str, Any], value: dict[str, Any], spec: MicroSpec, ms_per_ktok: float) -> None:
+def _account(rec: dict[str, Any], value: dict[str, Any], spec: MicroSpec, ms_per_ktok: float,
+             encoder: Encoder | None) -> None:
     rec["tokens"] += spec["tokens"]
     rec["bytes"] += value["bytes"]
     if "checksums" in rec:
         rec["checksums"].append(checksum(value["tensors"]))
+    if encoder is not None and value.get("encode") is not None:
+        encoder.forward(value["encode"])
     compute(value["tensors"], spec["tokens"], ms_per_ktok)

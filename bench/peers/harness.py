@@ -48,7 +48,8 @@ def ray_env() -> None:
     os.environ.setdefault("TQ_NUM_THREADS", "2")
 
 
-def run(w: Workload, computes: Sequence[float], paths: Sequence[str], fetch_rounds: int) -> dict[str, Any]:
+def run(w: Workload, computes: Sequence[float], paths: Sequence[str], fetch_rounds: int,
+        mm: Workload | None = None, mm_computes: Sequence[float] = ()) -> dict[str, Any]:
     """Every path on the same groups and plans; the raw records (see :func:`summarize`)."""
     import ray
 
@@ -85,6 +86,8 @@ def run(w: Workload, computes: Sequence[float], paths: Sequence[str], fetch_roun
         out["steps"] = _steps(steppers, specs, computes)
         out["fetch"] = _fetch_rounds(fetchers, [m for step in specs for rank in step for m in rank], fetch_rounds)
         out["driver_payload_bytes_knittrans"] = _knit_driver_bytes(knit, specs)
+        if mm is not None:
+            out["mm"] = _mm(knit, mm, mm_computes, built)
         out["groups_bytes"] = sum(g.nbytes for g in groups)
         out["specs"] = {"micro_batches_per_rank_step": len(specs[0][0]),
                         "rows_per_micro_batch": statistics.mean(len(m["rows"]) for r in specs[0] for m in r),
@@ -118,6 +121,58 @@ def _verl(w: Workload, mode: str, groups: list[pa.RecordBatch], specs: list[list
     built.append(path)
     path.load(groups, specs)
     return path.step
+
+
+ENCODER_PER_IMAGE_KTOK = 0.09
+"""Encoder cost of one image in units of the backbone's cost per 1k tokens, from a real model pair:
+Qwen2.5-VL-7B's vision tower (0.67B parameters) over one 448x448 image (1,024 patches of 14x14) takes
+2 x 0.67e9 x 1024 = 1.37 TFLOP forward; its 7.6B-parameter language model takes 2 x 7.6e9 x 1000 =
+15.2 TFLOP per 1k tokens: 1.37 / 15.2 = 0.09."""
+
+MM_CELLS = {
+    "replicated_per_ref": ("verl", False), "replicated_dedup": ("verl", True),
+    "by_ref_per_ref": ("knittrans", False), "by_ref_dedup": ("knittrans", True),
+}
+"""The multimodal 2x2: data path (each row carries its image through verl's controller, or the image is
+stored once and read by key) x encoder (every reference, or each distinct image once per mini-batch:
+by key on knittrans, by hashing the pixels on verl's path, which has no keys)."""
+
+
+def _mm(knit: Any, w: Workload, computes: Sequence[float], built: list[Any]) -> dict[str, Any]:
+    """The multimodal 2x2 on its own groups (one image each, shared by the group's rows); raw records."""
+    from bench.peers.verl_dp import VerlPath
+    from bench.transfer.cluster import admit
+    from bench.transfer.driver import CountingClient
+    from schemas.images import images_to_table
+
+    rng = np.random.default_rng(w.seed + 1)
+    total = w.steps + 1
+    groups: list[pa.RecordBatch] = []
+    tables: list[pa.Table] = []
+    images: dict[bytes, np.ndarray] = {}
+    for s in range(total):
+        for g in range(w.groups):
+            imgs = [rng.integers(0, 256, w.image_shape, dtype=np.uint8) for _ in range(w.images_per_group)]
+            table, keys = images_to_table(imgs)
+            images.update(zip(keys, imgs, strict=True))
+            tables.append(table)
+            groups.append(make_group(f"mm-s{s}-g{g}", w, rng, keys))
+    put = knit.load_mm(groups, tables)
+    specs = step_specs(admit(CountingClient(knit.client), w, total), w.mini_batches, w.ranks)
+    verl = VerlPath(w, "default")
+    built.append(verl)
+    verl.load(groups, specs, images=images)
+    steppers: dict[str, StepFn] = {}
+    for cell, (path, dedup) in MM_CELLS.items():
+        def stepper(s: int, per_rank: list[list[MicroSpec]], c: float, path: str = path,
+                    dedup: bool = dedup) -> list[dict[str, Any]]:
+            enc = ENCODER_PER_IMAGE_KTOK * c
+            if path == "verl":
+                return verl.step(s, per_rank, c, enc, dedup)
+            return list(knit.step_mm(per_rank, c, enc, dedup, w.prefetch_depth))
+        steppers[cell] = stepper
+    return {"steps": _steps(steppers, specs, computes), "put": put, "image_bytes": int(np.prod(w.image_shape)),
+            "distinct_images_per_step": w.groups * w.images_per_group}
 
 
 def _minimal_fetcher(knit: Any, groups: list[pa.RecordBatch]) -> tuple[Callable[[list[MicroSpec]], list[float]], Any]:
@@ -184,7 +239,8 @@ def _steps(steppers: dict[str, StepFn], specs: list[list[list[MicroSpec]]],
                     "step_s": step_s,
                     "first_wait_s": max(r["start"] - t_wall + r["first_wait_s"] for r in ranks),
                     "wait_s": max(r["start"] - t_wall + r["wait_s"] for r in ranks),
-                    "tokens": sum(r["tokens"] for r in ranks), "bytes": sum(r["bytes"] for r in ranks)})
+                    "tokens": sum(r["tokens"] for r in ranks), "bytes": sum(r["bytes"] for r in ranks),
+                    "encoder_passes": sum(r.get("encoder_passes", 0) for r in ranks)})
             log.info("compute %s ms/1k tok: step %d done", c, s)
     return out
 
@@ -230,11 +286,31 @@ def summarize(raw: dict[str, Any], w: Workload, computes: Sequence[float]) -> tu
             other = metrics.get(f"step_ms_{peer}_c{c:g}")
             if knit and other:
                 ratios[f"step_vs_{key}_c{c:g}"] = other / knit
+    if "mm" in raw:
+        _summarize_mm(raw["mm"], metrics, ratios)
     knit_p50 = metrics["fetch_p50_ms_knittrans"]
     if "fetch_p50_ms_transferqueue" in metrics:
         ratios["fetch_p50_vs_transferqueue"] = metrics["fetch_p50_ms_transferqueue"] / knit_p50
     ratios["fetch_p50_vs_minimal_flight"] = metrics["fetch_p50_ms_minimal_flight"] / knit_p50
     return metrics, ratios
+
+
+def _summarize_mm(mm: dict[str, Any], metrics: dict[str, Any], ratios: dict[str, Any]) -> None:
+    """The multimodal 2x2's medians per cell and compute, and its two gains kept apart."""
+    metrics["mm_image_bytes"] = mm["image_bytes"]
+    metrics["mm_distinct_images_per_step"] = mm["distinct_images_per_step"]
+    metrics["mm_encoder_per_image_ktok"] = ENCODER_PER_IMAGE_KTOK
+    for cell, by_c in mm["steps"].items():
+        for c, recs in by_c.items():
+            metrics[f"mm_step_ms_{cell}_c{c}"] = 1e3 * statistics.median(r["step_s"] for r in recs)
+            metrics[f"mm_first_wait_ms_{cell}_c{c}"] = 1e3 * statistics.median(r["first_wait_s"] for r in recs)
+            metrics[f"mm_encoder_passes_{cell}_c{c}"] = statistics.median(r["encoder_passes"] for r in recs)
+            metrics[f"mm_rank_bytes_{cell}_c{c}"] = statistics.median(r["bytes"] for r in recs)
+    for c in mm["steps"]["by_ref_dedup"]:
+        step = {cell: metrics[f"mm_step_ms_{cell}_c{c}"] for cell in MM_CELLS}
+        ratios[f"mm_data_path_c{c}"] = step["replicated_per_ref"] / step["by_ref_per_ref"]
+        ratios[f"mm_encoder_dedup_c{c}"] = step["by_ref_per_ref"] / step["by_ref_dedup"]
+        ratios[f"mm_step_vs_verl_c{c}"] = step["replicated_per_ref"] / step["by_ref_dedup"]
 
 
 def params(w: Workload, computes: Sequence[float], paths: Sequence[str], quick: bool) -> dict[str, Any]:

@@ -13,7 +13,7 @@ from typing import Any
 
 import pyarrow as pa
 
-from bench.peers.common import MicroSpec, run_micro_batches
+from bench.peers.common import Encoder, MicroSpec, run_micro_batches
 from bench.transfer.workload import Workload
 
 
@@ -47,6 +47,51 @@ class KnitRank:
 
         return run_micro_batches(micros, get, ms_per_ktok=ms_per_ktok, depth=depth, checksums=checksums)
 
+    def step_mm(self, micros: list[MicroSpec], ms_per_ktok: float, ms_per_image: float, dedup: bool,
+                depth: int) -> dict[str, Any]:
+        """A multimodal step: rows carry image keys; each distinct image of a mini-batch is fetched once, and
+        encoded once (``dedup``) or once per row referencing it (the encoder without deduplication)."""
+        import numpy as np
+        import torch
+
+        from schemas.images import table_to_images
+        from schemas.plan import PlannedSlice
+        from train.mm_data import MM_COLUMNS
+        from train.packing import pack
+
+        slices = [[PlannedSlice(node=n, group_id=g, start=a, stop=b) for n, g, a, b in m["slices"]] for m in micros]
+        tables = self.client.stream(slices, columns=MM_COLUMNS)
+        held: dict[bytes, np.ndarray] = {}  # this mini-batch's images, each fetched once
+        mini = [-1]
+
+        def get(spec: MicroSpec) -> dict[str, Any]:
+            table = next(tables)
+            if spec["mini"] != mini[0]:
+                mini[0] = spec["mini"]
+                held.clear()
+            row_keys = table.column("image_keys").to_pylist()
+            node_of = {k: node for (node, _, a, b), keys in zip(spec["slices"], _per_slice(row_keys, spec), strict=True)
+                       for k in keys}
+            new = [k for k in dict.fromkeys(k for keys in row_keys for k in keys) if k not in held]
+            got = table_to_images(self.client.fetch_images(new, nodes=node_of)) if new else {}
+            held.update(got)
+            refs = new if dedup else [k for keys in row_keys for k in keys]
+            encode = torch.from_numpy(np.stack([held[k] for k in refs])) if refs else None
+            tensors = pack(table.drop_columns(["image_keys"]), spec["advantages"], mode="padded").to_torch()
+            return {"tensors": tensors, "encode": encode,
+                    "bytes": table.nbytes + sum(int(a.nbytes) for a in got.values())}
+
+        return run_micro_batches(micros, get, ms_per_ktok=ms_per_ktok, depth=depth, encoder=Encoder(ms_per_image))
+
+
+def _per_slice(row_keys: list[list[bytes]], spec: MicroSpec) -> list[list[bytes]]:
+    """The rows' image keys of each of ``spec``'s slices (rows come in slice order)."""
+    out, at = [], 0
+    for _, _, a, b in spec["slices"]:
+        out.append([k for keys in row_keys[at:at + b - a] for k in keys])
+        at += b - a
+    return out
+
 
 class KnitPath:
     """The knittrans path: groups put into the stores, ranks fetch their own slices."""
@@ -76,6 +121,23 @@ class KnitPath:
         import ray
 
         return list(ray.get([r.step.remote(m, ms_per_ktok, depth, checksums)
+                             for r, m in zip(self.ranks, per_rank, strict=True)]))
+
+    def load_mm(self, groups: list[pa.RecordBatch], images: list[pa.Table]) -> dict[str, Any]:
+        """Each group's images (once, whatever G) then the group, to the group's node; wall time and bytes."""
+        t0 = time.perf_counter()
+        for g, imgs in zip(groups, images, strict=True):
+            node = self.client.node_for(str(g.column("group_id")[0]))
+            self.client.put_images(imgs, node=node)
+            self.client.put_group(g, node=node)
+        return {"put_s": time.perf_counter() - t0,
+                "bytes": sum(g.nbytes for g in groups) + sum(t.nbytes for t in images)}
+
+    def step_mm(self, per_rank: list[list[MicroSpec]], ms_per_ktok: float, ms_per_image: float,
+                dedup: bool, depth: int = 1) -> list[dict[str, Any]]:
+        import ray
+
+        return list(ray.get([r.step_mm.remote(m, ms_per_ktok, ms_per_image, dedup, depth)
                              for r, m in zip(self.ranks, per_rank, strict=True)]))
 
     def fetch_latencies(self, micros: list[MicroSpec]) -> list[float]:

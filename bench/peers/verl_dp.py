@@ -40,6 +40,7 @@ its batch to equal rows per rank); padding rows travel but are never in a micro-
 from __future__ import annotations
 
 import functools
+import hashlib
 import logging
 import time
 from typing import Any, cast
@@ -47,7 +48,7 @@ from typing import Any, cast
 import numpy as np
 import pyarrow as pa
 
-from bench.peers.common import MicroSpec, run_micro_batches
+from bench.peers.common import Encoder, MicroSpec, run_micro_batches
 from bench.transfer.workload import Workload, dataproto_shards
 
 log = logging.getLogger(__name__)
@@ -97,15 +98,33 @@ def _rank_worker_class() -> Any:
             meta = data.meta_info
             micros: list[MicroSpec] = meta["micros"][self.rank]
             starts = np.concatenate([[0], np.cumsum([m["n_rows"] for m in micros])])
+            seen: set[bytes] = set()  # images this mini-batch encoded (dedup: found by hashing the pixels)
+            mini = [-1]
 
             def get(spec: MicroSpec) -> dict[str, Any]:
                 i = spec["index"]
                 mb = data[int(starts[i]):int(starts[i + 1])]  # DataProto.slice: views of the chunk
                 tensors = dict(mb.batch.items())
-                return {"tensors": tensors, "bytes": sum(t.numel() * t.element_size() for t in tensors.values())}
+                value = {"tensors": tensors, "bytes": sum(t.numel() * t.element_size() for t in tensors.values())}
+                pixels = tensors.pop("pixel_values", None)
+                if pixels is not None:  # every row carries its images: [rows, images per row, ...]
+                    flat = pixels.reshape(-1, *pixels.shape[2:])
+                    if meta["dedup"]:
+                        if spec["mini"] != mini[0]:
+                            mini[0] = spec["mini"]
+                            seen.clear()
+                        new = []
+                        for j in range(flat.shape[0]):
+                            digest = hashlib.blake2b(flat[j].numpy(), digest_size=16).digest()
+                            if digest not in seen:
+                                seen.add(digest)
+                                new.append(j)
+                        flat = flat[new]
+                    value["encode"] = flat
+                return value
 
             rec = run_micro_batches(micros, get, ms_per_ktok=meta["ms_per_ktok"], depth=0,
-                                    checksums=meta["checksums"])
+                                    checksums=meta["checksums"], encoder=Encoder(meta["ms_per_image"]))
             rec.update(rank=self.rank, recv_s=t_in - meta["t_dispatch"], chunk_rows=len(data))
             return DataProto.from_dict(meta_info={"metrics": rec})
 
@@ -151,9 +170,12 @@ class VerlPath:
             raise RuntimeError(msg)
         log.info("%s: %d ranks up in %.1f s", self.name, w.ranks, self.startup_s)
 
-    def load(self, groups: list[pa.RecordBatch], steps: list[list[list[MicroSpec]]]) -> dict[str, Any]:
+    def load(self, groups: list[pa.RecordBatch], steps: list[list[list[MicroSpec]]],
+             images: dict[bytes, np.ndarray] | None = None) -> dict[str, Any]:
         """Build each step's DataProto on the driver (outside the clock); payload bytes of all their tensors.
 
+        With ``images`` (key -> array), each row also carries its images, replicated from the rows' keys
+        into ``pixel_values`` ``[rows, images per row, ...]`` (DataProto rows hold their own pixels).
         Returns ``bytes`` (tensor bytes of all steps, padding included), ``rows`` (real rows),
         ``pad_rows`` (rows added to equalise the ranks' chunks), ``build_s``, ``startup_s``.
         """
@@ -177,7 +199,11 @@ class VerlPath:
             if len(adv) != len(flat):
                 msg = f"{len(adv)} advantages for {len(flat)} rows"
                 raise ValueError(msg)
-            batch = dataproto_shards(table.take(pa.array(flat, type=pa.int64())), adv, 1)[0]
+            taken = table.take(pa.array(flat, type=pa.int64()))
+            batch = dataproto_shards(taken, adv, 1)[0]
+            if images is not None:
+                batch["pixel_values"] = torch.from_numpy(np.stack([np.stack([images[k] for k in keys])
+                                                                   for keys in taken.column("image_keys").to_pylist()]))
             per = max(len(r) for r in idx)
             if any(len(r) != per for r in idx):  # equal chunks: pad each rank's rows up to the largest
                 dest = np.concatenate([r * per + np.arange(len(x)) for r, x in enumerate(idx)])
@@ -195,7 +221,8 @@ class VerlPath:
         return {"bytes": nbytes, "rows": rows, "pad_rows": self.pad_rows, "build_s": time.perf_counter() - t0,
                 "startup_s": self.startup_s}
 
-    def step(self, s: int, per_rank: list[list[MicroSpec]], ms_per_ktok: float) -> list[dict[str, Any]]:
+    def step(self, s: int, per_rank: list[list[MicroSpec]], ms_per_ktok: float, ms_per_image: float = 0.0,
+             dedup: bool = False) -> list[dict[str, Any]]:
         """One train step: dispatch step ``s``'s DataProto to the ranks as the mode says; their records.
 
         Each rank's record is :func:`~bench.peers.common.run_micro_batches`' plus ``rank``,
@@ -212,10 +239,11 @@ class VerlPath:
         if [sum(len(m["rows"]) for m in ms) for ms in per_rank] != self.rank_rows[s]:
             msg = f"step {s}: the ranks' micro-batches are not the rows loaded for it ({self.rank_rows[s]} per rank)"
             raise ValueError(msg)
-        micros = [[{"index": i, "n_rows": len(m["rows"]), "tokens": int(m["tokens"])} for i, m in enumerate(ms)]
-                  for ms in per_rank]
+        micros = [[{"index": i, "mini": m["mini"], "n_rows": len(m["rows"]), "tokens": int(m["tokens"])}
+                   for i, m in enumerate(ms)] for ms in per_rank]
         with temp_env_var(SERIALIZATION_ENV, self.env_value):
             data.meta_info = {"micros": micros, "ms_per_ktok": ms_per_ktok, "checksums": self.checksums,
+                              "ms_per_image": ms_per_image, "dedup": dedup,
                               "t_dispatch": time.time()}
             if self.mode == "objectref":
                 refs = parallel_put(data.chunk(self.w.ranks), max_workers=self.w.ranks)
