@@ -55,10 +55,13 @@ def start() -> tuple[subprocess.Popen[bytes], str]:
     raise RuntimeError("the minimal Flight server did not start within 30 s")
 
 
-def put(client: flight.FlightClient, key: str, batch: pa.RecordBatch) -> None:
-    """One DoPut of ``batch`` under ``key``, waiting for the server's answer."""
-    writer, reader = client.do_put(flight.FlightDescriptor.for_command(key.encode()), batch.schema)
-    writer.write_batch(batch)
+def put(client: flight.FlightClient, key: str, data: pa.RecordBatch | pa.Table) -> None:
+    """One DoPut of ``data`` under ``key``, waiting for the server's answer."""
+    writer, reader = client.do_put(flight.FlightDescriptor.for_command(key.encode()), data.schema)
+    if isinstance(data, pa.Table):
+        writer.write_table(data)
+    else:
+        writer.write_batch(data)
     writer.done_writing()
     reader.read()
     writer.close()

@@ -8,8 +8,12 @@ validation, no copy, no metadata: the floor a Flight write cannot go below). The
 same groups (G trajectories of ``--tokens`` response tokens, all 19 columns, as ``StoreClient``
 users send them) one DoPut per group to each, in interleaved repetitions, and reports throughput
 (payload GB/s) and the time per group; ``ratios.put_vs_minimal_flight`` is the node's throughput over
-the floor's (the node's validation included). ``metrics.server_us_per_group`` is
-``Store.put_group`` in-process on the same groups: the node's own time per group, without gRPC.
+the floor's (the node's validation included). Then the bulk write: other groups of the same shape in
+DoPuts of :data:`BULK` groups each (``StoreClient.put_groups``, each group still validated and
+committed on its own) beside DoPuts of the same batches to the minimal server
+(``ratios.put_groups_vs_minimal_flight_bulk``; ``ratios.put_groups_vs_put_group``: the bulk write's
+gain). ``metrics.server_us_per_group`` is ``Store.put_group`` in-process on the same groups: the
+node's own time per group, without gRPC.
 """
 
 from __future__ import annotations
@@ -18,7 +22,7 @@ import argparse
 import statistics
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
@@ -31,12 +35,18 @@ from bench.flight_throughput import make_group, start_store_process
 from flight_store.client import StoreClient
 from flight_store.store import Store, StoreConfig
 
+BULK = 32
+"""Groups per bulk DoPut (``put_groups``), and per DoPut of the same batches to the minimal server."""
 
-def _time(write: Callable[[pa.RecordBatch], object], groups: list[pa.RecordBatch]) -> float:
-    t0 = time.perf_counter()
-    for g in groups:
-        write(g)
-    return time.perf_counter() - t0
+
+def _interleaved(writes: dict[str, Callable[[Any], object]], items: Sequence[Any], rep: int,
+                 into: dict[str, list[float]]) -> None:
+    """Each write over all ``items`` in turn (the order alternating with ``rep``), its seconds added to ``into``."""
+    for name in list(writes) if rep % 2 == 0 else list(writes)[::-1]:
+        t0 = time.perf_counter()
+        for item in items:
+            writes[name](item)
+        into[name].append(time.perf_counter() - t0)
 
 
 def _server_us_per_group(groups: list[pa.RecordBatch]) -> float:
@@ -58,34 +68,41 @@ def run(groups_n: int, size: int, tokens: int, reps: int, seed: int) -> dict[str
     payload = make_group("g", size, tokens, rng).nbytes
     node = start_store_process()
     sink, sink_location = minimal_flight.start()
-    knit: list[float] = []
-    floor: list[float] = []
+    times: dict[str, list[float]] = {"knit": [], "minimal": [], "bulk": [], "bulk_minimal": []}
     try:
         with StoreClient(node.location) as client:
             raw = flight.connect(sink_location)
             for rep in range(reps):
                 groups = [make_group(f"r{rep}g{i}", size, tokens, rng) for i in range(groups_n)]
 
-                order = [("knit", lambda g: client.put_group(g)),
-                         ("minimal", lambda g: minimal_flight.put(raw, str(g.column("group_id")[0]), g))]
-                for name, write in order if rep % 2 == 0 else order[::-1]:
-                    (knit if name == "knit" else floor).append(_time(write, groups))
+                _interleaved({"knit": client.put_group,
+                              "minimal": lambda g: minimal_flight.put(raw, str(g.column("group_id")[0]), g)},
+                             groups, rep, times)
+                fresh = [make_group(f"r{rep}b{i}", size, tokens, rng) for i in range(groups_n)]
+                _interleaved({"bulk": client.put_groups,
+                              "bulk_minimal": lambda c: minimal_flight.put(raw, str(c[0].column("group_id")[0]),
+                                                                            pa.Table.from_batches(c))},
+                             [fresh[i:i + BULK] for i in range(0, groups_n, BULK)], rep, times)
             raw.close()
     finally:
         node.stop()
         sink.kill()
         sink.wait(timeout=10)
     server_us = _server_us_per_group([make_group(f"s{i}", size, tokens, rng) for i in range(groups_n)])
-    gbps = {name: groups_n * payload / statistics.median(ts) / 1e9 for name, ts in (("knit", knit), ("minimal", floor))}
+    gbps = {name: groups_n * payload / statistics.median(ts) / 1e9 for name, ts in times.items()}
+    ms = {name: statistics.median(ts) / groups_n * 1e3 for name, ts in times.items()}
     return {
         "metrics": {
             "put_group_gbps": gbps["knit"], "minimal_flight_put_gbps": gbps["minimal"],
-            "put_group_ms_per_group": statistics.median(knit) / groups_n * 1e3,
-            "minimal_flight_ms_per_group": statistics.median(floor) / groups_n * 1e3,
+            "put_group_ms_per_group": ms["knit"], "minimal_flight_ms_per_group": ms["minimal"],
             "server_us_per_group": server_us, "group_bytes": payload,
-            "put_group_s_per_rep": knit, "minimal_flight_s_per_rep": floor,
+            "put_group_s_per_rep": times["knit"], "minimal_flight_s_per_rep": times["minimal"],
+            "put_groups_gbps": gbps["bulk"], "minimal_flight_bulk_gbps": gbps["bulk_minimal"],
+            "put_groups_ms_per_group": ms["bulk"], "bulk_groups_per_doput": BULK,
         },
-        "ratios": {"put_vs_minimal_flight": gbps["knit"] / gbps["minimal"]},
+        "ratios": {"put_vs_minimal_flight": gbps["knit"] / gbps["minimal"],
+                   "put_groups_vs_minimal_flight_bulk": gbps["bulk"] / gbps["bulk_minimal"],
+                   "put_groups_vs_put_group": gbps["bulk"] / gbps["knit"]},
     }
 
 
@@ -105,6 +122,8 @@ def main(argv: list[str] | None = None) -> int:
               "seed": args.seed, "transport": "loopback, one DoPut per group, servers in processes of their own"}
     write_result(args.out, result["metrics"], result["ratios"], params)
     m = result["metrics"]
+    print(f"put_groups {m['put_groups_gbps']:.3f} GB/s vs minimal Flight {m['minimal_flight_bulk_gbps']:.3f} GB/s "
+          f"in DoPuts of {BULK} groups ({result['ratios']['put_groups_vs_minimal_flight_bulk']:.2f})")
     print(f"put_group {m['put_group_gbps']:.3f} GB/s ({m['put_group_ms_per_group']:.2f} ms/group), minimal Flight "
           f"{m['minimal_flight_put_gbps']:.3f} GB/s ({m['minimal_flight_ms_per_group']:.2f} ms/group); ratio "
           f"{result['ratios']['put_vs_minimal_flight']:.2f}; server {m['server_us_per_group']:.0f} us/group in-process")

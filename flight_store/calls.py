@@ -23,6 +23,7 @@ import pyarrow.flight as flight
 from flight_store.errors import KnitError, NodeUnavailableError, from_flight_error
 
 T = TypeVar("T")
+K = TypeVar("K")
 log = logging.getLogger(__name__)
 
 MAX_BACKOFF_S = 5.0
@@ -90,8 +91,8 @@ class NodeCalls:
                 delay = min(MAX_BACKOFF_S, delay * 2)
         return call()
 
-    def fan_out(self, nodes: Iterable[str], fn: Callable[[str], T], *, partial: bool = False,
-                what: str = "call") -> tuple[dict[str, T], list[str]]:
+    def fan_out(self, nodes: Iterable[K], fn: Callable[[K], T], *, partial: bool = False,
+                what: str = "call") -> tuple[dict[K, T], list[K]]:
         """``fn(node)`` for every node, concurrently (one node: on this thread): the answers in node order, and
         the nodes left out.
 
@@ -102,11 +103,11 @@ class NodeCalls:
         todo = list(nodes)
         if len(todo) == 1:
             only = todo[0]
-            futures: dict[str, Callable[[], T]] = {only: lambda: fn(only)}
+            futures: dict[K, Callable[[], T]] = {only: lambda: fn(only)}
         else:
             futures = {n: self._pool.submit(fn, n).result for n in todo}
-        out: dict[str, T] = {}
-        failed: list[str] = []
+        out: dict[K, T] = {}
+        failed: list[K] = []
         for n, result in futures.items():
             try:
                 out[n] = result()

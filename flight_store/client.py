@@ -21,6 +21,7 @@ from __future__ import annotations
 import logging
 import threading
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypeVar, cast
 
@@ -32,16 +33,19 @@ from flight_store import streams
 from flight_store.calls import NodeCalls
 from flight_store.cluster import ClusterView, view_from
 from flight_store.config import ClientConfig
-from flight_store.errors import NodeUnavailableError, UnknownImageError
+from flight_store.errors import KnitError, NodeUnavailableError, UnknownImageError, from_error_info
 from flight_store.secrets import read_token_file
 from schemas.arrow import IMAGE_SCHEMA, METADATA_SCHEMA
 from schemas.plan import MicroBatch, MiniBatchPlan, PlannedSlice
 from schemas.wire import (
+    LIMITS,
     EmptyBody,
+    GroupRows,
     ImagesTicket,
     MetadataTicket,
     PublishVersionBody,
     PutGroup,
+    PutGroups,
     PutImages,
     PutWeights,
     ReleaseBody,
@@ -50,6 +54,19 @@ from schemas.wire import (
 
 T = TypeVar("T")
 log = logging.getLogger(__name__)
+
+PUT_GROUPS_DESCRIPTOR_BYTES = 60_000
+"""A bulk write's descriptor stays under this (the wire allows 64 KiB); more groups go in more DoPuts."""
+
+
+@dataclass(slots=True)
+class PutGroupsResult:
+    """What :meth:`StoreClient.put_groups` did: each group stored (with its node) or refused (with why)."""
+
+    stored: dict[str, str] = field(default_factory=dict)
+    """group_id -> the node that holds it (a rewrite of the same content counts as stored)."""
+    refused: dict[str, KnitError] = field(default_factory=dict)
+    """group_id -> the typed error the node refused it with (``retryable`` says whether to try again)."""
 
 
 class StoreClient:
@@ -173,6 +190,54 @@ class StoreClient:
         desc = PutGroup(group_id=group_id, rows=table.num_rows).to_bytes()
         self._calls.put(target, desc, table)
         return target
+
+    def put_groups(self, batches: Sequence[pa.RecordBatch | pa.Table]) -> PutGroupsResult:
+        """DoPut many whole groups (one batch or table each, with its ``group_id`` column): each node's
+        groups in one stream (nodes concurrently), each group validated and committed on its own.
+
+        A group the node refuses (bad rows, unknown images, a conflicting rewrite, a full budget, ...)
+        is named in :attr:`PutGroupsResult.refused` with its typed error and the others are stored;
+        a whole DoPut that fails (node unavailable after its retries) raises. Groups whose schemas
+        differ (writer metadata included) go in DoPuts of their own.
+
+        Raises:
+            ValueError: a batch is empty, lacks ``group_id``, or two batches carry the same group.
+        """
+        tables = [pa.Table.from_batches([b]) if isinstance(b, pa.RecordBatch) else b for b in batches]
+        ids = []
+        for t in tables:
+            if "group_id" not in t.column_names or t.num_rows == 0:
+                msg = "put_groups needs non-empty batches with a 'group_id' column"
+                raise ValueError(msg)
+            ids.append(str(t.column("group_id")[0].as_py()))
+        if len(set(ids)) != len(ids):
+            msg = "put_groups got two batches of the same group; a group is written whole, once"
+            raise ValueError(msg)
+        calls: list[tuple[str, list[int]]] = []  # (node, batch indexes) per DoPut
+        streams_of: dict[tuple[str, pa.Schema], list[int]] = {}  # a stream has one schema (metadata included)
+        for i, gid in enumerate(ids):
+            streams_of.setdefault((self.node_for(gid), tables[i].schema), []).append(i)
+        for (node, _), idx in streams_of.items():
+            size = PUT_GROUPS_DESCRIPTOR_BYTES  # start a new DoPut
+            for i in idx:
+                entry = len(ids[i].encode()) + 40  # {"group_id": ..., "rows": ...}, escaped generously
+                if size + entry > PUT_GROUPS_DESCRIPTOR_BYTES or len(calls[-1][1]) >= LIMITS["groups_per_put"]:
+                    calls.append((node, []))
+                    size = 200
+                calls[-1][1].append(i)
+                size += entry
+
+        def one(k: int) -> dict[str, Any]:
+            node, idx = calls[k]
+            desc = PutGroups(groups=[GroupRows(group_id=ids[i], rows=tables[i].num_rows) for i in idx]).to_bytes()
+            return self._calls.put(node, desc, pa.concat_tables([tables[i] for i in idx]))
+
+        result = PutGroupsResult()
+        for k, answer in self._calls.fan_out(range(len(calls)), one)[0].items():
+            node = calls[k][0]
+            result.stored.update(dict.fromkeys(answer.get("stored", {}), node))
+            result.refused.update({g: from_error_info(info) for g, info in answer.get("refused", {}).items()})
+        return result
 
     def put_images(self, table: pa.Table | pa.RecordBatch, *, group_ids: Iterable[str] = (),
                    node: str | None = None) -> int:

@@ -192,6 +192,19 @@ def _rebuild(name: str, message: str, attrs: dict[str, Any]) -> KnitError:
     return ERROR_CLASSES[name](message, **attrs)
 
 
+def error_info(exc: KnitError) -> dict[str, Any]:
+    """``exc`` as JSON (``error``: its class, ``message``, ``retryable`` and its attributes): how a bulk
+    write names what it refused, group by group."""
+    return {"error": type(exc).__name__, "message": exc.message, "retryable": exc.retryable,
+            **{n: getattr(exc, n) for n in exc._attrs}}
+
+
+def from_error_info(info: dict[str, Any]) -> KnitError:
+    """The typed error of :func:`error_info`'s JSON (a class this client does not know: :class:`KnitError`)."""
+    cls = ERROR_CLASSES.get(str(info.get("error")), KnitError)
+    return cls(str(info.get("message", "")), **{k: v for k, v in info.items() if k in cls._attrs})
+
+
 def from_flight_error(exc: BaseException, *, node: str | None = None) -> BaseException:
     """The project error that ``exc`` (as a Flight client received it) stands for, or ``exc`` itself.
 

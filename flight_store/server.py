@@ -36,6 +36,7 @@ from flight_store.errors import (
     SchemaMismatchError,
     WireDecodeError,
     WrongNodeError,
+    error_info,
 )
 from flight_store.groups import writer_meta
 from flight_store.memory import Incoming, return_free_memory
@@ -54,6 +55,7 @@ from schemas.wire import (
     MetadataTicket,
     PublishVersionBody,
     PutGroup,
+    PutGroups,
     PutImages,
     PutWeights,
     ReleaseBody,
@@ -226,6 +228,8 @@ class StoreServer(flight.FlightServerBase):
         if isinstance(doc, GroupRef):
             msg = "a 'group' descriptor names a stored group (GetFlightInfo); to write one, use kind 'put_group'"
             raise WireError(msg)
+        if isinstance(doc, PutGroups):
+            return self._put_groups(context, doc, reader, rec)
         if isinstance(doc, PutGroup):
             self._check_owner(doc.group_id)  # before a byte of the stream is read
         what = (f"group {doc.group_id!r}" if isinstance(doc, PutGroup) else
@@ -246,6 +250,37 @@ class StoreServer(flight.FlightServerBase):
             if isinstance(doc, PutImages):
                 return {"stored": self.store.put_images(table, incoming=incoming)}
             return {"version": doc.version, "stored": self.store.put_weights(table, doc.version, incoming=incoming)}
+
+    def _put_groups(self, context: flight.ServerCallContext, doc: PutGroups,
+                    reader: flight.MetadataRecordBatchReader, rec: Record) -> dict[str, Any]:
+        """A bulk DoPut: receive the whole stream, then validate and commit each group on its own."""
+        total = sum(g.rows for g in doc.groups)
+        what = f"{len(doc.groups)} groups"
+        with self._writes.slot() as write, self.store.incoming(what) as incoming:
+            write.incoming = incoming
+            batches = _receive(reader, write, incoming, total, what)
+            rec.bytes_in += incoming.received
+            if context.is_cancelled():
+                msg = "the DoPut was cancelled before its stream ended; nothing stored"
+                raise flight.FlightCancelledError(msg)
+            got = sum(b.num_rows for b in batches)
+            if got != total:
+                msg = f"{what} declare {total} rows but the stream carried {got}; nothing stored"
+                raise SchemaMismatchError(msg, column="sample_idx")
+            table = pa.Table.from_batches(batches, schema=reader.schema)
+            meta = writer_meta(reader.schema)
+            stored: dict[str, int] = {}
+            refused: dict[str, dict[str, Any]] = {}
+            at = 0
+            for g in doc.groups:
+                part = table.slice(at, g.rows).to_batches()
+                at += g.rows
+                try:
+                    self._check_owner(g.group_id)
+                    stored[g.group_id] = self.store.put_group(g.group_id, part, g.rows, meta, incoming=incoming)
+                except KnitError as exc:
+                    refused[g.group_id] = error_info(exc)
+            return {"stored": stored, "refused": refused}
 
     # ---- DoGet ---------------------------------------------------------------------------------
 

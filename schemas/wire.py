@@ -37,10 +37,12 @@ LIMITS: dict[str, int] = {
     "keys_per_ticket": 4096,
     "groups_per_release": 65536,
     "groups_per_list": 1000,
+    "groups_per_put": 1024,
 }
 """The wire's limits (README, Limits): bytes of a document, entries of its lists, FlightInfos per ListFlights.
 A request over one is refused (``LimitExceededError`` naming it) before it is parsed further."""
-_LIST_LIMITS = {"slices": "slices_per_ticket", "keys": "keys_per_ticket", "group_ids": "groups_per_release"}
+_LIST_LIMITS = {"slices": "slices_per_ticket", "keys": "keys_per_ticket", "group_ids": "groups_per_release",
+                "groups": "groups_per_put"}
 
 
 class _Doc(BaseModel):
@@ -88,6 +90,41 @@ class PutGroup(_Doc):
     """The group's trajectories (G): the stream must carry exactly this many rows."""
 
 
+class GroupRows(BaseModel):
+    """One group of a :class:`PutGroups` stream: its id and its rows (G)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True, strict=True)
+
+    group_id: GroupId
+    rows: Annotated[int, Field(ge=1, le=MAX_GROUP_ROWS)]
+
+
+class PutGroups(_Doc):
+    """DoPut several whole prompt groups in one stream: ``groups[0]``'s rows first, then ``groups[1]``'s, ...
+
+    Each group is validated and committed on its own, as one :class:`PutGroup` would be, once the
+    stream ends; a group that fails is refused alone and named in the answer (``{"stored":
+    {group_id: rows_added}, "refused": {group_id: {"error", "message", "retryable", ...}}}``),
+    the others are stored. A stream that does not end cleanly, or whose rows do not add up to the
+    groups', stores nothing.
+
+    Example: ``{"v": 2, "kind": "put_groups", "groups": [{"group_id": "s3-p17", "rows": 4},
+    {"group_id": "s3-p18", "rows": 4}]}``
+    """
+
+    kind: Literal["put_groups"] = "put_groups"
+    groups: Annotated[list[GroupRows], Field(min_length=1)]
+
+    @model_validator(mode="after")
+    def _distinct(self) -> PutGroups:
+        ids = [g.group_id for g in self.groups]
+        if len(set(ids)) != len(ids):
+            dup = next(g for g in ids if ids.count(g) > 1)
+            msg = f"group {dup!r} is listed more than once"
+            raise ValueError(msg)
+        return self
+
+
 class GroupRef(_Doc):
     """Names a stored group, for GetFlightInfo (and the descriptor of ListFlights' answers).
 
@@ -117,7 +154,7 @@ class PutWeights(_Doc):
     version: Version
 
 
-Descriptor = Annotated[PutGroup | PutImages | PutWeights | GroupRef, Field(discriminator="kind")]
+Descriptor = Annotated[PutGroup | PutGroups | PutImages | PutWeights | GroupRef, Field(discriminator="kind")]
 
 
 # ---- DoGet tickets -----------------------------------------------------------------------------
@@ -299,7 +336,7 @@ def _validate(adapter: TypeAdapter[Any] | type[BaseModel], doc: Any, what: str) 
         raise WireError(msg) from None
 
 
-def decode_descriptor(raw: bytes) -> PutGroup | PutImages | PutWeights | GroupRef:
+def decode_descriptor(raw: bytes) -> PutGroup | PutGroups | PutImages | PutWeights | GroupRef:
     """Parse a DoPut command descriptor."""
     return _validate(_DESCRIPTOR, _load_json(raw, "descriptor", "descriptor_bytes"), "descriptor")  # type: ignore[no-any-return]
 

@@ -10,7 +10,11 @@ Keys: ``ratios.step_vs_<peer>_c<C>`` = the peer's median train-step time / knitt
 ``C`` ms per 1k tokens (``c0``: data movement alone); ``ratios.fetch_p50_vs_transferqueue`` and
 ``ratios.fetch_p50_vs_minimal_flight`` = the other's median read of one micro-batch / knittrans'.
 ``metrics.first_wait_ms_<path>_c<C>``: from the driver handing out the step until the last rank
-held its first micro-batch (median over steps).
+held its first micro-batch (median over steps). The multimodal 2x2 (``mm_*``): ``ratios.mm_data_path_c<C>``
+= images through verl's controller per row / stored once and read by key (encoder per reference on
+both), ``ratios.mm_encoder_dedup_c<C>`` = encoder per reference / each distinct image once (both by
+key). The write path (``write_*``, :func:`bench.write_path.run`): ``ratios.put_vs_minimal_flight``,
+``ratios.put_groups_vs_minimal_flight_bulk``.
 """
 
 from __future__ import annotations
@@ -23,13 +27,14 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
+from bench import write_path
 from bench._common import write_result
 from bench.peers.harness import params, run, summarize
 from bench.transfer.workload import Workload
 
 PATHS = ("transferqueue", "verl_default", "verl_numpy", "verl_objectref")
 TARGETS = {"step_vs_verl_dataproto_c0": 3.0, "step_vs_transferqueue_c0": 1.5, "fetch_p50_vs_transferqueue": 4.0,
-           "fetch_p50_vs_minimal_flight": 0.9, "mm_data_path_c0": 5.0}
+           "fetch_p50_vs_minimal_flight": 0.9, "mm_data_path_c0": 5.0, "put_vs_minimal_flight": 0.5}
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -51,6 +56,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     mm_computes = [0.0, 10.0] if args.quick else args.compute
     raw = run(w, args.compute, args.paths, fetch_rounds=3 if args.quick else 6, mm=mm, mm_computes=mm_computes)
     metrics, ratios = summarize(raw, w, args.compute)
+    write = write_path.run(groups_n=100 if args.quick else 300, size=w.group_size, tokens=2048, reps=3,
+                           seed=args.seed)  # the write path, beside a minimal Flight DoPut (bench.write_path)
+    metrics.update({f"write_{k}": v for k, v in write["metrics"].items()})
+    ratios.update(write["ratios"])
     out = Path(args.out)
     write_result(out, metrics, ratios, params(w, args.compute, args.paths, args.quick))
     _plot(out.with_suffix(".png"), metrics, args.compute)

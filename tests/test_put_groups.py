@@ -1,0 +1,113 @@
+"""Bulk writes: many groups in one DoPut per node, each validated and committed on its own, refusals named."""
+
+from __future__ import annotations
+
+import json
+
+import pyarrow as pa
+import pyarrow.flight as flight
+import pytest
+
+from flight_store.client import StoreClient
+from flight_store.errors import ConflictError, LimitExceededError, SchemaMismatchError, WireDecodeError
+from schemas.plan import PlannedSlice
+from train.packing import PACK_COLUMNS
+
+
+def _group(client: StoreClient, gid: str, rows: int, columns: list[str] | None = None) -> pa.Table:
+    return client.fetch([PlannedSlice(node=client.node_for(gid), group_id=gid, start=0, stop=rows)], columns=columns)
+
+
+def test_groups_land_on_their_nodes_and_read_back(store_nodes, make_group, spread_ids) -> None:  # type: ignore[no-untyped-def]
+    servers = store_nodes(2)
+    with StoreClient([s.location for s in servers]) as client:
+        ids = spread_ids(client, 10)
+        batches = [make_group(g, size=3, response_len=5 + i) for i, g in enumerate(ids)]
+        result = client.put_groups(batches)
+        assert result.refused == {} and result.stored == {g: client.node_for(g) for g in ids}
+        for s in servers:
+            held = {g for g in ids if s.store.has_group(g)}
+            assert held == {g for g in ids if client.node_for(g) == s.location}
+        for g, b in zip(ids, batches, strict=True):
+            got = _group(client, g, 3, list(PACK_COLUMNS))
+            assert got.equals(pa.Table.from_batches([b]).select(list(PACK_COLUMNS)))
+
+
+def test_a_bad_group_is_refused_alone_and_named(store_nodes, make_group) -> None:  # type: ignore[no-untyped-def]
+    (server,) = store_nodes(1)
+    with StoreClient(server.location) as client:
+        client.put_group(make_group("old", size=2))
+        gap = make_group("gap", size=3).set_column(1, "sample_idx", pa.array([0, 1, 5], pa.int32()))
+        batches = [make_group("a", size=2), gap, make_group("old", size=2, response_len=9), make_group("b", size=2),
+                   make_group("old2", size=2)]
+        client.put_group(make_group("old2", size=2))
+        result = client.put_groups(batches)
+        assert set(result.stored) == {"a", "b", "old2"}  # an identical rewrite counts as stored
+        assert isinstance(result.refused["gap"], SchemaMismatchError) and "sample_idx" in str(result.refused["gap"])
+        assert isinstance(result.refused["old"], ConflictError) and not result.refused["old"].retryable
+        assert not server.store.has_group("gap")
+        assert _group(client, "old", 2).column("response_len").to_pylist() == [8, 8]  # the first write stays
+
+
+def test_client_refuses_duplicate_and_empty_batches(store_nodes, make_group) -> None:  # type: ignore[no-untyped-def]
+    (server,) = store_nodes(1)
+    with StoreClient(server.location) as client:
+        with pytest.raises(ValueError, match="same group"):
+            client.put_groups([make_group("x"), make_group("x")])
+        with pytest.raises(ValueError, match="non-empty"):
+            client.put_groups([make_group("x").slice(0, 0)])
+        assert server.store.stats()["groups"]["stored"] == 0
+
+
+def _raw_put(location: str, descriptor: dict, table: pa.Table) -> dict:  # type: ignore[type-arg]
+    client = flight.connect(location)
+    writer, reader = client.do_put(flight.FlightDescriptor.for_command(json.dumps(descriptor).encode()), table.schema)
+    try:
+        writer.write_table(table)
+        writer.done_writing()
+        buf = reader.read()
+    finally:
+        writer.close()
+        client.close()
+    return json.loads(buf.to_pybytes())  # type: ignore[no-any-return]
+
+
+def test_rows_that_do_not_add_up_store_nothing(store_nodes, make_group) -> None:  # type: ignore[no-untyped-def]
+    (server,) = store_nodes(1)
+    table = pa.Table.from_batches([make_group("a", size=2), make_group("b", size=3)])
+    desc = {"v": 2, "kind": "put_groups", "groups": [{"group_id": "a", "rows": 2}, {"group_id": "b", "rows": 4}]}
+    with pytest.raises(flight.FlightServerError, match="declare 6 rows but the stream carried 5"):
+        _raw_put(server.location, desc, table)
+    desc["groups"] = [{"group_id": "a", "rows": 2}, {"group_id": "b", "rows": 3}]
+    assert _raw_put(server.location, desc, table) == {"stored": {"a": 2, "b": 3}, "refused": {}}
+    # rows declared for the wrong group: each slice is checked against the id it is written as
+    desc["groups"] = [{"group_id": "c", "rows": 3}, {"group_id": "d", "rows": 2}]
+    swapped = pa.Table.from_batches([make_group("d", size=3), make_group("c", size=2)])
+    answer = _raw_put(server.location, desc, swapped)
+    assert answer["stored"] == {} and set(answer["refused"]) == {"c", "d"}
+    assert answer["refused"]["c"]["error"] == "SchemaMismatchError"
+    assert server.store.stats()["groups"]["stored"] == 2
+
+
+def test_descriptor_limits(store_nodes, make_group) -> None:  # type: ignore[no-untyped-def]
+    from flight_store.errors import from_flight_error
+
+    (server,) = store_nodes(1)
+    table = pa.Table.from_batches([make_group("a", size=2)])
+    twice = {"v": 2, "kind": "put_groups", "groups": [{"group_id": "a", "rows": 1}, {"group_id": "a", "rows": 1}]}
+    with pytest.raises(flight.FlightError) as info:
+        _raw_put(server.location, twice, table)
+    assert isinstance(from_flight_error(info.value), WireDecodeError) and "more than once" in str(info.value)
+    many = {"v": 2, "kind": "put_groups", "groups": [{"group_id": f"g{i}", "rows": 1} for i in range(1025)]}
+    with pytest.raises(flight.FlightError) as info:
+        _raw_put(server.location, many, table)
+    assert isinstance(from_flight_error(info.value), LimitExceededError) and "groups_per_put" in str(info.value)
+
+
+def test_many_long_ids_split_into_several_doputs(store_nodes, make_group) -> None:  # type: ignore[no-untyped-def]
+    (server,) = store_nodes(1)
+    ids = [f"{i:04d}-" + "x" * 400 for i in range(300)]  # ~120 KB of ids: over one descriptor's 64 KiB
+    with StoreClient(server.location) as client:
+        result = client.put_groups([make_group(g, size=1) for g in ids])
+    assert result.refused == {} and len(result.stored) == 300
+    assert server.store.stats()["groups"]["stored"] == 300
