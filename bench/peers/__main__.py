@@ -54,10 +54,11 @@ def main(argv: Sequence[str] | None = None) -> int:
                  mini_batches=2 if args.quick else 4, ranks=2, seed=args.seed)
     mm = None if args.no_multimodal else replace(w, multimodal=True, image_shape=(3, 448, 448), image_dtype="uint8")
     mm_computes = [0.0, 10.0] if args.quick else args.compute
+    # the write path first, beside a minimal Flight DoPut (bench.write_path), before Ray and the peers start
+    write = write_path.run(groups_n=100 if args.quick else 300, size=w.group_size, tokens=2048, reps=3,
+                           seed=args.seed)
     raw = run(w, args.compute, args.paths, fetch_rounds=3 if args.quick else 6, mm=mm, mm_computes=mm_computes)
     metrics, ratios = summarize(raw, w, args.compute)
-    write = write_path.run(groups_n=100 if args.quick else 300, size=w.group_size, tokens=2048, reps=3,
-                           seed=args.seed)  # the write path, beside a minimal Flight DoPut (bench.write_path)
     metrics.update({f"write_{k}": v for k, v in write["metrics"].items()})
     ratios.update(write["ratios"])
     out = Path(args.out)

@@ -177,13 +177,15 @@ def _mm(knit: Any, w: Workload, computes: Sequence[float], built: list[Any]) -> 
 
 def _minimal_fetcher(knit: Any, groups: list[pa.RecordBatch]) -> tuple[Callable[[list[MicroSpec]], list[float]], Any]:
     """The same rows from minimal Flight servers, one beside each store node holding that node's groups:
-    one DoGet per server a micro-batch, concurrently (as knittrans' client reads). Returns the fetcher
-    and a function that stops the servers."""
+    one DoGet per server a micro-batch, concurrently, the rows put back in the micro-batch's order (as
+    knittrans' client reads). Returns the fetcher and a function that stops the servers."""
     from concurrent.futures import ThreadPoolExecutor
 
     import pyarrow.flight as flight
 
     from bench import minimal_flight
+    from flight_store import streams
+    from schemas.plan import PlannedSlice
     from train.packing import PACK_COLUMNS
 
     stores = knit.client.nodes
@@ -197,15 +199,15 @@ def _minimal_fetcher(knit: Any, groups: list[pa.RecordBatch]) -> tuple[Callable[
     def fetch(micros: list[MicroSpec]) -> list[float]:
         out = []
         for m in micros:
-            by_node: dict[str, list[tuple[str, int, int]]] = {}
-            for node, g, a, b in m["slices"]:
-                by_node.setdefault(node, []).append((g, a, b))
+            slices = [PlannedSlice(node=node, group_id=g, start=a, stop=b) for node, g, a, b in m["slices"]]
             t0 = time.perf_counter()
+            by_node = [(node, [(s.group_id, s.start, s.stop) for s in ss])
+                       for node, ss in streams.by_node(slices).items()]
             if len(by_node) == 1:
-                ((node, ranges),) = by_node.items()
-                minimal_flight.get(clients[node], ranges)
-            else:
-                list(pool.map(lambda item: minimal_flight.get(clients[item[0]], item[1]), by_node.items()))
+                minimal_flight.get(clients[by_node[0][0]], by_node[0][1])
+            else:  # the rows back in the micro-batch's order, as knittrans' client hands them over
+                got = pool.map(lambda item: minimal_flight.get(clients[item[0]], item[1]), by_node)
+                streams.in_order(slices, {node: t for (node, _), t in zip(by_node, got, strict=True)})
             out.append(time.perf_counter() - t0)
         return out
 
@@ -247,13 +249,17 @@ def _steps(steppers: dict[str, StepFn], specs: list[list[list[MicroSpec]]],
 
 def _fetch_rounds(fetchers: dict[str, Callable[[list[MicroSpec]], list[float]]], micros: list[MicroSpec],
                   rounds: int) -> dict[str, list[float]]:
-    """One micro-batch read at a time, every path in turn over the same micro-batches; seconds each."""
+    """One micro-batch read at a time, every path in turn on each micro-batch (so they share the machine's
+    moments); seconds each."""
     out: dict[str, list[float]] = {n: [] for n in fetchers}
+    names = list(fetchers)
     for i in range(rounds + 1):
-        for name, fetch in fetchers.items():
-            t = fetch(micros)
-            if i:  # round 0 warms up
-                out[name].extend(t)
+        for j, m in enumerate(micros):
+            k = j % len(names)
+            for name in names[k:] + names[:k]:
+                t = fetchers[name]([m])
+                if i:  # round 0 warms up
+                    out[name].extend(t)
     return out
 
 
