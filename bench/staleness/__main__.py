@@ -35,7 +35,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     args = _parser().parse_args(argv)
     p = SimParams(train_batches=args.train_batches or (6 if args.quick else 20), math_sigma=args.math_sigma,
                   sync=args.sync, version_at=args.version_at,
-                  loader_order=args.loader_order)
+                  loader_order=args.loader_order, loader_mix=args.loader_mix)
     seeds = list(range(args.seeds))
     with timer() as wall:
         p.train_s_per_token = args.trainer_slowdown * calibrate(
@@ -92,6 +92,8 @@ def _parser() -> argparse.ArgumentParser:
                     help="multiply the calibrated trainer time (variant: trainer-bound pipeline)")
     ap.add_argument("--loader-order", choices=["shuffled", "slow_first", "math_ahead"], default="shuffled",
                     help="dispatch order: slow_first = math before chat in a chunk; math_ahead = math one chunk early")
+    ap.add_argument("--loader-mix", choices=["exact", "iid"], default="exact",
+                    help="iid: each prompt's source drawn 50/50 (a chunk's mix varies; the planner holds the quota)")
     ap.add_argument("--seeds", type=int, default=3)
     ap.add_argument("--train-batches", type=int, default=None)
     return ap

@@ -53,6 +53,9 @@ class SimParams:
     loader_order: str = "shuffled"
     """Dispatch order: ``shuffled`` (default), ``slow_first`` (math before chat inside a chunk) or
     ``math_ahead`` (each chunk's math dispatched one chunk early; see :func:`dispatch_order`)."""
+    loader_mix: str = "exact"
+    """Sources of a chunk's prompts: ``exact`` (B/2 math and B/2 chat, the quota mix) or ``iid`` (each prompt's
+    source drawn 50/50 on its own: a chunk's mix varies, and the planner alone keeps the quota)."""
     trainer_slowdown: float = 1.0
     """Multiplier on the calibrated trainer time (> 1: trainer-bound regime)."""
 
@@ -68,13 +71,17 @@ class Prompt:
 
 
 def make_prompts(p: SimParams, seed: int, chunks: int) -> list[list[Prompt]]:
-    """The loader's chunks (one per train batch) in the quota mix, with response lengths drawn up front."""
+    """The loader's chunks (one per train batch) in the quota mix (``iid``: around it), response lengths drawn
+    up front."""
     rng = np.random.default_rng(seed)
     out = []
     half = p.groups // 2
     for _ in range(chunks):
-        srcs = np.array(["math"] * half + ["chat"] * (p.groups - half))
-        rng.shuffle(srcs)
+        if p.loader_mix == "iid":
+            srcs = np.where(rng.random(p.groups) < 0.5, "math", "chat")
+        else:
+            srcs = np.array(["math"] * half + ["chat"] * (p.groups - half))
+            rng.shuffle(srcs)
         if p.loader_order == "slow_first":
             srcs = np.array(sorted(srcs, key=lambda s: s != "math"))
         chunk = []
