@@ -97,7 +97,7 @@ CONSUMED_SCHEMA: dict[str, Any] = {  # the columns of PlanResult.consumed (plus 
     "train_batch": pl.Int64, "position": pl.Int64, "dp_rank": pl.Int64, "policy_version": pl.Int64,
     "policy_version_min": pl.Int64, "prompt_len": pl.Int64, "response_len": pl.Int64, "reward": pl.Float64,
     "advantage": pl.Float64, "admitted_at_version": pl.Int64, "arch_staleness": pl.Int64,
-    "signed_staleness": pl.Int64,
+    "signed_staleness": pl.Int64, "generation_span": pl.Int64, "total_staleness": pl.Int64,
 }
 
 
@@ -113,7 +113,8 @@ class PlanResult:
     """Groups dropped by this call: ``group_id, node, reason`` plus the quota columns."""
     consumed: pl.DataFrame
     """One row per admitted trajectory: keys, step/train_batch/position/dp_rank, versions, lengths,
-    reward, advantage, ``arch_staleness`` and ``signed_staleness`` (see :mod:`admission.staleness`)."""
+    reward, advantage, ``arch_staleness``, ``signed_staleness``, ``generation_span`` and ``total_staleness``
+    (see :mod:`admission.staleness`)."""
 
 
 def _prepare(metadata: pl.DataFrame, config: AdmissionConfig) -> pl.DataFrame:

@@ -76,6 +76,8 @@ def policy_summary(folder: Path, *, config: dict[str, Any], wall_s: float, metri
         "arch_staleness_token_weighted": round(stal["arch_token_weighted"], 4),
         "arch_staleness_max": int(stal["arch_max"]),
         "signed_staleness_mean": round(stal["signed_mean"], 4),
+        "generation_span_mean": round(stal["span_mean"], 4),
+        "total_staleness_mean": round(stal["total_mean"], 4),
         "trajectories_consumed": int(consumed.height),
         "rows_received": len(rows),
         "duplicate_rows": len(rows) - len(set(rows)),

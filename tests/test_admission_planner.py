@@ -298,3 +298,20 @@ def test_unknown_inflight_only_refuses_quota_overruns() -> None:
     # without quotas nothing can be overrun: one completed mini-batch is admitted at once
     p = Planner(cfg(quotas=(), mini_batches=2))
     assert len(p.update(frame(rows("a", "x"), rows("b", "y")))) == 1
+
+
+def test_staleness_splits_into_generation_span_and_architectural() -> None:
+    # train batch 1 (tK = 2) takes rows started at v0 and finished at v1 or v2
+    p = Planner(cfg(policy="mini_batch", quotas=()))
+    assert len(p.update(frame(*(rows(f"g{i}", "chat") for i in range(4))), current_version=0)) == 2
+    late = [rows(f"h{i}", "chat", version=1 + (i % 2)) for i in range(4)]
+    for grp in late:
+        for r in grp:
+            r["policy_version_min"] = 0  # the first tokens came from v0, the last from v1 or v2
+    assert len(p.update(frame(*late), current_version=2)) == 2
+    c = p.consumed_frame().filter(pl.col("train_batch") == 1).sort("group_id")
+    assert c["generation_span"].to_list() == [1, 1, 2, 2, 1, 1, 2, 2]
+    assert c["arch_staleness"].to_list() == [1, 1, 0, 0, 1, 1, 0, 0]  # tK = 2: 2 - v, clipped at 0
+    assert (c["total_staleness"] == c["arch_staleness"] + c["generation_span"]).all()
+    run = p.staleness_report()["run"]
+    assert run["span_max"] == 2 and run["span_mean"] == 0.75 and run["total_mean"] == 0.75 + run["arch_mean"]

@@ -64,6 +64,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "arch_staleness_reduction_token_weighted":
             1.0 - mb["arch_token_weighted"] / tb["arch_token_weighted"] if tb["arch_token_weighted"] else 0.0,
         "throughput_mini_vs_train": mb["throughput"] / tb["throughput"],
+        "total_staleness_reduction":
+            1.0 - mb["total_staleness_mean"] / tb["total_staleness_mean"] if tb["total_staleness_mean"] else 0.0,
     }
     params = {**asdict(p), "seeds": seeds, "quick": args.quick,
               "lookahead": {"train_batch": 2 * p.groups, "colocated": p.groups, "mini_batch": mb["lookahead_groups"]}}
@@ -72,6 +74,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     _plot(Path(args.out).with_suffix(".png"), res)
     print(f"arch staleness mean: train_batch {tb['arch_mean']:.3f}  mini_batch {mb['arch_mean']:.3f}  "
           f"colocated {res['colocated']['arch_mean']:.3f}")
+    print(f"generation span mean (weight updates while a trajectory was generated, beyond admission): "
+          f"train_batch {tb['generation_span_mean']:.3f}  mini_batch {mb['generation_span_mean']:.3f}; total "
+          f"(arch + span): train_batch {tb['total_staleness_mean']:.3f}  mini_batch {mb['total_staleness_mean']:.3f}")
     print(f"reduction {ratios['arch_staleness_reduction']:.3f}  throughput mini/train "
           f"{ratios['throughput_mini_vs_train']:.3f}  L={mb['lookahead_groups']}  quota violations "
           f"{metrics['quota_violations']}  plan p50 {plan_ms:.1f} ms  wall {wall[0]:.0f}s")

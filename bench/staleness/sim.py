@@ -215,7 +215,10 @@ def _results(sim: _Pipeline) -> dict[str, Any]:
     if len(step_end) <= k_mb:  # the pipeline deadlocked (lookahead held by groups no quota admits)
         log.warning("%s with L=%d deadlocked after %d steps", sim.policy, sim.lookahead, len(step_end))
         return {"arch_mean": run["arch_mean"], "arch_token_weighted": run["arch_token_weighted"],
-                "arch_max": run["arch_max"], "signed_mean": run["signed_mean"], "quota_violations": 0,
+                "arch_max": run["arch_max"], "signed_mean": run["signed_mean"],
+                "generation_span_mean": run["span_mean"], "generation_span_token_weighted": run["span_token_weighted"],
+                "total_staleness_mean": run["total_mean"],
+                "total_staleness_token_weighted": run["total_token_weighted"], "quota_violations": 0,
                 "trainer_idle_fraction": 1.0, "throughput": 0.0, "rollout_slot_utilization": 0.0,
                 "step_s_mean": float("nan"), "math_group_latency_s_mean": float("nan"),
                 "chat_group_latency_s_mean": float("nan"), "sim_seconds": sim.now, "planner_calls": sim.calls,
@@ -227,6 +230,8 @@ def _results(sim: _Pipeline) -> dict[str, Any]:
     return {
         "arch_mean": run["arch_mean"], "arch_token_weighted": run["arch_token_weighted"],
         "arch_max": run["arch_max"], "signed_mean": run["signed_mean"],
+        "generation_span_mean": run["span_mean"], "generation_span_token_weighted": run["span_token_weighted"],
+        "total_staleness_mean": run["total_mean"], "total_staleness_token_weighted": run["total_token_weighted"],
         "quota_violations": _quota_violations(consumed, p), "trainer_idle_fraction": 1.0 - busy / (t1 - t0),
         "throughput": trained / (t1 - t0),
         "rollout_slot_utilization": slot_s / (p.slots * (t1 - t0)),
