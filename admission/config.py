@@ -12,11 +12,11 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Literal
 
-Policy = Literal["train_batch", "mini_batch", "colocated"]
+Policy = Literal["train_batch", "mini_batch", "colocated", "streaming"]
 CostModel = Literal["tokens", "sq_tokens"]
 Preference = Literal["scarce", "oldest"]
 
-POLICIES: tuple[str, ...] = ("train_batch", "mini_batch", "colocated")
+POLICIES: tuple[str, ...] = ("train_batch", "mini_batch", "colocated", "streaming")
 COST_MODELS: tuple[str, ...] = ("tokens", "sq_tokens")
 
 
@@ -163,7 +163,8 @@ class AdmissionConfig:
     max_staleness: int | None = None
     """Bound on architectural staleness tK - policy_version_min of every admitted row; None = unbounded."""
     policy: Policy = "mini_batch"
-    """``train_batch`` (baseline), ``mini_batch`` (constraint-preserving early admission), ``colocated``."""
+    """``train_batch`` (baseline), ``mini_batch`` (constraint-preserving early admission), ``colocated``,
+    ``streaming`` (quota-free, in completion order: the peers' reference)."""
     prefer: Preference = "scarce"
     """Choice among feasible compositions: ``scarce`` (classes least covered by completed groups first, then
     oldest) or ``oldest`` (lowest policy version first)."""

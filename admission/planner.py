@@ -40,17 +40,19 @@ version tK only (what a synchronous colocated run consumes); ``mini_batch`` admi
 B/K groups as soon as completed groups can fill it in any composition such that the train batch's
 remaining quotas stay satisfiable by completed-unadmitted plus in-flight groups (integer program,
 see :mod:`admission.feasibility`). Among feasible compositions the oldest groups (lowest policy
-version, then earliest completion) are preferred.
+version, then earliest completion) are preferred. ``streaming`` is the peers' quota-free reference
+(verl's separate-async trainer, fully-async trainers): each mini-batch of B/K groups as soon as
+they completed, in completion order, whatever their classes; guarantees 3 and 4 do not hold for it.
 
 Guarantees (each checked by ``tests/test_admission_properties.py``):
 
 1. Each trajectory is admitted at most once, across calls.
 2. Groups are whole: every admitted group has exactly G rows, all in one mini-batch on one rank, each
    row in exactly one slice, advantages one per row in slice order.
-3. Every completed train batch meets every quota exactly.
+3. Every completed train batch meets every quota exactly (not ``streaming``).
 4. ``mini_batch`` never admits a mini-batch after which the train batch's remaining quotas cannot be
    met by the groups not yet admitted (completed, or in flight as ``inflight`` says).
-5. Admission is eager: when ``plan`` returns, no further mini-batch (``mini_batch``) or train batch
+5. Admission is eager: when ``plan`` returns, no further mini-batch (``mini_batch``, ``streaming``) or train batch
    (``train_batch``/``colocated``) is feasible from the frame and in-flight counts given.
 6. Every rank of a mini-batch has the same number of micro-batches.
 7. Every micro-batch keeps the token budget, except a single trajectory longer than the budget,
@@ -219,6 +221,7 @@ def _admit(cands: pl.DataFrame, cand_keys: list[tuple[str, ...]], classes: Quota
     """Admit mini-batches (``mini_batch``) or whole train batches while feasible; drop stale candidates."""
     vmin = cands["vmin"].to_numpy().astype(np.int64)
     vsort = cands["vsort"].to_numpy().astype(np.float64)
+    last_seq = cands["last_seq"].to_numpy()
     alive = np.ones(cands.height, dtype=bool)
     m, n_cls = config.groups_per_mini_batch, classes.values.shape[0]
     limit = 0 if config.policy == "colocated" else config.max_staleness
@@ -227,6 +230,14 @@ def _admit(cands: pl.DataFrame, cand_keys: list[tuple[str, ...]], classes: Quota
             stale = alive & (w.t * config.mini_batches - vmin > limit)
             w.dropped.extend((int(i), "stale") for i in np.flatnonzero(stale))
             alive &= ~stale
+        if config.policy == "streaming":  # quota-free: the m earliest completed groups
+            idx = np.flatnonzero(alive)
+            if idx.size < m:
+                return
+            first = idx[np.argsort(last_seq[idx], kind="stable")[:m]]
+            alive[first] = False
+            w.admit([sorted(first.tolist())], cand_keys, config)
+            continue
         total = config.train_batch_groups - w.k * m
         need = _need(config, w.used)
         avail = np.bincount(classes.of[alive], minlength=n_cls).astype(np.int64)

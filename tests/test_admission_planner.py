@@ -315,3 +315,16 @@ def test_staleness_splits_into_generation_span_and_architectural() -> None:
     assert (c["total_staleness"] == c["arch_staleness"] + c["generation_span"]).all()
     run = p.staleness_report()["run"]
     assert run["span_max"] == 2 and run["span_mean"] == 0.75 and run["total_mean"] == 0.75 + run["arch_mean"]
+
+
+def test_streaming_admits_in_completion_order_whatever_the_quota() -> None:
+    p = Planner(cfg(policy="streaming"))  # the 50/50 math/chat quota is configured, and ignored
+    plans = p.update(frame(*(rows(f"c{i}", "chat") for i in range(3)), rows("m0", "math"), rows("c3", "chat")))
+    assert [pl_.group_ids for pl_ in plans] == [["c0", "c1"], ["c2", "m0"]]  # m = 2, earliest completed first
+    c = p.consumed_frame()
+    counts = dict(c.group_by("data_source").agg(pl.col("group_id").n_unique()).iter_rows())
+    assert counts == {"chat": 3, "math": 1}  # train batch 0 breaks the 2 + 2 quota
+    assert [pl_.group_ids for pl_ in p.update(frame(rows("c3", "chat"), rows("c4", "chat")))] == [["c3", "c4"]]
+    mb = Planner(cfg(policy="mini_batch"))  # the same supply under the quota: chat waits for math
+    assert [pl_.group_ids for pl_ in mb.update(frame(*(rows(f"c{i}", "chat") for i in range(3)),
+                                                     rows("m0", "math"), rows("c3", "chat")))] == [["c0", "m0"]]

@@ -47,6 +47,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             "colocated": run_policy(p, "colocated", b, seeds),
         }
         res["mini_batch"], search = match_throughput(p, seeds, res["train_batch"]["throughput"])
+        res["streaming"], search_streaming = match_throughput(p, seeds, res["train_batch"]["throughput"],
+                                                              policy="streaming")
         plan_ms = plan_ms_p50_100k()
     tb, mb = res["train_batch"], res["mini_batch"]
     metrics: dict[str, Any] = {
@@ -54,7 +56,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     }
     metrics.update({
         "mini_batch_lookahead_groups": mb["lookahead_groups"],
-        "quota_violations": int(sum(r["quota_violations"] for r in res.values())),
+        "quota_violations": int(sum(r["quota_violations"] for pol, r in res.items() if pol != "streaming")),
+        "streaming_lookahead_groups": res["streaming"]["lookahead_groups"],
+        "lookahead_search_streaming": search_streaming,
         "plan_ms_p50_100k": plan_ms,
         "wall_s": wall[0],
         "lookahead_search": search,
@@ -64,16 +68,23 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "arch_staleness_reduction_token_weighted":
             1.0 - mb["arch_token_weighted"] / tb["arch_token_weighted"] if tb["arch_token_weighted"] else 0.0,
         "throughput_mini_vs_train": mb["throughput"] / tb["throughput"],
+        "mini_vs_streaming_arch": mb["arch_mean"] / res["streaming"]["arch_mean"] if res["streaming"]["arch_mean"]
+        else float("inf"),
         "total_staleness_reduction":
             1.0 - mb["total_staleness_mean"] / tb["total_staleness_mean"] if tb["total_staleness_mean"] else 0.0,
     }
     params = {**asdict(p), "seeds": seeds, "quick": args.quick,
-              "lookahead": {"train_batch": 2 * p.groups, "colocated": p.groups, "mini_batch": mb["lookahead_groups"]}}
+              "lookahead": {"train_batch": 2 * p.groups, "colocated": p.groups, "mini_batch": mb["lookahead_groups"],
+                            "streaming": res["streaming"]["lookahead_groups"]}}
     doc = write_result(args.out, metrics, ratios, params,
                        per_step_arch_mean={k: v["per_step_arch_mean"] for k, v in res.items()})
     _plot(Path(args.out).with_suffix(".png"), res)
     print(f"arch staleness mean: train_batch {tb['arch_mean']:.3f}  mini_batch {mb['arch_mean']:.3f}  "
           f"colocated {res['colocated']['arch_mean']:.3f}")
+    st = res["streaming"]
+    print(f"streaming (quota-free, L={st['lookahead_groups']}): arch {st['arch_mean']:.3f}, throughput "
+          f"{st['throughput']:.2f}, quota violations {st['quota_violations']}; mini_batch / streaming arch "
+          f"{ratios['mini_vs_streaming_arch']:.2f}")
     print(f"generation span mean (weight updates while a trajectory was generated, beyond admission): "
           f"train_batch {tb['generation_span_mean']:.3f}  mini_batch {mb['generation_span_mean']:.3f}; total "
           f"(arch + span): train_batch {tb['total_staleness_mean']:.3f}  mini_batch {mb['total_staleness_mean']:.3f}")

@@ -2,7 +2,7 @@
 
 :func:`run_policy` averages :func:`~bench.staleness.sim.simulate` over seeds; :func:`calibrate` finds
 the fastest trainer that the ``train_batch`` policy still keeps busy; :func:`match_throughput` finds
-the smallest ``mini_batch`` lookahead whose throughput is at least ``train_batch``'s.
+the smallest ``mini_batch`` (or ``streaming``) lookahead whose throughput is at least ``train_batch``'s.
 """
 
 from __future__ import annotations
@@ -40,8 +40,10 @@ def calibrate(p: SimParams, seed: int, target_busy: float) -> float:
     return hi
 
 
-def match_throughput(p: SimParams, seeds: list[int], target: float) -> tuple[dict[str, Any], list[dict[str, float]]]:
-    """``mini_batch`` at the smallest lookahead L whose throughput is at least ``target`` (``train_batch``'s).
+def match_throughput(p: SimParams, seeds: list[int], target: float,
+                     policy: str = "mini_batch") -> tuple[dict[str, Any], list[dict[str, float]]]:
+    """``policy`` (``mini_batch`` or ``streaming``) at the smallest lookahead L whose throughput is at least
+    ``target`` (``train_batch``'s).
 
     Coarse steps of one mini-batch, then bisection down to one group between the last miss and the
     hit; without a hit, the last lookahead tried (4B). Returns that run and every lookahead tried.
@@ -50,9 +52,9 @@ def match_throughput(p: SimParams, seeds: list[int], target: float) -> tuple[dic
     search: list[dict[str, float]] = []
 
     def try_lookahead(lookahead: int) -> dict[str, Any]:
-        r = run_policy(p, "mini_batch", lookahead, seeds)
+        r = run_policy(p, policy, lookahead, seeds)
         search.append({"lookahead": lookahead, "throughput": r["throughput"], "arch_mean": r["arch_mean"]})
-        print(f"  mini_batch L={lookahead}: throughput {r['throughput']:.2f} vs train_batch "
+        print(f"  {policy} L={lookahead}: throughput {r['throughput']:.2f} vs train_batch "
               f"{target:.2f}, arch_mean {r['arch_mean']:.3f}", flush=True)
         return r
 

@@ -70,7 +70,7 @@ class _Pipeline:
         self.p, self.policy, self.lookahead = p, policy, lookahead
         self.planner = Planner(cfg)
         self.m = cfg.groups_per_mini_batch
-        self.unit = self.m if policy == "mini_batch" else p.groups  # the planner's admission unit
+        self.unit = self.m if policy in ("mini_batch", "streaming") else p.groups  # the planner's admission unit
         self.total_steps = p.train_batches * p.mini_batches
         self.flat = dispatch_order(prompts, p) if policy != "colocated" else [pr for ch in prompts for pr in ch]
         self.now = 0.0
