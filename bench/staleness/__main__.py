@@ -49,7 +49,13 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         res["mini_batch"], search = match_throughput(p, seeds, res["train_batch"]["throughput"])
         res["streaming"], search_streaming = match_throughput(p, seeds, res["train_batch"]["throughput"],
                                                               policy="streaming")
+        tb_runs = {la: res["train_batch"] if la == 2 * b else run_policy(p, "train_batch", la, seeds)
+                   for la in (b + b // p.mini_batches, 3 * b // 2, 2 * b, 3 * b)}  # train_batch's L too
+        tb_curve = [{"lookahead": lookahead, "throughput": r["throughput"], "arch_mean": r["arch_mean"]}
+                    for lookahead, r in tb_runs.items()]
         plan_ms = plan_ms_p50_100k()
+    curves = {"train_batch": tb_curve, "mini_batch": search, "streaming": search_streaming}
+    _plot_curves(Path(args.out).with_name(Path(args.out).stem + "_curves.png"), curves)
     tb, mb = res["train_batch"], res["mini_batch"]
     metrics: dict[str, Any] = {
         f"{pol}_{key}": val for pol, r in res.items() for key, val in r.items() if key != "per_step_arch_mean"
@@ -59,6 +65,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "quota_violations": int(sum(r["quota_violations"] for pol, r in res.items() if pol != "streaming")),
         "streaming_lookahead_groups": res["streaming"]["lookahead_groups"],
         "lookahead_search_streaming": search_streaming,
+        "curves": curves,
         "plan_ms_p50_100k": plan_ms,
         "wall_s": wall[0],
         "lookahead_search": search,
@@ -132,6 +139,30 @@ def _plot(path: Path, res: dict[str, dict[str, Any]]) -> None:
     ax.set_xlabel("optimizer step")
     ax.set_ylabel("mean architectural staleness (versions)")
     ax.set_title("Architectural staleness per optimizer step (seed 0)")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def _plot_curves(path: Path, curves: dict[str, list[dict[str, float]]]) -> None:
+    """Throughput against mean architectural staleness over the lookahead L, one line per policy."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:  # plotting is optional
+        return
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for pol, pts in curves.items():
+        pts = sorted(pts, key=lambda q: q["lookahead"])
+        ax.plot([q["throughput"] for q in pts], [q["arch_mean"] for q in pts], marker="o", label=pol)
+        for q in pts:
+            ax.annotate(f"L={int(q['lookahead'])}", (q["throughput"], q["arch_mean"]), fontsize=6)
+    ax.set_xlabel("throughput (trajectories per simulated second)")
+    ax.set_ylabel("mean architectural staleness (versions)")
+    ax.set_title("Staleness against throughput over the lookahead L (seeds averaged)")
     ax.legend()
     fig.tight_layout()
     fig.savefig(path, dpi=120)
