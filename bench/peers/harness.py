@@ -19,6 +19,10 @@ built before any clock starts. A train step is timed on the driver, from the cal
 ranks their step to the last rank's return; plans go out one step at a time (prefetch only within a
 step); paths take turns step by step, in a rotating order, and the first step of each (path,
 compute) is a warm-up.
+
+With a multimodal workload (:func:`_mm`), groups of their own carry one image each and run the 2x2
+of :data:`MM_CELLS` on knittrans and verl's default path, the encoder's cost set by
+:data:`ENCODER_PER_IMAGE_KTOK`.
 """
 
 from __future__ import annotations
