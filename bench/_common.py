@@ -1,8 +1,9 @@
-"""Tiny helpers every benchmark shares: the JSON result file and a wall-clock timer."""
+"""Tiny helpers every benchmark shares: the JSON result file, a wall-clock timer and pyplot."""
 
 from __future__ import annotations
 
 import json
+import logging
 import platform
 import time
 from collections.abc import Iterator, Mapping
@@ -40,3 +41,16 @@ def timer() -> Iterator[list[float]]:
         yield box
     finally:
         box[0] = time.perf_counter() - start
+
+
+def pyplot() -> Any | None:
+    """matplotlib's pyplot on the Agg backend, or ``None`` without matplotlib (plots are optional)."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        logging.getLogger(__name__).warning("matplotlib not installed (the bench extra); no plot written")
+        return None
+    return plt

@@ -40,7 +40,7 @@ from pathlib import Path
 import numpy as np
 import pyarrow as pa
 
-from bench._common import timer, write_result
+from bench._common import pyplot, timer, write_result
 from flight_store.client import StoreClient
 from flight_store.config import ServerConfig, StoreConfig
 from flight_store.node import NodeProcess
@@ -240,12 +240,8 @@ def bench_latency(client: StoreClient, node: str, groups: int, fetches: int, rng
 
 
 def plot(path: Path, metrics: dict, latencies: list[float]) -> None:
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:  # the bench extra is optional
+    plt = pyplot()
+    if plt is None:
         return
     fig, (a, b, c) = plt.subplots(1, 3, figsize=(13, 3.6))
     a.bar(

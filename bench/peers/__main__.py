@@ -28,7 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from bench import write_path
-from bench._common import write_result
+from bench._common import pyplot, write_result
 from bench.peers.harness import params, run, summarize
 from bench.transfer.workload import Workload
 
@@ -97,12 +97,8 @@ def _print_table(metrics: dict[str, Any], ratios: dict[str, Any], computes: Sequ
 
 def _plot(path: Path, metrics: dict[str, Any], computes: Sequence[float]) -> None:
     """Step time per path against compute (optional: needs matplotlib)."""
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:  # plotting is optional
+    plt = pyplot()
+    if plt is None:
         return
     fig, ax = plt.subplots(figsize=(6.5, 4))
     for name in _paths(metrics, computes[0]):

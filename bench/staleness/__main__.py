@@ -17,17 +17,14 @@ planner's decision time over 100k trajectories (:mod:`bench.staleness.plan_time`
 from __future__ import annotations
 
 import argparse
-import logging
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
-from bench._common import timer, write_result
+from bench._common import pyplot, timer, write_result
 from bench.staleness.plan_time import plan_ms_p50_100k
 from bench.staleness.search import calibrate, match_throughput, run_policy
 from bench.staleness.workload import SimParams
-
-log = logging.getLogger(__name__)
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
@@ -124,13 +121,8 @@ def _parser() -> argparse.ArgumentParser:
 
 def _plot(path: Path, res: dict[str, dict[str, Any]]) -> None:
     """Mean architectural staleness per optimizer step, one line per policy (optional: needs matplotlib)."""
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:  # plotting is optional
-        log.warning("matplotlib not installed (pip install knittrans[bench]); no plot written")
+    plt = pyplot()
+    if plt is None:
         return
     fig, ax = plt.subplots(figsize=(8, 4))
     for pol, r in res.items():
@@ -147,12 +139,8 @@ def _plot(path: Path, res: dict[str, dict[str, Any]]) -> None:
 
 def _plot_curves(path: Path, curves: dict[str, list[dict[str, float]]]) -> None:
     """Throughput against mean architectural staleness over the lookahead L, one line per policy."""
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:  # plotting is optional
+    plt = pyplot()
+    if plt is None:
         return
     fig, ax = plt.subplots(figsize=(7, 4.5))
     for pol, pts in curves.items():

@@ -58,7 +58,7 @@ from typing import Any
 
 import numpy as np
 
-from bench._common import write_result
+from bench._common import pyplot, write_result
 from bench.transfer.cluster import admit, cluster, start_ranks, steps_as_json
 from bench.transfer.driver import CountingImageClient, mm_baseline_step
 from bench.transfer.workload import Workload, make_group
@@ -215,12 +215,8 @@ def _print_summary(metrics: dict[str, Any], ratios: dict[str, Any], ok: bool) ->
 
 def _plot_mm(path: Path, m: dict[str, Any]) -> None:
     """Transfer per train step on both paths (log scale), and transfer + train (optional: needs matplotlib)."""
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:  # plotting is optional
+    plt = pyplot()
+    if plt is None:
         return
     fig, (a, b) = plt.subplots(1, 2, figsize=(11, 3.8))
     a.bar(["verl DataProto\n(replicated)", "on-demand raw\n(by reference)", "on-demand exposed\n(prefetch)"],

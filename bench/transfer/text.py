@@ -46,7 +46,7 @@ from typing import Any
 
 import numpy as np
 
-from bench._common import write_result
+from bench._common import pyplot, write_result
 from bench.transfer.cluster import admit, cluster, start_ranks, steps_as_json
 from bench.transfer.driver import CountingClient, baseline_step
 from bench.transfer.workload import Workload, make_group
@@ -157,12 +157,8 @@ def _metrics(run: dict[str, Any], base_ms: list[float], od_ms: list[float],
 
 def _plot(path: Path, base_ms: list[float], od_ms: list[float], od_fetch_ms: list[float]) -> None:
     """Transfer per train step, baseline vs on-demand raw and exposed (optional: needs matplotlib)."""
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:  # plotting is optional
+    plt = pyplot()
+    if plt is None:
         return
     fig, ax = plt.subplots(figsize=(6, 3.5))
     x = np.arange(len(base_ms))
