@@ -31,9 +31,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     """Run the benchmark; returns the result document written to ``--out``."""
     args = _parser().parse_args(argv)
     p = SimParams(train_batches=args.train_batches or (6 if args.quick else 20), math_sigma=args.math_sigma,
+                  groups=args.groups, group_size=args.group_size, mini_batches=args.mini_batches, slots=args.slots,
                   sync=args.sync, version_at=args.version_at,
                   loader_order=args.loader_order, loader_mix=args.loader_mix)
-    seeds = list(range(args.seeds))
+    seeds = list(args.seeds)
     with timer() as wall:
         p.train_s_per_token = args.trainer_slowdown * calibrate(
             SimParams(**{**asdict(p), "train_batches": min(p.train_batches, 6)}), 0, target_busy=0.92)
@@ -114,7 +115,12 @@ def _parser() -> argparse.ArgumentParser:
                     help="dispatch order: slow_first = math before chat in a chunk; math_ahead = math one chunk early")
     ap.add_argument("--loader-mix", choices=["exact", "iid"], default="exact",
                     help="iid: each prompt's source drawn 50/50 (a chunk's mix varies; the planner holds the quota)")
-    ap.add_argument("--seeds", type=int, default=3)
+    ap.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2], help="the seeds each figure averages")
+    ap.add_argument("--groups", type=int, default=64, help="B: prompt groups per train batch")
+    ap.add_argument("--group-size", type=int, default=8, help="G: responses per prompt group")
+    ap.add_argument("--mini-batches", type=int, default=4, help="K: optimizer steps per train batch")
+    ap.add_argument("--slots", type=int, default=512,
+                    help="concurrent rollout sequences (fewer: a rollout-saturated regime)")
     ap.add_argument("--train-batches", type=int, default=None)
     return ap
 
