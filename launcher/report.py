@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import json
 import logging
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -49,9 +50,24 @@ def _rank_reports(folder: Path) -> list[dict[str, Any]]:
     return out
 
 
+def quota_violations(consumed: pl.DataFrame, quotas: Sequence[tuple[str, dict[str, int]]]) -> int:
+    """(train batch, quota value) pairs of ``consumed`` whose distinct groups differ from the quota's count."""
+    if consumed.height == 0:
+        return 0
+    bad = 0
+    for t in consumed["train_batch"].unique().to_list():
+        sub = consumed.filter(pl.col("train_batch") == t)
+        for column, counts in quotas:
+            got = dict(sub.group_by(column).agg(pl.col("group_id").n_unique()).iter_rows())
+            bad += sum(1 for value, n in counts.items() if got.get(value, 0) != n)
+    return bad
+
+
 def policy_summary(folder: Path, *, config: dict[str, Any], wall_s: float, metrics_urls: list[str] | None = None,
-                   outages: list[dict[str, Any]] | None = None) -> dict[str, Any]:
-    """The figures of one policy's run folder (JSON-serialisable)."""
+                   outages: list[dict[str, Any]] | None = None,
+                   quotas: Sequence[tuple[str, dict[str, int]]] = ()) -> dict[str, Any]:
+    """The figures of one policy's run folder (JSON-serialisable); ``quotas``: ``(column, value -> groups per
+    train batch)`` each, for ``quota_violations``."""
     from admission.staleness import summary as staleness_summary
 
     ranks = _rank_reports(folder)
@@ -77,6 +93,7 @@ def policy_summary(folder: Path, *, config: dict[str, Any], wall_s: float, metri
         "arch_staleness_max": int(stal["arch_max"]),
         "signed_staleness_mean": round(stal["signed_mean"], 4),
         "generation_span_mean": round(stal["span_mean"], 4),
+        "quota_violations": quota_violations(consumed, quotas),
         "total_staleness_mean": round(stal["total_mean"], 4),
         "trajectories_consumed": int(consumed.height),
         "rows_received": len(rows),

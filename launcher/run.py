@@ -266,9 +266,10 @@ def run_policy(cfg: RunConfig, model: ModelConfig, *, stop: threading.Event,
         metadata.write_parquet(cfg.out / "metadata.parquet")
         (cfg.out / "store_stats.json").write_text(json.dumps(stats, indent=1))
     urls = [f"http://127.0.0.1:{n.metrics_port}/metrics" for n in stores.nodes if n.metrics_port is not None]
+    quotas = [(q.column, n) for q, n in zip(cfg.admission.quotas, cfg.admission.quota_counts(), strict=True)]
     result = report.policy_summary(cfg.out, config=json.loads(documents.dump(cfg)) | {
         "lookahead_groups": cfg.lookahead_groups}, wall_s=time.time() - t0, metrics_urls=urls,
-        outages=[o.to_dict() for o in stores.outages])
+        outages=[o.to_dict() for o in stores.outages], quotas=quotas)
     result["interrupted"] = interrupted
     (cfg.out / "policy_summary.json").write_text(json.dumps(result, indent=1, default=str))
     report.plot_policy(cfg.out, result)

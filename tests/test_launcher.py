@@ -260,3 +260,17 @@ def test_report_from_a_run_folder(tmp_path: Path) -> None:
     paths = plot_policy(tmp_path / "mini_batch", results["mini_batch"])
     assert [p.name for p in paths] == ["staleness_per_step.png", "time_breakdown.png", "reward_per_train_batch.png"]
     assert all(p.stat().st_size > 1000 for p in paths)
+
+
+def test_quota_violations_counts_train_batches_off_their_quota() -> None:
+    from launcher.report import quota_violations
+
+    consumed = pl.DataFrame({
+        "train_batch": [0, 0, 0, 0, 1, 1, 1, 1, 1],
+        "group_id": ["a", "a", "b", "c", "d", "e", "f", "g", "g"],  # rows; groups counted once
+        "data_source": ["math", "math", "chat", "chat", "math", "math", "math", "chat", "chat"],
+    })
+    quota = [("data_source", {"math": 1, "chat": 2})]
+    assert quota_violations(consumed, quota) == 2  # batch 1: 3 math, 1 chat; batch 0 keeps 1 + 2
+    assert quota_violations(consumed.filter(pl.col("train_batch") == 0), quota) == 0
+    assert quota_violations(consumed, []) == 0
