@@ -26,10 +26,11 @@ QUICK_TRAIN_BATCHES = 3
 
 
 def parse(argv: Sequence[str]) -> tuple[list[RunConfig], argparse.Namespace]:
-    """The config of each policy to run (two with ``--compare``), and the launcher-only flags."""
+    """The config of each policy to run (three with ``--compare``), and the launcher-only flags."""
     parser = argparse.ArgumentParser(prog="knit run", description="Run the disaggregated RL loop on this machine: "
                                      "store nodes, a vLLM rollout worker and a Megatron trainer, with weight sync.")
-    parser.add_argument("--compare", action="store_true", help="run train_batch, then mini_batch, on the same seeds")
+    parser.add_argument("--compare", action="store_true",
+                        help="run train_batch, mini_batch and streaming (quota-free), on the same seeds")
     parser.add_argument("--quick", action="store_true",
                         help=f"{QUICK_TRAIN_BATCHES} train batches unless --train-batches says otherwise")
     parser.add_argument("--plain", action="store_true", help="plain progress lines instead of the live display")

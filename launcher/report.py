@@ -126,7 +126,8 @@ def policy_summary(folder: Path, *, config: dict[str, Any], wall_s: float, metri
 
 
 def write_summary(out: Path, results: dict[str, dict[str, Any]]) -> dict[str, Any]:
-    """``out/summary.json``: every policy's figures, and the staleness reduction when both ran."""
+    """``out/summary.json``: every policy's figures, the staleness reduction and throughput ratio when
+    train_batch and mini_batch both ran, and mini_batch's staleness over streaming's when it ran too."""
     doc: dict[str, Any] = {"policies": results}
     if "train_batch" in results and "mini_batch" in results:
         base = results["train_batch"]["arch_staleness_mean"]
@@ -135,6 +136,8 @@ def write_summary(out: Path, results: dict[str, dict[str, Any]]) -> dict[str, An
         tb_tp = results["train_batch"]["throughput"]["trajectories_per_s"]
         doc["throughput_ratio"] = round(results["mini_batch"]["throughput"]["trajectories_per_s"] / tb_tp, 4) \
             if tb_tp else None
+        if results.get("streaming", {}).get("arch_staleness_mean"):
+            doc["mini_vs_streaming_arch"] = round(new / results["streaming"]["arch_staleness_mean"], 4)
         plot_compare(out, results)
     out.mkdir(parents=True, exist_ok=True)
     (out / "summary.json").write_text(json.dumps(doc, indent=1, default=str))
@@ -214,7 +217,7 @@ def plot_compare(out: Path, results: dict[str, dict[str, Any]]) -> Path:
         ax.plot(per["step"].to_list(), per["arch_staleness"].to_list(), "o-",
                 label=f"{name} (mean {results[name]['arch_staleness_mean']:.2f})")
     ax.legend()
-    ax.set(xlabel="optimizer step", ylabel="mean architectural staleness", title="train_batch vs mini_batch")
+    ax.set(xlabel="optimizer step", ylabel="mean architectural staleness", title=" vs ".join(results))
     return _save(fig, out / "staleness_compare.png")
 
 
@@ -234,6 +237,8 @@ ROWS: tuple[tuple[str, str], ...] = (
     ("arch. staleness mean", "arch_staleness_mean"),
     ("arch. staleness token-weighted", "arch_staleness_token_weighted"),
     ("arch. staleness max", "arch_staleness_max"),
+    ("generation span mean", "generation_span_mean"),
+    ("quota violations", "quota_violations"),
     ("trajectories consumed", "trajectories_consumed"),
     ("optimizer steps / final version", "steps_version"),
     ("bytes moved per rank (MB)", "bytes_per_rank"),

@@ -57,8 +57,8 @@ from train.config import ModelConfig, OptimConfig, ParallelConfig, TrainConfig
 
 log = logging.getLogger(__name__)
 
-COMPARED: tuple[Policy, ...] = ("train_batch", "mini_batch")
-"""The policies ``--compare`` runs, baseline first."""
+COMPARED: tuple[Policy, ...] = ("train_batch", "mini_batch", "streaming")
+"""The policies ``--compare`` runs, baseline first, the quota-free reference last."""
 
 
 class Interrupted(Exception):

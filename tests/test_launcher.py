@@ -138,9 +138,9 @@ def test_knit_run_help_shows_the_run_s_own_defaults(capsys: pytest.CaptureFixtur
 
 def test_knit_run_flags_build_the_configs() -> None:
     configs, args = parse(["--quick", "--compare", "--group-size", "8", "--lr", "0.01", "--out", "/tmp/x"])
-    assert [c.policy for c in configs] == ["train_batch", "mini_batch"] and args.compare
+    assert [c.policy for c in configs] == ["train_batch", "mini_batch", "streaming"] and args.compare
     assert all(c.train_batches == 3 and c.admission.group_size == 8 and c.optim.lr == 0.01 for c in configs)
-    assert [c.out for c in configs] == [Path("/tmp/x/train_batch"), Path("/tmp/x/mini_batch")]
+    assert [c.out for c in configs] == [Path("/tmp/x") / p for p in ("train_batch", "mini_batch", "streaming")]
     (one,), _ = parse(["--train-batches", "5", "--policy", "train_batch"])
     assert one.train_batches == 5 and one.policy == "train_batch" and one.admission.group_size == 4
     with pytest.raises(SystemExit):
