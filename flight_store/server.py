@@ -76,7 +76,7 @@ ANSWER_ROWS = 16384
 """Most rows of one message of a metadata answer (~2 MB): a scan of 100k rows streams, it is not one message."""
 SMALL_ANSWER = 1 << 20
 """A DoGet answer under this many bytes is not accounted as a read nor trimmed after: the forced trim and
-a Python generator cost ~0.3 ms an answer, a quarter of a micro-batch's read."""
+a Python generator per answer cost a large share of a micro-batch's read (see bench.peers' fetch)."""
 SMALL_ANSWER_SLICES = 16
 """A small answer of at most this many slices (one micro-batch) is made whole and sent by Arrow alone; a
 longer one (a whole step's micro-batches, streamed) is made as it is sent, so its first rows go out first."""

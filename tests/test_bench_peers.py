@@ -69,7 +69,7 @@ def test_every_path_gives_each_rank_the_same_micro_batches(cluster: dict[str, An
                 for name in ("transferqueue", "verl"):
                     assert got[name][r]["checksums"] == want, (name, s, r)
                     assert got[name][r]["tokens"] == got["knittrans"][r]["tokens"]
-        assert all(t > 0 for t in tq.fetch_latencies(specs[0][0]))
+        assert len(tq.fetch_latencies(specs[0][0])) == len(specs[0][0])  # reads every micro-batch by key
     finally:
         verl.close()
         tq.close()

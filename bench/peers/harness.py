@@ -27,6 +27,7 @@ of :data:`MM_CELLS` on knittrans and verl's default path, the encoder's cost set
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import statistics
@@ -64,12 +65,12 @@ def run(w: Workload, computes: Sequence[float], paths: Sequence[str], fetch_roun
     total = w.steps + 1  # + one warm-up step
     rng = np.random.default_rng(w.seed)
     groups = [make_group(f"s{s}-g{g}", w, rng) for s in range(total) for g in range(w.groups)]
-    nodes = [start_store_process() for _ in range(2)]
-    ray.init(num_cpus=16, include_dashboard=False, _node_ip_address="127.0.0.1", logging_level=logging.WARNING)
-    built: list[Any] = []
-    try:
+    with contextlib.ExitStack() as stack:  # everything started here is stopped, last first
+        nodes = [stack.enter_context(start_store_process()) for _ in range(2)]
+        ray.init(num_cpus=16, include_dashboard=False, _node_ip_address="127.0.0.1", logging_level=logging.WARNING)
+        stack.callback(ray.shutdown)
         knit = KnitPath(w, [n.location for n in nodes])
-        built.append(knit)
+        stack.callback(knit.close)
         out: dict[str, Any] = {"put": {"knittrans": knit.load(groups)}}
         specs = step_specs(_plans(knit, w, total), w.mini_batches, w.ranks)
         steppers: dict[str, StepFn] = {"knittrans": lambda s, per_rank, c: knit.step(per_rank, c, w.prefetch_depth)}
@@ -78,36 +79,25 @@ def run(w: Workload, computes: Sequence[float], paths: Sequence[str], fetch_roun
             from bench.peers.tq import TQPath
 
             tq = TQPath(w)
-            built.append(tq)
+            stack.callback(tq.close)
             out["put"]["transferqueue"] = tq.load(groups)
             steppers["transferqueue"] = lambda s, per_rank, c: tq.step(per_rank, c, w.prefetch_depth)
             fetchers["transferqueue"] = tq.fetch_latencies
         for mode in ("default", "numpy", "objectref"):
             if f"verl_{mode}" in paths:
-                steppers[f"verl_dataproto_{mode}"] = _verl(w, mode, groups, specs, built)
-        fetchers["minimal_flight"], stop_minimal = _minimal_fetcher(knit, groups)
-        built.append(_Closing(stop_minimal))
+                steppers[f"verl_dataproto_{mode}"] = _verl(w, mode, groups, specs, stack)
+        fetchers["minimal_flight"] = _minimal_fetcher(knit, groups, stack)
         out["steps"] = _steps(steppers, specs, computes)
         out["fetch"] = _fetch_rounds(fetchers, [m for step in specs for rank in step for m in rank], fetch_rounds)
         out["driver_payload_bytes_knittrans"] = _knit_driver_bytes(knit, specs)
         if mm is not None:
-            out["mm"] = _mm(knit, mm, mm_computes, built)
+            out["mm"] = _mm(knit, mm, mm_computes, stack)
         out["groups_bytes"] = sum(g.nbytes for g in groups)
+        out["groups"] = len(groups)
         out["specs"] = {"micro_batches_per_rank_step": len(specs[0][0]),
                         "rows_per_micro_batch": statistics.mean(len(m["rows"]) for r in specs[0] for m in r),
                         "tokens_per_step": sum(m["tokens"] for r in specs[0] for m in r)}
         return out
-    finally:
-        for path in reversed(built):
-            path.close()
-        ray.shutdown()
-        for n in nodes:
-            n.stop()
-
-
-class _Closing:
-    def __init__(self, close: Callable[[], None]) -> None:
-        self.close = close
 
 
 def _plans(knit: Any, w: Workload, total: int) -> list[Any]:
@@ -118,11 +108,11 @@ def _plans(knit: Any, w: Workload, total: int) -> list[Any]:
 
 
 def _verl(w: Workload, mode: str, groups: list[pa.RecordBatch], specs: list[list[list[MicroSpec]]],
-          built: list[Any]) -> StepFn:
+          stack: contextlib.ExitStack) -> StepFn:
     from bench.peers.verl_dp import VerlPath
 
     path = VerlPath(w, mode)
-    built.append(path)
+    stack.callback(path.close)
     path.load(groups, specs)
     return path.step
 
@@ -142,7 +132,7 @@ stored once and read by key) x encoder (every reference, or each distinct image 
 by key on knittrans, by hashing the pixels on verl's path, which has no keys)."""
 
 
-def _mm(knit: Any, w: Workload, computes: Sequence[float], built: list[Any]) -> dict[str, Any]:
+def _mm(knit: Any, w: Workload, computes: Sequence[float], stack: contextlib.ExitStack) -> dict[str, Any]:
     """The multimodal 2x2 on its own groups (one image each, shared by the group's rows); raw records."""
     from bench.peers.verl_dp import VerlPath
     from bench.transfer.cluster import admit
@@ -164,7 +154,7 @@ def _mm(knit: Any, w: Workload, computes: Sequence[float], built: list[Any]) -> 
     put = knit.load_mm(groups, tables)
     specs = step_specs(admit(CountingClient(knit.client), w, total), w.mini_batches, w.ranks)
     verl = VerlPath(w, "default")
-    built.append(verl)
+    stack.callback(verl.close)
     verl.load(groups, specs, images=images)
     steppers: dict[str, StepFn] = {}
     for cell, (path, dedup) in MM_CELLS.items():
@@ -179,10 +169,11 @@ def _mm(knit: Any, w: Workload, computes: Sequence[float], built: list[Any]) -> 
             "distinct_images_per_step": w.groups * w.images_per_group}
 
 
-def _minimal_fetcher(knit: Any, groups: list[pa.RecordBatch]) -> tuple[Callable[[list[MicroSpec]], list[float]], Any]:
+def _minimal_fetcher(knit: Any, groups: list[pa.RecordBatch],
+                     stack: contextlib.ExitStack) -> Callable[[list[MicroSpec]], list[float]]:
     """The same rows from minimal Flight servers, one beside each store node holding that node's groups:
     one DoGet per server a micro-batch, concurrently, the rows put back in the micro-batch's order (as
-    knittrans' client reads). Returns the fetcher and a function that stops the servers."""
+    knittrans' client reads). The servers stop with ``stack``."""
     from concurrent.futures import ThreadPoolExecutor
 
     import pyarrow.flight as flight
@@ -195,10 +186,20 @@ def _minimal_fetcher(knit: Any, groups: list[pa.RecordBatch]) -> tuple[Callable[
     stores = knit.client.nodes
     servers = [minimal_flight.start() for _ in stores]
     clients = {node: flight.connect(loc) for node, (_, loc) in zip(stores, servers, strict=True)}
+    pool = ThreadPoolExecutor(len(stores))
+
+    def stop() -> None:
+        pool.shutdown()
+        for c in clients.values():
+            c.close()
+        for proc, _ in servers:
+            proc.kill()
+            proc.wait(timeout=10)
+
+    stack.callback(stop)
     for g in groups:
         gid = str(g.column("group_id")[0])
         minimal_flight.put(clients[knit.client.node_for(gid)], gid, g.select(PACK_COLUMNS))
-    pool = ThreadPoolExecutor(len(stores))
 
     def fetch(micros: list[MicroSpec]) -> list[float]:
         out = []
@@ -215,15 +216,7 @@ def _minimal_fetcher(knit: Any, groups: list[pa.RecordBatch]) -> tuple[Callable[
             out.append(time.perf_counter() - t0)
         return out
 
-    def stop() -> None:
-        pool.shutdown()
-        for c in clients.values():
-            c.close()
-        for proc, _ in servers:
-            proc.kill()
-            proc.wait(timeout=10)
-
-    return fetch, stop
+    return fetch
 
 
 def _steps(steppers: dict[str, StepFn], specs: list[list[list[MicroSpec]]],
@@ -286,8 +279,9 @@ def summarize(raw: dict[str, Any], w: Workload, computes: Sequence[float]) -> tu
     for name, ts in raw["fetch"].items():
         metrics[f"fetch_p50_ms_{name}"] = 1e3 * float(np.percentile(ts, 50))
         metrics[f"fetch_p99_ms_{name}"] = 1e3 * float(np.percentile(ts, 99))
-    for name, put in raw["put"].items():
+    for name, put in raw["put"].items():  # the same groups, one write each (TQ's carry the trainer's columns only)
         metrics[f"load_gbps_{name}"] = put["bytes"] / put["put_s"] / 1e9
+        metrics[f"load_ms_per_group_{name}"] = 1e3 * put["put_s"] / raw["groups"]
     ratios: dict[str, Any] = {}
     for c in computes:
         knit = metrics.get(f"step_ms_knittrans_c{c:g}")
