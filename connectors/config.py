@@ -91,6 +91,8 @@ class RolloutConfig:
     """Engine context length."""
     max_num_seqs: int = 256
     """Engine batch limit (sequences)."""
+    chat_template: bool = True
+    """Wrap each text prompt in the model tokenizer's chat template (a user turn) when it has one."""
     ignore_eos: bool = False
     """Generate ``max_tokens`` whatever the model samples (benchmarks)."""
     enforce_eager: bool = True

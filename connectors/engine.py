@@ -4,7 +4,10 @@
 (``VLLM_ENABLE_V1_MULTIPROCESSING=0`` unless set): every prompt is one request with ``n = G``,
 ``RequestOutputKind.FINAL_ONLY`` so a prompt comes back once, with all its samples, when the last one
 finishes, and ``logprobs=0, flat_logprobs=True`` so only the sampled tokens' logprobs travel, as flat
-lists. vLLM is imported when an engine is built, never at module import.
+lists. A text prompt is wrapped in the model's chat template (``chat_prompt_ids``: one user turn, the
+assistant's turn opened) when its tokenizer has one and ``RolloutConfig.chat_template`` is on (an
+instruct model such as SmolLM2-Instruct answers in that format; the tiny test tokenizer has none, so
+its prompts go in as they are). vLLM is imported when an engine is built, never at module import.
 """
 
 from __future__ import annotations
@@ -46,6 +49,17 @@ class Engine(Protocol):
         """Load a weights table (``connectors.weights`` format) into the running engine."""
 
 
+def chat_prompt_ids(tokenizer: Any, text: str) -> list[int]:
+    """The token ids of ``text`` as one user turn of ``tokenizer``'s chat template, the assistant's turn opened.
+
+    The template is rendered to text and tokenized without adding special tokens again (the template writes
+    them), as vLLM's own chat entry point does.
+    """
+    rendered = tokenizer.apply_chat_template([{"role": "user", "content": text}], tokenize=False,
+                                             add_generation_prompt=True)
+    return [int(t) for t in tokenizer(rendered, add_special_tokens=False)["input_ids"]]
+
+
 class VllmEngine:
     """vLLM's ``LLMEngine`` driven step by step, in this process.
 
@@ -78,6 +92,9 @@ class VllmEngine:
             )
         self.llm = llm
         self.engine = llm.llm_engine
+        tokenizer = llm.get_tokenizer()
+        self._chat_tokenizer = tokenizer if config.chat_template and getattr(tokenizer, "chat_template", None) else None
+        """The tokenizer whose chat template wraps text prompts (None: prompts go in as they are)."""
         self.logprobs_mode: str = str(self.engine.model_config.logprobs_mode)
         self._params = SamplingParams(
             n=1,
@@ -96,6 +113,8 @@ class VllmEngine:
         inputs: Any = prompt.text
         if prompt.images:
             inputs = {"prompt": prompt.text, "multi_modal_data": {"image": list(prompt.images)}}
+        elif self._chat_tokenizer is not None:
+            inputs = {"prompt_token_ids": chat_prompt_ids(self._chat_tokenizer, prompt.text)}
         self.engine.add_request(request_id, inputs, params)
 
     def step(self) -> list[Any]:

@@ -9,8 +9,10 @@ started with ``worker_extension_cls=WORKER_EXTENSION``, so the table can cross t
 Arrow IPC bytes). That path takes checkpoint-format (Hugging Face)
 names, re-fuses q/k/v and gate/up projections, and re-runs the post-load processing; the last step
 matters on CPU, where vLLM repacks linear weights for its GEMM kernels and a plain
-``model.load_weights`` would leave the packed copies stale. The prefix cache is reset afterwards so
-no KV computed with the old weights is reused.
+``model.load_weights`` would leave the packed copies stale. A model with tied embeddings (SmolLM2)
+gets its output layer re-processed too (:func:`refresh_tied_output_layer`): no ``lm_head.weight``
+travels, and vLLM's reload would otherwise keep the old packed copy of the embedding there. The
+prefix cache is reset afterwards so no KV computed with the old weights is reused.
 
 torch is imported inside the functions (``pip install knittrans[vllm]`` or ``[train]``).
 """
@@ -68,7 +70,25 @@ class WeightSyncExtension:
         table = pa.ipc.open_stream(pa.py_buffer(ipc)).read_all()
         tensors = table_to_tensors(table)
         self.reload_weights(weights_iterator=tensors, is_checkpoint_format=True)  # type: ignore[attr-defined]
+        refresh_tied_output_layer(self.model_runner.get_model())  # type: ignore[attr-defined]
         return len(tensors)
+
+
+def refresh_tied_output_layer(model: Any) -> bool:
+    """Re-run the output layer's post-load processing of a model with tied embeddings; True when it did.
+
+    With ``tie_word_embeddings`` no ``lm_head.weight`` is loaded (it is the embedding), so vLLM's
+    reload skips the output layer's processing; on CPU that processing packs the weight for the GEMM
+    kernel, and the packed copy would keep the *old* embedding. The embedding itself is reloaded in
+    place, so processing the output layer again packs the new values.
+    """
+    config = getattr(model, "config", None)
+    head = getattr(model, "lm_head", None)
+    method = getattr(head, "quant_method", None)
+    if not getattr(config, "tie_word_embeddings", False) or method is None:
+        return False
+    method.process_weights_after_loading(head)
+    return True
 
 
 def _has_extension(llm: Any) -> bool:
@@ -101,6 +121,7 @@ def load_weights_into_llm(llm: Any, table: pa.Table) -> int:
     else:
         tensors = table_to_tensors(table)
         llm.collective_rpc("reload_weights", kwargs={"weights_iterator": tensors, "is_checkpoint_format": True})
+        llm.apply_model(refresh_tied_output_layer)
         n = len(tensors)
     llm.reset_prefix_cache()  # no KV computed with the old weights may be reused
     logger.info("reloaded %d tensors into the engine in %.3f s", n, time.perf_counter() - t0)

@@ -177,6 +177,9 @@ class ServerConfig:
 
     host: str = "127.0.0.1"
     """Interface to bind (``0.0.0.0`` = every interface)."""
+    advertise_host: str | None = None
+    """Address clients reach the node at, in its :attr:`location` (``None`` = :attr:`host`; give it when
+    :attr:`host` is ``0.0.0.0`` or the node is reached through another address)."""
     port: int = 0
     """TCP port to listen on; 0 = a free one (read it back from ``StoreServer.location``)."""
     node_name: str | None = None
@@ -212,6 +215,9 @@ class ServerConfig:
         if not self.host:
             msg = f"host must be a non-empty interface name or address, got {self.host!r}"
             raise ValueError(msg)
+        if self.advertise_host is not None and self.advertise_host.strip("[]") in ("", "0.0.0.0", "::"):
+            msg = f"advertise_host must be an address clients can reach (or None), got {self.advertise_host!r}"
+            raise ValueError(msg)
         _check_port("port", self.port)
         _check_port("metrics_port", self.metrics_port)
         if self.node_name is not None and not self.node_name:
@@ -246,6 +252,20 @@ class ServerConfig:
 
     @property
     def location(self) -> str:
-        """``grpc://host:port``, or ``grpc+tls://host:port`` with TLS (the configured port, 0 included)."""
-        scheme = "grpc+tls" if self.tls_cert_file is not None else "grpc"
-        return f"{scheme}://{self.host}:{self.port}"
+        """``grpc://host:port``, or ``grpc+tls://host:port`` with TLS (the configured port, 0 included; the host is
+        :attr:`advertise_host` when given): where clients connect."""
+        return f"{self.scheme}://{self.advertised_host}:{self.port}"
+
+    @property
+    def bind_location(self) -> str:
+        """``grpc://host:port`` with the interface the node binds (:attr:`host`)."""
+        return f"{self.scheme}://{self.host}:{self.port}"
+
+    @property
+    def scheme(self) -> str:
+        return "grpc+tls" if self.tls_cert_file is not None else "grpc"
+
+    @property
+    def advertised_host(self) -> str:
+        """The host of :attr:`location`: :attr:`advertise_host`, else :attr:`host`."""
+        return self.advertise_host if self.advertise_host is not None else self.host

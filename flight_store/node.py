@@ -55,7 +55,8 @@ def serve(config: ServerConfig) -> int:
     try:
         print(f"knit serve: listening on {server.location}", flush=True)
         if server.metrics_port is not None:
-            print(f"knit serve: metrics on http://{config.host}:{server.metrics_port}/metrics", flush=True)
+            print(f"knit serve: metrics on http://{config.advertised_host}:{server.metrics_port}/metrics",
+                  flush=True)
         while not stop.wait(0.5):
             pass
     finally:

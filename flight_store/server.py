@@ -160,11 +160,10 @@ class StoreServer(flight.FlightServerBase):
             ]
         if config.auth_token_file is not None:
             kwargs["middleware"] = {"knit_auth": _TokenAuthFactory(read_token_file(config.auth_token_file))}
-        super().__init__(config.location, **kwargs)
+        super().__init__(config.bind_location, **kwargs)
         self.coalesce_below = config.coalesce_below
         """A DoGet of several slices under this many bytes is sent as one copied batch (0 = never)."""
-        scheme = config.location.partition("://")[0]
-        self.location = f"{scheme}://{config.host}:{self.port}"
+        self.location = f"{config.scheme}://{config.advertised_host}:{self.port}"
         """Where clients connect (the real port when configured with port 0)."""
         self.node_name = config.node_name or self.location
         """Name reported by health/stats and in error messages; the node's id for routing."""

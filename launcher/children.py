@@ -17,7 +17,8 @@ import os
 import signal
 import subprocess
 import time
-from dataclasses import dataclass
+from collections.abc import Mapping
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO
 
@@ -56,6 +57,8 @@ class Child:
     log_file: IO[bytes]
     restarts: int = 0
     """How often this child was started again after it exited (:meth:`Children.restart`)."""
+    env: dict[str, str] = field(default_factory=dict)
+    """Environment it got on top of :func:`child_env` (kept for a restart)."""
 
     @property
     def pid(self) -> int:
@@ -77,9 +80,9 @@ class Children:
         self.log_dir = log_dir
         self.started: list[Child] = []
 
-    def start(self, name: str, cmd: list[str]) -> Child:
-        """Start ``cmd`` with its output in ``<log_dir>/<name>.log``."""
-        child = self._spawn(name, cmd, restarts=0)
+    def start(self, name: str, cmd: list[str], *, env: Mapping[str, str] | None = None) -> Child:
+        """Start ``cmd``, its output in ``<log_dir>/<name>.log``; ``env``: variables on top of :func:`child_env`."""
+        child = self._spawn(name, cmd, restarts=0, env=dict(env or {}))
         self.started.append(child)
         self._write_index()
         return child
@@ -96,22 +99,22 @@ class Children:
             msg = f"cannot restart {child.name} (pid {child.pid}): it is still running or was not started here"
             raise ValueError(msg)
         child.log_file.close()
-        new = self._spawn(child.name, child.cmd, restarts=child.restarts + 1)
+        new = self._spawn(child.name, child.cmd, restarts=child.restarts + 1, env=child.env)
         self.started[self.started.index(child)] = new
         self._write_index()
         return new
 
-    def _spawn(self, name: str, cmd: list[str], *, restarts: int) -> Child:
+    def _spawn(self, name: str, cmd: list[str], *, restarts: int, env: dict[str, str]) -> Child:
         self.log_dir.mkdir(parents=True, exist_ok=True)
         path = self.log_dir / f"{name}.log"
         fh = path.open("ab" if restarts else "wb")
         if restarts:
             fh.write(f"---- {time.strftime('%H:%M:%S')} restart {restarts} of {name} ----\n".encode())
             fh.flush()
-        proc = subprocess.Popen(cmd, cwd=ROOT, env=child_env(), stdout=fh, stderr=subprocess.STDOUT,
+        proc = subprocess.Popen(cmd, cwd=ROOT, env=child_env() | env, stdout=fh, stderr=subprocess.STDOUT,
                                 stdin=subprocess.DEVNULL, start_new_session=True)
         log.info("started %s (pid %d, restart %d): %s", name, proc.pid, restarts, " ".join(cmd))
-        return Child(name=name, cmd=list(cmd), proc=proc, log_path=path, log_file=fh, restarts=restarts)
+        return Child(name=name, cmd=list(cmd), proc=proc, log_path=path, log_file=fh, restarts=restarts, env=env)
 
     def _write_index(self) -> None:
         doc = [{"name": c.name, "pid": c.pid, "cmd": c.cmd, "restarts": c.restarts} for c in self.started]

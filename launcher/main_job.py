@@ -19,6 +19,7 @@ from typing import Any
 from launcher import progress, report
 from launcher.flags import add_flags, build
 from launcher.model import prepare_model
+from launcher.ray_deploy import RayNodeLostError, run_on_ray
 from launcher.run import COMPARED, Interrupted, RunConfig, run_policy
 
 QUICK_TRAIN_BATCHES = 3
@@ -34,6 +35,12 @@ def parse(argv: Sequence[str]) -> tuple[list[RunConfig], argparse.Namespace]:
     parser.add_argument("--quick", action="store_true",
                         help=f"{QUICK_TRAIN_BATCHES} train batches unless --train-batches says otherwise")
     parser.add_argument("--plain", action="store_true", help="plain progress lines instead of the live display")
+    parser.add_argument("--ray", nargs="?", const="auto", default=None, metavar="ADDRESS",
+                        help="deploy on the Ray cluster at ADDRESS (its GCS, host:port; none: the cluster this machine "
+                        "is in): one store node per Ray node, the rollout and the trainer ranks as actors pinned to "
+                        "nodes (launcher.ray_deploy)")
+    parser.add_argument("--engine", choices=("vllm", "fake"), default="vllm",
+                        help="with --ray: the rollout's engine (fake: connectors.fake_engine, no model)")
     flags = add_flags(parser, RunConfig)
     args = parser.parse_args(list(argv))
     try:
@@ -46,8 +53,14 @@ def parse(argv: Sequence[str]) -> tuple[list[RunConfig], argparse.Namespace]:
     return [cfg.for_policy(p, cfg.out / p) for p in COMPARED], args
 
 
+def _run_on_ray(cfg: RunConfig, model: Any, args: argparse.Namespace, stop: threading.Event,
+                update: Any) -> dict[str, Any]:
+    return run_on_ray(cfg, model, address=args.ray, engine=args.engine, stop=stop, on_update=update)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
-    """``knit run``; returns 0 on success, 130 when interrupted."""
+    """``knit run``; returns 0 on success, 130 when interrupted, 3 when ``--ray`` lost a node
+    (``launcher.ray_deploy.RayNodeLostError``)."""
     configs, args = parse(list(argv) if argv is not None else [])
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     out = configs[0].out.parent if args.compare else configs[0].out
@@ -71,8 +84,15 @@ def main(argv: Sequence[str] | None = None) -> int:
                 raise Interrupted
             display.note(f"[{cfg.policy}] lookahead {cfg.lookahead_groups} groups; logs in {cfg.out / 'logs'}")
             with display.live(cfg.policy, cfg.total_groups, cfg.steps) as update:
-                results[cfg.policy] = run_policy(cfg, model, stop=stop, on_update=update)
+                if args.ray is None:
+                    results[cfg.policy] = run_policy(cfg, model, stop=stop, on_update=update)
+                else:
+                    results[cfg.policy] = _run_on_ray(cfg, model, args, stop, update)
             for o in results[cfg.policy]["store_outages"]:
+                if o.get("cause") == "unreachable":
+                    display.note(f"[{cfg.policy}] store {o['node']} ({o['store']}) did not answer for {o['down_s']} s "
+                                 "while its process ran (its host was cut off)")
+                    continue
                 display.note(f"[{cfg.policy}] store {o['node']} ({o['store']}) exited with {o['exit_code']}; "
                              f"started again {o['restarts']} time(s), back after {o['down_s']} s")
             urls = results[cfg.policy].get("metrics_urls") or []
@@ -81,6 +101,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except Interrupted:
         display.note("interrupted: every process stopped; partial results are in the run folder")
         return 130
+    except RayNodeLostError as exc:
+        display.note(f"knit run --ray: {exc}; what the other nodes held is in {out} (lost_node.json)")
+        return 3
     finally:
         for s, h in previous.items():
             signal.signal(s, h)

@@ -16,7 +16,8 @@ Figures per policy (``policy_summary``):
   trainer idle (time waiting for an admissible mini-batch, start-up excluded);
 * throughput (trajectories and tokens per second of the training window) and the reward trend
   (mean reward per train batch);
-* ``store_outages`` (each store node that died and was started again: ``launcher.stores.Outage``) and
+* ``store_outages`` (each store node that died and was started again, or that did not answer while its
+  process ran, ``cause`` ``unreachable``: ``launcher.stores.Outage``) and
   ``store_restarts`` (processes started again, over all nodes).
 
 Plots: ``staleness_per_step.png``, ``time_breakdown.png``, ``reward_per_train_batch.png``; with
@@ -272,7 +273,8 @@ def table_rows(result: dict[str, Any]) -> list[tuple[str, str]]:
             rewards = result[key]
             text = f"{rewards[0]:.3f} -> {rewards[-1]:.3f} ({len(rewards)} batches)" if rewards else "-"
         elif key == "store_outages":
-            downs = ", ".join(f"{o['node']}: {o['down_s']}" for o in result[key])
+            downs = ", ".join(f"{o['node']}: {o['down_s']}" + (" cut off" if o.get("cause") == "unreachable" else "")
+                              for o in result[key])
             text = f"{result['store_restarts']} ({downs})" if downs else "0"
         else:
             text = str(result[key])

@@ -18,6 +18,10 @@ its config as a validated document (``schemas.documents``), never as re-typed ar
    prompt group to the stores. The lookahead limit (groups dispatched but not yet consumed) couples
    the two.
 
+Where each process runs is a :class:`~launcher.placement.Placement` (default: everything on this machine's
+loopback); ``launcher.hosts`` places them on hosts of their own (network namespaces), each store node
+binding and advertising its host's address, the trainer ranks one per host over torch.distributed.
+
 This driver never imports vLLM or torch and never reads trajectory payload: it polls the stores'
 ``stats``, follows the trainer's per-step progress file, and at the end writes the run folder
 (``launcher.report``): ``summary.json``, ``metadata.parquet``, ``consumed.parquet``, plots.
@@ -51,6 +55,7 @@ from flight_store.config import ClusterMember, ServerConfig, StoreConfig
 from flight_store.net import free_port
 from launcher import report
 from launcher.children import ROOT, Child, Children
+from launcher.placement import Placement, Site
 from launcher.stores import Stores
 from schemas import documents
 from train.config import ModelConfig, OptimConfig, ParallelConfig, TrainConfig
@@ -157,16 +162,25 @@ class RunConfig:
 # ---- the configs of the children ---------------------------------------------------------------
 
 
-def store_configs(cfg: RunConfig) -> list[ServerConfig]:
-    """One node config per store: free loopback ports, metrics on a free port when asked, the cluster's
-    membership (so every node refuses a group routing gives another), and a spill directory in the run folder
-    (``stores/node{i}``: every acknowledged write is logged, so a node started again replays it)."""
-    ports = [free_port() for _ in range(cfg.num_stores)]
-    cluster = [ClusterMember(id=f"node{i}", location=f"grpc://127.0.0.1:{p}") for i, p in enumerate(ports)]
-    return [ServerConfig(port=p, node_name=f"node{i}", log_level="WARNING", cluster=cluster,
-                         metrics_port=free_port() if cfg.metrics else None,
+def store_configs(cfg: RunConfig, placement: Placement | None = None) -> list[ServerConfig]:
+    """One node config per store: bound to and advertising its site's address (loopback by default) on a free
+    port, metrics on a free port when asked, the cluster's membership (so every node refuses a group routing
+    gives another), and a spill directory in the run folder (``stores/node{i}``: every acknowledged write is
+    logged, so a node started again replays it)."""
+    sites = (placement or Placement.local(cfg.num_stores)).stores
+    ports = [_free_port(s) for s in sites]
+    cluster = [ClusterMember(id=f"node{i}", location=f"grpc://{s.url_host}:{p}")
+               for i, (s, p) in enumerate(zip(sites, ports, strict=True))]
+    return [ServerConfig(host=s.address, port=p, node_name=f"node{i}", log_level="WARNING", cluster=cluster,
+                         metrics_port=_free_port(s) if cfg.metrics else None,
                          store=StoreConfig(spill_dir=str(cfg.out / "stores" / f"node{i}")))
-            for i, p in enumerate(ports)]
+            for i, (s, p) in enumerate(zip(sites, ports, strict=True))]
+
+
+def _free_port(site: Site) -> int:
+    """A port free at ``site``: asked of its address here, or (a site elsewhere, e.g. a fresh network namespace,
+    where nothing listens yet) a port free on this machine's loopback."""
+    return free_port(site.address) if site.is_local else free_port()
 
 
 def train_config(cfg: RunConfig, model: ModelConfig, stores: list[str]) -> TrainConfig:
@@ -239,33 +253,41 @@ class LiveState:
 
 
 def run_policy(cfg: RunConfig, model: ModelConfig, *, stop: threading.Event,
-               on_update: Callable[[LiveState], None] | None = None) -> dict[str, Any]:
-    """Run one policy end to end; returns the run's results (``launcher.report.policy_summary``)."""
+               on_update: Callable[[LiveState], None] | None = None,
+               placement: Placement | None = None) -> dict[str, Any]:
+    """Run one policy end to end; returns the run's results (``launcher.report.policy_summary``).
+
+    ``placement`` says where each process runs (default: :meth:`Placement.local`)."""
+    placement = placement or Placement.local(cfg.num_stores)
+    placement.check(num_stores=cfg.num_stores, dp_ranks=cfg.admission.dp_ranks)
     cfg.out.mkdir(parents=True, exist_ok=True)
     for stale in ("progress.jsonl", "consumed.parquet", "rollout.json"):
         (cfg.out / stale).unlink(missing_ok=True)
     state = LiveState()  # the display knows the policy and the totals (main_job)
     t0 = time.time()
     with Children(cfg.out / "logs") as kids:
-        stores = Stores(kids, store_configs(cfg), cfg.out, max_restarts=cfg.max_store_restarts,
-                        start_timeout_s=cfg.store_start_timeout_s)
+        stores = Stores(kids, store_configs(cfg, placement), cfg.out, max_restarts=cfg.max_store_restarts,
+                        start_timeout_s=cfg.store_start_timeout_s, sites=placement.stores, probe_s=placement.probe_s)
         stores.start()
         locations = stores.locations
         state.phase = "starting trainer + vLLM"
         train_doc = documents.write(train_config(cfg, model, locations), cfg.out / "configs" / "train.json")
         rollout_doc = documents.write(rollout_config(cfg, locations), cfg.out / "configs" / "rollout.json")
-        trainer = kids.start("trainer", [sys.executable, "-m", "train", "--config", str(train_doc),
-                                         "--nproc", str(cfg.admission.dp_ranks)])
-        rollout = kids.start("rollout", [sys.executable, "-m", "connectors", "--config", str(rollout_doc)])
-        with StoreClient(locations, timeout=5.0) as client:
-            interrupted = _supervise(cfg, kids, stores, (trainer, rollout), client, state, stop, on_update)
-        stores.wait_up()  # every node answers: export their metadata, then stop them (Children.__exit__)
+        trainers = start_trainer(kids, placement, train_doc, cfg.admission.dp_ranks)
+        rollout = kids.start("rollout", placement.rollout.command([sys.executable, "-m", "connectors", "--config",
+                                                                   str(rollout_doc)]), env=placement.rollout.env)
+        try:
+            with StoreClient(locations, timeout=5.0) as client:
+                interrupted = _supervise(cfg, kids, stores, (trainers, rollout), client, state, stop, on_update)
+            stores.wait_up()  # every node answers: export their metadata, then stop them (Children.__exit__)
+        finally:
+            stores.close()
         with StoreClient(locations, timeout=30.0, retries=20) as client:  # fresh connections, none in reconnect backoff
             metadata = client.metadata().collect()
             stats = client.stats()
         metadata.write_parquet(cfg.out / "metadata.parquet")
         (cfg.out / "store_stats.json").write_text(json.dumps(stats, indent=1))
-    urls = [f"http://127.0.0.1:{n.metrics_port}/metrics" for n in stores.nodes if n.metrics_port is not None]
+    urls = [f"http://{n.advertised_host}:{n.metrics_port}/metrics" for n in stores.nodes if n.metrics_port is not None]
     quotas = [(q.column, n) for q, n in zip(cfg.admission.quotas, cfg.admission.quota_counts(), strict=True)]
     result = report.policy_summary(cfg.out, config=json.loads(documents.dump(cfg)) | {
         "lookahead_groups": cfg.lookahead_groups}, wall_s=time.time() - t0, metrics_urls=urls,
@@ -278,13 +300,27 @@ def run_policy(cfg: RunConfig, model: ModelConfig, *, stop: threading.Event,
     return result
 
 
-def _supervise(cfg: RunConfig, kids: Children, stores: Stores, workers: tuple[Child, Child], client: StoreClient,
-               state: LiveState, stop: threading.Event, on_update: Callable[[LiveState], None] | None) -> bool:
+def start_trainer(kids: Children, placement: Placement, doc: Path, dp_ranks: int) -> list[Child]:
+    """Start the trainer: one process of ``dp_ranks`` local ranks at its site (``trainer``), or one process per
+    rank at the rank's site (``trainer{r}``, joined over torch.distributed at ``trainer[0]``'s address)."""
+    cmd = [sys.executable, "-m", "train", "--config", str(doc)]
+    if not placement.ranks_apart:
+        site = placement.trainer[0]
+        return [kids.start("trainer", site.command([*cmd, "--nproc", str(dp_ranks)]), env=site.env)]
+    rendezvous = {"WORLD_SIZE": str(dp_ranks), "LOCAL_WORLD_SIZE": "1", "LOCAL_RANK": "0",
+                  "MASTER_ADDR": placement.trainer[0].address, "MASTER_PORT": str(placement.master_port)}
+    return [kids.start(f"trainer{r}", site.command(cmd), env=site.env | rendezvous | {"RANK": str(r)})
+            for r, site in enumerate(placement.trainer)]
+
+
+def _supervise(cfg: RunConfig, kids: Children, stores: Stores, workers: tuple[list[Child], Child],
+               client: StoreClient, state: LiveState, stop: threading.Event,
+               on_update: Callable[[LiveState], None] | None) -> bool:
     """Follow the run until the trainer exits, restarting a store node that dies; returns True when interrupted.
 
     Raises when the trainer or the rollout fails, or a store cannot be brought back (:meth:`Stores.check`).
     """
-    trainer, rollout = workers
+    trainers, rollout = workers
     deadline = time.monotonic() + cfg.timeout_s
 
     def refresh() -> None:
@@ -297,7 +333,11 @@ def _supervise(cfg: RunConfig, kids: Children, stores: Stores, workers: tuple[Ch
             on_update(state)
 
     try:
-        while trainer.alive():
+        while any([t.alive() for t in trainers]):  # a list: every rank polled, so a failed one has its exit code
+            failed = next((t for t in trainers if t.proc.returncode not in (0, None)), None)
+            if failed is not None:  # one rank failed: the others would wait for it in a collective
+                msg = f"the trainer failed ({failed.name} exit {failed.proc.returncode}):\n{kids.tail(failed, 40)}"
+                raise RuntimeError(msg)
             if stop.is_set():
                 raise Interrupted
             if time.monotonic() > deadline:
@@ -309,8 +349,9 @@ def _supervise(cfg: RunConfig, kids: Children, stores: Stores, workers: tuple[Ch
                 msg = f"the rollout worker failed (exit {rollout.proc.returncode}):\n{kids.tail(rollout)}"
                 raise RuntimeError(msg)
             stop.wait(0.5)
-        if trainer.proc.returncode != 0:
-            msg = f"the trainer failed (exit {trainer.proc.returncode}):\n{kids.tail(trainer, 40)}"
+        failed = next((t for t in trainers if t.proc.returncode != 0), None)
+        if failed is not None:
+            msg = f"the trainer failed ({failed.name} exit {failed.proc.returncode}):\n{kids.tail(failed, 40)}"
             raise RuntimeError(msg)
         state.phase = "finishing"
         refresh()
@@ -318,6 +359,7 @@ def _supervise(cfg: RunConfig, kids: Children, stores: Stores, workers: tuple[Ch
         return False
     except Interrupted:
         state.phase = "interrupted"
-        kids.stop(trainer, grace_s=5.0)
+        for t in trainers:
+            kids.stop(t, grace_s=5.0)
         kids.stop(rollout, grace_s=15.0)  # aborts the groups still running and writes them
         return True

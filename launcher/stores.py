@@ -15,7 +15,12 @@ Guarantees of :class:`Stores`:
 * every outage is recorded (:class:`Outage`: which node, how its process ended, when the driver found
   it dead, when it answered ``health`` again, how many processes it took);
 * a node that cannot be brought back (too many restarts, or no answer within ``start_timeout_s``)
-  raises ``RuntimeError`` naming it, with the end of its log.
+  raises ``RuntimeError`` naming it, with the end of its log;
+* with ``probe_s``, a node whose process runs but that does not answer ``health`` (its host cut off
+  from the network) is recorded too, as an outage of cause ``unreachable``, from the first probe it
+  missed to the first it answered again; nothing is restarted for it (the clients' calls wait or retry).
+  The probes run on a thread of their own from :meth:`Stores.start` to :meth:`Stores.close`, so a caller
+  blocked in a call to that node does not delay them.
 """
 
 from __future__ import annotations
@@ -23,6 +28,7 @@ from __future__ import annotations
 import logging
 import shutil
 import sys
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -31,6 +37,7 @@ from typing import Any
 from flight_store.client import StoreClient
 from flight_store.config import ServerConfig
 from launcher.children import Child, Children
+from launcher.placement import Site
 from schemas import documents
 
 log = logging.getLogger(__name__)
@@ -54,13 +61,16 @@ class Outage:
     """Processes started for it during this outage (more than one when a restarted node died before it answered)."""
     back_at: float | None = None
     """When the restarted node first answered ``health`` (None: not back)."""
+    cause: str = "exited"
+    """``exited`` (its process died and was started again) or ``unreachable`` (its process ran, but it did not
+    answer: ``died_at`` is the first probe it missed; ``restarts`` is 0)."""
 
     def to_dict(self) -> dict[str, Any]:
         """The outage as the report shows it, with ``down_s`` (None while it is not back)."""
         down = None if self.back_at is None else round(self.back_at - self.died_at, 3)
         return {"store": self.store, "node": self.node, "location": self.location, "exit_code": self.exit_code,
                 "died_at": round(self.died_at, 3), "back_at": None if self.back_at is None else round(self.back_at, 3),
-                "down_s": down, "restarts": self.restarts}
+                "down_s": down, "restarts": self.restarts, "cause": self.cause}
 
 
 class Stores:
@@ -72,6 +82,8 @@ class Stores:
         out: the run folder (``configs/store{i}.json`` is written there; ``stores/`` is cleared at start).
         max_restarts: times one node may be started again.
         start_timeout_s: seconds a node may take to answer ``health`` after a (re)start.
+        sites: where each node runs (``launcher.placement``; default: here).
+        probe_s: seconds between two ``health`` probes of each running node (``None``: none; see the guarantees).
 
     Example:
         >>> with Children(out / "logs") as kids:  # doctest: +SKIP
@@ -82,7 +94,16 @@ class Stores:
     """
 
     def __init__(self, kids: Children, nodes: list[ServerConfig], out: Path, *, max_restarts: int,
-                 start_timeout_s: float) -> None:
+                 start_timeout_s: float, sites: list[Site] | None = None, probe_s: float | None = None) -> None:
+        if sites is not None and len(sites) != len(nodes):
+            msg = f"Stores: {len(sites)} sites for {len(nodes)} nodes"
+            raise ValueError(msg)
+        self._sites = sites if sites is not None else [Site() for _ in nodes]
+        self._probe_s = probe_s
+        self._probes: dict[str, StoreClient] = {}  # the prober thread's own connections
+        self._prober: threading.Thread | None = None
+        self._stop_probing = threading.Event()
+        self._lock = threading.Lock()  # outages are appended by the prober too
         self._kids = kids
         self._out = out
         self._max_restarts = max_restarts
@@ -107,8 +128,8 @@ class Stores:
         shutil.rmtree(self._out / "stores", ignore_errors=True)  # the spill logs of an earlier run in this folder
         for i, node in enumerate(self.nodes):
             path = documents.write(node, self._out / "configs" / f"store{i}.json")
-            cmd = [sys.executable, "-m", "flight_store", "--config", str(path)]
-            self.children.append(self._kids.start(f"store{i}", cmd))
+            cmd = self._sites[i].command([sys.executable, "-m", "flight_store", "--config", str(path)])
+            self.children.append(self._kids.start(f"store{i}", cmd, env=self._sites[i].env))
         deadline = time.monotonic() + self._start_timeout_s
         while not all(answers(loc) for loc in self.locations):
             dead = [c for c in self.children if not c.alive()]
@@ -117,6 +138,10 @@ class Stores:
                 msg = f"store node {who.name} did not come up:\n{self._kids.tail(who)}"
                 raise RuntimeError(msg)
             time.sleep(0.2)
+        if self._probe_s is not None:
+            self._prober = threading.Thread(target=self._probe_loop, args=(self._probe_s,), name="knit-store-probes",
+                                            daemon=True)
+            self._prober.start()
 
     def check(self) -> list[str]:
         """Start again every node whose process exited, note those back; returns the ids of the nodes down now.
@@ -128,8 +153,10 @@ class Stores:
         for i, child in enumerate(self.children):
             if not child.alive():
                 self._restart(i, child)
-        for outage in self.outages:
-            if outage.back_at is not None:
+        with self._lock:
+            outages = list(self.outages)
+        for outage in outages:
+            if outage.back_at is not None or outage.cause == "unreachable":  # the prober follows those
                 continue
             if answers(outage.location):
                 outage.back_at = time.time()
@@ -140,11 +167,68 @@ class Stores:
                 msg = (f"store node {outage.node} ({outage.store}) did not answer within {self._start_timeout_s} s "
                        f"of its restart:\n{self._kids.tail(child)}")
                 raise RuntimeError(msg)
-        return [o.node for o in self.outages if o.back_at is None]
+        return [o.node for o in outages if o.back_at is None]
+
+    def _probe_loop(self, every_s: float) -> None:
+        """The prober thread: every ``every_s``, a node whose process runs but does not answer starts an
+        ``unreachable`` outage, and one of those that answers again (a fresh connection) ends it."""
+        while not self._stop_probing.wait(every_s):
+            for i, node in enumerate(self.nodes):
+                if self._stop_probing.is_set():
+                    return
+                child = self.children[i]
+                with self._lock:
+                    down = next((o for o in self.outages if o.location == node.location and o.back_at is None), None)
+                if down is None and child.alive():
+                    missed_at = time.time()
+                    if self._answers_probe(node.location):
+                        continue
+                    self._probes.pop(node.location).close()  # its channel may be in reconnect backoff (a restart):
+                    # a fresh connection decides
+                    if not answers(node.location) and child.alive():
+                        log.warning("store %s (%s) does not answer (its process runs): unreachable", node.node_name,
+                                    child.name)
+                        with self._lock:
+                            self.outages.append(Outage(store=child.name, node=str(node.node_name or node.location),
+                                                       location=node.location, exit_code=None, died_at=missed_at,
+                                                       restarts=0, cause="unreachable"))
+                elif down is not None and down.cause == "unreachable" and answers(node.location):
+                    down.back_at = time.time()  # a fresh connection: the probe's own may still be in TCP backoff
+                    stale = self._probes.pop(node.location, None)
+                    if stale is not None:
+                        stale.close()
+                    log.warning("store %s (%s) answers again after %.1f s", down.node, down.store,
+                                down.back_at - down.died_at)
+
+    def _answers_probe(self, location: str) -> bool:
+        """``health`` over one long-lived connection per node (a probe costs one small call, no new connection)."""
+        probe = self._probes.get(location)
+        if probe is None:
+            probe = self._probes[location] = StoreClient(location, timeout=1.0, retries=0)
+        try:
+            return bool(probe.health()[location].get("ok"))
+        except Exception as exc:  # any failure is "does not answer now"
+            log.debug("probe of %s failed: %s", location, exc)
+            return False
+
+    def close(self) -> None:
+        """Stop the prober thread and close its connections (idempotent)."""
+        self._stop_probing.set()
+        if self._prober is not None:
+            self._prober.join(timeout=30)
+            self._prober = None
+        for probe in self._probes.values():
+            probe.close()
+        self._probes.clear()
 
     def wait_up(self) -> None:
-        """Return once no node is down (starting again those that exit); raises as :meth:`check` does."""
-        while self.check():
+        """Return once no node is down (starting again those that exit); raises as :meth:`check` does, and when a
+        node still does not answer after ``start_timeout_s`` (an unreachable one)."""
+        deadline = time.monotonic() + self._start_timeout_s
+        while down := self.check():
+            if time.monotonic() > deadline:
+                msg = f"store nodes {down} still do not answer after {self._start_timeout_s} s"
+                raise RuntimeError(msg)
             time.sleep(0.2)
 
     def _restart(self, i: int, child: Child) -> None:
@@ -155,12 +239,16 @@ class Stores:
             raise RuntimeError(msg)
         log.warning("store %s (%s, pid %d) exited with %s: starting it again on %s from its spill log",
                     node.node_name, child.name, child.pid, code, node.location)
-        still_down = next((o for o in self.outages if o.store == child.name and o.back_at is None), None)
-        if still_down is not None:
+        with self._lock:
+            still_down = next((o for o in self.outages if o.store == child.name and o.back_at is None), None)
+        if still_down is not None and still_down.cause == "unreachable":  # it did not answer, then it died
+            still_down.cause, still_down.exit_code, still_down.restarts = "exited", code, 1
+        elif still_down is not None:
             still_down.restarts += 1
         else:
-            self.outages.append(Outage(store=child.name, node=str(node.node_name or node.location),
-                                       location=node.location, exit_code=code, died_at=time.time()))
+            with self._lock:
+                self.outages.append(Outage(store=child.name, node=str(node.node_name or node.location),
+                                           location=node.location, exit_code=code, died_at=time.time()))
         self.children[i] = self._kids.restart(child)
 
 

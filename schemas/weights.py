@@ -48,6 +48,10 @@ ITEMSIZE: dict[str, int] = {
 """Bytes per element of every dtype a weights table may hold."""
 
 
+CHUNK_BYTES = 64 << 20
+"""Default data bytes per record batch of a published weights table (a DoPut streams one batch at a time)."""
+
+
 class WeightsError(ValueError):
     """A weights table that breaks a rule; ``tensor`` names the offending tensor when there is one."""
 
@@ -84,10 +88,25 @@ def to_tensor(weight: WeightTensor, torch: Any) -> Any:
     return torch.frombuffer(bytearray(weight.data), dtype=dtype).reshape(weight.shape)
 
 
-def from_tensors(named: Iterable[tuple[str, Any]], torch: Any) -> pa.Table:
-    """Named ``torch`` tensors -> a checked weights table (what a trainer publishes)."""
-    return encode(WeightTensor(name, tuple(int(d) for d in t.shape), str(t.dtype).removeprefix("torch."),
-                               tensor_bytes(t, torch)) for name, t in named)
+def from_tensors(named: Iterable[tuple[str, Any]], torch: Any, *, dtype: str | None = None,
+                 chunk_bytes: int | None = CHUNK_BYTES) -> pa.Table:
+    """Named ``torch`` tensors -> a checked weights table (what a trainer publishes).
+
+    Args:
+        named: ``(name, tensor)`` pairs.
+        torch: the caller's ``torch`` module.
+        dtype: cast floating-point tensors to this dtype first (e.g. ``"bfloat16"``: half the bytes of float32
+            on the wire); ``None`` keeps each tensor's own.
+        chunk_bytes: record batches of about this many data bytes (see :func:`encode`).
+    """
+    target = getattr(torch, dtype) if dtype is not None else None
+
+    def cast(t: Any) -> Any:
+        return t.to(target) if target is not None and t.is_floating_point() else t
+
+    return encode((WeightTensor(name, tuple(int(d) for d in t.shape), str(t.dtype).removeprefix("torch."),
+                                tensor_bytes(t, torch)) for name, t in ((n, cast(x)) for n, x in named)),
+                  chunk_bytes=chunk_bytes)
 
 
 def to_tensors(table: pa.Table, torch: Any) -> dict[str, Any]:
@@ -95,18 +114,32 @@ def to_tensors(table: pa.Table, torch: Any) -> dict[str, Any]:
     return {w.name: to_tensor(w, torch) for w in decode(table)}
 
 
-def encode(tensors: Iterable[WeightTensor]) -> pa.Table:
-    """Weight tensors -> a checked weights table (bytes copied once into the table)."""
-    rows = list(tensors)
-    table = pa.table(
-        {
-            "name": [w.name for w in rows],
-            "shape": [list(w.shape) for w in rows],
-            "dtype": [w.dtype for w in rows],
-            "data": [w.data for w in rows],  # buffers and memoryviews as they are: pa.table copies each once
-        },
+def encode(tensors: Iterable[WeightTensor], *, chunk_bytes: int | None = None) -> pa.Table:
+    """Weight tensors -> a checked weights table (bytes copied once into the table).
+
+    With ``chunk_bytes`` the table is made of record batches of consecutive rows holding at most that many
+    data bytes each (a larger tensor is a batch of its own), so a DoPut streams it in pieces of that size
+    and the receiver's reads overlap the sender's writes; ``None`` = one batch.
+    """
+    chunks: list[list[WeightTensor]] = [[]]
+    size = 0
+    for w in tensors:
+        n = len(w.data) if not isinstance(w.data, memoryview) else w.data.nbytes
+        if chunk_bytes is not None and chunks[-1] and size + n > chunk_bytes:
+            chunks.append([])
+            size = 0
+        chunks[-1].append(w)
+        size += n
+    batches = [pa.record_batch(
+        [
+            pa.array([w.name for w in rows], pa.string()),
+            pa.array([list(w.shape) for w in rows], pa.list_(pa.int32())),
+            pa.array([w.dtype for w in rows], pa.string()),
+            pa.array([w.data for w in rows], pa.large_binary()),  # buffers and memoryviews: copied once each
+        ],
         schema=WEIGHTS_SCHEMA,
-    )
+    ) for rows in chunks]
+    table = pa.Table.from_batches(batches, schema=WEIGHTS_SCHEMA)
     check(table)
     return table
 

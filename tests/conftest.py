@@ -26,14 +26,53 @@ _AVAILABLE = {
     "megatron": _has("megatron.core") and _has("torch"),
     "vllm": _has("vllm"),
     "gpu": _has_cuda(),
+    "ray": _has("ray"),
 }
 
 
+def _hosts_unavailable() -> str | None:
+    """Why hosts (network namespaces, ``launcher.hosts``) cannot be made here; None when they can."""
+    from launcher.hosts import HostsUnavailableError, check_available
+
+    try:
+        check_available(probe=True)
+    except HostsUnavailableError as exc:
+        return str(exc)
+    return None
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    no_hosts = _hosts_unavailable() if any("hosts" in item.keywords for item in items) else None
     for item in items:
         for marker, ok in _AVAILABLE.items():
             if marker in item.keywords and not ok:
                 item.add_marker(pytest.mark.skip(reason=f"needs {marker} (not available here)"))
+        if "hosts" in item.keywords and no_hosts:
+            item.add_marker(pytest.mark.skip(reason=f"needs hosts as network namespaces: {no_hosts}"))
+
+
+@pytest.fixture
+def make_hosts():  # type: ignore[no-untyped-def]
+    """Factory: ``make_hosts(n)`` -> ``launcher.hosts.Hosts`` of n hosts, entered; torn down after the test.
+
+    Skips the test, saying why, where namespaces cannot be made (checked before, and when making them).
+    """
+    from launcher.hosts import Hosts, HostsUnavailableError
+
+    made: list[Hosts] = []
+
+    def make(n: int) -> Hosts:
+        hosts = Hosts(n)
+        try:
+            hosts.__enter__()
+        except HostsUnavailableError as exc:
+            pytest.skip(f"needs hosts as network namespaces: {exc}")
+        made.append(hosts)
+        return hosts
+
+    yield make
+    for hosts in made:
+        hosts.teardown()
 
 
 # ---- store nodes (flight_store) ------------------------------------------------------------------

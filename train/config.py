@@ -1,11 +1,14 @@
 """Typed configuration of the trainer: model shape, parallelism, optimizer, vision encoder, run control.
 
 Small ``@dataclass(kw_only=True, slots=True)`` objects, one per concern, checked when built. Model
-shapes follow the Llama architecture (RMSNorm, SwiGLU, RoPE, GQA, untied output layer, no linear
-biases) so the trained weights map one to one onto a Hugging Face ``LlamaForCausalLM`` and a vLLM
-engine (see ``train.weights``). ``MODEL_PRESETS`` names the shapes: ``tiny`` for tests and the CPU
-demo, real models for GPU machines. What may be admitted, and the GRPO settings (advantages and the
-clip range of the loss), are the planner's ``admission.AdmissionConfig``, held as ``TrainConfig.admission``.
+shapes follow the Llama architecture (RMSNorm, SwiGLU, RoPE, GQA, output layer untied or tied to the
+embedding, no linear biases) so the trained weights map one to one onto a Hugging Face
+``LlamaForCausalLM`` and a vLLM engine (see ``train.weights``). ``MODEL_PRESETS`` names the shapes:
+``tiny`` for tests and the CPU demo, real models for GPU machines. ``ModelConfig(hf_checkpoint=DIR)``
+takes the shape from the ``config.json`` of the HF checkpoint folder the rollout serves (and its
+weights, ``train.weights.load_hf_checkpoint``), so trainer and engine cannot disagree on it. What may
+be admitted, and the GRPO settings (advantages and the clip range of the loss), are the planner's
+``admission.AdmissionConfig``, held as ``TrainConfig.admission``.
 
 Every config round-trips through ``schemas.documents`` (the form a trainer process receives it in).
 Importing this module needs no torch.
@@ -13,8 +16,10 @@ Importing this module needs no torch.
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field, replace
-from typing import Literal
+from pathlib import Path
+from typing import Any, Literal
 
 from admission.config import AdmissionConfig
 from flight_store.config import ClientConfig
@@ -55,8 +60,17 @@ class ModelConfig:
     """Parameter dtype; bfloat16 needs a GPU."""
     spec: Literal["auto", "local", "te"] = "auto"
     """Layer implementation: Megatron-core local modules or TransformerEngine; ``auto`` = TE when importable."""
+    tie_embeddings: bool = False
+    """Share the input embedding with the output layer (HF ``tie_word_embeddings``; SmolLM2 does)."""
+    hf_checkpoint: str | None = None
+    """HF Llama checkpoint folder (the one the rollout serves): shape from its config.json, starting weights from
+    its safetensors.
+
+    The shape fields above are then read from ``config.json``; one set to another value is refused."""
 
     def __post_init__(self) -> None:
+        if self.hf_checkpoint is not None:
+            self._take_shape(read_hf_config(self.hf_checkpoint), self.hf_checkpoint)
         for name in ("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads", "num_query_groups",
                      "vocab_size", "max_sequence_length"):
             if getattr(self, name) <= 0:
@@ -75,12 +89,75 @@ class ModelConfig:
         return self.hidden_size // self.num_attention_heads
 
     @staticmethod
+    def from_hf_config(hf: dict[str, Any], **overrides: Any) -> ModelConfig:
+        """The shape of an HF ``LlamaForCausalLM`` ``config.json`` (``overrides``: dtype, spec, ...)."""
+        return ModelConfig(**{**hf_shape(hf), **overrides})
+
+    def _take_shape(self, hf: dict[str, Any], source: str) -> None:
+        shape = hf_shape(hf, source=source)
+        conflicts = [f"{name}={getattr(self, name)!r} (checkpoint: {value!r})" for name, value in shape.items()
+                     if getattr(self, name) not in (value, _DEFAULT_SHAPE[name])]
+        if conflicts:
+            msg = (f"ModelConfig sets {', '.join(conflicts)} but hf_checkpoint={source!r} defines the shape: "
+                   "drop those fields (or the preset), or the checkpoint")
+            raise ValueError(msg)
+        for name, value in shape.items():
+            setattr(self, name, value)
+
+    @staticmethod
     def preset(name: str) -> ModelConfig:
         """A named shape from ``MODEL_PRESETS`` (a copy, safe to modify)."""
         if name not in MODEL_PRESETS:
             msg = f"unknown model preset {name!r}; known: {sorted(MODEL_PRESETS)}"
             raise ValueError(msg)
         return replace(MODEL_PRESETS[name])
+
+
+SHAPE_FIELDS: tuple[str, ...] = ("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads",
+                                 "num_query_groups", "vocab_size", "max_sequence_length", "rotary_base", "norm_epsilon",
+                                 "tie_embeddings")
+"""The ModelConfig fields an HF checkpoint's ``config.json`` defines."""
+_DEFAULT_SHAPE: dict[str, Any] = {name: getattr(ModelConfig(), name) for name in SHAPE_FIELDS}
+
+
+def read_hf_config(folder: str) -> dict[str, Any]:
+    """The ``config.json`` of an HF checkpoint folder; FileNotFoundError naming the folder when there is none."""
+    path = Path(folder) / "config.json"
+    if not path.is_file():
+        msg = f"hf_checkpoint={folder!r} has no config.json (give the HF checkpoint folder the rollout serves)"
+        raise FileNotFoundError(msg)
+    return dict(json.loads(path.read_text()))
+
+
+def hf_shape(hf: dict[str, Any], *, source: str = "config.json") -> dict[str, Any]:
+    """The :data:`SHAPE_FIELDS` of an HF Llama ``config.json``; ValueError naming what the trainer cannot build."""
+    if hf.get("architectures") != ["LlamaForCausalLM"] or hf.get("model_type", "llama") != "llama":
+        msg = (f"{source}: architectures={hf.get('architectures')!r}, model_type={hf.get('model_type')!r}; "
+               "the trainer builds LlamaForCausalLM checkpoints only")
+        raise ValueError(msg)
+    rope = hf.get("rope_parameters") or {}
+    theta = float(rope.get("rope_theta", hf.get("rope_theta", 10000.0)))
+    rope_type = rope.get("rope_type", (hf.get("rope_scaling") or {}).get("rope_type", "default"))
+    unsupported = {"rope_type": rope_type if rope_type != "default" else None,
+                   "rope_theta": theta if theta != int(theta) else None,
+                   "hidden_act": hf.get("hidden_act") if hf.get("hidden_act", "silu") != "silu" else None,
+                   "attention_bias": True if hf.get("attention_bias") else None,
+                   "mlp_bias": True if hf.get("mlp_bias") else None}
+    bad = {k: v for k, v in unsupported.items() if v is not None}
+    heads = int(hf["num_attention_heads"])
+    if hf.get("head_dim") not in (None, int(hf["hidden_size"]) // heads):
+        bad["head_dim"] = hf["head_dim"]
+    if bad:
+        msg = f"{source}: the trainer's Llama GPT does not support {bad}"
+        raise ValueError(msg)
+    return {
+        "num_layers": int(hf["num_hidden_layers"]), "hidden_size": int(hf["hidden_size"]),
+        "ffn_hidden_size": int(hf["intermediate_size"]), "num_attention_heads": heads,
+        "num_query_groups": int(hf.get("num_key_value_heads") or heads), "vocab_size": int(hf["vocab_size"]),
+        "max_sequence_length": int(hf["max_position_embeddings"]), "rotary_base": int(theta),
+        "norm_epsilon": float(hf.get("rms_norm_eps", 1e-6)),
+        "tie_embeddings": bool(hf.get("tie_word_embeddings", False)),
+    }
 
 
 MODEL_PRESETS: dict[str, ModelConfig] = {
@@ -91,7 +168,7 @@ MODEL_PRESETS: dict[str, ModelConfig] = {
     # GPU shapes (bfloat16); token ids must come from the matching tokenizer
     "smollm2-135m": ModelConfig(num_layers=30, hidden_size=576, ffn_hidden_size=1536, num_attention_heads=9,
                                 num_query_groups=3, vocab_size=49152, max_sequence_length=8192,
-                                rotary_base=100000, dtype="bfloat16"),
+                                rotary_base=100000, tie_embeddings=True, dtype="bfloat16"),
     "llama-3.2-1b": ModelConfig(num_layers=16, hidden_size=2048, ffn_hidden_size=8192, num_attention_heads=32,
                                 num_query_groups=8, vocab_size=128256, max_sequence_length=8192,
                                 rotary_base=500000, dtype="bfloat16"),
@@ -234,6 +311,9 @@ class TrainConfig:
     """Policy version of the starting weights."""
     publish_weights: bool = False
     """After each step, also DoPut the weights (HF Llama names) to the stores."""
+    publish_dtype: Literal["params", "bfloat16", "float32"] = "params"
+    """Dtype of the published weights: the parameters' own, or a cast (bfloat16: half of float32's bytes on the
+    wire; the engine then runs the rounded weights, so its logprobs differ from the trainer's by that rounding)."""
     save_dir: str | None = None
     """Megatron dist-checkpoint folder written at the end of the run."""
     load_dir: str | None = None

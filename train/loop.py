@@ -131,7 +131,7 @@ def _train(cfg: TrainConfig, env: dict[str, int], kind: Step, client: Any, sourc
         version += 1
         t_pub = time.perf_counter()
         if cfg.publish_weights:
-            publish_weights(kind.built, client, version, env)
+            publish_weights(kind.built, client, version, env, dtype=cfg.publish_dtype)
         if env["rank"] == 0:
             client.publish_version(version)
             client.release(plan.group_ids)  # frees images no unreleased group references
@@ -151,13 +151,15 @@ def _train(cfg: TrainConfig, env: dict[str, int], kind: Step, client: Any, sourc
     return steps
 
 
-def publish_weights(built: Any, client: Any, version: int, env: dict[str, int]) -> None:
-    """Gather the weights under HF Llama names (all ranks) and DoPut them to every store (rank 0)."""
+def publish_weights(built: Any, client: Any, version: int, env: dict[str, int], *, dtype: str = "params") -> None:
+    """Gather the weights under HF Llama names (all ranks) and DoPut them to every store (rank 0), floating tensors
+    cast to ``dtype`` unless it is ``"params"`` (``TrainConfig.publish_dtype``), streamed in record batches of
+    ``schemas.weights.CHUNK_BYTES``."""
     from train.weights import megatron_to_hf_llama, weights_table
 
     named = megatron_to_hf_llama(built.gpt)
     if env["rank"] == 0:
-        client.put_weights(weights_table(named), version)
+        client.put_weights(weights_table(named, dtype=None if dtype == "params" else dtype), version)
 
 
 class RankReport:

@@ -76,7 +76,8 @@ def transformer_config(cfg: ModelConfig, *, tensor_parallel: int) -> Any:
 
 
 def build_gpt(cfg: ModelConfig, *, tensor_parallel: int) -> tuple[Any, Any]:
-    """The bare ``GPTModel`` (Llama layout) and its ``TransformerConfig``."""
+    """The bare ``GPTModel`` (Llama layout) and its ``TransformerConfig``; with ``cfg.hf_checkpoint`` its weights
+    are that checkpoint's (this rank's tensor-parallel shards of them), else a seeded random init."""
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt import gpt_layer_specs as specs
 
@@ -95,7 +96,7 @@ def build_gpt(cfg: ModelConfig, *, tensor_parallel: int) -> tuple[Any, Any]:
     gpt = GPTModel(
         config=tcfg, transformer_layer_spec=spec, vocab_size=cfg.vocab_size,
         max_sequence_length=cfg.max_sequence_length, pre_process=True, post_process=True,
-        share_embeddings_and_output_weights=False, position_embedding_type="rope",
+        share_embeddings_and_output_weights=cfg.tie_embeddings, position_embedding_type="rope",
         rotary_base=cfg.rotary_base,
     )
     gpt.knit_uses_te = use_te
@@ -105,6 +106,10 @@ def build_gpt(cfg: ModelConfig, *, tensor_parallel: int) -> tuple[Any, Any]:
         import torch
 
         gpt.cuda(torch.cuda.current_device())
+    if cfg.hf_checkpoint is not None:
+        from train.weights import load_hf_checkpoint
+
+        load_hf_checkpoint(gpt, cfg.hf_checkpoint)
     return gpt, tcfg
 
 

@@ -31,6 +31,34 @@ PACK_COLUMNS: tuple[str, ...] = ("group_id", "sample_idx", "prompt_ids", "respon
 """Trajectory columns a trainer rank fetches."""
 
 
+class TokenOutOfVocabularyError(ValueError):
+    """A trajectory holds a token id the trainer's model has no embedding for (its vocabulary differs from the
+    rollout's); raised when a micro-batch is packed, before any embedding lookup."""
+
+    def __init__(self, message: str, *, token_id: int, vocab_size: int) -> None:
+        super().__init__(message)
+        self.token_id = token_id
+        """The offending id (the largest, or a negative one)."""
+        self.vocab_size = vocab_size
+        """The trainer model's vocabulary size."""
+
+
+def check_vocabulary(vocab_size: int, *ids: np.ndarray) -> None:
+    """Raise :class:`TokenOutOfVocabularyError` unless every id in the ``ids`` arrays is in ``[0, vocab_size)``."""
+    filled = [a for a in ids if a.size]
+    if not filled:
+        return
+    hi, lo = max(int(a.max()) for a in filled), min(int(a.min()) for a in filled)
+    if lo < 0:
+        msg = f"token id {lo} is negative; the trainer's model has a vocabulary of {vocab_size} tokens"
+        raise TokenOutOfVocabularyError(msg, token_id=lo, vocab_size=vocab_size)
+    if hi >= vocab_size:
+        msg = (f"token id {hi} is outside the trainer model's vocabulary of {vocab_size} tokens, but the rollout's "
+               f"tokenizer has at least {hi + 1}: build the trainer from the checkpoint folder the rollout serves "
+               "(knit train --hf-checkpoint DIR, i.e. ModelConfig(hf_checkpoint=DIR)) so both share one vocabulary")
+        raise TokenOutOfVocabularyError(msg, token_id=hi, vocab_size=vocab_size)
+
+
 def list_arrays(column: pa.ChunkedArray | pa.Array) -> tuple[np.ndarray, np.ndarray]:
     """``(offsets, values)`` of a list column as numpy, offsets starting at 0 (zero-copy where Arrow allows)."""
     arr = column.combine_chunks() if isinstance(column, pa.ChunkedArray) else column
@@ -69,8 +97,12 @@ class PackedBatch:
 
 
 def pack(table: pa.Table, advantages: np.ndarray | list[float], *, mode: PackMode = "padded",
-         pad_to_multiple: int = 1) -> PackedBatch:
-    """Pack fetched trajectory rows (in plan order) and their advantages into one micro-batch."""
+         pad_to_multiple: int = 1, vocab_size: int | None = None) -> PackedBatch:
+    """Pack fetched trajectory rows (in plan order) and their advantages into one micro-batch.
+
+    With ``vocab_size`` every prompt and response token id is checked against the model's vocabulary
+    (:class:`TokenOutOfVocabularyError` names both sizes and the fix).
+    """
     n = table.num_rows
     adv = np.asarray(advantages, dtype=np.float32)
     if adv.shape != (n,):
@@ -83,6 +115,8 @@ def pack(table: pa.Table, advantages: np.ndarray | list[float], *, mode: PackMod
     r_off, r_val = list_arrays(table.column("response_ids"))
     l_off, l_val = list_arrays(table.column("response_logprobs"))
     m_off, m_val = list_arrays(table.column("loss_mask"))
+    if vocab_size is not None:
+        check_vocabulary(vocab_size, p_val, r_val)
     plen = np.diff(p_off)
     rlen = np.diff(r_off)
     if not (np.array_equal(np.diff(l_off), rlen) and np.array_equal(np.diff(m_off), rlen)):

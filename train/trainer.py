@@ -38,8 +38,8 @@ class TextStep:
         self.built = model.build(cfg.model, cfg.optim, tensor_parallel=cfg.parallel.tensor_parallel)
         if cfg.load_dir:
             model.load_checkpoint(self.built.gpt, cfg.load_dir)
-        self.fetcher = Prefetcher(partial(fetch_micro_batch, cfg.pack, keep_keys=cfg.report_path is not None),
-                                  depth=cfg.prefetch_depth)
+        self.fetcher = Prefetcher(partial(fetch_micro_batch, cfg.pack, keep_keys=cfg.report_path is not None,
+                                          vocab_size=cfg.model.vocab_size), depth=cfg.prefetch_depth)
 
     def submit(self, plan: MiniBatchPlan) -> None:
         """One DoGet per node for the rank's micro-batches, read one at a time on the prefetch thread."""
@@ -98,12 +98,14 @@ def logprobs_mode(table: Any) -> str | None:
 
 
 def fetch_micro_batch(
-    mode: PackMode, item: tuple[Iterator[Any], MicroBatch], *, keep_keys: bool = False
+    mode: PackMode, item: tuple[Iterator[Any], MicroBatch], *, keep_keys: bool = False, vocab_size: int | None = None
 ) -> dict[str, Any]:
     """Prefetch thread: read exactly the micro-batch's slices from its mini-batch's stream and pack them.
 
     ``item`` is the rank's :meth:`~flight_store.client.StoreClient.stream` of the mini-batch (one DoGet
-    per node, read in micro-batch order) and the micro-batch; packing is numpy, zero-copy into torch.
+    per node, read in micro-batch order) and the micro-batch; packing is numpy, zero-copy into torch. With
+    ``vocab_size`` a token id outside the model's vocabulary raises ``TokenOutOfVocabularyError`` here, on the
+    prefetch thread, and again in the step loop that takes the micro-batch: before the embedding sees it.
     """
     tables, mb = item
     table = next(tables, None)
@@ -113,7 +115,7 @@ def fetch_micro_batch(
     if table.num_rows != mb.rows:
         msg = f"fetched {table.num_rows} rows for a micro-batch of {mb.rows}"
         raise RuntimeError(msg)
-    packed = pack(table, mb.advantages, mode=mode)
+    packed = pack(table, mb.advantages, mode=mode, vocab_size=vocab_size)
     out = {"tensors": packed.to_torch(), "bytes": table.nbytes, "rows": packed.rows, "tokens": packed.tokens_total,
            "logprobs_mode": logprobs_mode(table)}
     if keep_keys:

@@ -3,9 +3,11 @@
 Per run (every rank participates, started by ``train.launch.run_ranks``; rank 0 writes ``--out``):
 
 1. build the model at ``--tp`` and load ``--load-dir`` (a dist checkpoint, saved under any TP
-   layout), or keep a random init with randomised norm weights when no checkpoint is given;
+   layout), or build it from ``--hf-checkpoint`` (an HF Llama folder: shape and weights), or keep a
+   random init with randomised norm weights when no checkpoint is given;
 2. gather the weights under HF Llama names (``train.weights.megatron_to_hf_llama``);
 3. with ``--store``: compare them bit for bit with the weights table published at ``--version``;
+   with ``--hf-checkpoint``: with the checkpoint's own tensors (the load and the gather are inverses);
 4. load them into a float32 ``transformers.LlamaForCausalLM`` and compare its logits with the
    Megatron forward (TP-gathered logits) on a random batch: the real check of the name and layout
    mapping (interleaved QKV per query group, fused gate/up, norm placement);
@@ -39,20 +41,22 @@ def _check(args: argparse.Namespace) -> dict[str, Any]:
         stages[name] = round(time.perf_counter() - t0, 3)
 
     env = mcore_compat.init_distributed(ParallelConfig(tensor_parallel=args.tp), seed=args.seed)
-    cfg = ModelConfig.preset(args.model)
+    cfg = ModelConfig(hf_checkpoint=args.hf_checkpoint) if args.hf_checkpoint else ModelConfig.preset(args.model)
     gpt, _ = model.build_gpt(cfg, tensor_parallel=args.tp)
     result: dict[str, Any] = {"env": env, "stages_s": stages}
     mark("built")
     if args.load_dir:
         model.load_checkpoint(gpt, args.load_dir)
         mark("loaded")
-    else:  # random norms too, so that a swapped norm mapping cannot pass
+    elif not args.hf_checkpoint:  # random norms too, so that a swapped norm mapping cannot pass
         _randomise_norms(gpt)
     hf = megatron_to_hf_llama(gpt)
     result["hf_names"] = sorted(hf)
     mark("converted")
     if args.store:
         result["store_mismatch"] = _store_mismatch(args.store, args.version, hf)
+    if args.hf_checkpoint:
+        result["hf_checkpoint_mismatch"] = _checkpoint_mismatch(args.hf_checkpoint, hf, tied=cfg.tie_embeddings)
     logits, tokens = _megatron_logits(gpt, cfg.vocab_size)
     if env["rank"] == 0 and importlib.util.find_spec("transformers") is not None:
         result.update(_hf_logits_diff(cfg, hf, tokens, logits))
@@ -91,6 +95,18 @@ def _store_mismatch(location: str, version: int | None, hf: dict[str, Any]) -> l
                   if k not in stored or k not in hf or not torch.equal(stored[k], hf[k]))
 
 
+def _checkpoint_mismatch(folder: str, hf: dict[str, Any], *, tied: bool) -> list[str]:
+    """Names whose gathered tensor differs from the HF checkpoint's, or is on one side only (a tied
+    ``lm_head.weight`` is the embedding, not a tensor of its own)."""
+    import torch
+
+    from train.weights import read_hf_weights
+
+    stored = {k: v for k, v in read_hf_weights(folder).items() if not (tied and k == "lm_head.weight")}
+    return sorted(k for k in set(stored) | set(hf)
+                  if k not in stored or k not in hf or not torch.equal(stored[k].to(hf[k].dtype), hf[k]))
+
+
 def _megatron_logits(gpt: Any, vocab_size: int) -> tuple[Any, Any]:
     """TP-gathered logits ``[b, s, V]`` of a fixed random batch, and the batch."""
     import torch
@@ -114,7 +130,10 @@ def _hf_logits_diff(cfg: Any, hf: dict[str, Any], tokens: Any, logits: Any) -> d
     fields = {k: v for k, v in hf_llama_config(cfg).items() if k not in ("architectures", "model_type")}
     fields["torch_dtype"] = "float32"
     ref = LlamaForCausalLM(LlamaConfig(**fields)).float().eval()
-    ref.load_state_dict(hf, strict=True)
+    missing, unexpected = ref.load_state_dict(hf, strict=False)
+    if unexpected or set(missing) - ({"lm_head.weight"} if cfg.tie_embeddings else set()):
+        msg = f"HF Llama state dict mismatch: missing {missing}, unexpected {unexpected}"
+        raise KeyError(msg)
     with torch.no_grad():
         ref_logits = ref(input_ids=tokens).logits
     return {"hf_logits_max_abs_diff": float((ref_logits - logits.float()).abs().max()),
@@ -146,6 +165,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--tp", type=int, default=1)
     p.add_argument("--nproc", type=int, default=1)
     p.add_argument("--load-dir", default=None)
+    p.add_argument("--hf-checkpoint", default=None, help="build the model from this HF Llama checkpoint folder")
     p.add_argument("--save-dir", default=None)
     p.add_argument("--store", default=None, help="store location holding published weights to compare")
     p.add_argument("--version", type=int, default=None, help="weights version to compare (default: latest)")

@@ -1,0 +1,241 @@
+"""``knit run --ray`` on a real multi-node Ray cluster: 3 hosts (network namespaces), one Ray node each.
+
+Host 1 runs the Ray head with no CPUs (the GCS and the driver only), hosts 2 and 3 a Ray worker node
+with 2 CPUs each: ``launcher.ray_deploy`` places one store node on each of them, trainer rank ``r`` on
+the ``r``-th, the rollout (the fake engine: no model) on the last. The driver runs inside host 1, so
+host 1's link counters bound what it sent and received.
+
+1. A whole run: every acknowledged group trained exactly once, the payload never through host 1.
+2. Host 3's raylet killed (SIGKILL, by its pid) mid-run: the driver stops the run with
+   ``RayNodeLostError`` naming host 3's address and what ran there; the groups trained before were
+   trained once, and what was not trained is accounted for (``lost_node.json``).
+
+Every Ray process is stopped by pid (``ip netns pids`` of these hosts), and the hosts are removed.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import secrets
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from launcher.hosts import Host, Hosts, LinkBytes
+
+pytestmark = [pytest.mark.hosts, pytest.mark.ray, pytest.mark.megatron, pytest.mark.slow]
+
+B, G, K = 4, 4, 2
+RAY_PORT = 6379
+DRIVER = """
+import json, sys
+from pathlib import Path
+from admission.config import AdmissionConfig
+from launcher.model import trainer_model
+from launcher.ray_deploy import RayNodeLostError, run_on_ray
+from launcher.run import RunConfig
+
+a = json.loads(sys.argv[1])
+cfg = RunConfig(admission=AdmissionConfig(train_batch_groups=a["B"], group_size=a["G"], mini_batches=a["K"],
+                                          dp_ranks=2, token_budget=4096),
+                train_batches=a["batches"], max_tokens=32, idle_timeout_s=90, timeout_s=150, out=Path(a["out"]),
+                metrics=False)
+try:
+    result = run_on_ray(cfg, trainer_model(512), address=a["address"], engine="fake", node_loss_grace_s=20,
+                        min_nodes=2, wait_nodes_s=120)
+except RayNodeLostError as exc:
+    print("LOST " + json.dumps({"message": str(exc), "node_ip": exc.node_ip, "components": exc.components}), flush=True)
+    sys.exit(3)
+print("RESULT " + json.dumps(result, default=str), flush=True)
+"""
+
+
+@dataclass
+class RayCluster:
+    hosts: Hosts
+    address: str
+    env: dict[str, str]
+    tmp: Path
+
+    def driver(self, out: Path, batches: int) -> subprocess.Popen[str]:
+        args = {"B": B, "G": G, "K": K, "batches": batches, "out": str(out), "address": self.address}
+        with (out.parent / f"{out.name}.log").open("w") as err:
+            return self.hosts[0].popen([sys.executable, "-c", DRIVER, json.dumps(args)], env=self.env,
+                                       stdout=subprocess.PIPE, stderr=err, text=True)
+
+
+def _ray_start(host: Host, args: list[str], env: dict[str, str], log: Path) -> None:
+    ray = str(Path(sys.executable).with_name("ray"))
+    with log.open("w") as f:  # --block: its process group holds the node
+        host.popen([ray, "start", *args, "--node-ip-address", host.address, "--block", "--disable-usage-stats"],
+                   env=env, stdout=f, stderr=subprocess.STDOUT)
+
+
+def _wait_port(address: str, port: int, timeout_s: float) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        with socket.socket() as s:
+            s.settimeout(1.0)
+            if s.connect_ex((address, port)) == 0:
+                return
+        time.sleep(0.5)
+    pytest.fail(f"the Ray head did not listen on {address}:{port} within {timeout_s} s")
+
+
+def _stop_in(host: Host) -> None:
+    """Every process inside ``host`` (ray start, GCS, raylets, workers), by pid: TERM, then KILL."""
+    for sig, wait in ((signal.SIGTERM, 5.0), (signal.SIGKILL, 5.0)):
+        for pid in host.pids():
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, sig)
+        deadline = time.monotonic() + wait
+        while host.pids() and time.monotonic() < deadline:
+            time.sleep(0.2)
+
+
+@pytest.fixture(scope="module")
+def ray_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RayCluster]:
+    from launcher.hosts import HostsUnavailableError
+
+    tmp = tmp_path_factory.mktemp("ray")
+    env = os.environ | {"RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": secrets.token_hex(16),
+                        "RAY_USAGE_STATS_ENABLED": "0",
+                        # a lost node is declared dead after ~3 missed 1 s health checks (Ray's default: ~15 s)
+                        "RAY_health_check_period_ms": "1000", "RAY_health_check_timeout_ms": "1000",
+                        "RAY_health_check_failure_threshold": "3", "RAY_health_check_initial_delay_ms": "1000",
+                        "OMP_NUM_THREADS": "1"}
+    try:
+        hosts = Hosts(3).__enter__()
+    except HostsUnavailableError as exc:
+        pytest.skip(f"needs hosts as network namespaces: {exc}")
+    try:
+        h = hosts.hosts
+        _ray_start(h[0], ["--head", "--port", str(RAY_PORT), "--temp-dir", str(tmp / "n1"), "--num-cpus", "0",
+                          "--include-dashboard=false"], env, tmp / "n1.log")
+        _wait_port(h[0].address, RAY_PORT, 90)
+        for i in (1, 2):
+            _ray_start(h[i], ["--address", f"{h[0].address}:{RAY_PORT}", "--temp-dir", str(tmp / f"n{i + 1}"),
+                              "--num-cpus", "2"], env, tmp / f"n{i + 1}.log")
+        yield RayCluster(hosts=hosts, address=f"{h[0].address}:{RAY_PORT}", env=env, tmp=tmp)
+    finally:
+        for host in reversed(hosts.hosts):  # workers first, the head last
+            _stop_in(host)
+        hosts.teardown()
+        assert not any(host.pids() for host in hosts.hosts)
+
+
+def _driver_result(proc: subprocess.Popen[str], timeout_s: float) -> tuple[int, str, dict[str, Any]]:
+    try:
+        out, _ = proc.communicate(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, _ = proc.communicate()
+        pytest.fail(f"the driver did not finish in {timeout_s} s: {out[-2000:]}")
+    line = next((x for x in out.splitlines() if x.startswith(("RESULT ", "LOST "))), "")
+    kind, _, body = line.partition(" ")
+    return proc.returncode, kind, json.loads(body) if body else {}
+
+
+def _trained_rows(out: Path) -> list[tuple[int, str, int]]:
+    """(step, group, sample) of every row a rank received, from its report (or the side file a killed rank left)."""
+    rows = []
+    for rank in (0, 1):
+        doc, side = out / f"trainer_rank{rank}.json", out / f"trainer_rank{rank}.json.consumed.jsonl"
+        entries = json.loads(doc.read_text())["consumed"] if doc.exists() else (
+            [json.loads(x) for x in side.read_text().splitlines() if x.strip()] if side.exists() else [])
+        rows += [(int(c[1]), str(c[2]), int(c[3])) for c in entries if c[0] == "row"]
+    return rows
+
+
+def test_a_run_on_a_3_node_ray_cluster_trains_every_group_once_and_no_payload_reaches_the_driver(
+        ray_cluster: RayCluster, tmp_path: Path) -> None:
+    import polars as pl
+
+    h = ray_cluster.hosts.hosts
+    batches = 2
+    before = {x.address: x.link_bytes() for x in h}
+    t0 = time.time()
+    code, kind, r = _driver_result(ray_cluster.driver(tmp_path / "run", batches), 240)
+    wall = time.time() - t0
+    links: dict[str, LinkBytes] = {x.address: x.link_bytes() - before[x.address] for x in h}
+    assert (code, kind) == (0, "RESULT"), (tmp_path / "run.log").read_text()[-3000:]
+    out = tmp_path / "run"
+
+    # the placement: one store per node with CPUs (hosts 2 and 3), rank r on the r-th, nothing on the head
+    placement = r["ray"]["placement"]
+    assert placement == {"store node0": h[1].address, "store node1": h[2].address, "rollout": h[2].address,
+                         "trainer rank 0": h[1].address, "trainer rank 1": h[2].address}
+    stats = json.loads((out / "store_stats.json").read_text())
+    assert sorted(loc.split("//")[1].rsplit(":", 1)[0] for loc in stats) == [h[1].address, h[2].address]
+
+    # exactly once: every acknowledged row trained, none twice
+    rows = batches * B * G
+    assert r["trajectories_consumed"] == r["rows_received"] == rows and r["duplicate_rows"] == 0
+    assert r["steps"] == batches * K
+    meta, consumed = pl.read_parquet(out / "metadata.parquet"), pl.read_parquet(out / "consumed.parquet")
+    keys = ["group_id", "sample_idx"]
+    acknowledged = meta.filter(pl.col("status") == "completed").select(keys).sort(keys)
+    assert acknowledged.equals(consumed.select(keys).sort(keys)) and meta["released"].all()
+    trained = _trained_rows(out)
+    assert len(trained) == rows and len({(g, s) for _, g, s in trained}) == rows
+
+    # the payload went between hosts 2 and 3; host 1 (GCS + driver) carried control traffic only
+    payload = sum(int(s["bytes_in"]) + int(s["bytes_out"]) for s in stats.values())
+    assert r["driver_payload_bytes"] == 0 and set(r["ray"]["driver_bytes"]) == {"actor_returns", "metadata", "stats"}
+    assert links[h[2].address].total > payload / 4 > 0  # half the groups and the weights crossed host 3's link
+    head = links[h[0].address].total
+    assert head < payload / 5, (head, payload)
+    print(f"\nray run: {wall:.1f} s; stores' payload in+out {payload} B; host links (B): "
+          f"{ {k: (v.rx, v.tx) for k, v in links.items()} }; driver's own bytes {r['ray']['driver_bytes']}")
+
+
+def test_a_ray_node_lost_mid_run_stops_the_run_with_a_typed_error_naming_it(
+        ray_cluster: RayCluster, tmp_path: Path) -> None:
+    import polars as pl
+
+    h = ray_cluster.hosts.hosts
+    out = tmp_path / "run"
+    driver = ray_cluster.driver(out, 6)
+    deadline = time.monotonic() + 150
+    while not ((out / "progress.jsonl").exists() and (out / "progress.jsonl").read_text().strip()):
+        assert driver.poll() is None, (tmp_path / "run.log").read_text()[-3000:]
+        assert time.monotonic() < deadline, "the run did not start training"
+        time.sleep(0.1)
+    raylet = [p for p in h[2].pids() if Path(f"/proc/{p}/comm").read_text().strip() == "raylet"]
+    assert len(raylet) == 1, h[2].pids()
+    killed_at = time.time()
+    os.kill(raylet[0], signal.SIGKILL)  # host 3's Ray node is gone (its workers follow their raylet)
+    code, kind, lost = _driver_result(driver, 120)
+    ended_at = time.time()
+    assert (code, kind) == (3, "LOST"), (tmp_path / "run.log").read_text()[-3000:]
+    assert lost["node_ip"] == h[2].address and h[2].address in lost["message"]
+    assert sorted(lost["components"]) == ["rollout", "store node1", "trainer rank 1"]
+
+    accounting = json.loads((out / "lost_node.json").read_text())
+    assert accounting["node_ip"] == h[2].address and accounting["groups_lost_unconsumed"] >= 0
+    assert killed_at < accounting["detected_at"] < ended_at
+    steps = [json.loads(x) for x in (out / "progress.jsonl").read_text().splitlines() if x.strip()]
+    assert 1 <= len(steps) < 6 * K  # killed mid-run
+
+    # what was trained was trained once; the surviving store's released groups were all trained
+    trained = _trained_rows(out)
+    assert trained and len({(g, s) for _, g, s in trained}) == len(trained)
+    meta = pl.read_parquet(out / "metadata.parquet")  # the surviving node's (node0's) metadata only
+    assert all(h[1].address in n for n in meta["node"].unique().to_list())
+    released = {(g, s) for g, s in meta.filter(pl.col("released")).select("group_id", "sample_idx").iter_rows()}
+    assert released <= {(g, s) for _, g, s in trained}
+    unconsumed = meta.filter(~pl.col("released") & (pl.col("status") == "completed"))
+    print(f"\nlost node {lost['node_ip']}: raylet killed at 0; detected +{accounting['detected_at'] - killed_at:.1f} s "
+          f"({accounting['cause']}); driver exited +{ended_at - killed_at:.1f} s; {len(steps)} steps trained; "
+          f"{len(trained)} rows trained once; node0 kept {unconsumed.height} untrained rows; "
+          f"node1 lost {accounting['groups_lost_unconsumed']} unconsumed groups")
