@@ -11,6 +11,9 @@ from dataclasses import dataclass, field
 from connectors.tasks import ARITHMETIC_TASKS, REWARDS, is_reward_spec
 from flight_store.config import ClientConfig
 
+DEFAULT_DATA_SOURCES: dict[str, float] = {"add_small": 0.5, "mul_large": 0.5}
+"""The built-in task mix: an easy short source and a hard long one, half each (``knit run``'s quota too)."""
+
 
 @dataclass(kw_only=True, slots=True)
 class RolloutConfig:
@@ -46,8 +49,11 @@ class RolloutConfig:
     """Groups to generate, then stop (0 = until stopped)."""
     max_seconds: float | None = None
     """Stop after this many seconds; groups still running are aborted and written as "aborted"."""
-    data_sources: dict[str, float] = field(default_factory=lambda: {"add_small": 0.5, "mul_large": 0.5})
+    data_sources: dict[str, float] = field(default_factory=lambda: dict(DEFAULT_DATA_SOURCES))
     """Mix of built-in data sources (``connectors.tasks.ARITHMETIC_TASKS``) -> sampling weight."""
+    mix_chunk: int = 0
+    """Draw ``data_sources`` in chunks of this many prompts that hold the mix exactly (shuffled inside the
+    chunk; ``knit run`` uses B, so every train batch's quota is in the stream); 0 = each source drawn on its own."""
     prompts_file: str | None = None
     """JSONL prompts (``prompt``, ``data_source``, ground-truth fields) instead of the built-in tasks."""
     reward: str = "exact"
@@ -106,6 +112,20 @@ class RolloutConfig:
     loop."""
     max_queued_writes: int = 64
     """With ``async_writes``: the step loop waits when this many writes are queued."""
+    register_inflight: bool = True
+    """Register each group with its node when it is drawn and dispatched (``StoreClient.dispatch``), so a
+    planner counts it as supply to come (``StoreClient.inflight``); resolved when its rows are written."""
+    commit_ahead: int = 0
+    """Prompts drawn from the prompt stream ahead of dispatch and registered as ``queued`` (the loader's
+    committed prompts: with a train batch's worth the planner sees the quota classes coming before they
+    run). 0 = draw each prompt when it is dispatched."""
+    dispatch_order: str = "slow_first"
+    """Which committed prompt goes out next: ``slow_first`` (of the ``commit_ahead`` prompts waiting, one of the
+    data source whose groups took longest so far, measured from dispatch to completion: a slow class gets its
+    lead and a fast one does not finish early to wait for its quota mates) or ``loader`` (the stream's order)."""
+    max_redispatch: int = 2
+    """A group the engine aborts while the worker runs is written as "aborted" and its prompt dispatched
+    again (under a new group id, same ``prompt_id``), at most this many times."""
     dump_raw: str | None = None
     """Debug: append vLLM's raw token ids and logprobs per group to this JSONL file (exactness tests)."""
     report_path: str | None = None
@@ -121,11 +141,15 @@ class RolloutConfig:
             if value < 1:
                 msg = f"RolloutConfig.{name}={value} must be >= 1"
                 raise ValueError(msg)
-        if self.max_groups < 0:
-            msg = f"RolloutConfig.max_groups={self.max_groups} must be >= 0"
-            raise ValueError(msg)
+        for name in ("max_groups", "commit_ahead", "max_redispatch", "mix_chunk"):
+            if getattr(self, name) < 0:
+                msg = f"RolloutConfig.{name}={getattr(self, name)} must be >= 0"
+                raise ValueError(msg)
         if self.temperature < 0 or not 0 < self.top_p <= 1:
             msg = f"bad sampling settings temperature={self.temperature} top_p={self.top_p}"
+            raise ValueError(msg)
+        if self.dispatch_order not in ("slow_first", "loader"):
+            msg = f"RolloutConfig.dispatch_order={self.dispatch_order!r} is not slow_first/loader"
             raise ValueError(msg)
         if self.logprobs_mode not in ("raw_logprobs", "processed_logprobs"):
             msg = f"RolloutConfig.logprobs_mode={self.logprobs_mode!r} is not raw_logprobs/processed_logprobs"

@@ -80,13 +80,16 @@ class FakeEngine:
             for even sample indices, so exactly half the samples earn an exact-match reward).
         max_steps: most steps a prompt takes.
         refuse: prompts whose text contains this substring are refused at submit (ValueError).
+        abort_every: every ``abort_every``-th request submitted comes back with all its samples aborted
+            (as when the engine loses a request mid-run); ``None`` never.
         seed: seeds logprob values and step counts.
     """
 
     logprobs_mode = "raw_logprobs"
 
     def __init__(
-        self, *, answer_text: str = "it is {answer}", max_steps: int = 4, refuse: str | None = None, seed: int = 0
+        self, *, answer_text: str = "it is {answer}", max_steps: int = 4, refuse: str | None = None, seed: int = 0,
+        abort_every: int | None = None,
     ) -> None:
         self.answer_text = answer_text
         self.max_steps = max_steps
@@ -97,12 +100,19 @@ class FakeEngine:
         self.aborted: list[str] = []
         self.loaded: list[pa.Table] = []
         self.max_running = 0
+        self.abort_every = abort_every
+        self.submitted = 0
+        self._order: dict[str, int] = {}  # request -> its ordinal among submissions (1-based)
+        self.killed: list[str] = []
+        """Requests that came back aborted (``abort_every``)."""
 
     def submit(self, request_id: str, prompt: Prompt, n: int) -> None:
         if self.refuse is not None and self.refuse in prompt.text:
             msg = f"prompt of {request_id} refused"
             raise ValueError(msg)
         self.running[request_id] = (self.steps + self.rng.randint(1, self.max_steps), prompt, n)
+        self.submitted += 1
+        self._order[request_id] = self.submitted
         self.max_running = max(self.max_running, len(self.running))
 
     def step(self) -> list[Any]:
@@ -111,6 +121,12 @@ class FakeEngine:
         outs = []
         for rid in done:
             _, prompt, n = self.running.pop(rid)
+            if self.abort_every and self._order.pop(rid) % self.abort_every == 0:
+                self.killed.append(rid)
+                outs.append(FakeRequestOutput(request_id=rid, prompt_token_ids=list(prompt.text.encode()),
+                                              outputs=[FakeCompletion(index=i, token_ids=[], logprobs=None,
+                                                                      finish_reason="abort") for i in range(n)]))
+                continue
             samples = []
             for i in range(n):
                 text = self.answer_text.format(answer=prompt.sample.get("answer", "?") if i % 2 == 0 else "x")

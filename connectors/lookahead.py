@@ -7,7 +7,13 @@ The trainer consumes groups (releases them); the rollout must not run arbitraril
   ``poll_s`` seconds with one ``stats`` call per store);
 * ``counts_running``: also count the groups this worker has running in the engine and those it wrote
   since the last check, so ``limit`` bounds every group dispatched and not yet consumed;
-* ``hook``: a caller's own rule over the stores' stats (``LookaheadHook``), checked with ``limit``.
+* ``hook``: a caller's own rule over the stores' stats (``LookaheadHook``), checked with ``limit``;
+* **demand**: the trainer's planner publishes, through the stores' stats, the groups per data source
+  its current train batch still needs and nothing running will bring (``StoreClient.publish_demand``).
+  While paused with nothing running, the worker may dispatch prompts of those classes, one at a time
+  (:meth:`take_demand`):
+  otherwise a lookahead full of groups of other classes would wait forever for the one the quota
+  needs. Each check replaces what is left of the last demand.
 
 A store that cannot be reached (``NodeUnavailableError``, e.g. while ``knit run`` restarts it) skips
 the check: the last decision and counts stay, and the groups written since keep counting toward
@@ -74,6 +80,7 @@ class LookaheadLimit:
         self._stored_at_poll = 0  # unreleased groups in the stores at the last check
         self._written_since_poll = 0
         self._unreachable_since: float | None = None  # when a check first found a store unreachable
+        self._demand: dict[str, int] = {}  # groups per data source the trainer needs past the limit
 
     def note_written(self) -> None:
         """Count one group this worker wrote (the stores will count it at the next check)."""
@@ -105,7 +112,23 @@ class LookaheadLimit:
                 return False
         return not self._paused
 
+    def take_demand(self, data_source: str) -> bool:
+        """Whether a prompt of ``data_source`` may go out past the limit (the trainer needs it); counts it."""
+        if self._demand.get(data_source, 0) < 1:
+            return False
+        self._demand[data_source] -= 1
+        return True
+
+    @property
+    def demanded(self) -> bool:
+        """Whether any class is still demanded."""
+        return any(n > 0 for n in self._demand.values())
+
     def _check(self, stats: StoreStats) -> None:
+        self._demand = {}
+        for s in stats.values():
+            for source, n in dict(s.get("demand") or {}).items():
+                self._demand[str(source)] = max(self._demand.get(str(source), 0), int(n))
         self._stored_at_poll = unreleased_groups(stats)
         self._written_since_poll = 0
         paused = self._limit is not None and self._stored_at_poll >= self._limit

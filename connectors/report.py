@@ -18,6 +18,10 @@ class RolloutReport:
     """Groups written (completed and aborted)."""
     aborted_groups: int = 0
     """Groups with at least one aborted row."""
+    demand_dispatches: int = 0
+    """Prompts dispatched past the lookahead limit because the trainer's quota needed their class."""
+    redispatched: dict[str, str] = field(default_factory=dict)
+    """Group id of each prompt dispatched again after the engine aborted it -> the prompt's first group id."""
     rows: int = 0
     """Trajectories written."""
     prompt_tokens: int = 0

@@ -4,7 +4,10 @@ The loop, top to bottom (``RolloutWorker.run``):
 
 1. **dispatch**: keep up to ``prompts_per_wave`` prompt groups in the engine; a finished group frees
    its slot at once (continuous batching, no wave barrier). Dispatch pauses while the lookahead limit
-   says too many groups are written but not yet consumed (``connectors.lookahead``).
+   says too many groups are written but not yet consumed (``connectors.lookahead``), except, while
+   nothing runs, for one prompt at a time of a class the trainer's quota needs (the planner's demand). Each group
+   is registered with its node as in flight (``queued`` when drawn ``commit_ahead`` prompts early,
+   ``running`` once in the engine), so the planner counts it as supply to come.
 2. **step**: ``engine.step()``; every prompt whose n samples are all finished comes back as one output.
 3. **score**: the reward of the prompt (``connectors.tasks``), on each decoded response.
 4. **write**: images first (each distinct image once, by content key), then the group's record batch
@@ -13,7 +16,10 @@ The loop, top to bottom (``RolloutWorker.run``):
    (``connectors.writer``, off the step loop).
 
 Nothing is dropped silently: a prompt the engine refuses, or groups still running when the worker
-stops (``max_seconds``, ``stop()`` or Ctrl-C), are written with status "aborted".
+stops (``max_seconds``, ``stop()`` or Ctrl-C), are written with status "aborted". A group the engine
+aborts while the worker runs is written as "aborted" too, and its prompt dispatched again under a new
+group id (``max_redispatch`` times; ``RolloutReport.redispatched`` maps the new ids to the first).
+Prompts drawn but never dispatched when the worker stops leave flight as "cancelled".
 
 Policy versions (``connectors.weight_sync``): the worker follows the version the trainer publishes;
 with ``weight_sync`` it loads the published weights into the running engine first. A group records
@@ -35,6 +41,7 @@ import os
 import signal
 import threading
 import time
+from collections import deque
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -54,10 +61,23 @@ from connectors.vllm import aborted_batch, group_to_batch
 from connectors.weight_sync import WeightSync
 from connectors.writer import GroupWriter
 from schemas.images import images_to_table
+from schemas.wire import DispatchedGroup
 
 logger = logging.getLogger(__name__)
 
 __all__ = ["RolloutConfig", "RolloutReport", "RolloutWorker", "run_rollout"]
+
+
+@dataclass(slots=True)
+class _Drawn:
+    """A prompt drawn from the stream, with the group id and node it will be written under."""
+
+    group_id: str
+    node: str
+    prompt: Prompt
+    prompt_id: str
+    """The prompt's first group id (kept when it is dispatched again after an abort)."""
+    attempt: int = 0
 
 
 @dataclass(slots=True)
@@ -68,6 +88,7 @@ class _Pending:
     image_keys: list[bytes]
     created_at: datetime
     version_min: int
+    drawn: _Drawn
 
 
 class RolloutWorker:
@@ -114,7 +135,7 @@ class RolloutWorker:
             prompts = (
                 jsonl_prompts(config.prompts_file)
                 if config.prompts_file
-                else mixed_prompts(config.data_sources, seed=config.seed)
+                else mixed_prompts(config.data_sources, seed=config.seed, chunk=config.mix_chunk)
             )
         self._prompts = prompts
         self._reward: RewardFn = load_reward_fn(config.reward)
@@ -126,7 +147,11 @@ class RolloutWorker:
         self._sync = WeightSync(client, self.engine, version=config.initial_version,
                                 poll_s=config.version_poll_s, load=config.weight_sync)
         self._pending: dict[str, _Pending] = {}
-        self._dispatched = 0
+        self._committed: deque[_Drawn] = deque()  # drawn (and re-dispatched) prompts waiting for dispatch
+        self._drawn = 0  # prompts drawn from the stream
+        self._started: dict[str, float] = {}  # group -> when the engine took it
+        self._latency: dict[str, float] = {}  # data source -> moving mean of dispatch-to-completion seconds
+        self._placed = 0  # group ids handed out
         self._stop = False
         self._rewards: dict[str, list[float]] = {}
         self._versions: set[int] = set()
@@ -168,9 +193,9 @@ class RolloutWorker:
                 self._abort_pending()
                 break
             self._sync.poll()
-            exhausted = exhausted or self._fill()
+            exhausted = self._fill() or exhausted  # always fill: a re-dispatch may wait after the stream ends
             if not self._pending:
-                if exhausted or self._quota_reached():
+                if (exhausted and not self._committed) or self._quota_reached():
                     break
                 time.sleep(0.05)  # paused by the lookahead limit
                 continue
@@ -182,18 +207,62 @@ class RolloutWorker:
     # ---- loop parts ----------------------------------------------------------------------------
 
     def _quota_reached(self) -> bool:
-        return bool(self.config.max_groups) and self._dispatched >= self.config.max_groups
+        """Every prompt ``max_groups`` allows was drawn, and none is waiting for dispatch."""
+        cfg = self.config
+        return bool(cfg.max_groups) and self._drawn >= cfg.max_groups and not self._committed
 
     def _fill(self) -> bool:
         """Dispatch prompts while there is room; returns True when the prompt stream is exhausted."""
-        while not self._stop and len(self._pending) < self.config.prompts_per_wave and not self._quota_reached():
-            if not self._lookahead.allows(running=len(self._pending)):
+        while not self._stop and len(self._pending) < self.config.prompts_per_wave:
+            allowed = self._lookahead.allows(running=len(self._pending))
+            if not allowed and (self._pending or not self._lookahead.demanded):
+                return False  # past the limit only for a demanded class, and only while the engine is idle
+            exhausted = self._top_up()
+            if not self._committed:
+                return exhausted
+            if allowed:
+                self._dispatch(self._next_committed())
+                continue
+            # paused with nothing running, and the trainer needs a class: the first committed prompt of it
+            needed = next((d for d in self._committed if self._lookahead.take_demand(d.prompt.data_source)), None)
+            if needed is None:
                 return False
+            self._committed.remove(needed)
+            self.report.demand_dispatches += 1
+            self._dispatch(needed)
+        return False
+
+    def _top_up(self) -> bool:
+        """Draw prompts from the stream until ``commit_ahead`` (at least one) wait for dispatch, registering
+        them as ``queued``; returns True when the stream is exhausted."""
+        cfg = self.config
+        while len(self._committed) < max(1, cfg.commit_ahead) and not (cfg.max_groups
+                                                                        and self._drawn >= cfg.max_groups):
             prompt = next(self._prompts, None)
             if prompt is None:
                 return True
-            self._dispatch(prompt)
+            self._drawn += 1
+            group_id, node = self._place()
+            drawn = _Drawn(group_id, node, prompt, prompt_id=group_id)
+            self._committed.append(drawn)
+            if cfg.commit_ahead:
+                self._register(drawn, "queued")
         return False
+
+    def _next_committed(self) -> _Drawn:
+        """The committed prompt to dispatch next: the first of the slowest data source so far (``slow_first``;
+        sources not yet measured count as slowest, so each is measured early), or the first (``loader``)."""
+        if self.config.dispatch_order == "loader" or len(self._committed) == 1:
+            return self._committed.popleft()
+        slowest = max(self._committed, key=lambda d: self._latency.get(d.prompt.data_source, float("inf")))
+        self._committed.remove(slowest)
+        return slowest
+
+    def _register(self, drawn: _Drawn, state: str) -> None:
+        if self.config.register_inflight:
+            self._writer.dispatch([DispatchedGroup(group_id=drawn.group_id, data_source=drawn.prompt.data_source,
+                                                   prompt_id=drawn.prompt_id, dispatch_version=self._sync.version,
+                                                   state=state)])  # type: ignore[arg-type]
 
     def _flushed_stats(self) -> StoreStats:
         self._writer.flush()  # the stores' counts must include this worker's queued writes
@@ -203,8 +272,8 @@ class RolloutWorker:
     def _place(self) -> tuple[str, str]:
         """The next group's id and node: the node routing gives it, which with ``local_node_only`` must be
         ``stores[0]`` (the id gets a ``.N`` suffix until routing sends it there)."""
-        base = f"{self._prefix}{self._dispatched}"
-        self._dispatched += 1
+        base = f"{self._prefix}{self._placed}"
+        self._placed += 1
         group_id, node = base, str(self.client.node_for(base))
         salt = 0
         while self.config.local_node_only and node != self.config.stores[0]:
@@ -213,24 +282,37 @@ class RolloutWorker:
             node = str(self.client.node_for(group_id))
         return group_id, node
 
-    def _dispatch(self, prompt: Prompt) -> None:
+    def _dispatch(self, drawn: _Drawn) -> None:
         cfg = self.config
-        group_id, node = self._place()
+        prompt, node = drawn.prompt, drawn.node
         keys: list[bytes] = []
         if prompt.images:
             table, keys = images_to_table(prompt.images)
             self.report.images_written += table.num_rows
             self.report.bytes_written += table.nbytes
             self._writer.put_images(table, node)
-        pending = _Pending(group_id=group_id, prompt=prompt, node=node, image_keys=keys,
-                           created_at=datetime.now(UTC), version_min=self._sync.version)
+        pending = _Pending(group_id=drawn.group_id, prompt=prompt, node=node, image_keys=keys,
+                           created_at=datetime.now(UTC), version_min=self._sync.version, drawn=drawn)
+        self._register(drawn, "running")
         try:
-            self.engine.submit(group_id, prompt, cfg.group_size)
+            self.engine.submit(drawn.group_id, prompt, cfg.group_size)
         except (ValueError, TypeError) as exc:  # refused by the engine (too long, bad input): record it
-            logger.warning("engine refused group %s: %s", group_id, exc)
+            logger.warning("engine refused group %s: %s", drawn.group_id, exc)
             self._write_aborted(pending, finish_reason="error")
             return
-        self._pending[group_id] = pending
+        self._pending[drawn.group_id] = pending
+        self._started[drawn.group_id] = time.perf_counter()
+
+    def _redispatch(self, drawn: _Drawn) -> None:
+        """The engine aborted ``drawn`` while the worker runs: its prompt goes out again first, under a new id."""
+        if self._stop or drawn.attempt >= self.config.max_redispatch:
+            return
+        group_id, node = self._place()
+        again = _Drawn(group_id, node, drawn.prompt, prompt_id=drawn.prompt_id, attempt=drawn.attempt + 1)
+        self.report.redispatched[group_id] = drawn.prompt_id
+        self._register(again, "queued")
+        self._committed.appendleft(again)
+        logger.info("group %s aborted by the engine: its prompt goes out again as %s", drawn.group_id, group_id)
 
     def _step(self) -> None:
         try:
@@ -246,6 +328,9 @@ class RolloutWorker:
             logger.warning("engine returned unknown request %r", out.request_id)
             return
         prompt = pending.prompt
+        took = time.perf_counter() - self._started.pop(pending.group_id, time.perf_counter())
+        last = self._latency.get(prompt.data_source)
+        self._latency[prompt.data_source] = took if last is None else 0.8 * last + 0.2 * took  # moving mean
         rewards = [0.0] * self.config.group_size
         for c in out.outputs:
             if c.finish_reason in ("stop", "length"):
@@ -268,8 +353,13 @@ class RolloutWorker:
         )
         aborted = any(s != "completed" for s in batch.column("status").to_pylist())
         self._write_group(batch, pending.node, aborted=aborted)
+        if aborted:
+            self._redispatch(pending.drawn)
 
     def _abort_pending(self) -> None:
+        if self._committed and self.config.register_inflight:  # drawn, never dispatched: out of flight
+            self._writer.resolve([d.group_id for d in self._committed], "cancelled")
+        self._committed.clear()
         if not self._pending:
             return
         ids = list(self._pending)

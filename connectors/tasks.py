@@ -148,8 +148,10 @@ def load_reward_fn(spec: str) -> RewardFn:
     return fn  # type: ignore[no-any-return]
 
 
-def mixed_prompts(mix: Mapping[str, float], *, seed: int = 0) -> Iterator[Prompt]:
-    """Endless prompts of the built-in tasks, each drawn from a data source with probability ∝ ``mix``."""
+def mixed_prompts(mix: Mapping[str, float], *, seed: int = 0, chunk: int = 0) -> Iterator[Prompt]:
+    """Endless prompts of the built-in tasks, each drawn from a data source with probability ∝ ``mix``; with
+    ``chunk``, in chunks of that many prompts holding the mix exactly, shuffled inside the chunk (a loader that
+    hands every train batch of ``chunk`` groups its quota)."""
     unknown = sorted(set(mix) - set(ARITHMETIC_TASKS))
     if unknown:
         msg = f"unknown data sources {unknown}; built-in: {sorted(ARITHMETIC_TASKS)}"
@@ -160,9 +162,19 @@ def mixed_prompts(mix: Mapping[str, float], *, seed: int = 0) -> Iterator[Prompt
         raise ValueError(msg)
     weights = [float(mix[n]) for n in names]
     rng = random.Random(seed)
+    if not chunk:
+        while True:
+            name = rng.choices(names, weights=weights)[0]
+            yield ARITHMETIC_TASKS[name].make(rng)
+    counts = [w / sum(weights) * chunk for w in weights]
+    if any(abs(c - round(c)) > 1e-6 for c in counts):
+        msg = f"data source mix {dict(mix)} does not split a chunk of {chunk} prompts into whole counts"
+        raise ValueError(msg)
+    order = [n for n, c in zip(names, counts, strict=True) for _ in range(round(c))]
     while True:
-        name = rng.choices(names, weights=weights)[0]
-        yield ARITHMETIC_TASKS[name].make(rng)
+        rng.shuffle(order)
+        for name in order:
+            yield ARITHMETIC_TASKS[name].make(rng)
 
 
 def jsonl_prompts(path: str | Path, *, default_source: str = "default") -> Iterator[Prompt]:

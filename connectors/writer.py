@@ -78,6 +78,14 @@ class GroupWriter:
 
         self._submit(put)
 
+    def dispatch(self, groups: list[Any]) -> None:
+        """Queue the registration of groups in flight (``StoreClient.dispatch``), in order with the writes."""
+        self._submit(lambda: self._client.dispatch(groups))
+
+    def resolve(self, group_ids: list[str], reason: str) -> None:
+        """Queue taking groups out of flight without rows (``StoreClient.resolve``)."""
+        self._submit(lambda: self._client.resolve(group_ids, reason))
+
     def flush(self) -> None:
         """Wait for every queued write; re-raise the first write error."""
         while self._queued:

@@ -39,6 +39,9 @@ from schemas.arrow import IMAGE_SCHEMA, METADATA_SCHEMA
 from schemas.plan import MicroBatch, MiniBatchPlan, PlannedSlice
 from schemas.wire import (
     LIMITS,
+    DemandBody,
+    DispatchBody,
+    DispatchedGroup,
     EmptyBody,
     GroupRows,
     ImagesTicket,
@@ -49,6 +52,8 @@ from schemas.wire import (
     PutImages,
     PutWeights,
     ReleaseBody,
+    ResolveBody,
+    ResolveReason,
     WeightsTicket,
 )
 
@@ -67,6 +72,23 @@ class PutGroupsResult:
     """group_id -> the node that holds it (a rewrite of the same content counts as stored)."""
     refused: dict[str, KnitError] = field(default_factory=dict)
     """group_id -> the typed error the node refused it with (``retryable`` says whether to try again)."""
+
+
+INFLIGHT_COLUMNS = {"group_id": pl.String, "data_source": pl.String, "prompt_id": pl.String,
+                    "dispatch_version": pl.Int64, "state": pl.String, "dispatched_at": pl.Float64, "node": pl.String}
+"""Columns of :attr:`Inflight.groups`."""
+
+
+@dataclass(slots=True)
+class Inflight:
+    """The groups in flight on every node (``StoreClient.inflight``)."""
+
+    groups: pl.DataFrame
+    """One row per group in flight (:data:`INFLIGHT_COLUMNS`)."""
+    registered_total: int
+    """Registrations the nodes ever received (0: no rollout registers its groups)."""
+    resolved: dict[str, int]
+    """Groups taken out of flight, per reason (``written`` when its rows arrived), summed over nodes."""
 
 
 class StoreClient:
@@ -484,6 +506,51 @@ class StoreClient:
         answers = self._fan_out(self._nodes, lambda n: self._calls.action(n, "release", body), partial=partial,
                                 what="release")
         return {n: int(a["released"]) for n, a in answers.items()}
+
+    # ---- groups in flight ----------------------------------------------------------------------
+
+    def dispatch(self, groups: Sequence[DispatchedGroup]) -> list[str]:
+        """Register groups in flight with the nodes they belong to (routing); returns the ids that were
+        written already (their registration changes nothing)."""
+        by_node: dict[str, list[DispatchedGroup]] = {}
+        for g in groups:
+            by_node.setdefault(self.node_for(g.group_id), []).append(g)
+        bodies = {n: DispatchBody(groups=gs).to_bytes() for n, gs in by_node.items()}
+        answers = self._fan_out(bodies, lambda n: self._calls.action(n, "dispatch", bodies[n]), what="dispatch")
+        return [str(g) for a in answers.values() for g in a["stored"]]
+
+    def resolve(self, group_ids: Iterable[str], reason: ResolveReason) -> int:
+        """Take groups out of flight without rows (``aborted``, ``filtered``, ``cancelled``); returns how many were."""
+        by_node: dict[str, list[str]] = {}
+        for g in dict.fromkeys(group_ids):
+            by_node.setdefault(self.node_for(g), []).append(g)
+        bodies = {n: ResolveBody(group_ids=ids, reason=reason).to_bytes() for n, ids in by_node.items()}
+        answers = self._fan_out(bodies, lambda n: self._calls.action(n, "resolve", bodies[n]), what="resolve")
+        return sum(int(a["resolved"]) for a in answers.values())
+
+    def publish_demand(self, classes: Mapping[str, int]) -> None:
+        """Tell the rollout, through every reachable node's ``stats``, which classes the trainer needs that
+        nothing running brings (groups per data source; ``{}`` clears it)."""
+        body = DemandBody(classes=dict(classes)).to_bytes()
+        self._fan_out(self._nodes, lambda n: self._calls.action(n, "demand", body, retry=False), partial=True,
+                      what="demand")
+
+    def inflight(self, *, partial: bool = False) -> Inflight:
+        """The groups in flight on every node (what the planner counts as supply to come).
+
+        With ``partial=True`` an unreachable node is skipped (listed in :attr:`last_failed_nodes`): its groups
+        are then not counted, which only makes a planner more careful.
+        """
+        answers = self._fan_out(self._nodes, lambda n: self._calls.action(n, "inflight", retry=False),
+                                partial=partial, what="inflight")
+        rows = [{**g, "node": n} for n, a in answers.items() for g in a["groups"]]
+        resolved: dict[str, int] = {}
+        for a in answers.values():
+            for reason, k in a["resolved"].items():
+                resolved[reason] = resolved.get(reason, 0) + int(k)
+        return Inflight(groups=pl.DataFrame(rows, schema=INFLIGHT_COLUMNS),
+                        registered_total=sum(int(a["registered_total"]) for a in answers.values()),
+                        resolved=resolved)
 
     def publish_version(self, version: int) -> None:
         """Record the newest policy version on every node."""

@@ -1,7 +1,7 @@
 """What a store holds, and the ONE commit path that changes it (live writes and spill-log replay alike).
 
-:class:`StoreContents` bundles the group table, the metadata log, the image table and the weights
-slot with the memory account, and commits already validated, deduplicated, budgeted and logged
+:class:`StoreContents` bundles the group table, the metadata log, the image table, the weights
+slot and the groups in flight with the memory account, and commits already validated, deduplicated, budgeted and logged
 changes to all of them at once: a group (its rows, metadata rows, image references, memory), a
 release, new images, a weights table, a published version. It never refuses anything (the
 store's write methods validate, reserve memory and append to the spill log first; replay commits
@@ -17,6 +17,7 @@ from collections.abc import Iterable, Mapping, Sequence
 
 import pyarrow as pa
 
+from flight_store.dispatched import DispatchTable
 from flight_store.groups import GroupTable
 from flight_store.images import Image, ImageTable
 from flight_store.memory import Block, MemoryAccount, pack
@@ -43,6 +44,8 @@ class StoreContents:
         self.metadata = MetadataLog()
         self.images = ImageTable(node_name)
         self.weights = WeightsSlot(node_name, keep=weights_versions)
+        self.dispatched = DispatchTable()
+        """Groups in flight to this node (soft state: never in the spill log)."""
         self.bytes_in = 0
         """Payload bytes committed (groups, images, weights)."""
 
@@ -63,6 +66,7 @@ class StoreContents:
         payload = self.groups.live(group_id).nbytes
         self.memory.hold(sum(held for _, held in packed), payload)
         self.bytes_in += payload
+        self.dispatched.resolve(group_id, "written")  # in flight until now: resolved with its rows, atomically
         return sum(b.num_rows for b in fresh)
 
     def commit_release(self, group_ids: Iterable[str], digests: Mapping[str, bytes] | None = None) -> int:

@@ -50,6 +50,8 @@ from schemas.routing import ROUTING
 from schemas.wire import (
     ACTION_DESCRIPTIONS,
     LIMITS,
+    DemandBody,
+    DispatchBody,
     GroupRef,
     ImagesTicket,
     MetadataTicket,
@@ -59,6 +61,7 @@ from schemas.wire import (
     PutImages,
     PutWeights,
     ReleaseBody,
+    ResolveBody,
     SliceRef,
     SlicesTicket,
     WeightsTicket,
@@ -356,6 +359,18 @@ class StoreServer(flight.FlightServerBase):
                 return {"version": self.store.publish_version(body.version)}
             if action.type == "get_version":
                 return {"version": self.store.get_version()}
+            if isinstance(body, DispatchBody):
+                for g in body.groups:
+                    self._check_owner(g.group_id)
+                stored = self.store.dispatch(body.groups)
+                return {"registered": len(body.groups) - len(stored), "stored": stored}
+            if isinstance(body, DemandBody):
+                self.store.set_demand(body.classes)
+                return {"demand": body.classes}
+            if isinstance(body, ResolveBody):
+                return {"resolved": self.store.resolve(body.group_ids, body.reason)}
+            if action.type == "inflight":
+                return self.store.inflight()
             msg = f"unknown action {action.type!r}"  # pragma: no cover - decode_action_body checks
             raise WireError(msg)
 

@@ -50,6 +50,7 @@ from flight_store.validate import normalize_group, normalize_images
 from flight_store.weights import one_batch
 from schemas import weights as weights_codec
 from schemas.arrow import SCHEMA_VERSION
+from schemas.wire import DispatchedGroup
 
 __all__ = ["MAX_VERSION_STEP", "Store", "StoreConfig"]
 
@@ -94,6 +95,7 @@ class Store:
         self._journal = Journal(cfg.spill_dir, recovery=cfg.spill_recovery, compact_bytes=cfg.spill_compact_bytes)
         self.bytes_out = 0
         """Payload bytes served (slices, images, weights)."""
+        self._demand: dict[str, int] = {}
         self.started = time.time()
         self.recovered: dict[str, int] = {}
         """What replaying the spill log restored: records, groups (unreleased), released groups, rows."""
@@ -381,6 +383,36 @@ class Store:
         with self._lock:
             return self._contents.weights.published
 
+    # ---- groups in flight ----------------------------------------------------------------------
+
+    def dispatch(self, groups: Iterable[DispatchedGroup]) -> list[str]:
+        """Register groups in flight (or update their state); returns the ids already written here, which
+        are not registered (a registration that arrives after its group's rows changes nothing)."""
+        stored: list[str] = []
+        with self._lock:
+            c = self._contents
+            for g in groups:
+                if g.group_id in c.groups:
+                    stored.append(g.group_id)
+                    continue
+                c.dispatched.register(g.group_id, g.data_source, g.prompt_id, g.dispatch_version, g.state)
+        return stored
+
+    def resolve(self, group_ids: Iterable[str], reason: str) -> int:
+        """Take groups out of flight without rows (``reason``: aborted, filtered, cancelled); returns how many were."""
+        with self._lock:
+            return sum(self._contents.dispatched.resolve(g, reason) for g in dict.fromkeys(group_ids))
+
+    def set_demand(self, classes: dict[str, int]) -> None:
+        """Record what the trainer needs and nothing running brings (groups per data source; shown in ``stats``)."""
+        with self._lock:
+            self._demand = dict(classes)
+
+    def inflight(self) -> dict[str, object]:
+        """The groups in flight here, with the registration and resolution counts (the ``inflight`` action)."""
+        with self._lock:
+            return self._contents.dispatched.snapshot()
+
     # ---- stats ---------------------------------------------------------------------------------
 
     def stats(self) -> dict[str, object]:
@@ -399,7 +431,8 @@ class Store:
                 "tombstones": len(c.groups.tombstones()),
                 "spill_bytes": self._journal.size,
                 "spill_compactions": self._journal.compactions,
-                "groups": {"stored": stored, "released": released},
+                "groups": {"stored": stored, "released": released, "inflight": len(c.dispatched)},
+                "demand": dict(self._demand),
                 "bytes": memory.payload,
                 "images": len(c.images),
                 "image_bytes": c.images.nbytes,

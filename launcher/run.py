@@ -48,8 +48,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from admission.config import AdmissionConfig, Policy
-from connectors.config import RolloutConfig
+from admission.config import AdmissionConfig, Policy, Quota
+from connectors.config import DEFAULT_DATA_SOURCES, RolloutConfig
 from flight_store.client import StoreClient
 from flight_store.config import ClusterMember, ServerConfig, StoreConfig
 from flight_store.net import free_port
@@ -71,7 +71,9 @@ class Interrupted(Exception):
 
 
 def _default_admission() -> AdmissionConfig:
-    return AdmissionConfig(train_batch_groups=8, group_size=4, mini_batches=2, dp_ranks=2, token_budget=4096)
+    """B=8, G=4, K=2 on 2 ranks, with the built-in sources' 50/50 mix as each train batch's quota."""
+    return AdmissionConfig(train_batch_groups=8, group_size=4, mini_batches=2, dp_ranks=2, token_budget=4096,
+                           quotas=(Quota(column="data_source", shares=dict(DEFAULT_DATA_SOURCES)),))
 
 
 @dataclass(kw_only=True, slots=True)
@@ -202,6 +204,7 @@ def rollout_config(cfg: RunConfig, stores: list[str]) -> RolloutConfig:
         max_unreleased_groups=cfg.lookahead_groups, lookahead_counts_running=True, lookahead_poll_s=0.1,
         weight_sync=True, wait_initial_weights_s=cfg.idle_timeout_s, version_poll_s=0.1, reward=cfg.reward,
         max_model_len=512, group_id_prefix=f"{cfg.policy}-", report_path=str(cfg.out / "rollout.json"),
+        commit_ahead=cfg.admission.train_batch_groups, mix_chunk=cfg.admission.train_batch_groups,
     )
 
 

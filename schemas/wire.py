@@ -242,6 +242,57 @@ class PublishVersionBody(_Doc):
     version: Version
 
 
+MAX_DISPATCHED = 4096
+"""Most groups one ``dispatch`` or ``resolve`` body may name."""
+ResolveReason = Literal["aborted", "filtered", "cancelled"]
+"""Why a group left flight without rows (see :class:`ResolveBody`)."""
+
+
+class DispatchedGroup(BaseModel):
+    """A prompt group the rollout committed to: ``queued`` (drawn from its loader, not yet in the
+    engine) or ``running`` (in the engine). ``data_source`` is its quota class; ``prompt_id`` the
+    prompt it generates (the same across a re-dispatch after an abort)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True, strict=True)
+
+    group_id: GroupId
+    data_source: Annotated[str, Field(min_length=1, max_length=256)]
+    prompt_id: GroupId
+    dispatch_version: Version
+    state: Literal["queued", "running"] = "running"
+
+
+class DispatchBody(_Doc):
+    """Register (or update) groups in flight on this node; each must belong to it (routing).
+
+    Example: ``{"v": 2, "groups": [{"group_id": "r1-7", "data_source": "math", "prompt_id": "r1-7",
+    "dispatch_version": 3, "state": "running"}]}``
+    """
+
+    groups: list[DispatchedGroup] = Field(min_length=1, max_length=MAX_DISPATCHED)
+
+
+class ResolveBody(_Doc):
+    """Take groups out of flight without their rows: ``aborted`` (the prompt is dispatched again under a
+    new id), ``filtered`` (the rollout discarded it) or ``cancelled`` (never dispatched). A group whose
+    rows are written is resolved by that write. Example: ``{"v": 2, "group_ids": ["r1-7"], "reason": "aborted"}``
+    """
+
+    group_ids: list[GroupId] = Field(min_length=1, max_length=MAX_DISPATCHED)
+    reason: ResolveReason
+
+
+class DemandBody(_Doc):
+    """What the trainer's current train batch still needs and nothing running will bring: groups per
+    ``data_source``. The rollout may dispatch prompts of these classes past its lookahead limit (else a
+    lookahead full of other classes would wait forever). ``{}`` clears it.
+    Example: ``{"v": 2, "classes": {"math": 2}}``
+    """
+
+    classes: dict[Annotated[str, Field(min_length=1, max_length=256)], Annotated[int, Field(ge=1, le=1 << 20)]] = \
+        Field(max_length=1024)
+
+
 class EmptyBody(_Doc):
     """Body of ``health`` and ``stats`` (may also be sent empty). Example: ``{"v": 2}``"""
 
@@ -271,6 +322,10 @@ ACTION_BODIES: dict[str, type[_Doc]] = {
     "release": ReleaseBody,
     "publish_version": PublishVersionBody,
     "get_version": EmptyBody,
+    "dispatch": DispatchBody,
+    "resolve": ResolveBody,
+    "demand": DemandBody,
+    "inflight": EmptyBody,
 }
 """Action type -> body model; the server's ``list_actions`` describes the same set."""
 
@@ -282,6 +337,13 @@ ACTION_DESCRIPTIONS: dict[str, str] = {
     "release": 'free the payload of consumed groups; body {"v":2,"group_ids":[...]}',
     "publish_version": 'record the newest policy version; body {"v":2,"version":N}',
     "get_version": 'the newest published policy version; answers {"version": N}',
+    "dispatch": 'register groups in flight (queued or running) with their quota class; body {"v":2,"groups":[...]}; '
+                'answers {"registered": N, "stored": [ids already written, so not registered]}',
+    "resolve": 'take groups out of flight without rows; body {"v":2,"group_ids":[...],"reason":"aborted"}',
+    "demand": 'groups per data_source the trainer needs and nothing running brings (shown in stats); '
+              'body {"v":2,"classes":{"math":2}}',
+    "inflight": 'the groups in flight here: {"groups": [{"group_id", "data_source", "prompt_id", '
+                '"dispatch_version", "state", "dispatched_at"}], "registered_total": N, "resolved": {reason: N}}',
 }
 
 

@@ -142,7 +142,7 @@ def test_actions_list_and_answers(store_nodes, make_group) -> None:
     with StoreClient(server.location) as client:
         client.put_group(make_group("g", size=3))
         stats = client.stats()[server.location]
-        assert stats["rows"] == 3 and stats["groups"] == {"stored": 1, "released": 0}
+        assert stats["rows"] == 3 and stats["groups"] == {"stored": 1, "released": 0, "inflight": 0}
         assert stats["memory_budget"] == 1 << 30 and stats["memory_used"] > 0
         client.publish_version(4)
         assert json.loads(next(iter(raw.do_action(flight.Action("get_version", b"")))).body.to_pybytes()) == {

@@ -303,6 +303,9 @@ class TrainConfig:
     """Stop when no mini-batch becomes admissible for this long."""
     poll_interval_s: float = 0.05
     """Pause between metadata scans while waiting for admissible data."""
+    supply_from_stores: bool = True
+    """Give the planner the groups in flight the rollout registered with the stores (``StoreClient.inflight``),
+    so ``mini_batch`` runs the exact quota feasibility test; unknown supply while no rollout registers."""
     pack: PackMode = "padded"
     """Micro-batch layout: right-padded ``[rows, max_len]`` or one packed row (THD) with cu_seqlens."""
     prefetch_depth: int = 1

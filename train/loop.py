@@ -80,10 +80,11 @@ def run(cfg: TrainConfig, *, planner: PlannerLike | None = None) -> int:
         report = stack.enter_context(RankReport(cfg.report_path, env)) if cfg.report_path else None
         source = None
         if env["rank"] == 0 and planner is not None:
-            source = PlanSource(client, planner, consumed_log=stack.enter_context(ConsumedLog(cfg.consumed_path)))
+            source = PlanSource(client, planner, supply_from_stores=cfg.supply_from_stores,
+                                consumed_log=stack.enter_context(ConsumedLog(cfg.consumed_path)))
         log.info("rank %d ready: %s", env["rank"], env)
         if cfg.publish_weights:  # the rollout starts from the trainer's weights (version initial_version)
-            publish_weights(kind.built, client, cfg.initial_version, env)
+            publish_weights(kind.built, client, cfg.initial_version, env, dtype=cfg.publish_dtype)
         steps = _train(cfg, env, kind, client, source, report)
         if cfg.save_dir:
             model.save_checkpoint(kind.built.gpt, cfg.save_dir)
@@ -147,7 +148,8 @@ def _train(cfg: TrainConfig, env: dict[str, int], kind: Step, client: Any, sourc
     if queue:
         log.warning("rank %d stops with %d planned mini-batches unconsumed", env["rank"], len(queue))
     if source is not None:
-        log.info("rank 0 admitted %d groups and dropped %s", source.admitted_groups, dict(source.dropped))
+        log.info("rank 0 admitted %d groups and dropped %s (%d admissions on unknown supply while the rollout waited)",
+                 source.admitted_groups, dict(source.dropped), source.stall_releases)
     return steps
 
 

@@ -3,8 +3,9 @@
 ``PlanSource`` (rank 0 only) scans new metadata rows from every store (``StoreClient.scan_new``,
 metadata columns only, never payload), keeps the rows of the groups the planner has neither
 admitted nor dropped, and asks the planner for every mini-batch admissible now. After each update
-it removes the settled groups' rows from its frame and their ids from the planner's state, and
-hands the consumed trajectories to a :class:`ConsumedLog` (a Parquet file, written as the run goes),
+it removes the settled groups' rows from its frame and their ids from the planner's state, releases
+the dropped groups on the stores (they are never trained; their metadata stays), and hands the
+consumed trajectories to a :class:`ConsumedLog` (a Parquet file, written as the run goes),
 so rank 0's memory stays proportional to the pending work, not to the groups processed.
 ``exchange_plans`` is the one collective: rank 0 broadcasts the new plans (as JSON); the other
 ranks receive them.
@@ -85,10 +86,20 @@ class PlanSource:
     """
 
     def __init__(self, client: Any, planner: PlannerLike, *, inflight: Any = None,
-                 consumed_log: ConsumedLog | None = None) -> None:
+                 supply_from_stores: bool = False, consumed_log: ConsumedLog | None = None) -> None:
         self._client = client
         self._planner = planner
         self._inflight = inflight
+        self._from_stores = supply_from_stores
+        self._supply_note = ""  # why the stores' supply is not used (logged once)
+        self._demand: dict[str, int] = {}  # the demand last published
+        self.demand_changes = 0
+        """Times the demand published to the rollout changed."""
+        self.exact_updates = 0
+        """Planner calls given the stores' in-flight groups (the exact feasibility test)."""
+        self.stall_releases = 0
+        """Planner calls that fell back to unknown supply because the exact test admitted nothing while no
+        group ran (the rollout waits for the trainer to consume: only admission can move the pipeline)."""
         self._frame: pl.DataFrame | None = None
         self.consumed_log = consumed_log if consumed_log is not None else ConsumedLog(None)
         """Where the consumed trajectories go (by default: only their per-step figures)."""
@@ -114,9 +125,61 @@ class PlanSource:
             self._frame = new if self._frame is None else pl.concat([self._frame, new], how="vertical_relaxed")
         if self._frame is None or self._frame.height == 0:
             return []
-        plans = self._planner.update(self._frame, inflight=self._inflight, current_version=current_version)
+        inflight, running = self._supply() if self._from_stores else (self._inflight, True)
+        self.exact_updates += self._from_stores and inflight is not None
+        plans = self._planner.update(self._frame, inflight=inflight, current_version=current_version)
+        if not plans and inflight is not None and not running:
+            plans = self._planner.update(self._frame, inflight=None, current_version=current_version)
+            self.stall_releases += bool(plans)
         self._settle()
+        if isinstance(inflight, pl.DataFrame):
+            self._publish_demand(inflight)
         return plans
+
+    def _publish_demand(self, inflight: pl.DataFrame) -> None:
+        """Tell the rollout (through the stores) which data sources the current train batch still needs beyond
+        the groups stored and running: prompts of them may go out past its lookahead limit. Sent on change."""
+        config: AdmissionConfig | None = getattr(self._planner, "config", None)
+        if config is None or [q.column for q in config.quotas] != ["data_source"]:
+            return
+        used = self._planner.state.used()
+        have: Counter[str] = Counter()
+        if self._frame is not None and self._frame.height:
+            have.update(self._frame.unique("group_id")["data_source"].cast(pl.String).to_list())
+        have.update(inflight.filter(pl.col("state") == "running")["data_source"].to_list())
+        demand = {v: n - used.get(("data_source", v), 0) - have[v] for v, n in config.quota_counts()[0].items()}
+        demand = {v: n for v, n in demand.items() if n > 0}
+        if demand != self._demand:
+            self._client.publish_demand(demand)
+            self._demand = demand
+            self.demand_changes += 1
+
+    def _supply(self) -> tuple[Any, bool]:
+        """The groups in flight on the stores, read AFTER the metadata scan (a group written in between is
+        then counted in neither, never in both), minus any already in the frame; and whether any runs.
+
+        ``None`` (unknown supply) when no rollout registers its groups, when a quota column is one the
+        registrations do not carry, or when a store does not answer.
+        """
+        quota_cols = set(getattr(getattr(self._planner, "config", None), "quota_columns", ()) or ())
+        if not quota_cols <= {"data_source"}:
+            return self._unknown(f"quota columns {sorted(quota_cols)} are not all carried by registrations")
+        seen = self._client.inflight(partial=True)
+        if getattr(self._client, "last_failed_nodes", None):
+            return self._unknown(f"stores {self._client.last_failed_nodes} did not answer")
+        if seen.registered_total == 0:
+            return self._unknown("no rollout registered a group with the stores")
+        assert self._frame is not None
+        groups = seen.groups.filter(~pl.col("group_id").is_in(self._frame["group_id"].implode()))
+        self._supply_note = ""
+        return groups, bool((groups["state"] == "running").any())
+
+    def _unknown(self, why: str) -> tuple[None, bool]:
+        """Unknown supply (the planner assumes every quota class may still arrive); says why once."""
+        if why != self._supply_note:
+            log.info("in-flight supply unknown (the planner assumes every quota class may still arrive): %s", why)
+            self._supply_note = why
+        return None, True
 
     def _settle(self) -> None:
         """Log the planner's consumed rows; drop the settled groups' rows from the frame, their ids from its state.
@@ -131,6 +194,8 @@ class PlanSource:
             reasons = Counter(dropped["reason"].to_list())
             log.info("dropped %d group(s): %s", dropped.height, dict(reasons))
             self.dropped.update(reasons)
+            # never trained: free their payload (their metadata stays), so they hold no memory and no lookahead
+            self._client.release(dropped["group_id"].to_list(), partial=True)
         state = self._planner.state
         done = state.admitted | state.dropped
         if not done or self._frame is None:

@@ -33,7 +33,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     p = SimParams(train_batches=args.train_batches or (6 if args.quick else 20), math_sigma=args.math_sigma,
                   groups=args.groups, group_size=args.group_size, mini_batches=args.mini_batches, slots=args.slots,
                   sync=args.sync, version_at=args.version_at,
-                  loader_order=args.loader_order, loader_mix=args.loader_mix)
+                  loader_order=args.loader_order, loader_mix=args.loader_mix, dispatch=args.dispatch)
     seeds = list(args.seeds)
     with timer() as wall:
         p.train_s_per_token = args.trainer_slowdown * calibrate(
@@ -111,10 +111,14 @@ def _parser() -> argparse.ArgumentParser:
                          "updates as the rollout worker does) or at its start")
     ap.add_argument("--trainer-slowdown", type=float, default=1.0,
                     help="multiply the calibrated trainer time (variant: trainer-bound pipeline)")
-    ap.add_argument("--loader-order", choices=["shuffled", "slow_first", "math_ahead"], default="shuffled",
-                    help="dispatch order: slow_first = math before chat in a chunk; math_ahead = math one chunk early")
+    ap.add_argument("--loader-order", choices=["shuffled", "slow_first", "longest_first", "math_ahead"],
+                    default="slow_first", help="dispatch order: slow_first (default) = math before chat in a chunk, "
+                    "as the rollout does; shuffled = the loader's order; longest_first = by the group's longest "
+                    "response (oracle); math_ahead = math one chunk early")
     ap.add_argument("--loader-mix", choices=["exact", "iid"], default="exact",
                     help="iid: each prompt's source drawn 50/50 (a chunk's mix varies; the planner holds the quota)")
+    ap.add_argument("--dispatch", choices=["fifo", "per_class"], default="fifo",
+                    help="how the rollout spends the lookahead (SimParams.dispatch)")
     ap.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2], help="the seeds each figure averages")
     ap.add_argument("--groups", type=int, default=64, help="B: prompt groups per train batch")
     ap.add_argument("--group-size", type=int, default=8, help="G: responses per prompt group")

@@ -41,6 +41,7 @@ Model:
 from __future__ import annotations
 
 import heapq
+import itertools
 import logging
 from collections import Counter, deque
 from typing import Any
@@ -95,6 +96,11 @@ class _Pipeline:
         self.calls = 0
         self.slot_busy: list[tuple[float, float]] = []  # (start, end) of every sequence
         self.latency: dict[str, list[float]] = {src: [] for src in SOURCES}
+        self.per_class = p.dispatch == "per_class" and policy != "colocated"
+        self.class_queue: dict[str, deque[int]] = {src: deque() for src in SOURCES}  # per_class: loader order
+        for i, pr in enumerate(self.flat):
+            self.class_queue[pr.source].append(i)
+        self.untrained_src: Counter[str] = Counter()  # per_class: dispatched, not yet trained
 
     def run(self) -> None:
         """Process events until every train batch is trained (or nothing is left to happen)."""
@@ -114,6 +120,9 @@ class _Pipeline:
     def _dispatch(self) -> None:
         """The loader hands prompts to the rollout while the lookahead allows (colocated: a train batch at a time)."""
         b, k_mb = self.p.groups, self.p.mini_batches
+        if self.per_class:
+            self._dispatch_per_class()
+            return
         while self.dispatched_untrained < self.lookahead and self.next_prompt < len(self.flat):
             if self.policy == "colocated" and self.steps_done < (self.next_prompt // b) * k_mb:
                 break
@@ -121,6 +130,47 @@ class _Pipeline:
             self.inflight_src[self.flat[self.next_prompt].source] += 1
             self.next_prompt += 1
             self.dispatched_untrained += 1
+
+    def _class_limits(self) -> dict[str, float]:
+        """L_s = share_s * L + rate_s * (latency_s - mean latency): every class keeps the same wait for the trainer
+        (Little's law), so a slow class gets the lead its generation needs and a fast one none beyond it. Latency
+        and the trainer's rate (groups trained per second, last 2K steps) are measured online."""
+        share = {src: 1.0 / len(SOURCES) for src in SOURCES}
+        k = 2 * self.p.mini_batches
+        if len(self.step_end) <= k or not all(self.latency.values()):
+            return {src: share[src] * self.lookahead for src in SOURCES}
+        rate = k * self.m / (self.step_end[-1] - self.step_end[-1 - k])
+        lat = {src: float(np.mean(v[-64:])) for src, v in self.latency.items()}
+        mean = sum(share[src] * lat[src] for src in SOURCES)
+        return {src: share[src] * self.lookahead + share[src] * rate * (lat[src] - mean) for src in SOURCES}
+
+    def _dispatch_per_class(self) -> None:
+        """Dispatch the class furthest below its L_s (in loader order within the class) while L allows."""
+        limits = self._class_limits()
+        while self.dispatched_untrained < self.lookahead:
+            room = {src: limits[src] - self.untrained_src[src] for src in SOURCES if self.class_queue[src]}
+            if not room or max(room.values()) <= 0:
+                return
+            src = max(room, key=lambda k: room[k])
+            gi = self.class_queue[src].popleft()
+            self.queue.append(gi)
+            self.inflight_src[src] += 1
+            self.untrained_src[src] += 1
+            self.dispatched_untrained += 1
+
+    def _future(self) -> Counter[str]:
+        """The loader's committed prompts not yet dispatched: up to the end of the next chunk (per class with
+        ``per_class``: each class's prompts of the chunk its next prompt is in, and of the chunk after)."""
+        b = self.p.groups
+        if not self.per_class:
+            horizon = min(len(self.flat), (self.next_prompt // b + 2) * b)
+            return Counter(self.flat[i].source for i in range(self.next_prompt, horizon))
+        out: Counter[str] = Counter()
+        for src, q in self.class_queue.items():
+            if q:
+                end = (q[0] // b + 2) * b
+                out[src] = sum(1 for _ in itertools.takewhile(end.__gt__, q))
+        return out
 
     def _start_groups(self) -> None:
         """Start queued groups while G slots are free; every sequence ends after its own length."""
@@ -162,7 +212,9 @@ class _Pipeline:
 
     def _step_done(self) -> None:
         """An optimizer step ends: the new weights reach the rollout (per step or per train batch), refill."""
-        self.plans.popleft()
+        done = self.plans.popleft()
+        for gid in done.group_ids:
+            self.untrained_src[self.flat[int(gid)].source] -= 1
         self.trainer_busy_until = None
         self.steps_done += 1
         self.step_end.append(self.now)
@@ -182,9 +234,7 @@ class _Pipeline:
         cols = list(next(iter(self.completed_rows.values())))
         frame = pl.DataFrame({c: np.concatenate([r[c] for r in self.completed_rows.values()]) for c in cols})
         # committed supply: in flight + the loader's prompts up to the end of the next chunk
-        b = self.p.groups
-        horizon = min(len(self.flat), (self.next_prompt // b + 2) * b)
-        future = Counter(self.flat[i].source for i in range(self.next_prompt, horizon))
+        future = self._future()
         inflight = {s: self.inflight_src[s] + future[s] for s in SOURCES}
         new = self.planner.update(frame, inflight=inflight, current_version=self.version)
         for pl_ in new:

@@ -50,12 +50,20 @@ class SimParams:
     project's rollout worker records, since it loads each new version into the running engine, so the
     newest weights produced the last tokens; ``policy_version_min`` stays the start version), or when it
     ``start``s (variant: a rollout that never updates weights under running requests)."""
-    loader_order: str = "shuffled"
-    """Dispatch order: ``shuffled`` (default), ``slow_first`` (math before chat inside a chunk) or
-    ``math_ahead`` (each chunk's math dispatched one chunk early; see :func:`dispatch_order`)."""
+    loader_order: str = "slow_first"
+    """Dispatch order: ``slow_first`` (default: math before chat inside a chunk, what the rollout worker does with
+    a train batch of prompts committed ahead, ``RolloutConfig.dispatch_order``), ``shuffled`` (the loader's order),
+    ``longest_first`` (inside a chunk by the group's longest response, descending: an oracle length predictor,
+    an upper bound for dispatch by predicted length) or ``math_ahead`` (each chunk's math dispatched one chunk
+    early; see :func:`dispatch_order`)."""
     loader_mix: str = "exact"
     """Sources of a chunk's prompts: ``exact`` (B/2 math and B/2 chat, the quota mix) or ``iid`` (each prompt's
     source drawn 50/50 on its own: a chunk's mix varies, and the planner alone keeps the quota)."""
+    dispatch: str = "fifo"
+    """How the rollout spends the lookahead L: ``fifo`` (the loader's order, one L for all classes) or
+    ``per_class`` (each class's prompts in loader order, class s dispatched while its dispatched-untrained
+    groups are below its share of L corrected by its latency, see ``_Pipeline._class_limits``: a slow class
+    gets the lead it needs and a fast one does not run ahead to wait for its quota mates)."""
     trainer_slowdown: float = 1.0
     """Multiplier on the calibrated trainer time (> 1: trainer-bound regime)."""
 
@@ -91,6 +99,8 @@ def make_prompts(p: SimParams, seed: int, chunks: int) -> list[list[Prompt]]:
             lens = np.maximum(lens, 1).astype(np.int64)
             chunk.append(Prompt(str(s), int(rng.integers(64, 513)), lens,
                                  (rng.random(p.group_size) < rng.random()).astype(np.float64)))
+        if p.loader_order == "longest_first":  # an oracle length predictor: the longest group of the chunk first
+            chunk.sort(key=lambda pr: -int(pr.lengths.max()))
         out.append(chunk)
     return out
 

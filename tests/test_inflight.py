@@ -1,0 +1,166 @@
+"""Groups in flight: registered with their node at dispatch, resolved by their rows or explicitly, read as supply."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from flight_store.client import StoreClient
+from flight_store.errors import WireDecodeError, WrongNodeError
+from schemas.wire import DispatchedGroup
+
+
+def _d(gid: str, source: str = "math", state: str = "running", version: int = 0) -> DispatchedGroup:
+    return DispatchedGroup(group_id=gid, data_source=source, prompt_id=gid, dispatch_version=version,
+                           state=state)  # type: ignore[arg-type]
+
+
+def test_dispatched_groups_are_in_flight_on_their_node_until_written(store_nodes, make_group,  # type: ignore[no-untyped-def]
+                                                                    spread_ids) -> None:
+    servers = store_nodes(2)
+    with StoreClient([s.location for s in servers]) as client:
+        ids = spread_ids(client, 6)
+        assert client.dispatch([_d(g, "math" if i % 2 else "code") for i, g in enumerate(ids)]) == []
+        seen = client.inflight()
+        assert sorted(seen.groups["group_id"].to_list()) == sorted(ids)
+        assert dict(zip(seen.groups["group_id"], seen.groups["node"], strict=True)) == {g: client.node_for(g)
+                                                                                        for g in ids}
+        assert seen.registered_total == 6
+        assert seen.groups.group_by("data_source").len().sort("data_source").rows() == [("code", 3), ("math", 3)]
+
+        client.dispatch([_d(ids[0], state="queued", version=3)])  # an update, not a second registration
+        row = client.inflight().groups.filter(group_id=ids[0]).row(0, named=True)
+        assert (row["state"], row["dispatch_version"]) == ("queued", 3)
+
+        client.put_group(make_group(ids[1], size=2))  # its rows resolve it
+        assert client.resolve([ids[2], "never-dispatched"], "aborted") == 1
+        after = client.inflight()
+        assert sorted(after.groups["group_id"].to_list()) == sorted(set(ids) - {ids[1], ids[2]})
+        assert after.registered_total == 6 and after.resolved == {"written": 1, "aborted": 1}
+        assert sum(st["groups"]["inflight"] for st in client.stats().values()) == 4
+
+        # a registration that arrives after the group's rows changes nothing
+        assert client.dispatch([_d(ids[1])]) == [ids[1]]
+        assert ids[1] not in client.inflight().groups["group_id"].to_list()
+
+
+def test_a_group_is_registered_only_with_its_own_node(store_nodes) -> None:  # type: ignore[no-untyped-def]
+    from flight_store.config import ClusterMember, ServerConfig
+    from flight_store.net import free_port
+
+    ports = [free_port() for _ in range(2)]
+    members = [ClusterMember(id=f"node{i}", location=f"grpc://127.0.0.1:{p}") for i, p in enumerate(ports)]
+    servers = [store_nodes(1, ServerConfig(port=p, node_name=f"node{i}", cluster=members))[0]
+               for i, p in enumerate(ports)]
+    with StoreClient.from_cluster(servers[0].location) as client:
+        gid = "g0"
+        other = next(s for s in servers if s.location != client.node_for(gid))
+        body = json.dumps({"v": 2, "groups": [_d(gid).model_dump()]}).encode()
+        with pytest.raises(WrongNodeError, match="belongs to node"):
+            client._calls.action(other.location, "dispatch", body)
+        assert client.inflight().groups.height == 0
+        client.dispatch([_d(gid)])  # the client sends it where it belongs
+        assert client.inflight().groups["node"].to_list() == [client.node_for(gid)]
+
+
+@pytest.mark.parametrize("doc, what", [
+    ({"v": 2, "groups": []}, "groups"),
+    ({"v": 2, "groups": [{"group_id": "g", "data_source": "m", "prompt_id": "g", "dispatch_version": 0,
+                          "state": "done"}]}, "state"),
+    ({"v": 2, "groups": [{"group_id": "g", "data_source": "", "prompt_id": "g", "dispatch_version": 0}]},
+     "data_source"),
+    ({"v": 2, "group_ids": ["g"], "reason": "lost"}, "reason"),
+])
+def test_bad_bodies_are_refused_by_name(store_nodes, doc, what) -> None:  # type: ignore[no-untyped-def]
+    (server,) = store_nodes(1)
+    action = "resolve" if "reason" in doc else "dispatch"
+    with StoreClient(server.location) as client:
+        with pytest.raises(WireDecodeError, match=what):
+            client._calls.action(server.location, action, json.dumps(doc).encode())
+        assert client.inflight().registered_total == 0
+
+
+def test_groups_the_engine_aborts_go_out_again_and_every_train_batch_keeps_its_quota(  # type: ignore[no-untyped-def]
+        store_nodes, tmp_path) -> None:
+    """The engine loses every 3rd request mid-run; each lost prompt is dispatched again, the planner (fed the
+    stores' in-flight groups) fills every train batch with exactly its quota, and every prompt is trained once."""
+    import random
+    import threading
+    import time
+
+    import polars as pl
+
+    from admission.config import AdmissionConfig, Quota
+    from admission.planner import Planner
+    from connectors.config import RolloutConfig
+    from connectors.fake_engine import FakeEngine
+    from connectors.rollout import RolloutWorker
+    from connectors.tasks import ARITHMETIC_TASKS
+    from train.planning import ConsumedLog, PlanSource
+
+    b, g, k, batches = 4, 4, 2, 6
+    rng = random.Random(3)
+    prompts = [ARITHMETIC_TASKS[s].make(rng) for s in ["add_small", "mul_large"] * (b * batches // 2)]
+    rng.shuffle(prompts)  # the loader's order: each class half of the prompts, not half of every train batch
+    servers = store_nodes(2)
+    locations = [s.location for s in servers]
+    engine = FakeEngine(max_steps=3, abort_every=3)
+    cfg = RolloutConfig(model="unused", stores=locations, group_size=g, max_groups=0, prompts_per_wave=4,
+                        version_poll_s=0.0, group_id_prefix="t-", max_unreleased_groups=b + b // k,
+                        lookahead_counts_running=True, lookahead_poll_s=0.02, commit_ahead=b, max_redispatch=20)
+    admission = AdmissionConfig(train_batch_groups=b, group_size=g, mini_batches=k,
+                                quotas=(Quota(column="data_source", counts={"add_small": 2, "mul_large": 2}),))
+    with StoreClient(locations) as client:
+        worker = RolloutWorker(cfg, client=client, engine=engine, prompts=iter(prompts))
+        thread = threading.Thread(target=worker.run, daemon=True)
+        thread.start()
+        path = tmp_path / "consumed.parquet"
+        with ConsumedLog(str(path)) as log:
+            source = PlanSource(client, Planner(admission), supply_from_stores=True, consumed_log=log)
+            deadline = time.monotonic() + 60
+            while source.admitted_groups < b * batches and time.monotonic() < deadline:
+                for plan in source.poll(current_version=0):  # a trainer that consumes at once
+                    client.release(plan.group_ids)
+                time.sleep(0.01)
+        worker.stop()  # it ends by itself once every prompt went out; a failed run must not hang the test
+        thread.join(timeout=10)
+        assert not thread.is_alive()
+        left = client.inflight()
+    report = worker.report
+    consumed = pl.read_parquet(path)
+    assert len(engine.killed) >= 8 and report.redispatched  # groups were lost mid-run and went out again
+    assert source.exact_updates > 0
+    per_class = consumed.group_by(["train_batch", "data_source"]).agg(pl.col("group_id").n_unique().alias("n"))
+    assert per_class.height == 2 * batches and set(per_class["n"].to_list()) == {2}, per_class  # every quota met
+    # every prompt trained exactly once, whichever attempt reached the trainer; lost attempts never trained
+    prompt_of = {gid: report.redispatched.get(gid, gid) for gid in consumed["group_id"].unique().to_list()}
+    assert len(prompt_of) == len(set(prompt_of.values())) == b * batches
+    assert not set(engine.killed) & set(prompt_of)
+    assert set(prompt_of) & set(report.redispatched), "no re-dispatched prompt was trained"
+    assert left.groups.height == 0 and left.resolved["written"] == b * batches + len(engine.killed)
+
+
+def test_committed_prompts_go_out_slowest_source_first(store_nodes) -> None:  # type: ignore[no-untyped-def]
+    """With prompts committed ahead, the source whose groups took longest so far is dispatched first."""
+    import itertools
+
+    from connectors.config import RolloutConfig
+    from connectors.fake_engine import FakeEngine
+    from connectors.rollout import RolloutWorker
+    from connectors.tasks import mixed_prompts
+
+    (server,) = store_nodes(1)
+    cfg = RolloutConfig(model="unused", stores=[server.location], group_size=2, max_groups=0, prompts_per_wave=1,
+                        commit_ahead=8, mix_chunk=8, version_poll_s=0.0)
+    with StoreClient(server.location) as client, RolloutWorker(
+            cfg, client=client, engine=FakeEngine(max_steps=1),
+            prompts=itertools.islice(mixed_prompts(cfg.data_sources, seed=5, chunk=8), 8)) as worker:
+        worker._top_up()
+        assert [d.prompt.data_source for d in worker._committed].count("mul_large") == 4
+        worker._latency = {"add_small": 0.1, "mul_large": 2.0}
+        order = [worker._next_committed().prompt.data_source for _ in range(8)]
+        assert order == ["mul_large"] * 4 + ["add_small"] * 4
+        worker._writer.flush()  # registrations go through the writer's queue, in order with the writes
+        queued = client.inflight().groups
+        assert queued.height == 8 and set(queued["state"]) == {"queued"}  # registered when drawn
