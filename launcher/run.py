@@ -55,6 +55,7 @@ from flight_store.config import ClusterMember, ServerConfig, StoreConfig
 from flight_store.net import free_port
 from launcher import report
 from launcher.children import ROOT, Child, Children
+from launcher.model import MODELS_DIR, RUN_MODELS, RunModelName
 from launcher.placement import Placement, Site
 from launcher.stores import Stores
 from schemas import documents
@@ -106,8 +107,10 @@ class RunConfig:
     """The trainer stops when no mini-batch becomes admissible for this long (covers vLLM start-up)."""
     timeout_s: float = 900.0
     """The whole run of one policy is stopped after this long."""
-    model_dir: Path = field(default_factory=lambda: ROOT / "runs" / ".models" / "tiny-llama")
-    """Where the tiny Llama (tokenizer + weights of the trainer's shape) is built once and reused."""
+    model: RunModelName = "tiny"
+    """The model: a tiny random Llama, or SmolLM2-135M-Instruct (then exact reward, 32 tokens, lr 1e-6, bf16 sync)."""
+    model_dir: Path | None = None
+    """The model's folder, built or converted once, then reused (none: runs/.models/ + the model's own folder)."""
     out: Path = field(default_factory=lambda: ROOT / "runs" / time.strftime("%Y%m%d-%H%M%S"))
     """The run folder."""
     metrics: bool = True
@@ -133,6 +136,11 @@ class RunConfig:
         if self.lookahead is not None and self.lookahead < per_mini:
             msg = f"RunConfig.lookahead={self.lookahead} is below one mini-batch ({per_mini} groups)"
             raise ValueError(msg)
+
+    @property
+    def model_path(self) -> Path:
+        """The folder the rollout serves (and the trainer's ``hf_checkpoint`` for a pretrained model)."""
+        return self.model_dir if self.model_dir is not None else MODELS_DIR / RUN_MODELS[self.model].folder
 
     @property
     def policy(self) -> str:
@@ -190,7 +198,8 @@ def train_config(cfg: RunConfig, model: ModelConfig, stores: list[str]) -> Train
     return TrainConfig(
         stores=stores, model=model, admission=cfg.admission, optim=cfg.optim,
         parallel=ParallelConfig(backend="gloo", timeout_s=max(600.0, 2 * cfg.idle_timeout_s)),
-        publish_weights=True, max_steps=cfg.steps, idle_timeout_s=cfg.idle_timeout_s, seed=cfg.seed,
+        publish_weights=True, publish_dtype=RUN_MODELS[cfg.model].publish_dtype, max_steps=cfg.steps,
+        idle_timeout_s=cfg.idle_timeout_s, seed=cfg.seed,
         report_path=str(cfg.out / "trainer_rank{rank}.json"), progress_path=str(cfg.out / "progress.jsonl"),
         consumed_path=str(cfg.out / "consumed.parquet"),
     )
@@ -199,7 +208,7 @@ def train_config(cfg: RunConfig, model: ModelConfig, stores: list[str]) -> Train
 def rollout_config(cfg: RunConfig, stores: list[str]) -> RolloutConfig:
     """The rollout's config: weight sync on, the lookahead limit set, G and the seed from the run."""
     return RolloutConfig(
-        model=str(cfg.model_dir), stores=stores, group_size=cfg.admission.group_size, max_tokens=cfg.max_tokens,
+        model=str(cfg.model_path), stores=stores, group_size=cfg.admission.group_size, max_tokens=cfg.max_tokens,
         seed=cfg.seed, prompts_per_wave=cfg.admission.train_batch_groups, max_groups=cfg.total_groups,
         max_unreleased_groups=cfg.lookahead_groups, lookahead_counts_running=True, lookahead_poll_s=0.1,
         weight_sync=True, wait_initial_weights_s=cfg.idle_timeout_s, version_poll_s=0.1, reward=cfg.reward,

@@ -147,6 +147,38 @@ def test_knit_run_flags_build_the_configs() -> None:
         parse(["--mini-batches", "3"])  # 3 does not divide B = 8: refused by AdmissionConfig, named
 
 
+def test_knit_run_model_smollm2_maps_to_the_checkpoint_bf16_sync_and_exact_reward(tmp_path: Path) -> None:
+    """``--model smollm2-135m``: the rollout serves the converted folder with its chat template, the trainer is
+    built from the same folder (``hf_checkpoint``) and publishes bfloat16; its run defaults yield to flags. No
+    model is loaded: the trainer's shape comes from the folder's config.json alone."""
+    from launcher.model import MODELS_DIR, prepare_model
+
+    (tiny,), _ = parse([])
+    assert tiny.model == "tiny" and tiny.model_dir == MODELS_DIR / "tiny-llama" and tiny.reward == "digits"
+    stores = ["grpc://127.0.0.1:1"]
+    assert train_config(tiny, trainer_model(300), stores).publish_dtype == "params"
+
+    folder = tmp_path / "smollm2-135m-instruct"
+    folder.mkdir()
+    (folder / "config.json").write_text(json.dumps({
+        "architectures": ["LlamaForCausalLM"], "vocab_size": 49152, "hidden_size": 576, "intermediate_size": 1536,
+        "num_hidden_layers": 30, "num_attention_heads": 9, "num_key_value_heads": 3, "rms_norm_eps": 1e-5,
+        "rope_theta": 100000.0, "max_position_embeddings": 8192, "tie_word_embeddings": True}))
+    (cfg,), _ = parse(["--model", "smollm2-135m", "--model-dir", str(folder), "--max-tokens", "48"])
+    assert cfg.model == "smollm2-135m" and cfg.model_dir == folder
+    assert cfg.reward == "exact" and cfg.max_tokens == 48 and cfg.optim.lr == 1e-6  # a flag beats the default
+    (default_dir,), _ = parse(["--model", "smollm2-135m"])
+    assert default_dir.model_dir == MODELS_DIR / "smollm2-135m-instruct" and default_dir.max_tokens == 32
+
+    model = prepare_model(cfg.model_path, model=cfg.model)  # a folder with config.json is used as it is
+    assert model.hf_checkpoint == str(folder) and model.num_layers == 30 and model.vocab_size == 49152
+    trainer = documents.load(TrainConfig, documents.dump(train_config(cfg, model, stores)))
+    assert trainer.model.hf_checkpoint == str(folder) and trainer.publish_dtype == "bfloat16"
+    rollout = documents.load(RolloutConfig, documents.dump(rollout_config(cfg, stores)))
+    assert rollout.model == str(folder) and rollout.chat_template and rollout.reward == "exact"
+    assert rollout.max_tokens == 48
+
+
 def test_flags_name_the_bad_value_and_keep_untouched_fields() -> None:
     parser = argparse.ArgumentParser()
     flags = add_flags(parser, TrainConfig)
