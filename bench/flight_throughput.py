@@ -1,6 +1,10 @@
 """Flight data-plane throughput: DoGet vs memcpy, metadata scans vs payload size, micro-batch latency.
 
-``python -m bench.flight_throughput [--quick] --out results/flight_throughput.json``
+``python -m bench.flight_throughput [--quick] [--hosts] --out results/flight_throughput.json``
+
+``--hosts``: every store node runs in one host and this benchmark in another (network namespaces on a
+bridge, see ``bench._hosts``), so each byte crosses a real network stack (veth) instead of loopback;
+``params.network`` records the mode. Needs root; without it ``--hosts`` exits 2 saying why.
 
 In one run:
 
@@ -41,6 +45,7 @@ import numpy as np
 import pyarrow as pa
 
 from bench._common import pyplot, timer, write_result
+from bench._hosts import network_mode, run_in_hosts, start_node
 from flight_store.client import StoreClient
 from flight_store.config import ServerConfig, StoreConfig
 from flight_store.node import NodeProcess
@@ -84,8 +89,8 @@ def make_group(group_id: str, size: int, response_tokens: int, rng: np.random.Ge
 
 
 def start_store_process(memory_budget: int | None = None) -> NodeProcess:
-    """A store node (port 0) in a subprocess."""
-    return NodeProcess(ServerConfig(log_level="WARNING", store=StoreConfig(memory_budget=memory_budget or None)))
+    """A store node (port 0) in a subprocess (in the store host during a ``--hosts`` run)."""
+    return start_node(ServerConfig(log_level="WARNING", store=StoreConfig(memory_budget=memory_budget or None)))
 
 
 def fresh_copy(table: pa.Table, keep: list[pa.Buffer]) -> int:
@@ -179,14 +184,19 @@ def bench_meta_scan(rows: int, repeats: int, rng: np.random.Generator) -> dict:
     """(b) full metadata scans over Flight with 1 KiB vs 256 KiB of payload per row.
 
     One node per payload size, both up at once; the scans alternate between them, so both sizes
-    see the same machine load (median of ``repeats`` each).
+    see the same machine load (median of ``repeats`` each). The nodes run in this process, or in the
+    store host during a ``--hosts`` run.
     """
     sizes = {"small": 1024, "large": 256 * 1024}
     group_size = 8
     with contextlib.ExitStack() as stack:
         clients = {}
         for label, payload in sizes.items():
-            server = stack.enter_context(StoreServer())
+            server: NodeProcess | StoreServer
+            if network_mode() == "hosts":
+                server = stack.enter_context(start_store_process())
+            else:
+                server = stack.enter_context(StoreServer())
             client = clients[label] = stack.enter_context(StoreClient(server.location))
             tokens = max(1, (payload - 4 * 16) // BYTES_PER_TOKEN)
             for g in range(rows // group_size):
@@ -329,12 +339,17 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--quick", action="store_true", help="64 MiB DoGet, fewer repeats (about 30 s)")
     parser.add_argument("--out", required=True, help="result JSON path (a PNG is written beside it)")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--hosts", action="store_true",
+                        help="stores in one host, this benchmark in another (network namespaces; needs root)")
     parser.add_argument("--part", choices=["all", "doget"], default="all", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
+    if args.hosts:
+        return run_in_hosts("bench.flight_throughput", sys.argv[1:] if argv is None else argv, Path(args.out))
 
     rng = np.random.default_rng(args.seed)
     params = {
         "quick": args.quick,
+        "network": network_mode(),
         "doget_total_mib": 64 if args.quick else 256,
         "doget_response_tokens": 32768,
         "doget_passes": 3,

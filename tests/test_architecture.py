@@ -1,9 +1,9 @@
 """The architecture as a test: the contracts in pyproject.toml (import-linter), strings included.
 
-The contracts (``[tool.importlinter]``): ``launcher | bench`` on top, then ``train | connectors``
+The contracts (``[tool.importlinter]``): ``bench`` on top, then ``launcher``, then ``train | connectors``
 (independent), then ``admission | flight_store`` (independent), then ``schemas``; the planner imports
 neither pyarrow (so no Flight), torch nor an engine; the store neither torch nor an engine; schemas
-nothing heavy; the trainer never vLLM; the rollout never Megatron. Nothing imports the launcher.
+nothing heavy; the trainer never vLLM; the rollout never Megatron. Only the benchmarks import the launcher.
 
 Import statements are not the only arrows: a ``"package.module:function"`` string resolved at run
 time, or ``[sys.executable, "-m", "package.module"]``, reaches another module just the same. Every

@@ -59,6 +59,7 @@ from typing import Any
 import numpy as np
 
 from bench._common import pyplot, write_result
+from bench._hosts import network_mode
 from bench.transfer.cluster import admit, cluster, start_ranks, steps_as_json
 from bench.transfer.driver import CountingImageClient, mm_baseline_step
 from bench.transfer.workload import Workload, make_group
@@ -80,7 +81,7 @@ def main_multimodal(args: argparse.Namespace, w: Workload) -> int:
         "mm_transfer_plus_train_speedup": metrics["baseline_transfer_plus_train_ms"]
         / metrics["ondemand_transfer_plus_train_ms"],
     }
-    params = {**asdict(w), "quick": args.quick,
+    params = {**asdict(w), "quick": args.quick, "network": network_mode(),
               "compute": "transfer phase: calibrated stand-in; train phase: tiny encoder + backbone on CPU"}
     out = Path(args.out)
     write_result(out, metrics, ratios, params)

@@ -47,6 +47,7 @@ from typing import Any
 import numpy as np
 
 from bench._common import pyplot, write_result
+from bench._hosts import network_mode
 from bench.transfer.cluster import admit, cluster, start_ranks, steps_as_json
 from bench.transfer.driver import CountingClient, baseline_step
 from bench.transfer.workload import Workload, make_group
@@ -66,7 +67,8 @@ def main_text(args: argparse.Namespace, w: Workload) -> int:
                                                     / sum(step[i]["step_s"] for step in ondemand)
                                                     for i in range(w.ranks))
     ratios = {"fetch_speedup_no_overlap": metrics["baseline_transfer_ms"] / metrics["ondemand_fetch_ms"]}
-    params = {**asdict(w), "quick": args.quick, "compute": "calibrated stand-in (touch tokens, then hold CPU-free)"}
+    params = {**asdict(w), "quick": args.quick, "network": network_mode(),
+              "compute": "calibrated stand-in (touch tokens, then hold CPU-free)"}
     out = Path(args.out)
     write_result(out, metrics, ratios, params)
     _plot(out.with_suffix(".png"), base_ms, od_ms, od_fetch_ms)
