@@ -174,8 +174,8 @@ def test_64_writers_budget_backpressure_nothing_dropped_rss_bounded(make_group, 
     assert set(consumed) == set(acked) and all(n == 1 for n in consumed.values())  # each exactly once
     assert sum(retries.values()) > 0, "the budget never pushed back: the test does not test backpressure"
     for s in stats.values():
-        assert s["groups"] == {"stored": 0, "released": s["groups"]["released"]} and s["memory_used"] == 0
-        assert s["memory_in_flight"] == 0
+        assert s["groups"] == {"stored": 0, "released": s["groups"]["released"], "inflight": 0}
+        assert s["memory_used"] == 0 and s["memory_in_flight"] == 0
     assert sum(s["groups"]["released"] for s in stats.values()) == total + WRITERS  # + the warm-up's
     growth = {pid: (peaks[pid] - baseline[pid]) * 1024 for pid in peaks}
     report = {
