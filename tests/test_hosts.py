@@ -11,10 +11,11 @@ site's address (loopback unchanged by default), trainer ranks started one per si
 The loop (``hosts``, ``megatron``, ``vllm``, ``slow``): ``knit run``'s ``run_policy`` with a placement over 4
 hosts; host 1: store node0 + the vLLM rollout worker, host 2: store node1, hosts 3 and 4: trainer ranks 0
 and 1 (one process each, gloo across the hosts); this test process is the driver, in the root namespace,
-reaching the hosts over the bridge (its link). One run serves two tests (2 cores: one vLLM start): host 2's
-link is taken down for a few seconds once training runs. Checked: every acknowledged group trained exactly
-once, nothing lost, the payload on the links that should carry it and the driver's link far below it, and
-the report's outage record.
+reaching the hosts over the bridge (its link). One run serves three tests (2 cores: one vLLM start): once
+training runs, store node0's process on host 1 is SIGKILLed (the driver starts it again there from its
+spill log), then host 2's link is taken down for a few seconds. Checked: every acknowledged group trained
+exactly once, nothing lost, the payload on the links that should carry it and the driver's link far below
+it, and the report's outage records.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from __future__ import annotations
 import ipaddress
 import json
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -311,9 +313,10 @@ def test_trainer_ranks_apart_get_their_rank_and_rendezvous(tmp_path: Path) -> No
 
 # ---- the loop across hosts ------------------------------------------------------------------------
 
-B, G, K, BATCHES = 4, 4, 2, 4
+B, G, K, BATCHES = 4, 4, 2, 6
 CUT_S = 6.0
-"""Seconds host 2 (store node1) is cut off, once training runs."""
+"""Seconds host 2 (store node1) is cut off, once training runs (after store node0 on host 1 was SIGKILLed and is
+back from its spill log)."""
 
 
 @dataclass
@@ -325,6 +328,17 @@ class HostsRun:
     cut_at: float
     restored_at: float
     wall_s: float
+    killed_at: float
+    killed_pid: int
+
+
+def _child(out: Path, name: str) -> dict[str, Any]:
+    """The driver's record of one child (``logs/children.json``: its current pid and restarts)."""
+    try:
+        children = json.loads((out / "logs" / "children.json").read_text())
+    except (OSError, ValueError):  # not written yet, or being rewritten
+        return {"pid": 0, "restarts": 0}
+    return dict(next(c for c in children if c["name"] == name))
 
 
 @pytest.fixture(scope="module")
@@ -355,12 +369,20 @@ def hosts_run(tmp_path_factory: pytest.TempPathFactory) -> HostsRun:
         t0 = time.time()
         driver = threading.Thread(target=run, name="knit-run-driver")
         driver.start()
-        cut_at = restored_at = 0.0
+        cut_at = restored_at = killed_at = 0.0
+        killed_pid = 0
         try:
             deadline = time.monotonic() + 180
             while not (out / "progress.jsonl").exists() and driver.is_alive():
                 assert time.monotonic() < deadline, "the run did not start training"
                 time.sleep(0.05)
+            if driver.is_alive():  # store node0's process on host 1 is SIGKILLed; the driver restarts it there
+                killed_pid = _child(out, "store0")["pid"]
+                os.kill(killed_pid, signal.SIGKILL)
+                killed_at = time.time()
+                while _child(out, "store0")["restarts"] < 1 and driver.is_alive():
+                    assert time.monotonic() < deadline + 60, "the killed store was not started again"
+                    time.sleep(0.05)
             if driver.is_alive():
                 h[1].cut()  # store node1's host is cut off mid-run
                 cut_at = time.time()
@@ -379,7 +401,7 @@ def hosts_run(tmp_path_factory: pytest.TempPathFactory) -> HostsRun:
         addresses = {f"host{x.index}": x.address for x in h} | {"driver": hosts.driver_address}
     assert not errors, f"knit run across hosts failed: {errors[0]!r}"
     run_ = HostsRun(result=result, links=links, out=out, addresses=addresses, cut_at=cut_at,
-                    restored_at=restored_at, wall_s=time.time() - t0)
+                    restored_at=restored_at, wall_s=time.time() - t0, killed_at=killed_at, killed_pid=killed_pid)
     print("\nper-link bytes (rx/tx seen from each end):",
           {k: (v.rx, v.tx) for k, v in links.items()}, f"wall {run_.wall_s:.1f} s")
     return run_
@@ -435,9 +457,9 @@ def test_across_hosts_every_group_is_trained_once_and_payload_skips_the_driver(h
 def test_a_store_host_cut_off_mid_run_the_run_goes_on_and_the_report_shows_it(hosts_run: HostsRun) -> None:
     r, out = hosts_run.result, hosts_run.out
     assert hosts_run.cut_at > 0, "the run ended before training started"
-    (outage,) = r["store_outages"]
-    assert outage["cause"] == "unreachable" and outage["node"] == "node1" and outage["store"] == "store1"
-    assert outage["exit_code"] is None and outage["restarts"] == 0 and r["store_restarts"] == 0
+    (outage,) = [o for o in r["store_outages"] if o["node"] == "node1"]
+    assert outage["cause"] == "unreachable" and outage["store"] == "store1"
+    assert outage["exit_code"] is None and outage["restarts"] == 0
     # found while it was cut off (a probe sent up to its 1 s timeout before the cut may be the one that missed)
     assert hosts_run.cut_at - 1.0 <= outage["died_at"] <= hosts_run.restored_at
     assert hosts_run.restored_at <= outage["back_at"] <= hosts_run.restored_at + 30  # and back once restored
@@ -445,7 +467,7 @@ def test_a_store_host_cut_off_mid_run_the_run_goes_on_and_the_report_shows_it(ho
     assert children["store1"]["restarts"] == 0  # its process ran throughout: nothing restarted
     from launcher.report import table_rows
 
-    assert dict(table_rows(r))["store restarts (down s)"] == f"0 (node1: {outage['down_s']} cut off)"
+    assert f"node1: {outage['down_s']} cut off" in dict(table_rows(r))["store restarts (down s)"]
     steps = [json.loads(line) for line in (out / "progress.jsonl").read_text().splitlines()]
     assert steps[-1]["t_end"] > hosts_run.restored_at  # the cut was mid-run: training went on after it
     assert r["trajectories_consumed"] == BATCHES * B * G and r["rollout"]["aborted_groups"] == 0
@@ -453,3 +475,28 @@ def test_a_store_host_cut_off_mid_run_the_run_goes_on_and_the_report_shows_it(ho
     print(f"\ncut {hosts_run.cut_at:.2f}; found unreachable +{outage['died_at'] - hosts_run.cut_at:.2f} s; "
           f"restored +{hosts_run.restored_at - hosts_run.cut_at:.2f} s; answers again "
           f"+{outage['back_at'] - hosts_run.cut_at:.2f} s; next step ended +{resumed - hosts_run.cut_at:.2f} s")
+
+
+@pytest.mark.hosts
+@pytest.mark.megatron
+@pytest.mark.vllm
+@pytest.mark.slow
+def test_a_store_process_killed_on_its_host_comes_back_there_from_its_spill_log(hosts_run: HostsRun) -> None:
+    """SIGKILL of store node0's process on host 1 mid-run: the driver starts it again on host 1 (same port, same
+    spill log), nothing acknowledged is lost and nothing is trained twice (the first test checks every row)."""
+    r, out = hosts_run.result, hosts_run.out
+    assert hosts_run.killed_at > 0, "the run ended before training started"
+    (outage,) = [o for o in r["store_outages"] if o["node"] == "node0"]
+    assert outage["store"] == "store0" and outage["exit_code"] == -signal.SIGKILL and outage["restarts"] == 1
+    assert hosts_run.killed_at - 0.1 <= outage["died_at"] <= hosts_run.killed_at + 5
+    assert outage["back_at"] > outage["died_at"]
+    assert r["store_restarts"] == 1
+    store0 = _child(out, "store0")
+    assert store0["pid"] != hosts_run.killed_pid and store0["restarts"] == 1
+    assert store0["cmd"][:3] == ["ip", "netns", "exec"] and store0["cmd"][3].endswith("h1")  # back on host 1
+    stats = json.loads((out / "store_stats.json").read_text())
+    node0 = next(s for s in stats.values() if s["node"] == "node0")
+    assert node0["spill_bytes"] > 0  # it came back from its spill log
+    assert r["duplicate_rows"] == 0 and r["trajectories_consumed"] == BATCHES * B * G
+    print(f"\nkilled store0 {hosts_run.killed_at:.2f}; found dead +{outage['died_at'] - hosts_run.killed_at:.2f} s; "
+          f"back +{outage['back_at'] - hosts_run.killed_at:.2f} s")
