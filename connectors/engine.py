@@ -22,7 +22,7 @@ from connectors.config import RolloutConfig
 from connectors.tasks import Prompt
 from connectors.vllm import require_vllm
 
-_ENGINE_ENV = {
+ENGINE_ENV = {
     "VLLM_CPU_KVCACHE_SPACE": "1",
     "VLLM_NO_USAGE_STATS": "1",
     "DO_NOT_TRACK": "1",
@@ -69,7 +69,7 @@ class VllmEngine:
     """
 
     def __init__(self, config: RolloutConfig, *, llm: Any = None) -> None:
-        for key, value in _ENGINE_ENV.items():
+        for key, value in ENGINE_ENV.items():
             os.environ.setdefault(key, value)
         require_vllm()
         from vllm import LLM, SamplingParams

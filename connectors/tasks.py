@@ -86,6 +86,7 @@ class ArithmeticTask:
 
 ARITHMETIC_TASKS: dict[str, ArithmeticTask] = {
     "add_small": ArithmeticTask(name="add_small", op="+", low=0, high=9),
+    "add_large": ArithmeticTask(name="add_large", op="+", low=10, high=99),
     "mul_large": ArithmeticTask(name="mul_large", op="*", low=100, high=999),
 }
 """The built-in data sources, by name."""
