@@ -57,7 +57,9 @@ RUN_MODELS: dict[str, RunModel] = {
     # pretrained: exact match is reachable; short answers; a small step size keeps what it knows; bf16 halves
     # the weight-sync bytes (the engine then runs the rounded weights)
     "smollm2-135m": RunModel(folder=SMOLLM2_135M_INSTRUCT.name, publish_dtype="bfloat16",
-                             run_defaults={"reward": "exact", "max_tokens": 32, "optim": {"lr": 1e-6}}),
+                             run_defaults={"reward": "exact", "max_tokens": 32, "optim": {"lr": 1e-6},
+                                           # the sources it starts between 5% and 40% on (bench.task_success)
+                                           "data_sources": {"add_small": 0.5, "add_large": 0.5}}),
 }
 """``--model`` -> its folder, published dtype and run defaults."""
 

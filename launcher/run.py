@@ -99,6 +99,9 @@ class RunConfig:
     """Groups dispatched but not yet consumed (None = the policy's default: 2B for train_batch, B + B/K else)."""
     seed: int = 0
     """Seed of the prompt stream, sampling, the tiny model and the trainer (same seed, same prompts per policy)."""
+    data_sources: dict[str, float] = field(default_factory=lambda: dict(DEFAULT_DATA_SOURCES))
+    """The rollout's mix of built-in data sources (``connectors.tasks``); a quota on ``data_source`` given as
+    shares (the default admission's: half each) follows this mix."""
     reward: str = "digits"
     """Reward: a built-in name (``digits``: shaped, learnable by the tiny model; ``exact``) or module:function."""
     num_stores: int = 2
@@ -121,6 +124,12 @@ class RunConfig:
     """Seconds a store node may take to answer ``health`` after it was started (or restarted)."""
 
     def __post_init__(self) -> None:
+        quotas = self.admission.quotas
+        if (len(quotas) == 1 and quotas[0].column == "data_source" and quotas[0].shares is not None
+                and dict(quotas[0].shares) != self.data_sources):  # the source quota follows the mix
+            self.admission = dataclasses.replace(
+                self.admission, quotas=(Quota(column="data_source", shares=dict(self.data_sources)),))
+            self.admission.quota_counts()  # B times each share must be a whole number of groups
         if self.max_store_restarts < 0 or self.store_start_timeout_s <= 0:
             msg = (f"RunConfig: max_store_restarts={self.max_store_restarts} must be >= 0 and "
                    f"store_start_timeout_s={self.store_start_timeout_s} > 0")
@@ -214,6 +223,7 @@ def rollout_config(cfg: RunConfig, stores: list[str]) -> RolloutConfig:
         weight_sync=True, wait_initial_weights_s=cfg.idle_timeout_s, version_poll_s=0.1, reward=cfg.reward,
         max_model_len=512, group_id_prefix=f"{cfg.policy}-", report_path=str(cfg.out / "rollout.json"),
         commit_ahead=cfg.admission.train_batch_groups, mix_chunk=cfg.admission.train_batch_groups,
+        data_sources=dict(cfg.data_sources),
     )
 
 

@@ -177,6 +177,19 @@ def test_knit_run_model_smollm2_maps_to_the_checkpoint_bf16_sync_and_exact_rewar
     rollout = documents.load(RolloutConfig, documents.dump(rollout_config(cfg, stores)))
     assert rollout.model == str(folder) and rollout.chat_template and rollout.reward == "exact"
     assert rollout.max_tokens == 48
+    # the sources it can learn from, and each train batch's quota follows that mix
+    assert rollout.data_sources == {"add_small": 0.5, "add_large": 0.5}
+    assert cfg.admission.quota_counts() == [{"add_small": 4, "add_large": 4}]
+    assert rollout_config(tiny, stores).data_sources == {"add_small": 0.5, "mul_large": 0.5}
+    assert tiny.admission.quota_counts() == [{"add_small": 4, "mul_large": 4}]
+
+
+def test_knit_run_source_mix_sets_the_quota_and_a_mix_b_cannot_split_is_refused() -> None:
+    (cfg,), _ = parse(["--data-sources", "add_small=0.75,mul_large=0.25"])
+    assert cfg.admission.quota_counts() == [{"add_small": 6, "mul_large": 2}]
+    assert rollout_config(cfg, ["grpc://127.0.0.1:1"]).data_sources == {"add_small": 0.75, "mul_large": 0.25}
+    with pytest.raises(SystemExit):  # 8 * 0.3 groups is not a whole number: refused before anything starts
+        parse(["--data-sources", "add_small=0.7,mul_large=0.3"])
 
 
 def test_flags_name_the_bad_value_and_keep_untouched_fields() -> None:
