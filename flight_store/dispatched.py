@@ -68,7 +68,3 @@ class DispatchTable:
         """The ``inflight`` action's answer."""
         return {"groups": [asdict(d) for d in self._groups.values()],
                 "registered_total": self.registered_total, "resolved": dict(self.resolved)}
-
-    def counts(self) -> dict[str, int]:
-        """Groups in flight per state (for ``stats``)."""
-        return dict(Counter(d.state for d in self._groups.values()))
