@@ -14,10 +14,7 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
-import subprocess
 import sys
-import tempfile
 import time
 from collections.abc import Sequence
 from dataclasses import replace
@@ -26,7 +23,6 @@ from pathlib import Path
 from flight_store.config import ServerConfig
 from flight_store.node import NodeProcess
 from launcher.hosts import Hosts, HostsUnavailableError, check_available
-from schemas import documents
 
 STORE_HOST_ENV = "KNIT_BENCH_STORE_HOST"
 """``"<netns> <address>"`` of the host the store nodes run in; set by :func:`run_in_hosts` for the client side."""
@@ -38,36 +34,12 @@ def network_mode() -> str:
     return "hosts" if os.environ.get(STORE_HOST_ENV) else "loopback"
 
 
-class HostedNode(NodeProcess):
-    """A store node started inside the store host (``ip netns exec``), listening on that host's address.
-
-    A :class:`flight_store.node.NodeProcess` otherwise: :attr:`location`; :meth:`stop` signals its pid
-    (``ip netns exec`` execs the node, so the pid is the node's); a context manager.
-    """
-
-    def __init__(self, config: ServerConfig, netns: str, address: str) -> None:
-        """Start the node as ``config`` says, on ``address`` inside ``netns`` (not :class:`NodeProcess`'s start)."""
-        tmp = Path(tempfile.mkdtemp(prefix="knit-node-"))
-        path = documents.write(replace(config, host=address, advertise_host=None), tmp / "node.json")
-        self.proc = subprocess.Popen(["ip", "netns", "exec", netns, sys.executable, "-m", "flight_store",
-                                      "--config", str(path)],
-                                     stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
-                                     env={**os.environ, "OMP_NUM_THREADS": "1"})
-        line = self.proc.stdout.readline() if self.proc.stdout is not None else ""
-        shutil.rmtree(tmp, ignore_errors=True)  # the node has read its config (or failed)
-        if "listening on " not in line:
-            self.stop()
-            msg = f"store node did not start in host {netns} ({address}): {line!r}"
-            raise RuntimeError(msg)
-        self.location = line.split("listening on ", 1)[1].strip()
-        """Where the node listens (the store host's address)."""
-
-
 def start_node(config: ServerConfig) -> NodeProcess:
     """A store node in a child process: in the store host during a ``--hosts`` run, else on loopback."""
     where = os.environ.get(STORE_HOST_ENV, "").split()
-    if len(where) == 2:
-        return HostedNode(config, netns=where[0], address=where[1])
+    if len(where) == 2:  # listening on the store host's address; ``ip netns exec`` execs the node (same pid)
+        netns, address = where
+        return NodeProcess(replace(config, host=address, advertise_host=None), prefix=["ip", "netns", "exec", netns])
     return NodeProcess(config)
 
 

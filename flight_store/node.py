@@ -22,6 +22,7 @@ import subprocess
 import sys
 import tempfile
 import threading
+from collections.abc import Sequence
 from pathlib import Path
 from types import FrameType
 from typing import cast
@@ -83,10 +84,12 @@ class NodeProcess:
     """
 
     def __init__(self, config: ServerConfig, workdir: Path | None = None, *,
-                 stderr: int | None = subprocess.DEVNULL) -> None:
+                 stderr: int | None = subprocess.DEVNULL, prefix: Sequence[str] = ()) -> None:
+        """``prefix``: what the command runs under (e.g. ``ip netns exec NAME``: the node in another host; it must
+        exec the node, so that the pid :meth:`stop` signals is the node's)."""
         tmp = Path(tempfile.mkdtemp(prefix="knit-node-")) if workdir is None else None
         path = documents.write(config, (tmp or cast(Path, workdir)) / "node.json")
-        self.proc = subprocess.Popen([sys.executable, "-m", "flight_store", "--config", str(path)],
+        self.proc = subprocess.Popen([*prefix, sys.executable, "-m", "flight_store", "--config", str(path)],
                                      stdout=subprocess.PIPE, stderr=stderr, text=True,
                                      env={**os.environ, "OMP_NUM_THREADS": "1"})
         line = self.proc.stdout.readline() if self.proc.stdout is not None else ""
@@ -94,7 +97,7 @@ class NodeProcess:
             shutil.rmtree(tmp, ignore_errors=True)
         if "listening on " not in line:
             self.stop()
-            msg = f"store node process did not start: {line!r}"
+            msg = f"store node process did not start{' under ' + ' '.join(prefix) if prefix else ''}: {line!r}"
             raise RuntimeError(msg)
         self.location = line.split("listening on ", 1)[1].strip()
         """Where the node listens."""

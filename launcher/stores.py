@@ -173,32 +173,36 @@ class Stores:
         """The prober thread: every ``every_s``, a node whose process runs but does not answer starts an
         ``unreachable`` outage, and one of those that answers again (a fresh connection) ends it."""
         while not self._stop_probing.wait(every_s):
-            for i, node in enumerate(self.nodes):
-                if self._stop_probing.is_set():
-                    return
-                child = self.children[i]
-                with self._lock:
-                    down = next((o for o in self.outages if o.location == node.location and o.back_at is None), None)
-                if down is None and child.alive():
-                    missed_at = time.time()
-                    if self._answers_probe(node.location):
-                        continue
-                    self._probes.pop(node.location).close()  # its channel may be in reconnect backoff (a restart):
-                    # a fresh connection decides
-                    if not answers(node.location) and child.alive():
-                        log.warning("store %s (%s) does not answer (its process runs): unreachable", node.node_name,
-                                    child.name)
-                        with self._lock:
-                            self.outages.append(Outage(store=child.name, node=str(node.node_name or node.location),
-                                                       location=node.location, exit_code=None, died_at=missed_at,
-                                                       restarts=0, cause="unreachable"))
-                elif down is not None and down.cause == "unreachable" and answers(node.location):
-                    down.back_at = time.time()  # a fresh connection: the probe's own may still be in TCP backoff
-                    stale = self._probes.pop(node.location, None)
-                    if stale is not None:
-                        stale.close()
-                    log.warning("store %s (%s) answers again after %.1f s", down.node, down.store,
-                                down.back_at - down.died_at)
+            self.probe_once()
+
+    def probe_once(self) -> None:
+        """One round of probes over every node (what the prober thread does every ``probe_s``)."""
+        for i, node in enumerate(self.nodes):
+            if self._stop_probing.is_set():
+                return
+            child = self.children[i]
+            with self._lock:
+                down = next((o for o in self.outages if o.location == node.location and o.back_at is None), None)
+            if down is None and child.alive():
+                missed_at = time.time()
+                if self._answers_probe(node.location):
+                    continue
+                self._probes.pop(node.location).close()  # its channel may be in reconnect backoff (a restart):
+                # a fresh connection decides
+                if not answers(node.location) and child.alive():
+                    log.warning("store %s (%s) does not answer (its process runs): unreachable", node.node_name,
+                                child.name)
+                    with self._lock:
+                        self.outages.append(Outage(store=child.name, node=str(node.node_name or node.location),
+                                                   location=node.location, exit_code=None, died_at=missed_at,
+                                                   restarts=0, cause="unreachable"))
+            elif down is not None and down.cause == "unreachable" and answers(node.location):
+                down.back_at = time.time()  # a fresh connection: the probe's own may still be in TCP backoff
+                stale = self._probes.pop(node.location, None)
+                if stale is not None:
+                    stale.close()
+                log.warning("store %s (%s) answers again after %.1f s", down.node, down.store,
+                            down.back_at - down.died_at)
 
     def _answers_probe(self, location: str) -> bool:
         """``health`` over one long-lived connection per node (a probe costs one small call, no new connection)."""

@@ -7,6 +7,7 @@ token ids and advantages on every path, and the driver must carry no payload on 
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from collections.abc import Iterator
 from typing import Any
@@ -32,20 +33,17 @@ def cluster() -> Iterator[dict[str, Any]]:
                  response_max=256, token_budget=1024)
     rng = np.random.default_rng(7)
     groups = [make_group(f"s{s}-g{g}", w, rng) for s in range(2) for g in range(w.groups)]
-    nodes = [start_store_process() for _ in range(2)]
-    ray_env()
-    ray.init(num_cpus=16, include_dashboard=False, _node_ip_address="127.0.0.1", logging_level=logging.WARNING)
-    try:
+    with contextlib.ExitStack() as stack:  # stopped last first: Ray, then its environment, then the nodes
+        nodes = [stack.enter_context(start_store_process()) for _ in range(2)]
+        stack.enter_context(ray_env())
+        ray.init(num_cpus=16, include_dashboard=False, _node_ip_address="127.0.0.1", logging_level=logging.WARNING)
+        stack.callback(ray.shutdown)
         knit = KnitPath(w, [n.location for n in nodes])
+        stack.callback(knit.close)
         knit.load(groups)
         from bench.peers.harness import _plans
 
         yield {"w": w, "groups": groups, "knit": knit, "specs": step_specs(_plans(knit, w, 2), w.mini_batches, w.ranks)}
-        knit.close()
-    finally:
-        ray.shutdown()
-        for n in nodes:
-            n.stop()
 
 
 def test_every_path_gives_each_rank_the_same_micro_batches(cluster: dict[str, Any]) -> None:

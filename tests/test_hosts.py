@@ -227,15 +227,19 @@ def test_probes_do_not_take_a_restarted_node_for_an_unreachable_one(tmp_path: Pa
     import signal
 
     cfg = RunConfig(num_stores=1, metrics=False, out=tmp_path)
-    with Children(tmp_path / "logs") as kids:
-        stores = Stores(kids, store_configs(cfg), tmp_path, max_restarts=1, start_timeout_s=30, probe_s=0.1)
+    with Children(tmp_path / "logs") as kids:  # probe rounds run here, one at a time (no prober thread)
+        stores = Stores(kids, store_configs(cfg), tmp_path, max_restarts=1, start_timeout_s=30)
         stores.start()
         try:
-            time.sleep(0.5)  # the prober holds a connection to the node
+            stores.probe_once()  # the probe now holds a connection to the node
+            assert stores.outages == []
             os.kill(stores.children[0].pid, signal.SIGKILL)
             stores.children[0].proc.wait(timeout=10)
+            stores.probe_once()  # its process exited: that is an exit for check(), not an unreachable node
+            assert stores.outages == []
             stores.wait_up()  # started again on its port, from its spill log
-            time.sleep(2.0)  # the prober's old channel saw the connection die: it must not report an outage
+            stores.probe_once()  # the probe's old connection saw the node die: no outage of a node that answers
+            stores.probe_once()
             assert stores.check() == []
         finally:
             stores.close()

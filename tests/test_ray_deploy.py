@@ -108,9 +108,7 @@ def ray_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RayCluster
     from launcher.hosts import HostsUnavailableError
 
     tmp = tmp_path_factory.mktemp("ray")
-    # a single-node setting (another test's in-process Ray sets it in this process) makes worker nodes refuse to join
-    base = {k: v for k, v in os.environ.items() if k != "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"}
-    env = base | {"RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": secrets.token_hex(16),
+    env = os.environ | {"RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": secrets.token_hex(16),
                         "RAY_USAGE_STATS_ENABLED": "0",
                         # a lost node is declared dead after ~3 missed 1 s health checks (Ray's default: ~15 s)
                         "RAY_health_check_period_ms": "1000", "RAY_health_check_timeout_ms": "1000",

@@ -32,7 +32,7 @@ import logging
 import os
 import statistics
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import asdict
 from typing import Any
 
@@ -47,10 +47,22 @@ log = logging.getLogger(__name__)
 StepFn = Callable[[int, list[list[MicroSpec]], float], list[dict[str, Any]]]
 
 
-def ray_env() -> None:
-    """What TransferQueue needs of Ray on a small loopback machine (set before ``ray.init``)."""
-    os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")  # its storage units bind to loopback
-    os.environ.setdefault("TQ_NUM_THREADS", "2")
+@contextlib.contextmanager
+def ray_env() -> Iterator[None]:
+    """What TransferQueue needs of Ray on a small loopback machine (set before ``ray.init``), undone on exit:
+    the single-node setting would make any later Ray cluster of this process refuse worker nodes."""
+    wanted = {"RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0", "TQ_NUM_THREADS": "2"}  # its storage units bind to loopback
+    before = {k: os.environ.get(k) for k in wanted}
+    for k, v in wanted.items():
+        os.environ.setdefault(k, v)
+    try:
+        yield
+    finally:
+        for k, old in before.items():
+            if old is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = old
 
 
 def run(w: Workload, computes: Sequence[float], paths: Sequence[str], fetch_rounds: int,
@@ -61,12 +73,12 @@ def run(w: Workload, computes: Sequence[float], paths: Sequence[str], fetch_roun
     from bench.flight_throughput import start_store_process
     from bench.peers.knit import KnitPath
 
-    ray_env()
     total = w.steps + 1  # + one warm-up step
     rng = np.random.default_rng(w.seed)
     groups = [make_group(f"s{s}-g{g}", w, rng) for s in range(total) for g in range(w.groups)]
     with contextlib.ExitStack() as stack:  # everything started here is stopped, last first
         nodes = [stack.enter_context(start_store_process()) for _ in range(2)]
+        stack.enter_context(ray_env())  # undone after ray.shutdown (the stack unwinds last first)
         ray.init(num_cpus=16, include_dashboard=False, _node_ip_address="127.0.0.1", logging_level=logging.WARNING)
         stack.callback(ray.shutdown)
         knit = KnitPath(w, [n.location for n in nodes])
