@@ -149,7 +149,6 @@ class RolloutWorker:
         self._pending: dict[str, _Pending] = {}
         self._committed: deque[_Drawn] = deque()  # drawn (and re-dispatched) prompts waiting for dispatch
         self._drawn = 0  # prompts drawn from the stream
-        self._started: dict[str, float] = {}  # group -> when the engine took it
         self._latency: dict[str, float] = {}  # data source -> moving mean of dispatch-to-completion seconds
         self._placed = 0  # group ids handed out
         self._stop = False
@@ -301,7 +300,6 @@ class RolloutWorker:
             self._write_aborted(pending, finish_reason="error")
             return
         self._pending[drawn.group_id] = pending
-        self._started[drawn.group_id] = time.perf_counter()
 
     def _redispatch(self, drawn: _Drawn) -> None:
         """The engine aborted ``drawn`` while the worker runs: its prompt goes out again first, under a new id."""
@@ -328,7 +326,7 @@ class RolloutWorker:
             logger.warning("engine returned unknown request %r", out.request_id)
             return
         prompt = pending.prompt
-        took = time.perf_counter() - self._started.pop(pending.group_id, time.perf_counter())
+        took = (datetime.now(UTC) - pending.created_at).total_seconds()  # created when the engine took it
         last = self._latency.get(prompt.data_source)
         self._latency[prompt.data_source] = took if last is None else 0.8 * last + 0.2 * took  # moving mean
         rewards = [0.0] * self.config.group_size
