@@ -70,6 +70,23 @@ class Group:
         return [self.batch(i) for i in range(len(self.blocks))]
 
 
+def _widths(schema: pa.Schema) -> tuple[np.ndarray, tuple[tuple[int, int], ...]]:
+    """Per column of ``schema``: the fixed width of a value (0 for a string or list), and the (index, value
+    width) of each string or list column (32-bit offsets)."""
+    fixed = np.zeros(len(schema), dtype=np.int32)
+    var: list[tuple[int, int]] = []
+    for j, t in enumerate(schema.types):
+        if pa.types.is_string(t) or pa.types.is_binary(t) or pa.types.is_list(t):
+            value = t.value_type if pa.types.is_list(t) else pa.uint8()
+            var.append((j, value.byte_width if pa.types.is_fixed_size_binary(value) else value.bit_width // 8))
+        else:
+            fixed[j] = t.bit_width // 8
+    return fixed, tuple(var)
+
+
+_TRAJECTORY_WIDTHS = _widths(TRAJECTORY_SCHEMA)
+
+
 def row_bytes(batch: pa.RecordBatch) -> np.ndarray:
     """Payload bytes of each row (axis 0) and column (axis 1) of a trajectory batch, as int32.
 
@@ -77,16 +94,10 @@ def row_bytes(batch: pa.RecordBatch) -> np.ndarray:
     For a whole stored batch the sum equals ``RecordBatch.nbytes``; summing rows is exact for any
     split, and cheap (``RecordBatch.nbytes`` of a slice costs ~40 us for this schema).
     """
-    n = batch.num_rows
-    out = np.empty((n, batch.num_columns), dtype=np.int32)
-    for j, col in enumerate(batch.columns):
-        t = col.type
-        if pa.types.is_string(t) or pa.types.is_binary(t) or pa.types.is_list(t):  # 32-bit offsets, no nulls
-            value = t.value_type if pa.types.is_list(t) else pa.uint8()
-            width = value.byte_width if pa.types.is_fixed_size_binary(value) else value.bit_width // 8
-            out[:, j] = offset_lengths(col) * width + 4
-        else:
-            out[:, j] = t.bit_width // 8
+    fixed, var = _TRAJECTORY_WIDTHS if batch.schema.equals(TRAJECTORY_SCHEMA) else _widths(batch.schema)
+    out = np.repeat(fixed[None, :], batch.num_rows, axis=0)
+    for j, width in var:
+        out[:, j] = offset_lengths(batch.column(j)) * width + 4
     return out
 
 
@@ -155,10 +166,8 @@ COALESCE_MIN_SLICES = 4
 the IPC messages it saved for 2 slices, about the same for 4, and less for 8 (one-off A/B, 8-row reads)."""
 
 
-def project(
-    out: list[pa.RecordBatch], sizes: Sequence[int], columns: Sequence[str] | None, coalesce_below: int
-) -> Iterator[pa.RecordBatch]:
-    """The slices of :meth:`GroupTable.slices` projected to ``columns``, small ones copied together, lazily.
+def coalesce(out: list[pa.RecordBatch], sizes: Sequence[int], coalesce_below: int) -> Iterator[pa.RecordBatch]:
+    """The slices of :meth:`GroupTable.slices`, small ones copied together, lazily.
 
     With ``coalesce_below`` > 0, in an answer of more than :data:`COALESCE_MIN_SLICES` slices, each run of
     consecutive slices under ``coalesce_below // 16`` payload bytes is copied into batches of up to
@@ -168,19 +177,13 @@ def project(
     an answer streamed to a trainer (a whole step's micro-batches) sends its first micro-batch
     before the rest is copied.
     """
-    cols = list(columns) if columns is not None else None
     if coalesce_below <= 0 or len(out) <= COALESCE_MIN_SLICES:
-        for batch in out:
-            yield batch if cols is None else batch.select(cols)
+        yield from out
         return
-    # this thread's earlier coalesced answers were freed once sent; hand their pages back first
-    pa.default_memory_pool().release_unused()
     small, chunk = coalesce_below // 16, coalesce_below // 4
     run: list[pa.RecordBatch] = []
     run_bytes = 0
     for batch, size in zip(out, sizes, strict=True):
-        if cols is not None:
-            batch = batch.select(cols)
         if run and (size >= small or run_bytes + size > chunk):
             yield pa.concat_batches(run) if len(run) > 1 else run[0]
             run, run_bytes = [], 0
@@ -343,25 +346,30 @@ class GroupTable:
     def slices(
         self, refs: Iterable[tuple[str, int, int]], columns: Sequence[str] | None
     ) -> tuple[list[pa.RecordBatch], list[int], dict[str, str]]:
-        """Zero-copy slices of rows ``[start, stop)`` per ``(group_id, start, stop)``, the projected bytes of
-        each, and the writer metadata all their groups share.
+        """Zero-copy slices of rows ``[start, stop)`` per ``(group_id, start, stop)``, projected to ``columns``
+        (all when ``None``), the payload bytes of each, and the writer metadata all their groups share.
 
         Each run of consecutive rows of one stored batch is one ``RecordBatch.slice`` (a view, no
-        copy); the bytes count the payload of ``columns`` (all when ``None``) of the rows served.
+        copy). A stored batch is read (:func:`~flight_store.memory.view`), projected and its rows' bytes
+        summed once per call, however many slices of it the call serves (a micro-batch often takes
+        two runs of one group).
         """
-        cols = slice(None) if columns is None else np.array([_COLUMN_INDEX[c] for c in columns])
+        cols = None if columns is None else [_COLUMN_INDEX[c] for c in columns]
         out: list[pa.RecordBatch] = []
         sizes: list[int] = []  # payload bytes of the projected rows of each slice (see row_bytes)
-        views: dict[tuple[str, int], pa.RecordBatch] = {}
+        read: dict[tuple[str, int], tuple[pa.RecordBatch, list[int]]] = {}  # batch -> (projected, bytes per row)
         seen: dict[str, Group] = {}
         for group_id, start, stop in refs:
             group = seen[group_id] = self.live(group_id)
             for bno, off, rows in self._runs_of(group_id, group, start, stop):
-                got = views.get((group_id, bno))
+                got = read.get((group_id, bno))
                 if got is None:
-                    got = views[group_id, bno] = group.batch(bno)
-                out.append(got.slice(off, rows))
-                sizes.append(int(group.row_bytes[bno][off : off + rows].sum(axis=0)[cols].sum()))
+                    batch, per_row = group.batch(bno), group.row_bytes[bno]
+                    if columns is not None:
+                        batch, per_row = batch.select(columns), per_row[:, cols]
+                    got = read[group_id, bno] = (batch, per_row.sum(axis=1).tolist())
+                out.append(got[0].slice(off, rows))
+                sizes.append(sum(got[1][off : off + rows]))
         return out, sizes, common_meta(seen.values())
 
     def _runs_of(self, group_id: str, group: Group, start: int, stop: int) -> list[tuple[int, int, int]]:

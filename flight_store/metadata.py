@@ -31,10 +31,13 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from flight_store.errors import SchemaMismatchError
-from schemas.arrow import METADATA_COLUMNS, METADATA_SCHEMA
+from schemas.arrow import METADATA_COLUMNS, METADATA_SCHEMA, TRAJECTORY_SCHEMA
 
 LOG_SCHEMA = pa.schema([f for f in METADATA_SCHEMA if f.name != "released"], metadata=METADATA_SCHEMA.metadata)
 """What the log stores: ``METADATA_SCHEMA`` without ``released`` (computed when the log is read)."""
+
+_META_INDEX = [TRAJECTORY_SCHEMA.get_field_index(c) for c in METADATA_COLUMNS]
+"""Where the metadata columns are in a trajectory batch (selecting by index costs a third of by name)."""
 
 COMPACT_AT = 64
 """Merged metadata chunks kept before all are merged into one."""
@@ -124,8 +127,9 @@ class MetadataLog:
         n = b.num_rows
         seq = pa.array(np.arange(self.seq, self.seq + n, dtype=np.int64))
         self.seq += n  # the next number (a log restored from a compacted spill log may skip numbers)
-        copied = b.select(METADATA_COLUMNS).take(pa.array(np.arange(n, dtype=np.int64)))  # one pass, all columns
-        return pa.RecordBatch.from_arrays([seq, *copied.columns], schema=LOG_SCHEMA)
+        rows = b.select(_META_INDEX if b.schema.equals(TRAJECTORY_SCHEMA) else METADATA_COLUMNS)
+        # serialized and read back: one copy of every column into one buffer (a `take` costs 5x more)
+        return pa.ipc.read_record_batch(rows.add_column(0, LOG_SCHEMA.field("seq"), seq).serialize(), LOG_SCHEMA)
 
     def _compact(self) -> None:
         """Merge the small per-write metadata batches that arrived since the last read into one.

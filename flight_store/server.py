@@ -80,6 +80,8 @@ ANSWER_ROWS = 16384
 SMALL_ANSWER = 1 << 20
 """A DoGet answer under this many bytes is not accounted as a read nor trimmed after: the forced trim and
 a Python generator per answer cost a large share of a micro-batch's read (see bench.peers' fetch)."""
+_IPC_OPTIONS = pa.ipc.IpcWriteOptions()
+"""Made once: a stream without options reads the environment for its defaults on every answer (~4 us)."""
 SMALL_ANSWER_SLICES = 16
 """A small answer of at most this many slices (one micro-batch) is made whole and sent by Arrow alone; a
 longer one (a whole step's micro-batches, streamed) is made as it is sent, so its first rows go out first."""
@@ -269,20 +271,10 @@ class StoreServer(flight.FlightServerBase):
             if got != total:
                 msg = f"{what} declare {total} rows but the stream carried {got}; nothing stored"
                 raise SchemaMismatchError(msg, column="sample_idx")
-            table = pa.Table.from_batches(batches, schema=reader.schema)
-            meta = writer_meta(reader.schema)
-            stored: dict[str, int] = {}
-            refused: dict[str, dict[str, Any]] = {}
-            at = 0
-            for g in doc.groups:
-                part = table.slice(at, g.rows).to_batches()
-                at += g.rows
-                try:
-                    self._check_owner(g.group_id)
-                    stored[g.group_id] = self.store.put_group(g.group_id, part, g.rows, meta, incoming=incoming)
-                except KnitError as exc:
-                    refused[g.group_id] = error_info(exc)
-            return {"stored": stored, "refused": refused}
+            stored, refused = self.store.put_groups([(g.group_id, g.rows) for g in doc.groups], batches,
+                                                    writer_meta(reader.schema), incoming=incoming,
+                                                    check=self._check_owner)
+            return {"stored": stored, "refused": {gid: error_info(exc) for gid, exc in refused.items()}}
 
     # ---- DoGet ---------------------------------------------------------------------------------
 
@@ -294,7 +286,7 @@ class StoreServer(flight.FlightServerBase):
         if isinstance(batches, list) and nbytes < SMALL_ANSWER:
             # a micro-batch's answer goes out as Arrow's own stream: no Python per batch and no forced
             # trim once sent (what it borrows is under SMALL_ANSWER; the next write's trim gives it back)
-            return flight.RecordBatchStream(pa.Table.from_batches(batches, schema=schema))
+            return flight.RecordBatchStream(pa.Table.from_batches(batches, schema=schema), options=_IPC_OPTIONS)
         return flight.GeneratorStream(schema, self._stream(batches, nbytes))
 
     def _stream(self, batches: Iterable[pa.RecordBatch], nbytes: int) -> Iterator[pa.RecordBatch]:
@@ -305,6 +297,9 @@ class StoreServer(flight.FlightServerBase):
             yield from batches
             return
         try:
+            # this thread's earlier answers were freed once sent: their pages go back before this one is copied
+            # (not for a small answer: a micro-batch's copy into warm pages costs a third of one into fresh ones)
+            pa.default_memory_pool().release_unused()
             with self.store.reading(nbytes):
                 yield from batches
         finally:

@@ -33,7 +33,8 @@ from __future__ import annotations
 import contextlib
 import threading
 import time
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from typing import cast
 
 import pyarrow as pa
 import pyarrow.compute as pc
@@ -43,10 +44,10 @@ from flight_store import metadata as _metadata
 from flight_store.config import StoreConfig
 from flight_store.contents import StoreContents
 from flight_store.durability import Journal
-from flight_store.errors import LimitExceededError, SchemaMismatchError
+from flight_store.errors import KnitError, LimitExceededError, SchemaMismatchError
 from flight_store.images import images_table
 from flight_store.memory import Incoming, MemoryAccount, pack, return_free_memory
-from flight_store.validate import normalize_group, normalize_images
+from flight_store.validate import normalize_group, normalize_groups, normalize_images
 from flight_store.weights import one_batch
 from schemas import weights as weights_codec
 from schemas.arrow import SCHEMA_VERSION
@@ -172,18 +173,58 @@ class Store:
             for b in batches:
                 flat.extend(b.to_batches() if isinstance(b, pa.Table) else [b])
             normalized = normalize_group(flat, group_id, sum(b.num_rows for b in flat) if rows is None else rows)
-            with self._lock:
-                if self._contents.groups.check_rewrite(group_id, normalized):
-                    return 0
-                keys = _groups.image_keys_of(normalized)
-                self._contents.images.check_present(keys, group_id)
-                packed = [pack(b) for b in normalized]
-                # stored groups + this group + what the OTHER writes in flight hold must fit
-                self._memory.reserve(sum(held for _, held in packed), what, incoming.others)
-                self._memory.check_rss(0, what)  # the packed blocks' pages are resident already
-                self._journal.group(group_id, [block for block, _ in packed], meta or {})
-                return self._contents.commit_group(group_id, normalized, packed, meta, image_keys=keys)
+            return self._commit_group(group_id, normalized, meta, incoming)
         raise AssertionError  # pragma: no cover - the with block returns or raises
+
+    def put_groups(self, groups: Sequence[tuple[str, int]], batches: Sequence[pa.RecordBatch],
+                   meta: dict[str, str] | None = None, *, incoming: Incoming,
+                   check: Callable[[str], None] | None = None) -> tuple[dict[str, int], dict[str, KnitError]]:
+        """Validate and store several whole groups, each on its own (atomically, as :meth:`put_group`): ``groups``
+        lists each ``(group_id, rows)`` in the order of the rows of ``batches`` (a bulk write's stream).
+
+        The rules are checked once over the whole stream (:func:`~schemas.trajectory.normalize_groups`); only
+        when some row breaks one is each group checked on its own, so the refused ones are named and the
+        others stored. ``check(group_id)`` may refuse a group before anything (the node's owner check).
+        Returns the rows added per stored group and the error of each refused group.
+        """
+        table = pa.Table.from_batches(batches) if batches else None
+        try:
+            whole = None if table is None else normalize_groups(table, groups)
+        except SchemaMismatchError:
+            whole = None  # some group breaks a rule: each is checked on its own below, to name it
+        stored: dict[str, int] = {}
+        refused: dict[str, KnitError] = {}
+        at = 0
+        for group_id, rows in groups:
+            try:
+                if check is not None:
+                    check(group_id)
+                if whole is not None:
+                    stored[group_id] = self._commit_group(group_id, [whole.slice(at, rows)], meta, incoming)
+                else:
+                    part = cast(pa.Table, table).slice(at, rows).to_batches()
+                    stored[group_id] = self._commit_group(group_id, normalize_group(part, group_id, rows), meta,
+                                                          incoming)
+            except KnitError as exc:
+                refused[group_id] = exc
+            at += rows
+        return stored, refused
+
+    def _commit_group(self, group_id: str, normalized: Sequence[pa.RecordBatch], meta: dict[str, str] | None,
+                      incoming: Incoming) -> int:
+        """Store the validated batches of one whole group (a rewrite of the same content: 0 rows added)."""
+        what = f"group {group_id!r}"
+        with self._lock:
+            if self._contents.groups.check_rewrite(group_id, normalized):
+                return 0
+            keys = _groups.image_keys_of(normalized)
+            self._contents.images.check_present(keys, group_id)
+            packed = [pack(b) for b in normalized]
+            # stored groups + this group + what the OTHER writes in flight hold must fit
+            self._memory.reserve(sum(held for _, held in packed), what, incoming.others)
+            self._memory.check_rss(0, what)  # the packed blocks' pages are resident already
+            self._journal.group(group_id, [block for block, _ in packed], meta or {})
+            return self._contents.commit_group(group_id, normalized, packed, meta, image_keys=keys)
 
     def slices(
         self,
@@ -196,7 +237,7 @@ class Store:
 
         Each run of consecutive rows of one stored batch is one ``RecordBatch.slice`` (a view, no
         copy). When ``coalesce_below`` > 0, runs of small slices are copied into a few batches instead
-        (see :func:`flight_store.groups.project`): one small copy is cheaper than one IPC message per slice.
+        (see :func:`flight_store.groups.coalesce`): one small copy is cheaper than one IPC message per slice.
 
         Raises:
             UnknownGroupError: a group (or one of its rows) is not stored here.
@@ -215,7 +256,7 @@ class Store:
             out, sizes, meta = self._contents.groups.slices(refs, columns)
             nbytes = sum(sizes)
             self.bytes_out += nbytes
-        return _groups.project(out, sizes, columns, coalesce_below), meta, nbytes
+        return _groups.coalesce(out, sizes, coalesce_below), meta, nbytes
 
     def release(self, group_ids: Iterable[str]) -> int:
         """Free the payload of these groups (unknown ids are ignored); returns how many were freed.

@@ -37,6 +37,12 @@ def normalize_group(batches: Sequence[pa.RecordBatch], group_id: str, rows: int)
         return trajectory.normalize_group(batches, group_id, rows)
 
 
+def normalize_groups(table: pa.Table, groups: Sequence[tuple[str, int]]) -> pa.RecordBatch:
+    """:func:`schemas.trajectory.normalize_groups`, refusing with :class:`SchemaMismatchError`."""
+    with _as_schema_mismatch():
+        return trajectory.normalize_groups(table, groups)
+
+
 def normalize_images(table: pa.Table | pa.RecordBatch) -> pa.Table:
     """:func:`schemas.trajectory.normalize_images`, refusing with :class:`SchemaMismatchError`."""
     with _as_schema_mismatch():

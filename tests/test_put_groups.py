@@ -111,3 +111,55 @@ def test_many_long_ids_split_into_several_doputs(store_nodes, make_group) -> Non
         result = client.put_groups([make_group(g, size=1) for g in ids])
     assert result.refused == {} and len(result.stored) == 300
     assert server.store.stats()["groups"]["stored"] == 300
+
+
+def _bulk(batches: list[pa.RecordBatch]) -> tuple[pa.Table, list[tuple[str, int]]]:
+    return pa.Table.from_batches(batches), [(str(b.column("group_id")[0]), b.num_rows) for b in batches]
+
+
+def test_one_check_over_many_groups_keeps_every_group_rule(make_group) -> None:  # type: ignore[no-untyped-def]
+    from schemas.trajectory import TrajectoryError, normalize_group, normalize_groups
+
+    good = [make_group("a", size=2), make_group("b", size=3, response_len=5), make_group("c", size=1)]
+    table, groups = _bulk(good)
+    whole = normalize_groups(table, groups)
+    one_by_one = pa.Table.from_batches([b for g in good for b in normalize_group([g], str(g.column(0)[0]), g.num_rows)])
+    assert pa.Table.from_batches([whole]).equals(one_by_one)  # same rows, same computed bytes
+
+    def changed(column: str, values: list[object]) -> list[pa.RecordBatch]:  # the middle group's column
+        field = good[1].schema.field(column)
+        return [good[0], good[1].set_column(good[1].schema.get_field_index(column), field,
+                                            pa.array(values, field.type)), good[2]]
+
+    def broken(column: str, values: list[object]) -> str:
+        with pytest.raises(TrajectoryError) as info:
+            normalize_groups(*_bulk(changed(column, values)))
+        return str(info.value.column)
+
+    assert broken("group_id", ["b", "a", "b"]) == "group_id"  # a row of another group, inside b's rows
+    assert broken("sample_idx", [0, 0, 2]) == "sample_idx"  # repeated within one group
+    assert broken("sample_idx", [0, 1, 3]) == "sample_idx"  # a gap (3 is past the group's rows)
+    assert normalize_groups(*_bulk(changed("sample_idx", [2, 0, 1]))).num_rows == 6  # any order of 0..rows-1
+    assert broken("reward", [0.0, float("nan"), 1.0]) == "reward"
+    with pytest.raises(TrajectoryError, match="declare 7 rows"):
+        normalize_groups(table, [("a", 2), ("b", 4), ("c", 1)])
+
+
+def test_a_bulk_of_valid_groups_is_checked_once_not_group_by_group(store_nodes, make_group, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    import flight_store.store as store_module
+
+    def per_group(*args: object, **kwargs: object) -> None:
+        raise AssertionError("a valid bulk write was checked group by group")
+
+    (server,) = store_nodes(1)
+    monkeypatch.setattr(store_module, "normalize_group", per_group)
+    with StoreClient(server.location) as client:
+        batches = [make_group(f"v{i}", size=2 + i % 3) for i in range(6)]
+        result = client.put_groups(batches)
+        assert result.refused == {} and set(result.stored) == {f"v{i}" for i in range(6)}
+        for b in batches:
+            gid = str(b.column("group_id")[0])
+            assert _group(client, gid, b.num_rows, list(PACK_COLUMNS)).equals(
+                pa.Table.from_batches([b]).select(list(PACK_COLUMNS)))
+        assert server.store.metadata().column("group_id").to_pylist() == [
+            str(b.column("group_id")[0]) for b in batches for _ in range(b.num_rows)]
