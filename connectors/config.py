@@ -123,6 +123,11 @@ class RolloutConfig:
     """Which committed prompt goes out next: ``slow_first`` (of the ``commit_ahead`` prompts waiting, one of the
     data source whose groups took longest so far, measured from dispatch to completion: a slow class gets its
     lead and a fast one does not finish early to wait for its quota mates) or ``loader`` (the stream's order)."""
+    synchronous: tuple[int, int] | None = None
+    """``(B, K)``: generate on-policy, as a colocated run does: the ``i``-th prompt drawn (a train batch is ``B``
+    prompts in stream order) is dispatched only once the engine holds weights of version ``(i // B) * K`` or
+    newer, the version the trainer starts that train batch with (``K`` optimizer steps a train batch). A prompt
+    whose group was aborted goes out again at once. ``None``: dispatch as the lookahead limit allows."""
     max_redispatch: int = 2
     """A group the engine aborts while the worker runs is written as "aborted" and its prompt dispatched
     again (under a new group id, same ``prompt_id``), at most this many times."""
@@ -153,6 +158,9 @@ class RolloutConfig:
             raise ValueError(msg)
         if self.logprobs_mode not in ("raw_logprobs", "processed_logprobs"):
             msg = f"RolloutConfig.logprobs_mode={self.logprobs_mode!r} is not raw_logprobs/processed_logprobs"
+            raise ValueError(msg)
+        if self.synchronous is not None and min(self.synchronous) < 1:
+            msg = f"RolloutConfig.synchronous={self.synchronous} must be (B, K) with both >= 1"
             raise ValueError(msg)
         if self.initial_version < 0:
             msg = f"RolloutConfig.initial_version={self.initial_version} must be >= 0"

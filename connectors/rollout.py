@@ -77,6 +77,8 @@ class _Drawn:
     prompt: Prompt
     prompt_id: str
     """The prompt's first group id (kept when it is dispatched again after an abort)."""
+    index: int = 0
+    """Its place in the prompt stream (0 = the first prompt drawn)."""
     attempt: int = 0
 
 
@@ -220,10 +222,14 @@ class RolloutWorker:
             if not self._committed:
                 return exhausted
             if allowed:
-                self._dispatch(self._next_committed())
+                ready = self._next_committed()
+                if ready is None:
+                    return False  # synchronous: the next train batch waits for its weights
+                self._dispatch(ready)
                 continue
             # paused with nothing running, and the trainer needs a class: the first committed prompt of it
-            needed = next((d for d in self._committed if self._lookahead.take_demand(d.prompt.data_source)), None)
+            needed = next((d for d in self._committed if self._on_policy(d)
+                           and self._lookahead.take_demand(d.prompt.data_source)), None)
             if needed is None:
                 return False
             self._committed.remove(needed)
@@ -242,20 +248,33 @@ class RolloutWorker:
                 return True
             self._drawn += 1
             group_id, node = self._place()
-            drawn = _Drawn(group_id, node, prompt, prompt_id=group_id)
+            drawn = _Drawn(group_id, node, prompt, prompt_id=group_id, index=self._drawn - 1)
             self._committed.append(drawn)
             if cfg.commit_ahead:
                 self._register(drawn, "queued")
         return False
 
-    def _next_committed(self) -> _Drawn:
+    def _next_committed(self) -> _Drawn | None:
         """The committed prompt to dispatch next: the first of the slowest data source so far (``slow_first``;
-        sources not yet measured count as slowest, so each is measured early), or the first (``loader``)."""
-        if self.config.dispatch_order == "loader" or len(self._committed) == 1:
-            return self._committed.popleft()
-        slowest = max(self._committed, key=lambda d: self._latency.get(d.prompt.data_source, float("inf")))
-        self._committed.remove(slowest)
-        return slowest
+        sources not yet measured count as slowest, so each is measured early), or the first (``loader``);
+        ``None`` while every committed prompt waits for its train batch's weights (``synchronous``)."""
+        ready = [d for d in self._committed if self._on_policy(d)]
+        if not ready:
+            return None
+        if self.config.dispatch_order == "loader" or len(ready) == 1:
+            chosen = ready[0]
+        else:
+            chosen = max(ready, key=lambda d: self._latency.get(d.prompt.data_source, float("inf")))
+        self._committed.remove(chosen)
+        return chosen
+
+    def _on_policy(self, drawn: _Drawn) -> bool:
+        """Whether ``drawn`` may go out now under ``synchronous`` (always without it): the engine holds the
+        weights its train batch starts from, or it is an aborted group's prompt going out again."""
+        sync = self.config.synchronous
+        if sync is None or drawn.attempt:
+            return True
+        return self._sync.version >= (drawn.index // sync[0]) * sync[1]
 
     def _register(self, drawn: _Drawn, state: str) -> None:
         if self.config.register_inflight:
@@ -306,7 +325,8 @@ class RolloutWorker:
         if self._stop or drawn.attempt >= self.config.max_redispatch:
             return
         group_id, node = self._place()
-        again = _Drawn(group_id, node, drawn.prompt, prompt_id=drawn.prompt_id, attempt=drawn.attempt + 1)
+        again = _Drawn(group_id, node, drawn.prompt, prompt_id=drawn.prompt_id, index=drawn.index,
+                       attempt=drawn.attempt + 1)
         self.report.redispatched[group_id] = drawn.prompt_id
         self._register(again, "queued")
         self._committed.appendleft(again)

@@ -14,13 +14,14 @@ import threading
 from collections.abc import Sequence
 from pathlib import Path
 from types import FrameType
-from typing import Any
+from typing import Any, cast
 
+from admission.config import Policy
 from launcher import progress, report
 from launcher.flags import add_flags, build
 from launcher.model import RUN_MODELS, prepare_model
 from launcher.ray_deploy import RayNodeLostError, run_on_ray
-from launcher.run import COMPARED, Interrupted, RunConfig, run_policy
+from launcher.run import COMPARED, RUN_POLICIES, Interrupted, RunConfig, run_policy
 
 QUICK_TRAIN_BATCHES = 3
 """Train batches of ``knit run --quick`` (under 2 minutes on 2 cores after the first start)."""
@@ -32,6 +33,9 @@ def parse(argv: Sequence[str]) -> tuple[list[RunConfig], argparse.Namespace]:
                                      "store nodes, a vLLM rollout worker and a Megatron trainer, with weight sync.")
     parser.add_argument("--compare", action="store_true",
                         help="run train_batch, mini_batch and streaming (quota-free), on the same seeds")
+    parser.add_argument("--policies", type=_policies, default=None, metavar="A,B,...",
+                        help=f"run these policies one after another, on the same seeds (of {', '.join(RUN_POLICIES)}; "
+                        "e.g. train_batch,mini_batch,colocated for a learning comparison)")
     parser.add_argument("--quick", action="store_true",
                         help=f"{QUICK_TRAIN_BATCHES} train batches unless --train-batches says otherwise")
     parser.add_argument("--plain", action="store_true", help="plain progress lines instead of the live display")
@@ -50,9 +54,21 @@ def parse(argv: Sequence[str]) -> tuple[list[RunConfig], argparse.Namespace]:
     except ValueError as exc:
         parser.error(str(exc))
     cfg.out, cfg.model_dir = cfg.out.resolve(), cfg.model_path.resolve()
-    if not args.compare:
+    if args.compare and args.policies:
+        parser.error("--compare and --policies: give one of them")
+    policies = COMPARED if args.compare else args.policies
+    if not policies:
         return [cfg], args
-    return [cfg.for_policy(p, cfg.out / p) for p in COMPARED], args
+    return [cfg.for_policy(p, cfg.out / p) for p in policies], args
+
+
+def _policies(text: str) -> tuple[Policy, ...]:
+    names = tuple(p.strip() for p in text.split(",") if p.strip())
+    bad = [p for p in names if p not in RUN_POLICIES]
+    if bad or not names or len(set(names)) != len(names):
+        msg = f"--policies {text!r}: give distinct names among {', '.join(RUN_POLICIES)}"
+        raise argparse.ArgumentTypeError(msg)
+    return cast(tuple[Policy, ...], names)
 
 
 def _run_on_ray(cfg: RunConfig, model: Any, args: argparse.Namespace, stop: threading.Event,
@@ -65,7 +81,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     (``launcher.ray_deploy.RayNodeLostError``)."""
     configs, args = parse(list(argv) if argv is not None else [])
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    out = configs[0].out.parent if args.compare else configs[0].out
+    out = configs[0].out.parent if len(configs) > 1 else configs[0].out
     stop = threading.Event()
 
     def on_signal(signum: int, frame: FrameType | None) -> None:

@@ -15,13 +15,14 @@ Figures per policy (``policy_summary``):
 * transfer latency (fetch time per micro-batch), exposed wait (time the step loop blocked on data),
   trainer idle (time waiting for an admissible mini-batch, start-up excluded);
 * throughput (trajectories and tokens per second of the training window) and the reward trend
-  (mean reward per train batch);
+  (mean reward per train batch, with its 95% band, and pooled over the first and last 5 train batches);
 * ``store_outages`` (each store node that died and was started again, or that did not answer while its
   process ran, ``cause`` ``unreachable``: ``launcher.stores.Outage``) and
   ``store_restarts`` (processes started again, over all nodes).
 
 Plots: ``staleness_per_step.png``, ``time_breakdown.png``, ``reward_per_train_batch.png``; with
-two policies also ``staleness_compare.png`` in the top folder.
+several policies also ``reward_compare.png`` (and with train_batch and mini_batch ``staleness_compare.png``)
+in the top folder.
 """
 
 from __future__ import annotations
@@ -85,8 +86,10 @@ def policy_summary(folder: Path, *, config: dict[str, Any], wall_s: float, metri
     idle = [s.get("plan_wait_s", 0.0) for s in steps[1:]]  # step 0 waits for start-up
     window = steps[-1]["t_end"] - (steps[0]["t_end"] - steps[0]["step_time_s"]) if steps else 0.0
     tokens = int(consumed["response_len"].sum()) if consumed.height else 0
-    reward = (consumed.group_by("train_batch").agg(pl.col("reward").mean()).sort("train_batch")["reward"].to_list()
-              if consumed.height else [])
+    per_batch = (consumed.group_by("train_batch").agg(pl.col("reward").mean().alias("mean"), _ci95("reward"))
+                 .sort("train_batch") if consumed.height else pl.DataFrame({"mean": [], "ci95": []}))
+    reward = per_batch["mean"].to_list()
+    reward_batches = per_batch["train_batch"].to_list() if consumed.height else []
     result: dict[str, Any] = {
         "policy": config.get("policy"),
         "arch_staleness_mean": round(stal["arch_mean"], 4),
@@ -112,6 +115,7 @@ def policy_summary(folder: Path, *, config: dict[str, Any], wall_s: float, metri
         "throughput": {"trajectories_per_s": round(consumed.height / window, 3) if window > 0 else 0.0,
                        "tokens_per_s": round(tokens / window, 1) if window > 0 else 0.0},
         "reward_per_train_batch": [round(float(r), 4) for r in reward],
+        "reward_ci95_per_train_batch": [round(float(c), 4) for c in per_batch["ci95"].to_list()],
         "abs_logp_diff_first_step": round(float(steps[0]["abs_logp_diff"]), 8) if steps else None,
         "rollout": {k: rollout.get(k) for k in ("groups", "aborted_groups", "rows", "response_tokens", "tokens_per_s",
                                                 "engine_start_s", "generate_s", "policy_versions", "bytes_written")},
@@ -123,7 +127,23 @@ def policy_summary(folder: Path, *, config: dict[str, Any], wall_s: float, metri
     }
     if reward:
         result["reward_trend"] = round(float(reward[-1]) - float(reward[0]), 4)
+        n = min(REWARD_WINDOW, len(reward))
+        for name, batches in (("first", reward_batches[:n]), ("last", reward_batches[-n:])):
+            window_rows = consumed.filter(pl.col("train_batch").is_in(batches)).select(
+                pl.col("reward").mean().alias("mean"), _ci95("reward")).row(0, named=True)
+            result[f"reward_{name}{REWARD_WINDOW}"] = {"mean": round(float(window_rows["mean"]), 4),
+                                                       "ci95": round(float(window_rows["ci95"] or 0.0), 4),
+                                                       "train_batches": len(batches)}
     return result
+
+
+REWARD_WINDOW = 5
+"""Train batches pooled at each end of a run for ``reward_first5`` / ``reward_last5`` (mean and its 95% band)."""
+
+
+def _ci95(column: str) -> pl.Expr:
+    """Half-width of the normal 95% confidence interval of ``column``'s mean (over the trajectories)."""
+    return (1.96 * pl.col(column).std(ddof=1).fill_null(0.0) / pl.len().sqrt()).alias("ci95")
 
 
 def write_summary(out: Path, results: dict[str, dict[str, Any]]) -> dict[str, Any]:
@@ -140,6 +160,8 @@ def write_summary(out: Path, results: dict[str, dict[str, Any]]) -> dict[str, An
         if results.get("streaming", {}).get("arch_staleness_mean"):
             doc["mini_vs_streaming_arch"] = round(new / results["streaming"]["arch_staleness_mean"], 4)
         plot_compare(out, results)
+    if len(results) > 1:
+        plot_rewards(out, results)
     out.mkdir(parents=True, exist_ok=True)
     (out / "summary.json").write_text(json.dumps(doc, indent=1, default=str))
     return doc
@@ -204,6 +226,23 @@ def plot_policy(folder: Path, result: dict[str, Any]) -> list[Path]:
     ax.set(xlabel="train batch", ylabel="mean reward", title=f"{name}: reward per train batch")
     paths.append(_save(fig, folder / "reward_per_train_batch.png"))
     return paths
+
+
+def plot_rewards(out: Path, results: dict[str, dict[str, Any]]) -> Path:
+    """Mean reward per train batch of every policy in one plot, each with its 95% band (over the batch's
+    trajectories)."""
+    plt = _pyplot()
+    fig, ax = plt.subplots(figsize=(7, 3.5))
+    for name, result in results.items():
+        mean = result.get("reward_per_train_batch") or []
+        band = result.get("reward_ci95_per_train_batch") or [0.0] * len(mean)
+        x = list(range(len(mean)))
+        ax.plot(x, mean, "o-", label=name)
+        ax.fill_between(x, [m - b for m, b in zip(mean, band, strict=True)],
+                        [m + b for m, b in zip(mean, band, strict=True)], alpha=0.15)
+    ax.legend()
+    ax.set(xlabel="train batch", ylabel="mean reward (95% band)", title="reward per train batch")
+    return _save(fig, out / "reward_compare.png")
 
 
 def plot_compare(out: Path, results: dict[str, dict[str, Any]]) -> Path:

@@ -65,6 +65,9 @@ log = logging.getLogger(__name__)
 
 COMPARED: tuple[Policy, ...] = ("train_batch", "mini_batch", "streaming")
 """The policies ``--compare`` runs, baseline first, the quota-free reference last."""
+RUN_POLICIES: tuple[Policy, ...] = (*COMPARED, "colocated")
+"""The policies ``knit run`` runs (``colocated``: the rollout generates each train batch with the weights the
+trainer starts it from, and waits for them: synchronous, on-policy RL)."""
 
 
 class Interrupted(Exception):
@@ -96,7 +99,8 @@ class RunConfig:
     max_tokens: int = 64
     """Longest response, tokens."""
     lookahead: int | None = None
-    """Groups dispatched but not yet consumed (None = the policy's default: 2B for train_batch, B + B/K else)."""
+    """Groups dispatched but not yet consumed (None = the policy's default: 2B for train_batch, B for colocated,
+    B + B/K else)."""
     seed: int = 0
     """Seed of the prompt stream, sampling, the tiny model and the trainer (same seed, same prompts per policy)."""
     data_sources: dict[str, float] = field(default_factory=lambda: dict(DEFAULT_DATA_SOURCES))
@@ -138,8 +142,8 @@ class RunConfig:
             if getattr(self, name) < 1:
                 msg = f"RunConfig.{name}={getattr(self, name)} must be >= 1"
                 raise ValueError(msg)
-        if self.admission.policy not in COMPARED:
-            msg = f"RunConfig: knit run runs the policies {COMPARED}, not {self.admission.policy!r}"
+        if self.admission.policy not in RUN_POLICIES:
+            msg = f"RunConfig: knit run runs the policies {RUN_POLICIES}, not {self.admission.policy!r}"
             raise ValueError(msg)
         per_mini = self.admission.groups_per_mini_batch
         if self.lookahead is not None and self.lookahead < per_mini:
@@ -157,10 +161,12 @@ class RunConfig:
 
     @property
     def lookahead_groups(self) -> int:
-        """The lookahead limit in effect: 2B for ``train_batch``, B + B/K for ``mini_batch`` unless set."""
+        """The lookahead limit in effect: 2B for ``train_batch``, B for ``colocated``, B + B/K else, unless set."""
         if self.lookahead is not None:
             return self.lookahead
         b = self.admission.train_batch_groups
+        if self.policy == "colocated":
+            return b
         return 2 * b if self.policy == "train_batch" else b + self.admission.groups_per_mini_batch
 
     @property
@@ -224,6 +230,8 @@ def rollout_config(cfg: RunConfig, stores: list[str]) -> RolloutConfig:
         max_model_len=512, group_id_prefix=f"{cfg.policy}-", report_path=str(cfg.out / "rollout.json"),
         commit_ahead=cfg.admission.train_batch_groups, mix_chunk=cfg.admission.train_batch_groups,
         data_sources=dict(cfg.data_sources),
+        synchronous=((cfg.admission.train_batch_groups, cfg.admission.mini_batches) if cfg.policy == "colocated"
+                     else None),
     )
 
 

@@ -164,3 +164,44 @@ def test_committed_prompts_go_out_slowest_source_first(store_nodes) -> None:  # 
         worker._writer.flush()  # registrations go through the writer's queue, in order with the writes
         queued = client.inflight().groups
         assert queued.height == 8 and set(queued["state"]) == {"queued"}  # registered when drawn
+
+
+def test_a_synchronous_rollout_generates_each_train_batch_with_the_weights_it_starts_from(  # type: ignore[no-untyped-def]
+        store_nodes) -> None:
+    """``synchronous=(B, K)`` (knit run's colocated policy): train batch t's prompts go out only once the
+    engine holds version t*K, so every group of it is generated start to end by those weights."""
+    import threading
+    import time
+
+    import polars as pl
+
+    from connectors.config import RolloutConfig
+    from connectors.fake_engine import FakeEngine
+    from connectors.rollout import RolloutWorker
+
+    b, k = 2, 2
+    (server,) = store_nodes(1)
+    cfg = RolloutConfig(model="unused", stores=[server.location], group_size=2, max_groups=3 * b,
+                        prompts_per_wave=4, commit_ahead=b, version_poll_s=0.0, group_id_prefix="s-",
+                        synchronous=(b, k))
+    with StoreClient(server.location) as client:
+        worker = RolloutWorker(cfg, client=client, engine=FakeEngine(max_steps=1))
+        thread = threading.Thread(target=worker.run, daemon=True)
+        thread.start()
+
+        def stored_after(wait_s: float) -> int:
+            time.sleep(wait_s)
+            return int(client.stats()[server.location]["groups"]["stored"])
+
+        assert stored_after(0.5) == b  # train batch 1 waits for version 2
+        client.publish_version(1)
+        assert stored_after(0.5) == b  # not yet: its train batch starts from version 2
+        client.publish_version(2)
+        assert stored_after(0.5) == 2 * b
+        client.publish_version(4)
+        thread.join(timeout=10)
+        assert not thread.is_alive()
+        meta = client.scan_metadata().sort("seq")
+    per_group = meta.group_by("group_id", maintain_order=True).agg(
+        first=pl.col("policy_version_min").min(), last=pl.col("policy_version").max())
+    assert per_group["first"].to_list() == per_group["last"].to_list() == [0, 0, 2, 2, 4, 4]
