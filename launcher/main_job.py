@@ -8,10 +8,11 @@ Ctrl-C (or SIGTERM) stops every child and keeps the partial results (exit 130).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import logging
 import signal
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from types import FrameType
 from typing import Any, cast
@@ -23,6 +24,10 @@ from launcher.model import RUN_MODELS, prepare_model
 from launcher.ray_deploy import RayNodeLostError, run_on_ray
 from launcher.run import COMPARED, RUN_POLICIES, Interrupted, RunConfig, run_policy
 
+MATCH = 0.95
+"""``--match-throughput``: the share of train_batch's throughput another policy's lookahead must reach."""
+
+
 QUICK_TRAIN_BATCHES = 3
 """Train batches of ``knit run --quick`` (under 2 minutes on 2 cores after the first start)."""
 
@@ -33,6 +38,10 @@ def parse(argv: Sequence[str]) -> tuple[list[RunConfig], argparse.Namespace]:
                                      "store nodes, a vLLM rollout worker and a Megatron trainer, with weight sync.")
     parser.add_argument("--compare", action="store_true",
                         help="run train_batch, mini_batch and streaming (quota-free), on the same seeds")
+    parser.add_argument("--match-throughput", action="store_true",
+                        help="with --compare or --policies: run train_batch first, then each other policy at its "
+                        "smallest lookahead (one mini-batch of groups, two, ... up to 2B) whose throughput reaches "
+                        f"{MATCH * 100:.0f}%% of train_batch's; every try is reported")
     parser.add_argument("--policies", type=_policies, default=None, metavar="A,B,...",
                         help=f"run these policies one after another, on the same seeds (of {', '.join(RUN_POLICIES)}; "
                         "e.g. train_batch,mini_batch,colocated for a learning comparison)")
@@ -57,6 +66,8 @@ def parse(argv: Sequence[str]) -> tuple[list[RunConfig], argparse.Namespace]:
     if args.compare and args.policies:
         parser.error("--compare and --policies: give one of them")
     policies = COMPARED if args.compare else args.policies
+    if args.match_throughput and (not policies or policies[0] != "train_batch"):
+        parser.error("--match-throughput needs --compare, or --policies starting with train_batch (the baseline)")
     if not policies:
         return [cfg], args
     return [cfg.for_policy(p, cfg.out / p) for p in policies], args
@@ -69,6 +80,37 @@ def _policies(text: str) -> tuple[Policy, ...]:
         msg = f"--policies {text!r}: give distinct names among {', '.join(RUN_POLICIES)}"
         raise argparse.ArgumentTypeError(msg)
     return cast(tuple[Policy, ...], names)
+
+
+def lookaheads(cfg: RunConfig) -> list[int]:
+    """The lookaheads ``--match-throughput`` tries, smallest first: one mini-batch of groups, two, ... up to 2B."""
+    step, top = cfg.admission.groups_per_mini_batch, 2 * cfg.admission.train_batch_groups
+    return list(range(step, top + 1, step))
+
+
+def _matched(cfg: RunConfig, baseline: dict[str, Any], run_one: Callable[[RunConfig], dict[str, Any]],
+             display: progress.Display) -> dict[str, Any]:
+    """``cfg``'s policy at its smallest lookahead (:func:`lookaheads`) whose throughput reaches :data:`MATCH` of
+    ``baseline``'s (each try a whole run, in ``<out>/lookahead<L>``); with none, the try of highest throughput.
+    The result lists every try under ``lookahead_search``."""
+    target = MATCH * baseline["throughput"]["trajectories_per_s"]
+    tries: list[dict[str, Any]] = []
+    best: dict[str, Any] | None = None
+    for lookahead in lookaheads(cfg):
+        result = run_one(dataclasses.replace(cfg, lookahead=lookahead, out=cfg.out / f"lookahead{lookahead}"))
+        tp = result["throughput"]["trajectories_per_s"]
+        tries.append({"lookahead": lookahead, "trajectories_per_s": tp,
+                      "arch_staleness_mean": result["arch_staleness_mean"],
+                      "quota_violations": result["quota_violations"]})
+        if best is None or tp > best["throughput"]["trajectories_per_s"]:
+            best = result
+        if tp >= target:
+            best = result
+            break
+        display.note(f"[{cfg.policy}] lookahead {lookahead}: {tp:.2f} traj/s, under {target:.2f} "
+                     f"({MATCH:.0%} of train_batch's)")
+    assert best is not None  # lookaheads() is never empty: B/K <= 2B
+    return {**best, "lookahead_search": tries, "matched_throughput": tries[-1]["trajectories_per_s"] >= target}
 
 
 def _run_on_ray(cfg: RunConfig, model: Any, args: argparse.Namespace, stop: threading.Event,
@@ -97,25 +139,31 @@ def main(argv: Sequence[str] | None = None) -> int:
                      f"G={adm.group_size} K={adm.mini_batches} D={adm.dp_ranks}, {first.train_batches} train batches; "
                      f"run folder {out}")
         model = prepare_model(first.model_path, seed=first.seed, model=first.model)
-        for cfg in configs:
+        def run_one(cfg: RunConfig) -> dict[str, Any]:
             if stop.is_set():
                 raise Interrupted
             display.note(f"[{cfg.policy}] lookahead {cfg.lookahead_groups} groups; logs in {cfg.out / 'logs'}")
             with display.live(cfg.policy, cfg.total_groups, cfg.steps) as update:
-                if args.ray is None:
-                    results[cfg.policy] = run_policy(cfg, model, stop=stop, on_update=update)
-                else:
-                    results[cfg.policy] = _run_on_ray(cfg, model, args, stop, update)
-            for o in results[cfg.policy]["store_outages"]:
+                result = (run_policy(cfg, model, stop=stop, on_update=update) if args.ray is None
+                          else _run_on_ray(cfg, model, args, stop, update))
+            for o in result["store_outages"]:
                 if o.get("cause") == "unreachable":
                     display.note(f"[{cfg.policy}] store {o['node']} ({o['store']}) did not answer for {o['down_s']} s "
                                  "while its process ran (its host was cut off)")
                     continue
                 display.note(f"[{cfg.policy}] store {o['node']} ({o['store']}) exited with {o['exit_code']}; "
                              f"started again {o['restarts']} time(s), back after {o['down_s']} s")
-            urls = results[cfg.policy].get("metrics_urls") or []
+            urls = result.get("metrics_urls") or []
             if urls:
                 display.note(f"[{cfg.policy}] Prometheus metrics were served at {', '.join(urls)}")
+            return result
+
+        for cfg in configs:
+            baseline = results.get("train_batch")
+            if args.match_throughput and baseline is not None and cfg.lookahead is None:
+                results[cfg.policy] = _matched(cfg, baseline, run_one, display)
+            else:
+                results[cfg.policy] = run_one(cfg)
     except Interrupted:
         display.note("interrupted: every process stopped; partial results are in the run folder")
         return 130

@@ -250,7 +250,7 @@ def plot_compare(out: Path, results: dict[str, dict[str, Any]]) -> Path:
     plt = _pyplot()
     fig, ax = plt.subplots(figsize=(7, 3.5))
     for name in results:
-        path = out / name / "consumed.parquet"
+        path = _folder(out, name, results[name]) / "consumed.parquet"
         if not path.exists():
             continue
         per = pl.read_parquet(path).group_by("step").agg(pl.col("arch_staleness").mean()).sort("step")
@@ -259,6 +259,12 @@ def plot_compare(out: Path, results: dict[str, dict[str, Any]]) -> Path:
     ax.legend()
     ax.set(xlabel="optimizer step", ylabel="mean architectural staleness", title=" vs ".join(results))
     return _save(fig, out / "staleness_compare.png")
+
+
+def _folder(out: Path, name: str, result: dict[str, Any]) -> Path:
+    """The run folder of policy ``name``'s result (``--match-throughput`` keeps each try in a folder of its own)."""
+    where = result.get("config", {}).get("out")
+    return Path(where) if where else out / name
 
 
 def _save(fig: Any, path: Path) -> Path:
@@ -288,6 +294,8 @@ ROWS: tuple[tuple[str, str], ...] = (
     ("trainer idle, start-up excl. (s)", "trainer_idle_s"),
     ("throughput (traj/s, tok/s)", "throughput"),
     ("reward, first -> last train batch", "reward_per_train_batch"),
+    ("reward, first 5 -> last 5 (95% band)", "reward_windows"),
+    ("lookahead (groups)", "lookahead"),
     ("store restarts (down s)", "store_outages"),
     ("wall time (s)", "wall_s"),
 )
@@ -311,6 +319,14 @@ def table_rows(result: dict[str, Any]) -> list[tuple[str, str]]:
         elif key == "reward_per_train_batch":
             rewards = result[key]
             text = f"{rewards[0]:.3f} -> {rewards[-1]:.3f} ({len(rewards)} batches)" if rewards else "-"
+        elif key == "reward_windows":
+            a, b = result.get(f"reward_first{REWARD_WINDOW}"), result.get(f"reward_last{REWARD_WINDOW}")
+            text = f"{a['mean']:.3f}±{a['ci95']:.3f} -> {b['mean']:.3f}±{b['ci95']:.3f}" if a and b else "-"
+        elif key == "lookahead":
+            tries = result.get("lookahead_search")
+            text = str(result.get("config", {}).get("lookahead_groups", "-"))
+            if tries:
+                text += f" (tried {', '.join(str(t['lookahead']) for t in tries)})"
         elif key == "store_outages":
             downs = ", ".join(f"{o['node']}: {o['down_s']}" + (" cut off" if o.get("cause") == "unreachable" else "")
                               for o in result[key])

@@ -42,10 +42,13 @@ def test_lookahead_defaults_per_policy() -> None:
     four = RunConfig(admission=AdmissionConfig(train_batch_groups=8, group_size=4, mini_batches=4, dp_ranks=2))
     assert four.lookahead_groups == 10
     assert RunConfig(lookahead=9).lookahead_groups == 9
+    colocated = RunConfig().for_policy("colocated", Path("c"))
+    assert colocated.lookahead_groups == 8  # one train batch, generated with the weights it starts from
+    assert rollout_config(colocated, ["grpc://127.0.0.1:1"]).synchronous == (8, 2)
+    assert rollout_config(RunConfig(), ["grpc://127.0.0.1:1"]).synchronous is None
 
 
 @pytest.mark.parametrize(("kwargs", "match"), [
-    ({"admission": AdmissionConfig(train_batch_groups=8, group_size=4, policy="colocated")}, "colocated"),
     ({"train_batches": 0}, "train_batches=0"),
     ({"lookahead": 1}, "lookahead=1"),
     ({"num_stores": 0}, "num_stores=0"),
@@ -145,6 +148,50 @@ def test_knit_run_flags_build_the_configs() -> None:
     assert one.train_batches == 5 and one.policy == "train_batch" and one.admission.group_size == 4
     with pytest.raises(SystemExit):
         parse(["--mini-batches", "3"])  # 3 does not divide B = 8: refused by AdmissionConfig, named
+
+
+def test_knit_run_policies_and_match_throughput_flags() -> None:
+    configs, args = parse(["--policies", "train_batch,mini_batch,colocated", "--out", "/tmp/y"])
+    assert [c.policy for c in configs] == ["train_batch", "mini_batch", "colocated"]
+    assert [c.out for c in configs] == [Path("/tmp/y") / p for p in ("train_batch", "mini_batch", "colocated")]
+    configs, args = parse(["--compare", "--match-throughput"])
+    assert args.match_throughput and configs[0].policy == "train_batch"
+    for bad in (["--policies", "mini_batch,fast"], ["--policies", "mini_batch,mini_batch"],
+                ["--compare", "--policies", "train_batch"], ["--match-throughput"],
+                ["--policies", "mini_batch,train_batch", "--match-throughput"]):
+        with pytest.raises(SystemExit):
+            parse(bad)
+
+
+def test_match_throughput_takes_the_smallest_lookahead_that_keeps_up() -> None:
+    from launcher.main_job import _matched, lookaheads
+
+    cfg = RunConfig(out=Path("/tmp/m")).for_policy("mini_batch", Path("/tmp/m/mini_batch"))
+    assert lookaheads(cfg) == [4, 8, 12, 16]  # one mini-batch of groups (B/K = 4) up to 2B
+
+    class Notes:
+        def note(self, text: str) -> None:
+            pass
+
+    def runner(throughputs: dict[int, float]):  # type: ignore[no-untyped-def]
+        ran: list[RunConfig] = []
+
+        def run_one(c: RunConfig) -> dict[str, object]:
+            ran.append(c)
+            return {"throughput": {"trajectories_per_s": throughputs[c.lookahead_groups]},
+                    "arch_staleness_mean": c.lookahead_groups / 10, "quota_violations": 0,
+                    "config": {"lookahead_groups": c.lookahead_groups}}
+        return run_one, ran
+
+    baseline = {"throughput": {"trajectories_per_s": 10.0}}
+    run_one, ran = runner({4: 8.0, 8: 9.6, 12: 11.0, 16: 11.0})
+    got = _matched(cfg, baseline, run_one, Notes())  # type: ignore[arg-type]
+    assert [c.lookahead_groups for c in ran] == [4, 8] and ran[1].out == Path("/tmp/m/mini_batch/lookahead8")
+    assert got["config"]["lookahead_groups"] == 8 and got["matched_throughput"]
+    assert [t["lookahead"] for t in got["lookahead_search"]] == [4, 8]
+    run_one, ran = runner({4: 5.0, 8: 9.0, 12: 7.0, 16: 8.0})
+    got = _matched(cfg, baseline, run_one, Notes())  # type: ignore[arg-type]
+    assert len(ran) == 4 and got["config"]["lookahead_groups"] == 8 and not got["matched_throughput"]
 
 
 def test_knit_run_model_smollm2_maps_to_the_checkpoint_bf16_sync_and_exact_reward(tmp_path: Path) -> None:
@@ -299,6 +346,11 @@ def test_report_from_a_run_folder(tmp_path: Path) -> None:
     saved = json.loads((tmp_path / "summary.json").read_text())
     assert saved["policies"]["train_batch"]["arch_staleness_mean"] == 2.0
     assert (tmp_path / "staleness_compare.png").stat().st_size > 1000
+    assert (tmp_path / "reward_compare.png").stat().st_size > 1000
+    window = results["mini_batch"]["reward_first5"]
+    assert window["mean"] == 0.5 and window["train_batches"] == 1
+    assert window["ci95"] == pytest.approx(1.96 * float(pl.Series([0.0, 1.0, 0.5, 0.5]).std()) / 2, abs=1e-4)
+    assert results["mini_batch"]["reward_ci95_per_train_batch"] == [round(window["ci95"], 4)]
 
     from launcher.report import plot_policy
 
