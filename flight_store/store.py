@@ -34,7 +34,6 @@ import contextlib
 import threading
 import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
-from typing import cast
 
 import pyarrow as pa
 import pyarrow.compute as pc
@@ -202,7 +201,7 @@ class Store:
                 if whole is not None:
                     stored[group_id] = self._commit_group(group_id, [whole.slice(at, rows)], meta, incoming)
                 else:
-                    part = cast(pa.Table, table).slice(at, rows).to_batches()
+                    part = table.slice(at, rows).to_batches() if table is not None else []
                     stored[group_id] = self._commit_group(group_id, normalize_group(part, group_id, rows), meta,
                                                           incoming)
             except KnitError as exc:

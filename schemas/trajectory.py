@@ -31,7 +31,8 @@ them accepts, the others accept too.
   lengths, ``num_images`` equals ``len(image_keys)``).
 
 :func:`normalize_group` normalises the batches of one whole group (one DoPut stream): exactly the
-declared number of rows, ``sample_idx`` 0..rows-1 once each. :func:`normalize_images` does the same for
+declared number of rows, ``sample_idx`` 0..rows-1 once each; :func:`normalize_groups` checks the same for
+several whole groups at once (a bulk write). :func:`normalize_images` does the same for
 the image table, and checks each image's content key against its bytes.
 """
 
@@ -406,10 +407,10 @@ def normalize_groups(table: pa.Table, groups: Sequence[tuple[str, int]]) -> pa.R
             it refuses checks them one by one with :func:`normalize_group` then.
     """
     rows = np.array([r for _, r in groups], dtype=np.int64)
-    if int(rows.sum()) != table.num_rows or (rows <= 0).any():
+    if not groups or int(rows.sum()) != table.num_rows or (rows <= 0).any():
         msg = f"{len(groups)} groups declare {int(rows.sum())} rows but the stream carried {table.num_rows}"
         raise TrajectoryError(msg, column="sample_idx")
-    batch = table.combine_chunks().to_batches()[0] if table.num_rows else table.to_batches()[0]
+    batch = table.combine_chunks().to_batches()[0]  # one batch (a copy only when the stream had several)
     cols = _conformed(batch, utc_now())
     ids = pa.array([g for g, _ in groups], type=pa.string())
     owner = np.repeat(np.arange(len(groups)), rows)  # each row's group, by position
