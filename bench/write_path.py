@@ -13,7 +13,8 @@ DoPuts of :data:`BULK` groups each (``StoreClient.put_groups``, each group still
 committed on its own) beside DoPuts of the same batches to the minimal server
 (``ratios.put_groups_vs_minimal_flight_bulk``; ``ratios.put_groups_vs_put_group``: the bulk write's
 gain). ``metrics.server_us_per_group`` is ``Store.put_group`` in-process on the same groups: the
-node's own time per group, without gRPC.
+node's own time per group, without gRPC; ``metrics.server_us_per_group_bulk`` the same for
+``Store.put_groups`` in calls of :data:`BULK` groups (the rules checked once per call).
 """
 
 from __future__ import annotations
@@ -63,6 +64,30 @@ def _server_us_per_group(groups: list[pa.RecordBatch]) -> float:
     return us
 
 
+def _server_us_per_group_bulk(groups: list[pa.RecordBatch]) -> float:
+    """``Store.put_groups`` in-process over ``groups`` in calls of :data:`BULK` (the first call warms up),
+    microseconds per group."""
+    store = Store(StoreConfig())
+    calls = [groups[i:i + BULK] for i in range(0, len(groups), BULK)]
+
+    def one(call: list[pa.RecordBatch]) -> None:
+        with store.incoming(f"{len(call)} groups") as incoming:
+            incoming.add(sum(b.get_total_buffer_size() for b in call))
+            stored, refused = store.put_groups([(str(b.column("group_id")[0]), b.num_rows) for b in call], call,
+                                               incoming=incoming)
+        if refused or len(stored) != len(call):
+            msg = f"the bulk write refused {sorted(refused)}"
+            raise RuntimeError(msg)
+
+    one(calls[0])
+    t0 = time.perf_counter()
+    for call in calls[1:]:
+        one(call)
+    us = (time.perf_counter() - t0) / sum(len(c) for c in calls[1:]) * 1e6
+    store.close()
+    return us
+
+
 def run(groups_n: int, size: int, tokens: int, reps: int, seed: int) -> dict[str, Any]:
     rng = np.random.default_rng(seed)
     payload = make_group("g", size, tokens, rng).nbytes
@@ -89,13 +114,15 @@ def run(groups_n: int, size: int, tokens: int, reps: int, seed: int) -> dict[str
         sink.kill()
         sink.wait(timeout=10)
     server_us = _server_us_per_group([make_group(f"s{i}", size, tokens, rng) for i in range(groups_n)])
+    server_us_bulk = _server_us_per_group_bulk([make_group(f"u{i}", size, tokens, rng)
+                                                for i in range(max(groups_n, 2 * BULK))])
     gbps = {name: groups_n * payload / statistics.median(ts) / 1e9 for name, ts in times.items()}
     ms = {name: statistics.median(ts) / groups_n * 1e3 for name, ts in times.items()}
     return {
         "metrics": {
             "put_group_gbps": gbps["knit"], "minimal_flight_put_gbps": gbps["minimal"],
             "put_group_ms_per_group": ms["knit"], "minimal_flight_ms_per_group": ms["minimal"],
-            "server_us_per_group": server_us, "group_bytes": payload,
+            "server_us_per_group": server_us, "server_us_per_group_bulk": server_us_bulk, "group_bytes": payload,
             "put_group_s_per_rep": times["knit"], "minimal_flight_s_per_rep": times["minimal"],
             "put_groups_gbps": gbps["bulk"], "minimal_flight_bulk_gbps": gbps["bulk_minimal"],
             "put_groups_ms_per_group": ms["bulk"], "bulk_groups_per_doput": BULK,
@@ -126,7 +153,8 @@ def main(argv: list[str] | None = None) -> int:
           f"in DoPuts of {BULK} groups ({result['ratios']['put_groups_vs_minimal_flight_bulk']:.2f})")
     print(f"put_group {m['put_group_gbps']:.3f} GB/s ({m['put_group_ms_per_group']:.2f} ms/group), minimal Flight "
           f"{m['minimal_flight_put_gbps']:.3f} GB/s ({m['minimal_flight_ms_per_group']:.2f} ms/group); ratio "
-          f"{result['ratios']['put_vs_minimal_flight']:.2f}; server {m['server_us_per_group']:.0f} us/group in-process")
+          f"{result['ratios']['put_vs_minimal_flight']:.2f}; server {m['server_us_per_group']:.0f} us/group in-process "
+          f"({m['server_us_per_group_bulk']:.0f} in bulk)")
     return 0
 
 
