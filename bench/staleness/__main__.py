@@ -33,7 +33,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     p = SimParams(train_batches=args.train_batches or (6 if args.quick else 20), math_sigma=args.math_sigma,
                   groups=args.groups, group_size=args.group_size, mini_batches=args.mini_batches, slots=args.slots,
                   sync=args.sync, version_at=args.version_at,
-                  loader_order=args.loader_order, loader_mix=args.loader_mix, dispatch=args.dispatch)
+                  loader_order=args.loader_order, loader_mix=args.loader_mix, dispatch=args.dispatch,
+                  prefer=args.prefer)
     seeds = list(args.seeds)
     with timer() as wall:
         p.train_s_per_token = args.trainer_slowdown * calibrate(
@@ -119,6 +120,8 @@ def _parser() -> argparse.ArgumentParser:
                     help="iid: each prompt's source drawn 50/50 (a chunk's mix varies; the planner holds the quota)")
     ap.add_argument("--dispatch", choices=["fifo", "per_class"], default="fifo",
                     help="how the rollout spends the lookahead (SimParams.dispatch)")
+    ap.add_argument("--prefer", choices=["scarce", "oldest"], default="scarce",
+                    help="the planner's choice among feasible compositions (AdmissionConfig.prefer)")
     ap.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2], help="the seeds each figure averages")
     ap.add_argument("--groups", type=int, default=64, help="B: prompt groups per train batch")
     ap.add_argument("--group-size", type=int, default=8, help="G: responses per prompt group")

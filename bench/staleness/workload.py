@@ -59,6 +59,9 @@ class SimParams:
     loader_mix: str = "exact"
     """Sources of a chunk's prompts: ``exact`` (B/2 math and B/2 chat, the quota mix) or ``iid`` (each prompt's
     source drawn 50/50 on its own: a chunk's mix varies, and the planner alone keeps the quota)."""
+    prefer: str = "scarce"
+    """The planner's choice among feasible compositions (``AdmissionConfig.prefer``): ``scarce`` (classes least
+    covered first, then oldest) or ``oldest`` (lowest policy version first)."""
     dispatch: str = "fifo"
     """How the rollout spends the lookahead L: ``fifo`` (the loader's order, one L for all classes) or
     ``per_class`` (each class's prompts in loader order, class s dispatched while its dispatched-untrained
@@ -123,4 +126,5 @@ def admission_config(p: SimParams, policy: str) -> AdmissionConfig:
     """The planner's configuration for ``policy`` on this workload: B, G, K, D and the 50/50 source quota."""
     return AdmissionConfig(train_batch_groups=p.groups, group_size=p.group_size, mini_batches=p.mini_batches,
                            dp_ranks=p.dp_ranks, token_budget=p.token_budget, policy=policy,  # type: ignore[arg-type]
+                           prefer=p.prefer,  # type: ignore[arg-type]
                            quotas=(Quota(column="data_source", shares={"math": 0.5, "chat": 0.5}),))
