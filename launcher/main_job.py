@@ -104,9 +104,8 @@ def _matched(cfg: RunConfig, baseline: dict[str, Any], run_one: Callable[[RunCon
                       "arch_staleness_mean": result["arch_staleness_mean"],
                       "quota_violations": result["quota_violations"]})
         if best is None or tp > best["throughput"]["trajectories_per_s"]:
-            best = result
+            best = result  # a try that keeps up is the fastest so far: every earlier one was under the target
         if tp >= target:
-            best = result
             break
         display.note(f"[{cfg.policy}] lookahead {lookahead}: {tp:.2f} traj/s, under {target:.2f} "
                      f"({MATCH:.0%} of train_batch's)")
@@ -140,6 +139,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                      f"G={adm.group_size} K={adm.mini_batches} D={adm.dp_ranks}, {first.train_batches} train batches; "
                      f"run folder {out}")
         model = prepare_model(first.model_path, seed=first.seed, model=first.model)
+
         def run_one(cfg: RunConfig) -> dict[str, Any]:
             if stop.is_set():
                 raise Interrupted
