@@ -154,6 +154,7 @@ class RolloutWorker:
         self._latency: dict[str, float] = {}  # data source -> moving mean of dispatch-to-completion seconds
         self._placed = 0  # group ids handed out
         self._stop = False
+        self._held = False  # the last lookahead check paused dispatch
         self._rewards: dict[str, list[float]] = {}
         self._versions: set[int] = set()
 
@@ -216,6 +217,11 @@ class RolloutWorker:
         """Dispatch prompts while there is room; returns True when the prompt stream is exhausted."""
         while not self._stop and len(self._pending) < self.config.prompts_per_wave:
             allowed = self._lookahead.allows(running=len(self._pending))
+            if allowed and self._held:
+                # the trainer released groups, which it does after publishing the version it trained: load
+                # that version before the freed room is filled, so those groups come from the newest weights
+                self._sync.poll(force=True)
+            self._held = not allowed
             if not allowed and (self._pending or not self._lookahead.demanded):
                 return False  # past the limit only for a demanded class, and only while the engine is idle
             exhausted = self._top_up()

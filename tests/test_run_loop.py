@@ -97,7 +97,10 @@ def test_knit_run_quick_loop(model_dir: Path, tmp_path: Path) -> None:
     assert r["driver_payload_bytes"] == 0
     assert sum(r["bytes_per_rank"].values()) > 0 and len(r["bytes_per_rank"]) == 2
     assert r["rollout"]["groups"] == BATCHES * B and r["rollout"]["aborted_groups"] == 0
-    assert max(r["rollout"]["policy_versions"]) > 0  # published weights reached the running engine
+    # the engine runs the trainer's published weights: version 0 came through the store (the logprob gap below).
+    # Whether a later version lands mid-run is timing here (the rollout may fill the current train batch's
+    # demand and finish every group during the trainer's first step); tests/test_weight_sync.py checks a reload
+    # into the running engine exactly.
     assert r["abs_logp_diff_first_step"] < 1e-4  # the engine started from the trainer's version-0 weights
     assert 0 <= r["arch_staleness_mean"] <= r["arch_staleness_max"]
     assert not _procs_mentioning(str(out)), "processes of the run are still alive"
