@@ -87,9 +87,8 @@ def policy_summary(folder: Path, *, config: dict[str, Any], wall_s: float, metri
     window = steps[-1]["t_end"] - (steps[0]["t_end"] - steps[0]["step_time_s"]) if steps else 0.0
     tokens = int(consumed["response_len"].sum()) if consumed.height else 0
     per_batch = (consumed.group_by("train_batch").agg(pl.col("reward").mean().alias("mean"), _ci95("reward"))
-                 .sort("train_batch") if consumed.height else pl.DataFrame({"mean": [], "ci95": []}))
-    reward = per_batch["mean"].to_list()
-    reward_batches = per_batch["train_batch"].to_list() if consumed.height else []
+                 .sort("train_batch") if consumed.height else pl.DataFrame({"train_batch": [], "mean": [], "ci95": []}))
+    reward, reward_batches = per_batch["mean"].to_list(), per_batch["train_batch"].to_list()
     result: dict[str, Any] = {
         "policy": config.get("policy"),
         "arch_staleness_mean": round(stal["arch_mean"], 4),
@@ -129,10 +128,10 @@ def policy_summary(folder: Path, *, config: dict[str, Any], wall_s: float, metri
         result["reward_trend"] = round(float(reward[-1]) - float(reward[0]), 4)
         n = min(REWARD_WINDOW, len(reward))
         for name, batches in (("first", reward_batches[:n]), ("last", reward_batches[-n:])):
-            window_rows = consumed.filter(pl.col("train_batch").is_in(batches)).select(
+            pooled = consumed.filter(pl.col("train_batch").is_in(batches)).select(
                 pl.col("reward").mean().alias("mean"), _ci95("reward")).row(0, named=True)
-            result[f"reward_{name}{REWARD_WINDOW}"] = {"mean": round(float(window_rows["mean"]), 4),
-                                                       "ci95": round(float(window_rows["ci95"] or 0.0), 4),
+            result[f"reward_{name}{REWARD_WINDOW}"] = {"mean": round(float(pooled["mean"]), 4),
+                                                       "ci95": round(float(pooled["ci95"] or 0.0), 4),
                                                        "train_batches": len(batches)}
     return result
 
