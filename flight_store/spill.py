@@ -193,6 +193,52 @@ class SpillLog:
                 raise
             return self._file.tell() - offset
 
+    def write_file(self, name: str, header: dict[str, Any], body: Body = b"") -> int:
+        """Write one record as the file ``name`` beside the log, atomically (a temporary file, fsynced, renamed
+        over any file of that name); returns its bytes. For records too large to copy again at each compaction
+        (a weights table), which therefore never enter the log."""
+        path = self.directory / name
+        tmp = path.with_name(name + ".tmp")
+        try:
+            with open(tmp, "wb") as f:
+                f.writelines(frame_pieces(header, body))
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(tmp, path)
+        finally:
+            tmp.unlink(missing_ok=True)
+        _fsync_dir(self.directory)
+        return path.stat().st_size
+
+    def read_files(self, pattern: str, *, recovery: Recovery = "refuse") -> list[tuple[Path, Record]]:
+        """The records of the files written by :meth:`write_file` whose names match ``pattern`` (a glob), by name.
+
+        A file whose one frame is not whole and intact is corruption (it was renamed into place only once
+        fsynced): the node refuses to start, naming it, or with ``recovery="salvage"`` moves it aside and
+        goes on without it. Leftover temporary files of an interrupted write are removed.
+        """
+        for tmp in self.directory.glob(pattern + ".tmp"):
+            tmp.unlink(missing_ok=True)
+        out = []
+        for path in sorted(self.directory.glob(pattern)):
+            data = path.read_bytes()
+            record, end, reason = _read_frame(data, 0)
+            if record is not None and end == len(data):
+                out.append((path, record))
+                continue
+            msg = f"spill file {path} is corrupt ({reason or 'bytes after its record'})"
+            if recovery != "salvage":
+                raise SpillCorruptionError(f"{msg}; the node does not start (spill_recovery='salvage' skips it)",
+                                           path=str(path), offset=0)
+            aside = path.with_name(f"{path.name}.corrupt-{time.strftime('%Y%m%d-%H%M%S')}")
+            os.replace(path, aside)
+            log.warning("%s; skipped (salvage), kept aside as %s", msg, aside)
+        return out
+
+    def remove_file(self, name: str) -> None:
+        """Remove the file ``name`` beside the log (no error when it is not there)."""
+        (self.directory / name).unlink(missing_ok=True)
+
     def close(self) -> None:
         """Close the file (appends after this fail)."""
         with self._lock:

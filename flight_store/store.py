@@ -389,7 +389,7 @@ class Store:
                 self._memory.check_rss(0, what)
                 self._journal.weights(batch.schema, packed[0], version)
                 self._contents.commit_weights(batch, version, packed)
-                self._journal.maybe_compact(self._contents)
+                self._journal.keep_weights(slot.versions)
                 return True
         raise AssertionError  # pragma: no cover - the with block returns or raises
 

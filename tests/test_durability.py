@@ -18,7 +18,7 @@ import pytest
 from flight_store.client import StoreClient
 from flight_store.config import ServerConfig, StoreConfig
 from flight_store.errors import GroupReleasedError
-from flight_store.spill import LOG_NAME, SpillCorruptionError
+from flight_store.spill import LOG_NAME, SpillCorruptionError, SpillLog
 from flight_store.store import Store
 from schemas.images import images_to_table
 from schemas.plan import PlannedSlice
@@ -105,8 +105,9 @@ def test_a_torn_tail_is_dropped_with_a_log_line(tmp_path: Path, make_group, capl
     last.close()
 
 
-def _log_of_twelve(tmp_path: Path, make_group) -> tuple[Path, list[int]]:
-    """A spill log of 12 records (9 groups, a release, weights, a version) and the offset of each frame."""
+def _log_of_eleven(tmp_path: Path, make_group) -> tuple[Path, list[int]]:
+    """A spill log of 11 records (9 groups, a release, a version; the weights in their own file) and the offset of
+    each frame."""
     store = Store(StoreConfig(spill_dir=str(tmp_path)))
     offsets = []
     for i in range(9):
@@ -126,7 +127,7 @@ def _log_of_twelve(tmp_path: Path, make_group) -> tuple[Path, list[int]]:
 @pytest.mark.parametrize("damage", ["flipped_byte_in_frame_3", "bad_magic_in_frame_3", "garbage_after_the_end"])
 def test_damage_inside_the_log_refuses_to_start_and_never_truncates(tmp_path: Path, make_group,
                                                                      damage: str) -> None:
-    path, offsets = _log_of_twelve(tmp_path, make_group)
+    path, offsets = _log_of_eleven(tmp_path, make_group)
     data = bytearray(path.read_bytes())
     where = offsets[3]
     if damage == "flipped_byte_in_frame_3":
@@ -194,6 +195,42 @@ def test_compaction_keeps_the_log_proportional_to_what_is_live(tmp_path: Path, m
     again.put_group("new", [make_group("new", size=1)])
     assert _meta(again)[-1][0] == 800  # numbering continues after every row ever written
     again.close()
+
+
+def test_weights_are_written_once_each_in_their_own_file_and_superseded_ones_leave(tmp_path: Path) -> None:
+    """Each version's weights go to one file beside the log (never into it, so no compaction copies them again);
+    only the kept versions' files stay; a restart restores them; a damaged file is named, or skipped by salvage."""
+    store = Store(StoreConfig(spill_dir=str(tmp_path), weights_versions=2, spill_compact_bytes=1 << 10))
+    data = np.arange(50_000, dtype=np.int16).tobytes()  # 100 KB a version, the log's compaction threshold 1 KB
+    for version in range(6):
+        store.put_weights(pa.table({"name": ["w"], "shape": [[50_000]], "dtype": ["int16"],
+                                    "data": [data[:-2] + bytes([version, 0])]}), version)
+        store.publish_version(version)
+    kept = sorted(p.name for p in tmp_path.glob("weights-*"))
+    assert kept == ["weights-000000000004.log", "weights-000000000005.log"]
+    assert (tmp_path / LOG_NAME).stat().st_size < 1 << 10  # version records, no weights bytes
+    store.close()
+    log = SpillLog(tmp_path)
+    assert {r.header["kind"] for r in log.records()} <= {"version", "state"}
+    log.close()
+
+    again = Store(StoreConfig(spill_dir=str(tmp_path), weights_versions=2))
+    table, version = again.weights()
+    assert version == 5 and again.get_version() == 5 and table.column("data")[0].as_py()[-2:] == bytes([5, 0])
+    assert again.weights(4)[1] == 4
+    again.close()
+
+    newest = tmp_path / "weights-000000000005.log"
+    damaged = bytearray(newest.read_bytes())
+    damaged[-100] ^= 0xFF
+    newest.write_bytes(bytes(damaged))
+    with pytest.raises(SpillCorruptionError, match=r"weights-000000000005\.log is corrupt") as exc:
+        Store(StoreConfig(spill_dir=str(tmp_path)))
+    assert exc.value.path == str(newest) and newest.read_bytes() == bytes(damaged)  # refused, nothing removed
+    salvaged = Store(StoreConfig(spill_dir=str(tmp_path), spill_recovery="salvage"))
+    assert salvaged.weights()[1] == 4 and salvaged.get_version() == 5  # the intact version is served
+    assert list(tmp_path.glob("weights-000000000005.log.corrupt-*"))
+    salvaged.close()
 
 
 def _stop(proc: subprocess.Popen[str], sig: int = signal.SIGTERM) -> None:
