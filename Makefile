@@ -38,7 +38,7 @@ test: lint
 	$(BIN)/python -m pytest -q
 
 run: setup
-	$(BIN)/knit run
+	$(BIN)/knit run --model smollm2-135m
 
 clean:
 	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache

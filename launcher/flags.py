@@ -150,6 +150,17 @@ def _default_at(cls: type[Any], path: tuple[str, ...]) -> Any:
     return value
 
 
+def _whole_sections(cls: type[Any], doc: dict[str, Any]) -> dict[str, Any]:
+    """``doc`` with each section given in part completed from that field's default (``RunConfig.admission``'s
+    quota, say), not from the section class's defaults."""
+    for name, value in doc.items():
+        if isinstance(value, Mapping):
+            default = _default_of(cls, name)
+            if dataclasses.is_dataclass(default) and not isinstance(default, type):
+                doc[name] = dataclasses.asdict(default) | dict(value)
+    return doc
+
+
 def _default_of(cls: type[Any], name: str) -> Any:
     f = next(f for f in dataclasses.fields(cls) if f.name == name)
     if f.default is not dataclasses.MISSING:
@@ -224,7 +235,7 @@ def build(cls: type[T], flags: list[Flag], args: argparse.Namespace, *,
         ValueError: naming the flag whose value is wrong (or the config check that failed).
     """
     if base is None or isinstance(base, Mapping):
-        doc: dict[str, Any] = copy.deepcopy(dict(base or {}))
+        doc: dict[str, Any] = _whole_sections(cls, copy.deepcopy(dict(base or {})))
     else:
         doc = dataclasses.asdict(base)  # type: ignore[call-overload]
     given = vars(args)

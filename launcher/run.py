@@ -115,7 +115,8 @@ class RunConfig:
     timeout_s: float = 900.0
     """The whole run of one policy is stopped after this long."""
     model: RunModelName = "tiny"
-    """The model: a tiny random Llama, or SmolLM2-135M-Instruct (then exact reward, 32 tokens, lr 1e-6, bf16 sync)."""
+    """The model: a tiny random Llama, or SmolLM2-135M-Instruct (then its run defaults: exact reward, 32 tokens,
+    B=4 on one rank, 12 train batches, lr 1e-5, bf16 sync; ``launcher.model.RUN_MODELS``)."""
     model_dir: Path | None = None
     """The model's folder, built or converted once, then reused (none: runs/.models/ + the model's own folder)."""
     out: Path = field(default_factory=lambda: ROOT / "runs" / time.strftime("%Y%m%d-%H%M%S"))

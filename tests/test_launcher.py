@@ -213,9 +213,15 @@ def test_knit_run_model_smollm2_maps_to_the_checkpoint_bf16_sync_and_exact_rewar
         "rope_theta": 100000.0, "max_position_embeddings": 8192, "tie_word_embeddings": True}))
     (cfg,), _ = parse(["--model", "smollm2-135m", "--model-dir", str(folder), "--max-tokens", "48"])
     assert cfg.model == "smollm2-135m" and cfg.model_dir == folder
-    assert cfg.reward == "exact" and cfg.max_tokens == 48 and cfg.optim.lr == 1e-6  # a flag beats the default
+    assert cfg.reward == "exact" and cfg.max_tokens == 48 and cfg.optim.lr == 1e-5  # a flag beats the default
+    # make run's geometry (B=4, one rank, 12 train batches); the rest of the admission keeps the run's defaults
+    assert (cfg.admission.train_batch_groups, cfg.admission.dp_ranks, cfg.train_batches) == (4, 1, 12)
+    assert (cfg.admission.group_size, cfg.admission.mini_batches, cfg.admission.token_budget) == (4, 2, 4096)
     (default_dir,), _ = parse(["--model", "smollm2-135m"])
     assert default_dir.model_dir == MODELS_DIR / "smollm2-135m-instruct" and default_dir.max_tokens == 32
+    (wider,), _ = parse(["--model", "smollm2-135m", "--train-batch-groups", "8", "--quick"])
+    assert wider.admission.dp_ranks == 1 and wider.train_batches == 3  # a flag and --quick over the defaults
+    assert wider.admission.quota_counts() == [{"add_small": 4, "add_large": 4}]
 
     model = prepare_model(cfg.model_path, model=cfg.model)  # a folder with config.json is used as it is
     assert model.hf_checkpoint == str(folder) and model.num_layers == 30 and model.vocab_size == 49152
@@ -226,7 +232,7 @@ def test_knit_run_model_smollm2_maps_to_the_checkpoint_bf16_sync_and_exact_rewar
     assert rollout.max_tokens == 48
     # the sources it can learn from, and each train batch's quota follows that mix
     assert rollout.data_sources == {"add_small": 0.5, "add_large": 0.5}
-    assert cfg.admission.quota_counts() == [{"add_small": 4, "add_large": 4}]
+    assert cfg.admission.quota_counts() == [{"add_small": 2, "add_large": 2}]
     assert rollout_config(tiny, stores).data_sources == {"add_small": 0.5, "mul_large": 0.5}
     assert tiny.admission.quota_counts() == [{"add_small": 4, "mul_large": 4}]
 
