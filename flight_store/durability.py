@@ -97,12 +97,16 @@ class Journal:
             self._spill.write_file(WEIGHTS_FILE.format(version), {"kind": "weights", "version": int(version)},
                                    stream_of_messages(schema, [block]))
 
-    def keep_weights(self, versions: Sequence[int]) -> None:
-        """Remove the weights files of versions other than ``versions`` (the kept ones)."""
-        if self._spill is not None:
-            for path, version in self._weights_files():
-                if version not in versions:
-                    self._spill.remove_file(path.name)
+    def keep_weights(self, versions: Sequence[int], *, written: int | None = None) -> None:
+        """Remove the weights files that ``versions`` (the kept ones) superseded, and the file of ``written`` (a
+        version just written) unless it is kept. Files of newer versions are writes in flight: they stay."""
+        if self._spill is None:
+            return
+        newest = max(versions, default=None)
+        for path, version in self._weights_files():
+            superseded = newest is not None and version < newest
+            if version not in versions and (superseded or version == written):
+                self._spill.remove_file(path.name)
 
     def _weights_files(self) -> list[tuple[Path, int]]:
         assert self._spill is not None

@@ -37,6 +37,7 @@ import os
 import struct
 import threading
 import time
+import uuid
 import zlib
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -198,7 +199,7 @@ class SpillLog:
         over any file of that name); returns its bytes. For records too large to copy again at each compaction
         (a weights table), which therefore never enter the log."""
         path = self.directory / name
-        tmp = path.with_name(name + ".tmp")
+        tmp = path.with_name(f"{name}.{uuid.uuid4().hex}.tmp")  # two writers of one name never share it
         try:
             with open(tmp, "wb") as f:
                 f.writelines(frame_pieces(header, body))
@@ -217,7 +218,7 @@ class SpillLog:
         fsynced): the node refuses to start, naming it, or with ``recovery="salvage"`` moves it aside and
         goes on without it. Leftover temporary files of an interrupted write are removed.
         """
-        for tmp in self.directory.glob(pattern + ".tmp"):
+        for tmp in self.directory.glob(pattern + ".*.tmp"):
             tmp.unlink(missing_ok=True)
         out = []
         for path in sorted(self.directory.glob(pattern)):

@@ -362,8 +362,8 @@ class Store:
         """Keep ``table`` as the newest weights, of ``version``; a version not newer than the latest is ignored.
 
         The table is checked first (``schemas.weights``: schema, at least one tensor, unique names, known
-        dtypes, data sizes matching the shapes), counted against the budget and the RSS guard like any
-        write, and logged before it is kept. The newest :attr:`StoreConfig.weights_versions` are kept.
+        dtypes, data sizes matching the shapes), logged (its own file), then counted against the budget and
+        the RSS guard like any write before it is kept (a refused version's file is removed). The newest :attr:`StoreConfig.weights_versions` are kept.
 
         Raises:
             SchemaMismatchError: the table breaks a rule of the weights table (names the tensor).
@@ -377,19 +377,26 @@ class Store:
                 checked = weights_codec.check(table)
             except weights_codec.WeightsError as exc:
                 raise SchemaMismatchError(str(exc), column=None) from None
+            slot = self._contents.weights
             with self._lock:
-                slot = self._contents.weights
                 if not slot.accepts(version):
                     return False
-                batch = one_batch(checked)
-                packed = pack(batch)
-                leaving = slot.leaving()
-                freed = slot.held(leaving) if leaving is not None else 0
-                self._memory.reserve(max(0, packed[1] - freed), what, incoming.others)
-                self._memory.check_rss(0, what)
-                self._journal.weights(batch.schema, packed[0], version)
-                self._contents.commit_weights(batch, version, packed)
-                self._journal.keep_weights(slot.versions)
+            # copied into its block and written to its own file (no order to keep with the log) without the
+            # store's lock: hundreds of MB take seconds, and the trainer's reads go on meanwhile
+            batch = one_batch(checked)
+            packed = pack(batch)
+            self._journal.weights(batch.schema, packed[0], version)
+            with self._lock:
+                try:
+                    if not slot.accepts(version):  # a newer version landed meanwhile
+                        return False
+                    leaving = slot.leaving()
+                    freed = slot.held(leaving) if leaving is not None else 0
+                    self._memory.reserve(max(0, packed[1] - freed), what, incoming.others)
+                    self._memory.check_rss(0, what)
+                    self._contents.commit_weights(batch, version, packed)
+                finally:
+                    self._journal.keep_weights(slot.versions, written=version)  # a version not kept leaves
                 return True
         raise AssertionError  # pragma: no cover - the with block returns or raises
 

@@ -110,6 +110,11 @@ def policy_summary(folder: Path, *, config: dict[str, Any], wall_s: float, metri
                                 "micro_batches": len(fetch_ms)},
         "exposed_wait_s": {k: round(v, 4) for k, v in waits.items()},
         "trainer_idle_s": round(sum(idle), 3),
+        # medians over rank 0's steps: the step, what publishing cost the training thread, and the step's end
+        # to its version published on every node (beside the next step)
+        "step_s": {name: round(_quantile([float(s.get(key, 0.0)) for s in steps], 0.5), 3)
+                   for name, key in (("step", "step_time_s"), ("publish_blocking", "publish_s"),
+                                     ("published_after", "publish_done_s"))},
         "training_window_s": round(window, 3),
         "throughput": {"trajectories_per_s": round(consumed.height / window, 3) if window > 0 else 0.0,
                        "tokens_per_s": round(tokens / window, 1) if window > 0 else 0.0},
@@ -211,7 +216,7 @@ def plot_policy(folder: Path, result: dict[str, Any]) -> list[Path]:
         publish = [s.get("publish_s", 0.0) for s in steps]
         bottom = [0.0] * len(x)
         for label, vals, color in (("compute", compute, "tab:green"), ("exposed fetch wait", wait, "tab:orange"),
-                                   ("publish weights + release", publish, "tab:purple"),
+                                   ("publishing (encode; wait for the last)", publish, "tab:purple"),
                                    ("idle: waiting for admission", idle, "tab:gray")):
             ax.bar(x, vals, bottom=bottom, label=label, color=color)
             bottom = [b + v for b, v in zip(bottom, vals, strict=True)]
@@ -291,6 +296,7 @@ ROWS: tuple[tuple[str, str], ...] = (
     ("transfer latency p50 / p95 (ms)", "latency"),
     ("exposed wait per rank (s)", "exposed_wait_s"),
     ("trainer idle, start-up excl. (s)", "trainer_idle_s"),
+    ("step / publish blocking / published after (s)", "step_s"),
     ("throughput (traj/s, tok/s)", "throughput"),
     ("reward, first -> last train batch", "reward_per_train_batch"),
     ("reward, first 5 -> last 5 (95% band)", "reward_windows"),
@@ -313,6 +319,8 @@ def table_rows(result: dict[str, Any]) -> list[tuple[str, str]]:
             text = f"{lat['p50']:.2f} / {lat['p95']:.2f}"
         elif key == "exposed_wait_s":
             text = ", ".join(f"r{k}: {v:.3f}" for k, v in result[key].items())
+        elif key == "step_s":
+            text = " / ".join(f"{v:.2f}" for v in result[key].values())
         elif key == "throughput":
             text = f"{result[key]['trajectories_per_s']:.2f}, {result[key]['tokens_per_s']:.0f}"
         elif key == "reward_per_train_batch":

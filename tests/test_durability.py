@@ -17,7 +17,7 @@ import pytest
 
 from flight_store.client import StoreClient
 from flight_store.config import ServerConfig, StoreConfig
-from flight_store.errors import GroupReleasedError
+from flight_store.errors import CapacityExceededError, GroupReleasedError
 from flight_store.spill import LOG_NAME, SpillCorruptionError, SpillLog
 from flight_store.store import Store
 from schemas.images import images_to_table
@@ -231,6 +231,50 @@ def test_weights_are_written_once_each_in_their_own_file_and_superseded_ones_lea
     assert salvaged.weights()[1] == 4 and salvaged.get_version() == 5  # the intact version is served
     assert list(tmp_path.glob("weights-000000000005.log.corrupt-*"))
     salvaged.close()
+
+
+def test_reads_and_group_writes_go_on_while_a_weights_file_is_written(tmp_path: Path, make_group,
+                                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    """A weights version (hundreds of MB at real size) is copied and written to disk without the store's lock:
+    the trainer's reads and the rollout's group writes are served meanwhile. A version the budget refuses
+    leaves no file."""
+    store = Store(StoreConfig(spill_dir=str(tmp_path), memory_budget=1 << 20))
+    store.put_group("g", [make_group("g", size=4)])
+    gate, writing = threading.Event(), threading.Event()
+    write = store._journal.weights
+
+    def slow_write(*args: object) -> None:
+        writing.set()
+        assert gate.wait(30)
+        write(*args)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(store._journal, "weights", slow_write)
+    w = pa.table({"name": ["w"], "shape": [[1]], "dtype": ["int16"], "data": [b"\x01\x02"]})
+    publish = threading.Thread(target=store.put_weights, args=(w, 1))
+    publish.start()
+    served: list[int] = []
+
+    def read_and_write() -> None:
+        served.append(sum(b.num_rows for b in store.slices([("g", 0, 4)])))
+        served.append(store.put_group("h", [make_group("h", size=4)]))
+
+    try:
+        assert writing.wait(30)
+        other = threading.Thread(target=read_and_write)
+        other.start()
+        other.join(10)
+        assert served == [4, 4]  # both served while the weights file is being written
+    finally:
+        gate.set()
+        publish.join(30)
+    assert store.weights()[1] == 1 and store.group_ids() == ["g", "h"]
+    monkeypatch.undo()
+
+    big = pa.table({"name": ["w"], "shape": [[1 << 20]], "dtype": ["int16"], "data": [bytes(2 << 20)]})
+    with pytest.raises(CapacityExceededError):
+        store.put_weights(big, 2)
+    assert sorted(p.name for p in tmp_path.glob("weights-*")) == ["weights-000000000001.log"]
+    store.close()
 
 
 def _stop(proc: subprocess.Popen[str], sig: int = signal.SIGTERM) -> None:

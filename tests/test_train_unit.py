@@ -187,6 +187,69 @@ def test_weights_table_roundtrip_including_bf16() -> None:
     assert all(torch.equal(back[k], v) for k, v in named.items())
 
 
+def test_publisher_stores_weights_then_version_then_release_off_the_training_thread(  # type: ignore[no-untyped-def]
+        store_nodes, make_group) -> None:
+    """The trainer's publisher: ``submit`` returns while the weights are still being stored (the next step runs);
+    on the publish thread the weights land on every node, then the version, then the release, in that order;
+    the step is handed back with ``publish_done_s`` once its version is published; an error reaches the next call."""
+    from flight_store.client import StoreClient
+    from train.loop import Publisher
+
+    servers = store_nodes(2)
+    table = pa.table({"name": ["w"], "shape": [[1]], "dtype": ["int16"], "data": [b"\x01\x02"]})
+    gate = threading.Event()
+    calls: list[tuple[str, int | list[str], str]] = []
+
+    class Recording:  # the real client, each call noted with the thread it ran on
+        def __init__(self, client: StoreClient) -> None:
+            self.client = client
+
+        def put_weights(self, t: pa.Table, version: int) -> None:
+            assert gate.wait(30)
+            if version == 4:
+                raise RuntimeError("node gone while storing v4")
+            calls.append(("weights", version, threading.current_thread().name))
+            self.client.put_weights(t, version)
+
+        def publish_version(self, version: int) -> None:
+            calls.append(("version", version, threading.current_thread().name))
+            self.client.publish_version(version)
+
+        def release(self, group_ids: list[str]) -> None:
+            calls.append(("release", group_ids, threading.current_thread().name))
+            self.client.release(group_ids)
+
+    with StoreClient([s.location for s in servers]) as client:
+        client.put_group(make_group("g1"))
+        publisher = Publisher(Recording(client))
+        step1: Any = ({"step": 0}, [], None)
+        assert publisher.submit(table, 1, ["g1"], step1) == []  # returns at once: nothing published yet
+        def released() -> int:
+            return sum(node["groups"]["released"] for node in client.stats().values())
+
+        assert client.get_version() < 1 and calls == [] and released() == 0
+        gate.set()
+        done = publisher.drain()
+        assert done == [step1] and done[0][0]["publish_done_s"] > 0
+        assert [(what, arg) for what, arg, _ in calls] == [("weights", 1), ("version", 1), ("release", ["g1"])]
+        assert all(thread.startswith("knit-publish") for _, _, thread in calls)
+        assert client.get_version() == 1 and all(client.get_weights(node=s.location).num_rows == 1 for s in servers)
+        assert released() == 1
+        assert publisher.drain() == []
+
+        assert publisher.submit(table, 2, [], ({"step": 1}, [], None)) == []
+        assert publisher.submit(None, 3, [], ({"step": 2}, [], None))[0][0]["step"] == 1  # waits for v2 first
+        assert publisher.drain()[0][0]["step"] == 2
+        assert client.get_version() == 3
+        assert [(what, arg) for what, arg, _ in calls[3:]] == [  # v3: the version alone
+            ("weights", 2), ("version", 2), ("release", []), ("version", 3), ("release", [])]
+        assert publisher.submit(table, 4, [], ({"step": 3}, [], None)) == []
+        with pytest.raises(RuntimeError, match="node gone while storing v4"):
+            publisher.drain()
+        assert client.get_version() == 3  # a failed publish publishes nothing
+        publisher.close()
+
+
 def test_plan_source_scans_metadata_and_plans(store_nodes, make_group) -> None:  # type: ignore[no-untyped-def]
     from flight_store.client import StoreClient
     from train.planning import PlanSource

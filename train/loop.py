@@ -8,11 +8,17 @@ plan's fetches of this rank's slices to its prefetch thread, and takes the optim
 each step rank 0 publishes the new policy version to every store (and the weights, when asked) and
 releases the consumed groups.
 
+Publishing runs beside the next step (:class:`Publisher`): the training thread only encodes the weights
+(a copy under HF names, cast to ``publish_dtype``); a thread of rank 0 stores them on every node, then
+publishes the version, then releases the step's groups, one version at a time.
+
 Per-step metrics (logged, and written to ``report_path`` by :class:`RankReport`): the step's own (see
-``train.backbone.step_metrics`` and each step) plus ``version``, ``publish_s``, ``plan_wait_s`` and
-``t_end``. Rank 0 appends a progress line per step (``progress_path``) and the planner's consumed
-trajectories as they are admitted (``consumed_path``, ``train.planning.ConsumedLog``). Every record
-goes to disk as the run goes: the loop keeps nothing per step or per group in memory.
+``train.backbone.step_metrics`` and each step) plus ``version``, ``publish_s`` (what publishing cost the
+training thread: encoding, and waiting for the version before), ``publish_done_s`` (rank 0: the step's end
+to its version published on every node; a step is recorded once it is), ``plan_wait_s`` and ``t_end``.
+Rank 0 appends a progress line per step (``progress_path``) and the planner's consumed trajectories as
+they are admitted (``consumed_path``, ``train.planning.ConsumedLog``). Every record goes to disk as the
+run goes: the loop keeps nothing per step or per group in memory.
 """
 
 from __future__ import annotations
@@ -105,6 +111,15 @@ def _build_step(cfg: TrainConfig, env: dict[str, int], client: Any) -> Step:
 def _train(cfg: TrainConfig, env: dict[str, int], kind: Step, client: Any, source: PlanSource | None,
            report: RankReport | None) -> int:
     """The loop: plan (rank 0, broadcast), submit fetches, step, publish the version, release the groups."""
+    publisher = Publisher(client)
+    try:
+        return _steps(cfg, env, kind, source, report, publisher)
+    finally:
+        publisher.close()
+
+
+def _steps(cfg: TrainConfig, env: dict[str, int], kind: Step, source: PlanSource | None, report: RankReport | None,
+           publisher: Publisher) -> int:
     from train.planning import exchange_plans
 
     queue: deque[MiniBatchPlan] = deque()
@@ -131,20 +146,22 @@ def _train(cfg: TrainConfig, env: dict[str, int], kind: Step, client: Any, sourc
         metrics = kind.step(plan, consumed)
         version += 1
         t_pub = time.perf_counter()
-        if cfg.publish_weights:
-            publish_weights(kind.built, client, version, env, dtype=cfg.publish_dtype)
-        if env["rank"] == 0:
-            client.publish_version(version)
-            client.release(plan.group_ids)  # frees images no unreleased group references
-        metrics.update(version=version, publish_s=time.perf_counter() - t_pub, plan_wait_s=plan_wait, t_end=time.time())
+        # the weights are encoded here (a copy the next step cannot change; a collective on every rank), then
+        # rank 0's publisher stores them, publishes the version and releases the groups while the next step runs
+        table = encode_weights(kind.built, env, dtype=cfg.publish_dtype) if cfg.publish_weights else None
+        metrics.update(version=version, plan_wait_s=plan_wait, t_end=time.time())
         plan_wait = 0.0
         steps += 1
-        if report is not None:
-            report.add(metrics, consumed)
-        if source is not None:
-            figures = source.consumed_log.take_step(plan.step)
-            if cfg.progress_path:
-                write_progress(cfg.progress_path, metrics, source.admitted_groups, figures)
+        if env["rank"] == 0:
+            figures = source.consumed_log.take_step(plan.step) if source is not None else None
+            done = publisher.submit(table, version, plan.group_ids, (metrics, consumed, figures))
+        else:
+            done = [(metrics, consumed, None)]
+        metrics["publish_s"] = time.perf_counter() - t_pub  # what publishing cost the training thread
+        for step_metrics, step_consumed, step_figures in done:
+            _record(cfg, report, source, step_metrics, step_consumed, step_figures)
+    for step_metrics, step_consumed, step_figures in publisher.drain():
+        _record(cfg, report, source, step_metrics, step_consumed, step_figures)
     if queue:
         log.warning("rank %d stops with %d planned mini-batches unconsumed", env["rank"], len(queue))
     if source is not None:
@@ -154,14 +171,80 @@ def _train(cfg: TrainConfig, env: dict[str, int], kind: Step, client: Any, sourc
 
 
 def publish_weights(built: Any, client: Any, version: int, env: dict[str, int], *, dtype: str = "params") -> None:
-    """Gather the weights under HF Llama names (all ranks) and DoPut them to every store (rank 0), floating tensors
-    cast to ``dtype`` unless it is ``"params"`` (``TrainConfig.publish_dtype``), streamed in record batches of
-    ``schemas.weights.CHUNK_BYTES``."""
+    """Gather the weights (all ranks) and DoPut them to every store (rank 0): :func:`encode_weights`, then
+    ``put_weights``."""
+    table = encode_weights(built, env, dtype=dtype)
+    if table is not None:
+        client.put_weights(table, version)
+
+
+def encode_weights(built: Any, env: dict[str, int], *, dtype: str = "params") -> Any:
+    """The weights under HF Llama names as a weights table, floating tensors cast to ``dtype`` unless it is
+    ``"params"`` (``TrainConfig.publish_dtype``), in record batches of ``schemas.weights.CHUNK_BYTES``: on rank 0;
+    ``None`` on the others. Collective (the tensor-parallel gather): every rank calls it."""
     from train.weights import megatron_to_hf_llama, weights_table
 
     named = megatron_to_hf_llama(built.gpt)
-    if env["rank"] == 0:
-        client.put_weights(weights_table(named, dtype=None if dtype == "params" else dtype), version)
+    return weights_table(named, dtype=None if dtype == "params" else dtype) if env["rank"] == 0 else None
+
+
+Done = tuple[dict[str, Any], list[list[Any]], dict[str, Any] | None]
+"""A step whose version is published: its metrics, consumed entries and staleness figures, ready to record."""
+
+
+class Publisher:
+    """Rank 0's publishing of each new version, off the training thread and in order: the weights to every store,
+    then the version, then the release of the step's groups (so a rollout that refills the room a release freed
+    finds the new version). One version at a time: submitting the next waits for the one before.
+
+    A step's metrics are recorded once its version is published, with ``publish_done_s`` (the step's end to the
+    version published on every node); an error of a publish is raised at the next :meth:`submit` or
+    :meth:`drain`.
+    """
+
+    def __init__(self, client: Any) -> None:
+        from concurrent.futures import ThreadPoolExecutor
+
+        self._client = client
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="knit-publish")
+        self._pending: Any = None
+        self._step: Done | None = None
+
+    def submit(self, table: Any, version: int, group_ids: list[str], step: Done) -> list[Done]:
+        """Publish ``version`` (with its weights ``table`` when not None) and release ``group_ids``; returns the
+        steps published meanwhile (the previous one)."""
+        done = self.drain()
+        self._pending = self._pool.submit(self._publish, table, version, group_ids, time.perf_counter())
+        self._step = step
+        return done
+
+    def drain(self) -> list[Done]:
+        """Wait for the publish in flight; the step it published (none when none was in flight)."""
+        if self._pending is None or self._step is None:
+            return []
+        pending, step = self._pending, self._step
+        self._pending = self._step = None
+        step[0]["publish_done_s"] = pending.result()
+        return [step]
+
+    def _publish(self, table: Any, version: int, group_ids: list[str], t0: float) -> float:
+        if table is not None:
+            self._client.put_weights(table, version)
+        self._client.publish_version(version)
+        self._client.release(group_ids)  # frees images no unreleased group references
+        return time.perf_counter() - t0
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=True, cancel_futures=True)
+
+
+def _record(cfg: TrainConfig, report: RankReport | None, source: PlanSource | None, metrics: dict[str, Any],
+            consumed: list[list[Any]], figures: dict[str, Any] | None) -> None:
+    """Write one step's metrics (and, on rank 0, its progress line)."""
+    if report is not None:
+        report.add(metrics, consumed)
+    if source is not None and figures is not None and cfg.progress_path:
+        write_progress(cfg.progress_path, metrics, source.admitted_groups, figures)
 
 
 class RankReport:
