@@ -363,7 +363,8 @@ class Store:
 
         The table is checked first (``schemas.weights``: schema, at least one tensor, unique names, known
         dtypes, data sizes matching the shapes), logged (its own file), then counted against the budget and
-        the RSS guard like any write before it is kept (a refused version's file is removed). The newest :attr:`StoreConfig.weights_versions` are kept.
+        the RSS guard like any write before it is kept (a refused version's file is removed). The newest
+        :attr:`StoreConfig.weights_versions` are kept.
 
         Raises:
             SchemaMismatchError: the table breaks a rule of the weights table (names the tensor).
