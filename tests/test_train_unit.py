@@ -187,18 +187,19 @@ def test_weights_table_roundtrip_including_bf16() -> None:
     assert all(torch.equal(back[k], v) for k, v in named.items())
 
 
-def test_publisher_stores_weights_then_version_then_release_off_the_training_thread(  # type: ignore[no-untyped-def]
+def test_publisher_stores_weights_then_version_then_records_then_releases_off_the_training_thread(  # type: ignore[no-untyped-def]
         store_nodes, make_group) -> None:
     """The trainer's publisher: ``submit`` returns while the weights are still being stored (the next step runs);
-    on the publish thread the weights land on every node, then the version, then the release, in that order;
-    the step is handed back with ``publish_done_s`` once its version is published; an error reaches the next call."""
+    on the publish thread the weights land on every node, then the version, then the step is recorded, then its
+    groups are released (what a store released was recorded as trained); one version at a time; an error
+    reaches the next call and publishes nothing."""
     from flight_store.client import StoreClient
     from train.loop import Publisher
 
     servers = store_nodes(2)
     table = pa.table({"name": ["w"], "shape": [[1]], "dtype": ["int16"], "data": [b"\x01\x02"]})
     gate = threading.Event()
-    calls: list[tuple[str, int | list[str], str]] = []
+    calls: list[tuple[str, Any, str]] = []
 
     class Recording:  # the real client, each call noted with the thread it ran on
         def __init__(self, client: StoreClient) -> None:
@@ -219,34 +220,37 @@ def test_publisher_stores_weights_then_version_then_release_off_the_training_thr
             calls.append(("release", group_ids, threading.current_thread().name))
             self.client.release(group_ids)
 
+    def record(step: Any) -> None:
+        calls.append(("record", step[0]["step"], threading.current_thread().name))
+
     with StoreClient([s.location for s in servers]) as client:
-        client.put_group(make_group("g1"))
-        publisher = Publisher(Recording(client))
-        step1: Any = ({"step": 0}, [], None)
-        assert publisher.submit(table, 1, ["g1"], step1) == []  # returns at once: nothing published yet
         def released() -> int:
             return sum(node["groups"]["released"] for node in client.stats().values())
 
+        client.put_group(make_group("g1"))
+        publisher = Publisher(Recording(client), record)
+        step0: Any = ({"step": 0}, [], None)
+        publisher.submit(table, 1, ["g1"], step0, time.perf_counter())  # returns at once: nothing published yet
         assert client.get_version() < 1 and calls == [] and released() == 0
         gate.set()
-        done = publisher.drain()
-        assert done == [step1] and done[0][0]["publish_done_s"] > 0
-        assert [(what, arg) for what, arg, _ in calls] == [("weights", 1), ("version", 1), ("release", ["g1"])]
+        publisher.drain()
+        assert [(what, arg) for what, arg, _ in calls] == [("weights", 1), ("version", 1), ("record", 0),
+                                                            ("release", ["g1"])]
         assert all(thread.startswith("knit-publish") for _, _, thread in calls)
-        assert client.get_version() == 1 and all(client.get_weights(node=s.location).num_rows == 1 for s in servers)
-        assert released() == 1
-        assert publisher.drain() == []
+        assert step0[0]["publish_done_s"] >= step0[0]["publish_s"] >= 0
+        assert client.get_version() == 1 and released() == 1
+        assert all(client.get_weights(node=s.location).num_rows == 1 for s in servers)
 
-        assert publisher.submit(table, 2, [], ({"step": 1}, [], None)) == []
-        assert publisher.submit(None, 3, [], ({"step": 2}, [], None))[0][0]["step"] == 1  # waits for v2 first
-        assert publisher.drain()[0][0]["step"] == 2
-        assert client.get_version() == 3
-        assert [(what, arg) for what, arg, _ in calls[3:]] == [  # v3: the version alone
-            ("weights", 2), ("version", 2), ("release", []), ("version", 3), ("release", [])]
-        assert publisher.submit(table, 4, [], ({"step": 3}, [], None)) == []
+        publisher.submit(table, 2, [], ({"step": 1}, [], None), time.perf_counter())
+        publisher.submit(None, 3, [], ({"step": 2}, [], None), time.perf_counter())  # after v2 is published
+        publisher.drain()
+        assert [(what, arg) for what, arg, _ in calls[4:]] == [  # v3: the version alone
+            ("weights", 2), ("version", 2), ("record", 1), ("release", []), ("version", 3), ("record", 2),
+            ("release", [])]
+        publisher.submit(table, 4, [], ({"step": 3}, [], None), time.perf_counter())
         with pytest.raises(RuntimeError, match="node gone while storing v4"):
             publisher.drain()
-        assert client.get_version() == 3  # a failed publish publishes nothing
+        assert client.get_version() == 3 and calls[-1][:2] == ("release", [])  # nothing published, nor recorded
         publisher.close()
 
 

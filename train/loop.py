@@ -15,7 +15,8 @@ publishes the version, then releases the step's groups, one version at a time.
 Per-step metrics (logged, and written to ``report_path`` by :class:`RankReport`): the step's own (see
 ``train.backbone.step_metrics`` and each step) plus ``version``, ``publish_s`` (what publishing cost the
 training thread: encoding, and waiting for the version before), ``publish_done_s`` (rank 0: the step's end
-to its version published on every node; a step is recorded once it is), ``plan_wait_s`` and ``t_end``.
+to its version published on every node; rank 0 records a step then, before releasing its groups),
+``plan_wait_s`` and ``t_end``.
 Rank 0 appends a progress line per step (``progress_path``) and the planner's consumed trajectories as
 they are admitted (``consumed_path``, ``train.planning.ConsumedLog``). Every record goes to disk as the
 run goes: the loop keeps nothing per step or per group in memory.
@@ -29,6 +30,7 @@ import logging
 import os
 import time
 from collections import deque
+from collections.abc import Callable
 from typing import Any, Protocol
 
 from schemas.plan import MiniBatchPlan
@@ -111,15 +113,23 @@ def _build_step(cfg: TrainConfig, env: dict[str, int], client: Any) -> Step:
 def _train(cfg: TrainConfig, env: dict[str, int], kind: Step, client: Any, source: PlanSource | None,
            report: RankReport | None) -> int:
     """The loop: plan (rank 0, broadcast), submit fetches, step, publish the version, release the groups."""
-    publisher = Publisher(client)
+
+    def record(step: Done) -> None:
+        metrics, consumed, figures = step
+        if report is not None:
+            report.add(metrics, consumed)
+        if source is not None and figures is not None and cfg.progress_path:
+            write_progress(cfg.progress_path, metrics, source.admitted_groups, figures)
+
+    publisher = Publisher(client, record)
     try:
-        return _steps(cfg, env, kind, source, report, publisher)
+        return _steps(cfg, env, kind, source, report is not None, publisher, record)
     finally:
         publisher.close()
 
 
-def _steps(cfg: TrainConfig, env: dict[str, int], kind: Step, source: PlanSource | None, report: RankReport | None,
-           publisher: Publisher) -> int:
+def _steps(cfg: TrainConfig, env: dict[str, int], kind: Step, source: PlanSource | None, reported: bool,
+           publisher: Publisher, record: Callable[[Done], None]) -> int:
     from train.planning import exchange_plans
 
     queue: deque[MiniBatchPlan] = deque()
@@ -140,7 +150,7 @@ def _steps(cfg: TrainConfig, env: dict[str, int], kind: Step, source: PlanSource
             break  # idle for idle_timeout_s, or max_steps reached
         plan = queue.popleft()
         consumed: list[list[Any]] = []
-        if report is not None:
+        if reported:
             consumed.extend(["slice", plan.step, s.node, s.group_id, s.start, s.stop]
                             for m in plan.for_rank(env["dp_rank"]).micro_batches for s in m.slices)
         metrics = kind.step(plan, consumed)
@@ -154,14 +164,11 @@ def _steps(cfg: TrainConfig, env: dict[str, int], kind: Step, source: PlanSource
         steps += 1
         if env["rank"] == 0:
             figures = source.consumed_log.take_step(plan.step) if source is not None else None
-            done = publisher.submit(table, version, plan.group_ids, (metrics, consumed, figures))
+            publisher.submit(table, version, plan.group_ids, (metrics, consumed, figures), t_pub)
         else:
-            done = [(metrics, consumed, None)]
-        metrics["publish_s"] = time.perf_counter() - t_pub  # what publishing cost the training thread
-        for step_metrics, step_consumed, step_figures in done:
-            _record(cfg, report, source, step_metrics, step_consumed, step_figures)
-    for step_metrics, step_consumed, step_figures in publisher.drain():
-        _record(cfg, report, source, step_metrics, step_consumed, step_figures)
+            metrics["publish_s"] = time.perf_counter() - t_pub
+            record((metrics, consumed, None))
+    publisher.drain()
     if queue:
         log.warning("rank %d stops with %d planned mini-batches unconsumed", env["rank"], len(queue))
     if source is not None:
@@ -189,62 +196,51 @@ def encode_weights(built: Any, env: dict[str, int], *, dtype: str = "params") ->
 
 
 Done = tuple[dict[str, Any], list[list[Any]], dict[str, Any] | None]
-"""A step whose version is published: its metrics, consumed entries and staleness figures, ready to record."""
+"""A step taken: its metrics, consumed entries and (rank 0) staleness figures, to record."""
 
 
 class Publisher:
     """Rank 0's publishing of each new version, off the training thread and in order: the weights to every store,
-    then the version, then the release of the step's groups (so a rollout that refills the room a release freed
-    finds the new version). One version at a time: submitting the next waits for the one before.
+    then the version, then the step is recorded (``record``), then its groups are released, so whatever a
+    store released was recorded as trained, and a rollout that refills the room a release freed finds the new
+    version. One version at a time: submitting the next waits for the one before.
 
-    A step's metrics are recorded once its version is published, with ``publish_done_s`` (the step's end to the
-    version published on every node); an error of a publish is raised at the next :meth:`submit` or
-    :meth:`drain`.
+    The step's metrics get ``publish_s`` (what publishing cost the training thread) and ``publish_done_s``
+    (the step's end to its version published on every node). An error of a publish is raised at the next
+    :meth:`submit` or :meth:`drain`.
     """
 
-    def __init__(self, client: Any) -> None:
+    def __init__(self, client: Any, record: Callable[[Done], None]) -> None:
         from concurrent.futures import ThreadPoolExecutor
 
         self._client = client
+        self._record = record
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="knit-publish")
         self._pending: Any = None
-        self._step: Done | None = None
 
-    def submit(self, table: Any, version: int, group_ids: list[str], step: Done) -> list[Done]:
-        """Publish ``version`` (with its weights ``table`` when not None) and release ``group_ids``; returns the
-        steps published meanwhile (the previous one)."""
-        done = self.drain()
-        self._pending = self._pool.submit(self._publish, table, version, group_ids, time.perf_counter())
-        self._step = step
-        return done
+    def submit(self, table: Any, version: int, group_ids: list[str], step: Done, started: float) -> None:
+        """Publish ``version`` (with its weights ``table`` when not None), record ``step``, release ``group_ids``;
+        ``started``: the step's end (``time.perf_counter()``)."""
+        self.drain()
+        step[0]["publish_s"] = time.perf_counter() - started
+        self._pending = self._pool.submit(self._publish, table, version, group_ids, step, started)
 
-    def drain(self) -> list[Done]:
-        """Wait for the publish in flight; the step it published (none when none was in flight)."""
-        if self._pending is None or self._step is None:
-            return []
-        pending, step = self._pending, self._step
-        self._pending = self._step = None
-        step[0]["publish_done_s"] = pending.result()
-        return [step]
+    def drain(self) -> None:
+        """Wait for the publish in flight (raising its error)."""
+        pending, self._pending = self._pending, None
+        if pending is not None:
+            pending.result()
 
-    def _publish(self, table: Any, version: int, group_ids: list[str], t0: float) -> float:
+    def _publish(self, table: Any, version: int, group_ids: list[str], step: Done, started: float) -> None:
         if table is not None:
             self._client.put_weights(table, version)
         self._client.publish_version(version)
+        step[0]["publish_done_s"] = time.perf_counter() - started
+        self._record(step)
         self._client.release(group_ids)  # frees images no unreleased group references
-        return time.perf_counter() - t0
 
     def close(self) -> None:
         self._pool.shutdown(wait=True, cancel_futures=True)
-
-
-def _record(cfg: TrainConfig, report: RankReport | None, source: PlanSource | None, metrics: dict[str, Any],
-            consumed: list[list[Any]], figures: dict[str, Any] | None) -> None:
-    """Write one step's metrics (and, on rank 0, its progress line)."""
-    if report is not None:
-        report.add(metrics, consumed)
-    if source is not None and figures is not None and cfg.progress_path:
-        write_progress(cfg.progress_path, metrics, source.admitted_groups, figures)
 
 
 class RankReport:
