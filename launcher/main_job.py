@@ -25,7 +25,8 @@ from launcher.ray_deploy import RayNodeLostError, run_on_ray
 from launcher.run import COMPARED, RUN_POLICIES, Interrupted, RunConfig, run_policy
 
 MATCH = 0.95
-"""``--match-throughput``: the share of train_batch's throughput another policy's lookahead must reach."""
+"""``--match-throughput``: the share of train_batch's trainer-busy time (:func:`trainer_busy`) another policy's
+lookahead must reach."""
 
 
 QUICK_TRAIN_BATCHES = 3
@@ -41,8 +42,8 @@ def parse(argv: Sequence[str]) -> tuple[list[RunConfig], argparse.Namespace]:
     parser.add_argument("--match-throughput", action="store_true",
                         help="with --compare or --policies: run train_batch first, then each other policy (colocated, "
                         "which waits for each train batch's weights, excepted) at its smallest lookahead (one "
-                        "mini-batch of groups, two, ... up to 2B) whose throughput reaches "
-                        f"{MATCH * 100:.0f}%% of train_batch's; every try is reported")
+                        "mini-batch of groups, two, ... up to 2B) that keeps the trainer busy (not waiting for "
+                        f"admission) at least {MATCH * 100:.0f}%% as much as train_batch did; every try is reported")
     parser.add_argument("--policies", type=_policies, default=None, metavar="A,B,...",
                         help=f"run these policies one after another, on the same seeds (of {', '.join(RUN_POLICIES)}; "
                         "e.g. train_batch,mini_batch,colocated for a learning comparison)")
@@ -91,26 +92,37 @@ def lookaheads(cfg: RunConfig) -> list[int]:
 
 def _matched(cfg: RunConfig, baseline: dict[str, Any], run_one: Callable[[RunConfig], dict[str, Any]],
              display: progress.Display) -> dict[str, Any]:
-    """``cfg``'s policy at its smallest lookahead (:func:`lookaheads`) whose throughput reaches :data:`MATCH` of
-    ``baseline``'s (each try a whole run, in ``<out>/lookahead<L>``); with none, the try of highest throughput.
-    The result lists every try under ``lookahead_search``."""
-    target = MATCH * baseline["throughput"]["trajectories_per_s"]
+    """``cfg``'s policy at its smallest lookahead (:func:`lookaheads`) that keeps the trainer busy at least
+    :data:`MATCH` as much as ``baseline`` did (:func:`trainer_busy`; each try a whole run, in
+    ``<out>/lookahead<L>``); with none, the try that kept it busiest. The result lists every try under
+    ``lookahead_search`` (with its throughput)."""
+    target = MATCH * trainer_busy(baseline)
     tries: list[dict[str, Any]] = []
     best: dict[str, Any] | None = None
+    busy = 0.0
     for lookahead in lookaheads(cfg):
         result = run_one(dataclasses.replace(cfg, lookahead=lookahead, out=cfg.out / f"lookahead{lookahead}"))
-        tp = result["throughput"]["trajectories_per_s"]
-        tries.append({"lookahead": lookahead, "trajectories_per_s": tp,
+        busy = trainer_busy(result)
+        tries.append({"lookahead": lookahead, "trainer_busy": round(busy, 4),
+                      "trajectories_per_s": result["throughput"]["trajectories_per_s"],
                       "arch_staleness_mean": result["arch_staleness_mean"],
                       "quota_violations": result["quota_violations"]})
-        if best is None or tp > best["throughput"]["trajectories_per_s"]:
-            best = result  # a try that keeps up is the fastest so far: every earlier one was under the target
-        if tp >= target:
+        if best is None or busy > trainer_busy(best):
+            best = result  # a try that keeps up is the busiest so far: every earlier one was under the target
+        if busy >= target:
             break
-        display.note(f"[{cfg.policy}] lookahead {lookahead}: {tp:.2f} traj/s, under {target:.2f} "
+        display.note(f"[{cfg.policy}] lookahead {lookahead}: trainer busy {busy:.0%} of the time, under {target:.0%} "
                      f"({MATCH:.0%} of train_batch's)")
     assert best is not None  # lookaheads() is never empty: B/K <= 2B
-    return {**best, "lookahead_search": tries, "matched_throughput": tries[-1]["trajectories_per_s"] >= target}
+    return {**best, "lookahead_search": tries, "matched_throughput": busy >= target}
+
+
+def trainer_busy(result: dict[str, Any]) -> float:
+    """The share of a run's training window the trainer was not waiting for admission (1 - idle / window): what
+    ``--match-throughput`` matches. Where the trainer is the bottleneck it is ~1 at every lookahead, and the
+    throughputs differ by the step time's noise alone; where the rollout is, it falls with the throughput."""
+    window = float(result.get("training_window_s") or 0.0)
+    return max(0.0, 1.0 - float(result["trainer_idle_s"]) / window) if window > 0 else 0.0
 
 
 def _run_on_ray(cfg: RunConfig, model: Any, args: argparse.Namespace, stop: threading.Event,

@@ -173,25 +173,29 @@ def test_match_throughput_takes_the_smallest_lookahead_that_keeps_up() -> None:
         def note(self, text: str) -> None:
             pass
 
-    def runner(throughputs: dict[int, float]):  # type: ignore[no-untyped-def]
+    def runner(idle: dict[int, float], throughput: float = 1.0):  # type: ignore[no-untyped-def]
         ran: list[RunConfig] = []
 
-        def run_one(c: RunConfig) -> dict[str, object]:
+        def run_one(c: RunConfig) -> dict[str, object]:  # a 100 s training window, idle[L] s of it waiting
             ran.append(c)
-            return {"throughput": {"trajectories_per_s": throughputs[c.lookahead_groups]},
-                    "arch_staleness_mean": c.lookahead_groups / 10, "quota_violations": 0,
-                    "config": {"lookahead_groups": c.lookahead_groups}}
+            return {"throughput": {"trajectories_per_s": throughput}, "trainer_idle_s": idle[c.lookahead_groups],
+                    "training_window_s": 100.0, "arch_staleness_mean": c.lookahead_groups / 10,
+                    "quota_violations": 0, "config": {"lookahead_groups": c.lookahead_groups}}
         return run_one, ran
 
-    baseline = {"throughput": {"trajectories_per_s": 10.0}}
-    run_one, ran = runner({4: 8.0, 8: 9.6, 12: 11.0, 16: 11.0})
+    baseline = {"trainer_idle_s": 20.0, "training_window_s": 100.0}  # busy 80%: a lookahead must reach 76%
+    run_one, ran = runner({4: 40.0, 8: 22.0, 12: 10.0, 16: 10.0})
     got = _matched(cfg, baseline, run_one, Notes())  # type: ignore[arg-type]
     assert [c.lookahead_groups for c in ran] == [4, 8] and ran[1].out == Path("/tmp/m/mini_batch/lookahead8")
     assert got["config"]["lookahead_groups"] == 8 and got["matched_throughput"]
-    assert [t["lookahead"] for t in got["lookahead_search"]] == [4, 8]
-    run_one, ran = runner({4: 5.0, 8: 9.0, 12: 7.0, 16: 8.0})
+    assert [(t["lookahead"], t["trainer_busy"]) for t in got["lookahead_search"]] == [(4, 0.6), (8, 0.78)]
+    run_one, ran = runner({4: 50.0, 8: 25.0, 12: 30.0, 16: 26.0})
     got = _matched(cfg, baseline, run_one, Notes())  # type: ignore[arg-type]
     assert len(ran) == 4 and got["config"]["lookahead_groups"] == 8 and not got["matched_throughput"]
+    # trainer-bound: busy at every lookahead, the throughputs apart by noise alone -> the smallest lookahead
+    run_one, ran = runner({4: 0.5, 8: 0.2, 12: 0.1, 16: 0.1}, throughput=0.9)
+    got = _matched(cfg, {"trainer_idle_s": 0.3, "training_window_s": 100.0}, run_one, Notes())  # type: ignore[arg-type]
+    assert len(ran) == 1 and got["config"]["lookahead_groups"] == 4 and got["matched_throughput"]
 
 
 def test_knit_run_model_smollm2_maps_to_the_checkpoint_bf16_sync_and_exact_reward(tmp_path: Path) -> None:
