@@ -50,7 +50,7 @@ from typing import Any, Literal
 
 from flight_store.client import StoreClient
 from flight_store.config import ClusterMember, ServerConfig
-from flight_store.net import free_port
+from flight_store.net import free_port, free_ports
 from launcher import report
 from launcher.placement import Placement, Site
 from launcher.run import Interrupted, LiveState, RunConfig, rollout_config, store_configs, train_config
@@ -105,7 +105,8 @@ class StoreNodeActor:
 
     def ports(self) -> tuple[int, int]:
         """Two ports free on this node now: the node's and its metrics'."""
-        return free_port(self.ip), free_port(self.ip)
+        store, metrics = free_ports(2, self.ip)
+        return store, metrics
 
     def start(self, config: ServerConfig) -> str:
         """Serve ``config`` (its RSS held to the budget, as ``knit serve`` does); returns the location."""

@@ -52,11 +52,11 @@ from admission.config import AdmissionConfig, Policy, Quota
 from connectors.config import DEFAULT_DATA_SOURCES, RolloutConfig
 from flight_store.client import StoreClient
 from flight_store.config import ClusterMember, ServerConfig, StoreConfig
-from flight_store.net import free_port
+from flight_store.net import free_ports
 from launcher import report
 from launcher.children import ROOT, Child, Children
 from launcher.model import MODELS_DIR, RUN_MODELS, RunModelName
-from launcher.placement import Placement, Site
+from launcher.placement import Placement
 from launcher.stores import Stores
 from schemas import documents
 from train.config import ModelConfig, OptimConfig, ParallelConfig, TrainConfig
@@ -194,19 +194,17 @@ def store_configs(cfg: RunConfig, placement: Placement | None = None) -> list[Se
     gives another), and a spill directory in the run folder (``stores/node{i}``: every acknowledged write is
     logged, so a node started again replays it)."""
     sites = (placement or Placement.local(cfg.num_stores)).stores
-    ports = [_free_port(s) for s in sites]
-    cluster = [ClusterMember(id=f"node{i}", location=f"grpc://{s.url_host}:{p}")
-               for i, (s, p) in enumerate(zip(sites, ports, strict=True))]
-    return [ServerConfig(host=s.address, port=p, node_name=f"node{i}", log_level="WARNING", cluster=cluster,
-                         metrics_port=_free_port(s) if cfg.metrics else None,
-                         store=StoreConfig(spill_dir=str(cfg.out / "stores" / f"node{i}")))
-            for i, (s, p) in enumerate(zip(sites, ports, strict=True))]
-
-
-def _free_port(site: Site) -> int:
-    """A port free at ``site``: asked of its address here, or (a site elsewhere, e.g. a fresh network namespace,
-    where nothing listens yet) a port free on this machine's loopback."""
-    return free_port(site.address) if site.is_local else free_port()
+    # the ports are asked of each site's address here, or (a site elsewhere, e.g. a fresh network namespace, where
+    # nothing listens yet) of this machine's loopback; all of one address at once, so no two nodes share one
+    asked = [s.address if s.is_local else "127.0.0.1" for s in sites]
+    per_site = 2 if cfg.metrics else 1
+    free = {host: iter(free_ports(per_site * asked.count(host), host)) for host in dict.fromkeys(asked)}
+    ports = [(next(free[host]), next(free[host]) if cfg.metrics else None) for host in asked]
+    cluster = [ClusterMember(id=f"node{i}", location=f"grpc://{s.url_host}:{port}")
+               for i, (s, (port, _)) in enumerate(zip(sites, ports, strict=True))]
+    return [ServerConfig(host=s.address, port=port, node_name=f"node{i}", log_level="WARNING", cluster=cluster,
+                         metrics_port=metrics, store=StoreConfig(spill_dir=str(cfg.out / "stores" / f"node{i}")))
+            for i, (s, (port, metrics)) in enumerate(zip(sites, ports, strict=True))]
 
 
 def train_config(cfg: RunConfig, model: ModelConfig, stores: list[str]) -> TrainConfig:

@@ -291,6 +291,11 @@ def test_store_configs_bind_and_advertise_their_sites(tmp_path: Path) -> None:
     assert [c.host for c in placed] == ["198.18.0.1", "198.18.0.2"]
     assert [c.location for c in placed] == [m.location for m in placed[0].cluster]
     assert placed[1].location.startswith("grpc://198.18.0.2:") and placed[1].advertise_host is None
+    # every node's port and metrics port on one address are distinct: asked together, never one after another
+    # (two asks in a row can get one port back; a run once started both of its nodes on the same port)
+    many = store_configs(RunConfig(out=tmp_path, num_stores=8))
+    ports = [p for c in many for p in (c.port, c.metrics_port)]
+    assert None not in ports and len(set(ports)) == 16
 
 
 def test_trainer_ranks_apart_get_their_rank_and_rendezvous(tmp_path: Path) -> None:
