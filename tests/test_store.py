@@ -98,6 +98,34 @@ def test_slice_errors_name_the_group(make_group) -> None:
     assert sm.value.column == "bogus"
 
 
+def test_read_views_are_kept_for_the_next_reads_bounded_and_dropped_with_their_group(make_group, monkeypatch) -> None:
+    from flight_store import groups
+
+    monkeypatch.setattr(groups, "VIEWS_KEPT", 3)
+    made: list[int] = []
+    real = groups.Group.batch
+    monkeypatch.setattr(groups.Group, "batch", lambda self, i: made.append(i) or real(self, i))
+    store = Store()
+    for g in "abcd":
+        store.put_group(g, [make_group(g, size=4)])
+    kept = store._contents.groups._views
+    cols = ["group_id", "sample_idx"]
+    # a micro-batch per slice, as ranks read a group: one view of the stored batch for all of them
+    got = [store.slices([("a", k, k + 1)], cols) for k in range(4)]
+    assert [_rows(b) for b in got] == [[0], [1], [2], [3]] and len(made) == 1
+    assert _rows(store.slices([("a", 1, 3)], ["sample_idx"])) == [1, 2] and len(made) == 2  # another projection
+    assert store.slices([("a", 0, 1)])[0].schema.names == TRAJECTORY_SCHEMA.names and len(made) == 3
+    store.slices([("b", 0, 1)], cols)  # a fourth view: the least recently read of a's goes
+    assert len(made) == 4 and len(kept) == 3
+    assert [k[0] for k in kept] == ["a", "a", "b"]
+    store.slices([("a", 0, 4)], cols)  # dropped first: made again
+    assert len(made) == 5 and len(kept) == 3
+    assert store.release(["a"]) == 1
+    assert [k[0] for k in kept] == ["b"]  # a released group's views go at once (they keep its blocks mapped)
+    with pytest.raises(GroupReleasedError, match="'a'"):
+        store.slices([("a", 0, 1)], cols)
+
+
 # ---- idempotency -------------------------------------------------------------------------------
 
 
