@@ -124,12 +124,15 @@ class NodeCalls:
 
         return self._once_or_retried(node, lambda: self.call(node, run), retry)
 
-    def put(self, node: str, descriptor: bytes, table: pa.Table) -> dict[str, Any]:
-        """DoPut ``table`` under ``descriptor``, ended cleanly (the node commits only then): its answer; retried."""
+    def put(self, node: str, descriptor: bytes, data: pa.Table | pa.RecordBatch) -> dict[str, Any]:
+        """DoPut ``data`` under ``descriptor``, ended cleanly (the node commits only then): its answer; retried."""
         def run(c: flight.FlightClient) -> dict[str, Any]:
-            writer, reader = c.do_put(flight.FlightDescriptor.for_command(descriptor), table.schema, self.options)
+            writer, reader = c.do_put(flight.FlightDescriptor.for_command(descriptor), data.schema, self.options)
             try:
-                writer.write_table(table)
+                if isinstance(data, pa.RecordBatch):
+                    writer.write_batch(data)
+                else:
+                    writer.write_table(data)
                 writer.done_writing()
                 buf = reader.read()
             finally:

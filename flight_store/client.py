@@ -47,7 +47,6 @@ from schemas.wire import (
     ImagesTicket,
     MetadataTicket,
     PublishVersionBody,
-    PutGroup,
     PutGroups,
     PutImages,
     PutWeights,
@@ -55,6 +54,7 @@ from schemas.wire import (
     ResolveBody,
     ResolveReason,
     WeightsTicket,
+    encode_put_group,
 )
 
 T = TypeVar("T")
@@ -202,15 +202,13 @@ class StoreClient:
             WrongNodeError: ``node`` (or a stale cluster view) is not the group's node.
             ConflictError, SchemaMismatchError, UnknownImageError, CapacityExceededError: as the node refuses.
         """
-        table = pa.Table.from_batches([batch]) if isinstance(batch, pa.RecordBatch) else batch
         if group_id is None:
-            if "group_id" not in table.column_names or table.num_rows == 0:
+            if "group_id" not in batch.schema.names or batch.num_rows == 0:
                 msg = "put_group needs group_id= or a non-empty batch with a 'group_id' column"
                 raise ValueError(msg)
-            group_id = str(table.column("group_id")[0].as_py())
+            group_id = str(batch.column("group_id")[0].as_py())
         target = node if node is not None else self.node_for(group_id)
-        desc = PutGroup(group_id=group_id, rows=table.num_rows).to_bytes()
-        self._calls.put(target, desc, table)
+        self._calls.put(target, encode_put_group(group_id, batch.num_rows), batch)
         return target
 
     def put_groups(self, batches: Sequence[pa.RecordBatch | pa.Table]) -> PutGroupsResult:

@@ -11,7 +11,7 @@ node the nodes themselves expect (a node refuses a group that is not its own).
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from schemas import routing
@@ -25,11 +25,16 @@ class ClusterView:
     """Location -> node id."""
     version: int
     """The cluster view's version (1 for nodes that form a cluster of their own)."""
+    _by_id: dict[str, str] = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "_by_id", {v: k for k, v in self.ids.items()})
 
     def owner(self, group_id: str) -> str:
         """The location of the node ``group_id`` belongs to."""
-        by_id = {v: k for k, v in self.ids.items()}
-        return by_id[routing.owner(group_id, list(by_id))]
+        if len(self._by_id) == 1:  # the one node wins whatever the scores
+            return next(iter(self._by_id.values()))
+        return self._by_id[routing.owner(group_id, list(self._by_id))]
 
 
 def view_from(answers: Mapping[str, Mapping[str, Any]]) -> ClusterView:

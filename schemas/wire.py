@@ -9,6 +9,8 @@ places that parse them, and raise :class:`WireError` naming what was wrong.
 from __future__ import annotations
 
 import json
+from collections.abc import Iterable, Sequence
+from json.encoder import encode_basestring
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError, model_validator
@@ -345,6 +347,24 @@ ACTION_DESCRIPTIONS: dict[str, str] = {
     "inflight": 'the groups in flight here: {"groups": [{"group_id", "data_source", "prompt_id", '
                 '"dispatch_version", "state", "dispatched_at"}], "registered_total": N, "resolved": {reason: N}}',
 }
+
+
+# ---- encoding on the hot path ---------------------------------------------------------------------
+
+def encode_slices_ticket(refs: Iterable[tuple[str, int, int]], columns: Sequence[str] | None) -> bytes:
+    """``SlicesTicket(slices=[(group_id, start, stop), ...], columns=columns).to_bytes()``, byte for byte, written
+    without building the model (3 us instead of 9 for a micro-batch's slices of one node): the client's
+    per-read encoder. The node validates every ticket it is sent and names what is wrong."""
+    slices = ",".join(f'{{"group_id":{encode_basestring(g)},"start":{a},"stop":{b}}}' for g, a, b in refs)
+    cols = "" if columns is None else ',"columns":[' + ",".join(map(encode_basestring, columns)) + "]"
+    return f'{{"v":{SCHEMA_VERSION},"kind":"slices","slices":[{slices}]{cols}}}'.encode()
+
+
+def encode_put_group(group_id: str, rows: int) -> bytes:
+    """``PutGroup(group_id=group_id, rows=rows).to_bytes()``, byte for byte, without building the model (as
+    :func:`encode_slices_ticket`)."""
+    gid = encode_basestring(group_id)
+    return f'{{"v":{SCHEMA_VERSION},"kind":"put_group","group_id":{gid},"rows":{rows}}}'.encode()
 
 
 # ---- decoding ----------------------------------------------------------------------------------

@@ -344,18 +344,18 @@ def test_tickets_take_json_numbers_only_and_no_duplicate_keys(doc: bytes) -> Non
         raw.close()
 
 
-def test_the_clients_slices_ticket_is_the_models_and_a_bad_slice_is_refused_by_the_node() -> None:
+def test_the_clients_encoders_write_the_models_bytes_and_a_bad_slice_is_refused_by_the_node() -> None:
     from flight_store.errors import WireDecodeError
-    from flight_store.streams import slices_ticket
     from schemas.plan import PlannedSlice
-    from schemas.wire import SliceRef, SlicesTicket
+    from schemas.wire import PutGroup, SliceRef, SlicesTicket, encode_put_group, encode_slices_ticket
 
     odd = ['g"1\\', "gr\u00fcppe \u2028", "tab\tnew\nline\x01", "s0-g7"]  # quotes, escapes, non-ASCII, controls
-    slices = [PlannedSlice(node="n", group_id=g, start=i, stop=i + 2) for i, g in enumerate(odd)]
+    refs = [(g, i, i + 2) for i, g in enumerate(odd)]
     for cols in (None, ["group_id", "sample_idx"], []):
-        model = SlicesTicket(slices=[SliceRef(group_id=s.group_id, start=s.start, stop=s.stop) for s in slices],
-                             columns=cols)
-        assert slices_ticket(slices, cols) == model.to_bytes()
+        model = SlicesTicket(slices=[SliceRef(group_id=g, start=a, stop=b) for g, a, b in refs], columns=cols)
+        assert encode_slices_ticket(refs, cols) == model.to_bytes()
+    for g in odd:
+        assert encode_put_group(g, 8) == PutGroup(group_id=g, rows=8).to_bytes()
     with StoreServer() as server, StoreClient([server.location]) as client:
         client.put_group(_group("g"))
         with pytest.raises(WireDecodeError, match=r"empty or reversed row range \[3, 1\) for group 'g'"):
