@@ -119,10 +119,13 @@ class RolloutConfig:
     """Prompts drawn from the prompt stream ahead of dispatch and registered as ``queued`` (the loader's
     committed prompts: with a train batch's worth the planner sees the quota classes coming before they
     run). 0 = draw each prompt when it is dispatched."""
-    dispatch_order: str = "slow_first"
-    """Which committed prompt goes out next: ``slow_first`` (of the ``commit_ahead`` prompts waiting, one of the
-    data source whose groups took longest so far, measured from dispatch to completion: a slow class gets its
-    lead and a fast one does not finish early to wait for its quota mates) or ``loader`` (the stream's order)."""
+    dispatch_order: str = "slow_ahead"
+    """Which committed prompt goes out next: ``slow_ahead`` (of the ``commit_ahead`` prompts waiting, the one of
+    the lowest place in the prompt stream minus its data source's lead: the groups the engine completes while a
+    group of that source generates beyond the fastest source's latency, both measured from dispatch to
+    completion; so a slow class goes out early enough to finish beside its quota mates and a fast one does not
+    finish early to wait for them), ``slow_first`` (one of the source whose groups took longest so far, however
+    far ahead) or ``loader`` (the stream's order)."""
     synchronous: tuple[int, int] | None = None
     """``(B, K)``: generate on-policy, as a colocated run does: the ``i``-th prompt drawn (a train batch is ``B``
     prompts in stream order) is dispatched only once the engine holds weights of version ``(i // B) * K`` or
@@ -153,8 +156,8 @@ class RolloutConfig:
         if self.temperature < 0 or not 0 < self.top_p <= 1:
             msg = f"bad sampling settings temperature={self.temperature} top_p={self.top_p}"
             raise ValueError(msg)
-        if self.dispatch_order not in ("slow_first", "loader"):
-            msg = f"RolloutConfig.dispatch_order={self.dispatch_order!r} is not slow_first/loader"
+        if self.dispatch_order not in ("slow_ahead", "slow_first", "loader"):
+            msg = f"RolloutConfig.dispatch_order={self.dispatch_order!r} is not slow_ahead/slow_first/loader"
             raise ValueError(msg)
         if self.logprobs_mode not in ("raw_logprobs", "processed_logprobs"):
             msg = f"RolloutConfig.logprobs_mode={self.logprobs_mode!r} is not raw_logprobs/processed_logprobs"

@@ -152,6 +152,7 @@ class RolloutWorker:
         self._committed: deque[_Drawn] = deque()  # drawn (and re-dispatched) prompts waiting for dispatch
         self._drawn = 0  # prompts drawn from the stream
         self._latency: dict[str, float] = {}  # data source -> moving mean of dispatch-to-completion seconds
+        self._completed_at: deque[float] = deque(maxlen=64)  # when the last groups completed (perf_counter)
         self._placed = 0  # group ids handed out
         self._stop = False
         self._held = False  # the last lookahead check paused dispatch
@@ -261,18 +262,32 @@ class RolloutWorker:
         return False
 
     def _next_committed(self) -> _Drawn | None:
-        """The committed prompt to dispatch next: the first of the slowest data source so far (``slow_first``;
-        sources not yet measured count as slowest, so each is measured early), or the first (``loader``);
-        ``None`` while every committed prompt waits for its train batch's weights (``synchronous``)."""
+        """The committed prompt to dispatch next (see ``RolloutConfig.dispatch_order``); ``None`` while every
+        committed prompt waits for its train batch's weights (``synchronous``)."""
         ready = [d for d in self._committed if self._on_policy(d)]
         if not ready:
             return None
-        if self.config.dispatch_order == "loader" or len(ready) == 1:
+        order = self.config.dispatch_order
+        if order == "loader" or len(ready) == 1:
             chosen = ready[0]
-        else:
+        elif order == "slow_first":  # sources not yet measured count as slowest, so each is measured early
             chosen = max(ready, key=lambda d: self._latency.get(d.prompt.data_source, float("inf")))
+        else:
+            leads = self._leads()
+            chosen = min(ready, key=lambda d: d.index - leads.get(d.prompt.data_source, 0.0))
         self._committed.remove(chosen)
         return chosen
+
+    def _leads(self) -> dict[str, float]:
+        """``slow_ahead``: per measured data source, how many places ahead of its place in the prompt stream a
+        prompt goes out: the groups the engine completes (rate over the last 64) while a group of it generates
+        beyond the fastest source's latency, so that groups complete in about the stream's order."""
+        done = self._completed_at
+        if len(done) < 2 or not self._latency or done[-1] <= done[0]:
+            return {}
+        rate = (len(done) - 1) / (done[-1] - done[0])
+        fastest = min(self._latency.values())
+        return {src: rate * (lat - fastest) for src, lat in self._latency.items()}
 
     def _on_policy(self, drawn: _Drawn) -> bool:
         """Whether ``drawn`` may go out now under ``synchronous`` (always without it): the engine holds the
@@ -355,6 +370,7 @@ class RolloutWorker:
         took = (datetime.now(UTC) - pending.created_at).total_seconds()  # created when the engine took it
         last = self._latency.get(prompt.data_source)
         self._latency[prompt.data_source] = took if last is None else 0.8 * last + 0.2 * took  # moving mean
+        self._completed_at.append(time.perf_counter())
         rewards = [0.0] * self.config.group_size
         for c in out.outputs:
             if c.finish_reason in ("stop", "length"):

@@ -141,8 +141,9 @@ def test_groups_the_engine_aborts_go_out_again_and_every_train_batch_keeps_its_q
     assert left.groups.height == 0 and left.resolved["written"] == b * batches + len(engine.killed)
 
 
-def test_committed_prompts_go_out_slowest_source_first(store_nodes) -> None:  # type: ignore[no-untyped-def]
-    """With prompts committed ahead, the source whose groups took longest so far is dispatched first."""
+def test_committed_prompts_go_out_slow_source_ahead_by_its_lead(store_nodes) -> None:  # type: ignore[no-untyped-def]
+    """With prompts committed ahead, a slow source's prompt goes out ahead of its place in the stream by its lead
+    (``slow_ahead``: completion rate x latency gap), or first whatever the distance (``slow_first``)."""
     import itertools
 
     from connectors.config import RolloutConfig
@@ -151,19 +152,34 @@ def test_committed_prompts_go_out_slowest_source_first(store_nodes) -> None:  # 
     from connectors.tasks import mixed_prompts
 
     (server,) = store_nodes(1)
-    cfg = RolloutConfig(model="unused", stores=[server.location], group_size=2, max_groups=0, prompts_per_wave=1,
-                        commit_ahead=8, mix_chunk=8, version_poll_s=0.0)
-    with StoreClient(server.location) as client, RolloutWorker(
-            cfg, client=client, engine=FakeEngine(max_steps=1),
-            prompts=itertools.islice(mixed_prompts(cfg.data_sources, seed=5, chunk=8), 8)) as worker:
-        worker._top_up()
-        assert [d.prompt.data_source for d in worker._committed].count("mul_large") == 4
-        worker._latency = {"add_small": 0.1, "mul_large": 2.0}
-        order = [worker._next_committed().prompt.data_source for _ in range(8)]
-        assert order == ["mul_large"] * 4 + ["add_small"] * 4
-        worker._writer.flush()  # registrations go through the writer's queue, in order with the writes
-        queued = client.inflight().groups
-        assert queued.height == 8 and set(queued["state"]) == {"queued"}  # registered when drawn
+
+    def order(dispatch_order: str, latency: dict[str, float], completions_per_s: float) -> list[tuple[str, int]]:
+        cfg = RolloutConfig(model="unused", stores=[server.location], group_size=2, max_groups=0,
+                            prompts_per_wave=1, commit_ahead=8, mix_chunk=8, version_poll_s=0.0,
+                            dispatch_order=dispatch_order)
+        with StoreClient(server.location) as client, RolloutWorker(
+                cfg, client=client, engine=FakeEngine(max_steps=1),
+                prompts=itertools.islice(mixed_prompts(cfg.data_sources, seed=5, chunk=8), 8)) as worker:
+            worker._top_up()
+            worker._latency = latency
+            worker._completed_at.extend(i / completions_per_s for i in range(11))
+            out = [worker._next_committed() for _ in range(8)]
+            worker._writer.flush()  # registrations go through the writer's queue, in order with the writes
+            queued = client.inflight().groups
+            assert queued.height == 8 and set(queued["state"]) == {"queued"}  # registered when drawn
+        return [(d.prompt.data_source, d.index) for d in out]
+
+    slow = {"add_small": 0.1, "mul_large": 2.0}
+    first = order("slow_first", slow, 10.0)
+    stream = sorted(first, key=lambda x: x[1])
+    assert [src for src, _ in stream].count("mul_large") == 4 and stream != first
+    assert [src for src, _ in first] == ["mul_large"] * 4 + ["add_small"] * 4
+    assert order("slow_ahead", slow, 10.0) == first  # a lead of 19 places: every slow prompt of the 8 first
+    assert order("slow_ahead", {"add_small": 0.5, "mul_large": 0.5}, 10.0) == stream  # no gap: the stream's order
+    near = order("slow_ahead", slow, 1.0)  # a lead of 1.9 places
+    assert near == sorted(stream, key=lambda x: (x[1] - (1.9 if x[0] == "mul_large" else 0.0), x[1]))
+    assert near not in (first, stream)
+    assert order("loader", slow, 10.0) == stream
 
 
 def test_a_synchronous_rollout_generates_each_train_batch_with_the_weights_it_starts_from(  # type: ignore[no-untyped-def]

@@ -113,13 +113,15 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--trainer-slowdown", type=float, default=1.0,
                     help="multiply the calibrated trainer time (variant: trainer-bound pipeline)")
     ap.add_argument("--loader-order", choices=["shuffled", "slow_first", "longest_first", "math_ahead"],
-                    default="slow_first", help="dispatch order: slow_first (default) = math before chat in a chunk, "
-                    "as the rollout does; shuffled = the loader's order; longest_first = by the group's longest "
-                    "response (oracle); math_ahead = math one chunk early")
+                    default="shuffled", help="the loader's order: shuffled (default); slow_first = math before chat "
+                    "in a chunk; longest_first = by the group's longest response (oracle); math_ahead = math one "
+                    "chunk early")
     ap.add_argument("--loader-mix", choices=["exact", "iid"], default="exact",
                     help="iid: each prompt's source drawn 50/50 (a chunk's mix varies; the planner holds the quota)")
-    ap.add_argument("--dispatch", choices=["fifo", "per_class"], default="fifo",
-                    help="how the rollout spends the lookahead (SimParams.dispatch)")
+    ap.add_argument("--dispatch", choices=["lead", "fifo", "per_class"], default="lead",
+                    help="how the rollout spends the lookahead (SimParams.dispatch): lead (default) = a slow class "
+                         "ahead of its loader position by the groups dispatched while it generates beyond the fastest "
+                         "one; fifo = the loader's order")
     ap.add_argument("--prefer", choices=["scarce", "oldest"], default="scarce",
                     help="the planner's choice among feasible compositions (AdmissionConfig.prefer)")
     ap.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2], help="the seeds each figure averages")

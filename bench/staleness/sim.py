@@ -96,7 +96,10 @@ class _Pipeline:
         self.calls = 0
         self.slot_busy: list[tuple[float, float]] = []  # (start, end) of every sequence
         self.latency: dict[str, list[float]] = {src: [] for src in SOURCES}
-        self.per_class = p.dispatch == "per_class" and policy != "colocated"
+        self.completions: list[float] = []  # times groups completed
+        # the rollout's own dispatch (per_class, lead) for the policies it feeds; streaming stands for the peers,
+        # whose rollout dispatches in the loader's order
+        self.per_class = p.dispatch in ("per_class", "lead") and policy not in ("colocated", "streaming")
         self.class_queue: dict[str, deque[int]] = {src: deque() for src in SOURCES}  # per_class: loader order
         for i, pr in enumerate(self.flat):
             self.class_queue[pr.source].append(i)
@@ -121,7 +124,10 @@ class _Pipeline:
         """The loader hands prompts to the rollout while the lookahead allows (colocated: a train batch at a time)."""
         b, k_mb = self.p.groups, self.p.mini_batches
         if self.per_class:
-            self._dispatch_per_class()
+            if self.p.dispatch == "lead":
+                self._dispatch_lead()
+            else:
+                self._dispatch_per_class()
             return
         while self.dispatched_untrained < self.lookahead and self.next_prompt < len(self.flat):
             if self.policy == "colocated" and self.steps_done < (self.next_prompt // b) * k_mb:
@@ -144,6 +150,38 @@ class _Pipeline:
         mean = sum(share[src] * lat[src] for src in SOURCES)
         return {src: share[src] * self.lookahead + share[src] * rate * (lat[src] - mean) for src in SOURCES}
 
+    def _leads(self) -> dict[str, float]:
+        """Per class, how many places ahead of its loader position a prompt goes out: the groups the rollout
+        completes while the class generates beyond the fastest class's latency (rate x latency gap), so groups
+        complete in about the loader's order. Measured online as the rollout worker does: latency over each
+        class's last 64 groups, rate over the last 64 completions; 0 until every class has 8 groups done."""
+        done = self.completions
+        if len(done) < 2 or any(len(v) < 8 for v in self.latency.values()):
+            return dict.fromkeys(SOURCES, 0.0)
+        recent = done[-64:]
+        rate = (len(recent) - 1) / max(recent[-1] - recent[0], 1e-9)
+        lat = {src: float(np.mean(v[-64:])) for src, v in self.latency.items()}
+        fastest = min(lat.values())
+        return {src: rate * (lat[src] - fastest) for src in SOURCES}
+
+    def _dispatch_lead(self) -> None:
+        """Dispatch, while L allows, the waiting prompt of the lowest loader position minus its class's lead."""
+        leads = self._leads()
+        while self.dispatched_untrained < self.lookahead:
+            heads = {src: q[0] - leads[src] for src, q in self.class_queue.items() if q}
+            if not heads:
+                return
+            src = min(heads, key=lambda k: heads[k])
+            self._send(self.class_queue[src].popleft())
+
+    def _send(self, gi: int) -> None:
+        """Hand prompt ``gi`` to the rollout (queued until G slots are free)."""
+        src = self.flat[gi].source
+        self.queue.append(gi)
+        self.inflight_src[src] += 1
+        self.untrained_src[src] += 1
+        self.dispatched_untrained += 1
+
     def _dispatch_per_class(self) -> None:
         """Dispatch the class furthest below its L_s (in loader order within the class) while L allows."""
         limits = self._class_limits()
@@ -152,11 +190,7 @@ class _Pipeline:
             if not room or max(room.values()) <= 0:
                 return
             src = max(room, key=lambda k: room[k])
-            gi = self.class_queue[src].popleft()
-            self.queue.append(gi)
-            self.inflight_src[src] += 1
-            self.untrained_src[src] += 1
-            self.dispatched_untrained += 1
+            self._send(self.class_queue[src].popleft())
 
     def _future(self) -> Counter[str]:
         """The loader's committed prompts not yet dispatched: up to the end of the next chunk (per class with
@@ -195,6 +229,7 @@ class _Pipeline:
             self.inflight_src[pr.source] -= 1
             v0 = self.started.pop(x)
             self.latency[pr.source].append(self.now - self.start_time.pop(x))
+            self.completions.append(self.now)
             v = self.version if self.p.version_at == "complete" else v0
             g = self.p.group_size
             self.seq_no += g

@@ -50,23 +50,25 @@ class SimParams:
     project's rollout worker records, since it loads each new version into the running engine, so the
     newest weights produced the last tokens; ``policy_version_min`` stays the start version), or when it
     ``start``s (variant: a rollout that never updates weights under running requests)."""
-    loader_order: str = "slow_first"
-    """Dispatch order: ``slow_first`` (default: math before chat inside a chunk, what the rollout worker does with
-    a train batch of prompts committed ahead, ``RolloutConfig.dispatch_order``), ``shuffled`` (the loader's order),
-    ``longest_first`` (inside a chunk by the group's longest response, descending: an oracle length predictor,
-    an upper bound for dispatch by predicted length) or ``math_ahead`` (each chunk's math dispatched one chunk
-    early; see :func:`dispatch_order`)."""
+    loader_order: str = "shuffled"
+    """The loader's order of a chunk's prompts, which ``fifo`` dispatch follows: ``shuffled`` (default),
+    ``slow_first`` (math before chat inside a chunk), ``longest_first`` (inside a chunk by the group's longest
+    response, descending: an oracle length predictor) or ``math_ahead`` (each chunk's math one chunk early;
+    see :func:`dispatch_order`)."""
     loader_mix: str = "exact"
     """Sources of a chunk's prompts: ``exact`` (B/2 math and B/2 chat, the quota mix) or ``iid`` (each prompt's
     source drawn 50/50 on its own: a chunk's mix varies, and the planner alone keeps the quota)."""
     prefer: str = "scarce"
     """The planner's choice among feasible compositions (``AdmissionConfig.prefer``): ``scarce`` (classes least
     covered first, then oldest) or ``oldest`` (lowest policy version first)."""
-    dispatch: str = "fifo"
-    """How the rollout spends the lookahead L: ``fifo`` (the loader's order, one L for all classes) or
-    ``per_class`` (each class's prompts in loader order, class s dispatched while its dispatched-untrained
-    groups are below its share of L corrected by its latency, see ``_Pipeline._class_limits``: a slow class
-    gets the lead it needs and a fast one does not run ahead to wait for its quota mates)."""
+    dispatch: str = "lead"
+    """How the rollout spends the lookahead L (``train_batch`` and ``mini_batch``; ``streaming`` stands for the
+    peers, whose rollout dispatches ``fifo``): ``lead`` (default, what ``connectors.rollout`` does with its
+    ``slow_ahead`` order: the waiting prompt of the lowest loader position minus its class's lead goes out next,
+    the lead being the groups dispatched while the class generates beyond the fastest class's latency, both
+    measured online, see ``_Pipeline._leads``: groups complete in about the loader's order), ``fifo`` (the
+    loader's order) or ``per_class`` (class s dispatched while its dispatched-untrained groups are below its
+    share of L corrected by its latency, see ``_Pipeline._class_limits``)."""
     trainer_slowdown: float = 1.0
     """Multiplier on the calibrated trainer time (> 1: trainer-bound regime)."""
 
