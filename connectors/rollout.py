@@ -268,7 +268,7 @@ class RolloutWorker:
         if not ready:
             return None
         order = self.config.dispatch_order
-        if order == "loader" or len(ready) == 1:
+        if order == "loader" or len(ready) == 1 or ready[0].attempt:  # an aborted group's prompt goes out first
             chosen = ready[0]
         elif order == "slow_first":  # sources not yet measured count as slowest, so each is measured early
             chosen = max(ready, key=lambda d: self._latency.get(d.prompt.data_source, float("inf")))

@@ -144,6 +144,7 @@ def test_groups_the_engine_aborts_go_out_again_and_every_train_batch_keeps_its_q
 def test_committed_prompts_go_out_slow_source_ahead_by_its_lead(store_nodes) -> None:  # type: ignore[no-untyped-def]
     """With prompts committed ahead, a slow source's prompt goes out ahead of its place in the stream by its lead
     (``slow_ahead``: completion rate x latency gap), or first whatever the distance (``slow_first``)."""
+    import dataclasses
     import itertools
 
     from connectors.config import RolloutConfig
@@ -163,6 +164,9 @@ def test_committed_prompts_go_out_slow_source_ahead_by_its_lead(store_nodes) -> 
             worker._top_up()
             worker._latency = latency
             worker._completed_at.extend(i / completions_per_s for i in range(11))
+            last = worker._committed[-1]
+            worker._committed.appendleft(dataclasses.replace(last, group_id="again", attempt=1))
+            assert worker._next_committed().group_id == "again"  # an aborted group's prompt, whatever the order
             out = [worker._next_committed() for _ in range(8)]
             worker._writer.flush()  # registrations go through the writer's queue, in order with the writes
             queued = client.inflight().groups
