@@ -42,7 +42,7 @@ import signal
 import threading
 import time
 from collections import deque
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import UTC, datetime
@@ -65,7 +65,15 @@ from schemas.wire import DispatchedGroup
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["RolloutConfig", "RolloutReport", "RolloutWorker", "run_rollout"]
+__all__ = ["RolloutConfig", "RolloutReport", "RolloutWorker", "run_rollout", "slow_ahead_leads"]
+
+
+def slow_ahead_leads(rate: float, latency: Mapping[str, float]) -> dict[str, float]:
+    """The ``slow_ahead`` dispatch order's lead per data source, in places of the prompt stream: the groups
+    completed (``rate``, groups a second) while a group of the source generates beyond the fastest source's
+    ``latency`` (seconds, dispatch to completion), so that groups complete in about the stream's order."""
+    fastest = min(latency.values())
+    return {src: rate * (lat - fastest) for src, lat in latency.items()}
 
 
 @dataclass(slots=True)
@@ -285,9 +293,7 @@ class RolloutWorker:
         done = self._completed_at
         if len(done) < 2 or not self._latency or done[-1] <= done[0]:
             return {}
-        rate = (len(done) - 1) / (done[-1] - done[0])
-        fastest = min(self._latency.values())
-        return {src: rate * (lat - fastest) for src, lat in self._latency.items()}
+        return slow_ahead_leads((len(done) - 1) / (done[-1] - done[0]), self._latency)
 
     def _on_policy(self, drawn: _Drawn) -> bool:
         """Whether ``drawn`` may go out now under ``synchronous`` (always without it): the engine holds the

@@ -129,10 +129,7 @@ class NodeCalls:
         def run(c: flight.FlightClient) -> dict[str, Any]:
             writer, reader = c.do_put(flight.FlightDescriptor.for_command(descriptor), data.schema, self.options)
             try:
-                if isinstance(data, pa.RecordBatch):
-                    writer.write_batch(data)
-                else:
-                    writer.write_table(data)
+                writer.write(data)
                 writer.done_writing()
                 buf = reader.read()
             finally:

@@ -51,6 +51,7 @@ import polars as pl
 
 from admission import Planner, summary
 from bench.staleness.workload import SOURCES, SimParams, admission_config, dispatch_order, make_prompts
+from connectors.rollout import slow_ahead_leads
 
 log = logging.getLogger(__name__)
 
@@ -97,13 +98,13 @@ class _Pipeline:
         self.slot_busy: list[tuple[float, float]] = []  # (start, end) of every sequence
         self.latency: dict[str, list[float]] = {src: [] for src in SOURCES}
         self.completions: list[float] = []  # times groups completed
-        # the rollout's own dispatch (per_class, lead) for the policies it feeds; streaming stands for the peers,
-        # whose rollout dispatches in the loader's order
-        self.per_class = p.dispatch in ("per_class", "lead") and policy not in ("colocated", "streaming")
-        self.class_queue: dict[str, deque[int]] = {src: deque() for src in SOURCES}  # per_class: loader order
+        # dispatch from per-class queues (per_class, lead: the rollout's own) for the policies the rollout feeds;
+        # streaming stands for the peers, whose rollout dispatches in the loader's order
+        self.by_class = p.dispatch in ("per_class", "lead") and policy not in ("colocated", "streaming")
+        self.class_queue: dict[str, deque[int]] = {src: deque() for src in SOURCES}  # by_class: loader order
         for i, pr in enumerate(self.flat):
             self.class_queue[pr.source].append(i)
-        self.untrained_src: Counter[str] = Counter()  # per_class: dispatched, not yet trained
+        self.untrained_src: Counter[str] = Counter()  # by_class: dispatched, not yet trained
 
     def run(self) -> None:
         """Process events until every train batch is trained (or nothing is left to happen)."""
@@ -123,7 +124,7 @@ class _Pipeline:
     def _dispatch(self) -> None:
         """The loader hands prompts to the rollout while the lookahead allows (colocated: a train batch at a time)."""
         b, k_mb = self.p.groups, self.p.mini_batches
-        if self.per_class:
+        if self.by_class:
             if self.p.dispatch == "lead":
                 self._dispatch_lead()
             else:
@@ -151,18 +152,16 @@ class _Pipeline:
         return {src: share[src] * self.lookahead + share[src] * rate * (lat[src] - mean) for src in SOURCES}
 
     def _leads(self) -> dict[str, float]:
-        """Per class, how many places ahead of its loader position a prompt goes out: the groups the rollout
-        completes while the class generates beyond the fastest class's latency (rate x latency gap), so groups
-        complete in about the loader's order. Measured online as the rollout worker does: latency over each
-        class's last 64 groups, rate over the last 64 completions; 0 until every class has 8 groups done."""
+        """Per class, how many places ahead of its loader position a prompt goes out: the rollout worker's rule
+        (``connectors.rollout.slow_ahead_leads``) over latencies and a rate measured online, here the mean over
+        each class's last 64 groups and the rate of the last 64 completions; 0 until every class has 8 groups
+        done."""
         done = self.completions
         if len(done) < 2 or any(len(v) < 8 for v in self.latency.values()):
             return dict.fromkeys(SOURCES, 0.0)
         recent = done[-64:]
         rate = (len(recent) - 1) / max(recent[-1] - recent[0], 1e-9)
-        lat = {src: float(np.mean(v[-64:])) for src, v in self.latency.items()}
-        fastest = min(lat.values())
-        return {src: rate * (lat[src] - fastest) for src in SOURCES}
+        return slow_ahead_leads(rate, {src: float(np.mean(v[-64:])) for src, v in self.latency.items()})
 
     def _dispatch_lead(self) -> None:
         """Dispatch, while L allows, the waiting prompt of the lowest loader position minus its class's lead."""
@@ -194,9 +193,9 @@ class _Pipeline:
 
     def _future(self) -> Counter[str]:
         """The loader's committed prompts not yet dispatched: up to the end of the next chunk (per class with
-        ``per_class``: each class's prompts of the chunk its next prompt is in, and of the chunk after)."""
+        ``per_class`` or ``lead``: each class's prompts of the chunk its next prompt is in, and of the chunk after)."""
         b = self.p.groups
-        if not self.per_class:
+        if not self.by_class:
             horizon = min(len(self.flat), (self.next_prompt // b + 2) * b)
             return Counter(self.flat[i].source for i in range(self.next_prompt, horizon))
         out: Counter[str] = Counter()
