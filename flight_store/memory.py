@@ -1,7 +1,8 @@
 """The store's memory: allocator tuning, the blocks stored batches live in, the budget and the RSS guard.
 
 * **allocators**: :func:`cap_malloc_arenas` and :func:`return_free_memory` keep glibc malloc and the
-  Arrow pool from holding freed memory while a node serves dozens of concurrent RPCs;
+  Arrow pool from holding freed memory while a node with a memory budget serves dozens of concurrent
+  RPCs (a node without one trims only the Arrow pool: :meth:`MemoryAccount.free_unused`);
 * **blocks**: :func:`pack` copies a record batch into ONE exactly sized block of its own (an
   encapsulated IPC message, in pages of its own when large) and :func:`view` reads it back as
   zero-copy views;
@@ -82,7 +83,7 @@ def cap_malloc_arenas() -> None:
         mallopt(_M_MMAP_THRESHOLD, _MMAP_THRESHOLD)
 
 
-def return_free_memory(*, force: bool = False) -> None:
+def return_free_memory(*, force: bool = False, trim: bool = True) -> None:
     """Give the memory allocators hold but nothing uses back to the OS (after a write or a release).
 
     Two allocators keep freed memory resident while a node serves dozens of concurrent RPCs, each
@@ -92,11 +93,12 @@ def return_free_memory(*, force: bool = False) -> None:
     freed chunks in up to 8 x cores arenas, so ``malloc_trim`` runs at most every
     :data:`_TRIM_EVERY_S` (~0.2 ms each). In the 64-writer load test these held 10-50 MiB, as much
     as a 64 MiB budget's worth of groups the budget could not see. ``force`` trims now (after a large
-    answer was sent: what it borrowed must not stand in the way of the next write).
+    answer was sent: what it borrowed must not stand in the way of the next write). ``trim=False`` leaves
+    glibc's heap alone (see :meth:`MemoryAccount.free_unused`).
     """
     global _trimmed_at
     pa.default_memory_pool().release_unused()
-    if _malloc_trim is None:
+    if _malloc_trim is None or not trim:
         return
     now = time.monotonic()
     if (now - _trimmed_at < _TRIM_EVERY_S and not force) or not _trim_lock.acquire(blocking=force):
@@ -263,6 +265,15 @@ class MemoryAccount:
         """Resident memory above which the RSS guard refuses writes (0 without the guard)."""
         self._rss_refusals = 0
 
+    def free_unused(self, *, force: bool = False) -> None:
+        """:func:`return_free_memory`, glibc's heap trimmed only under a budget.
+
+        The trim is for the budget and its RSS guard, which must see freed memory gone; a node without a
+        budget leaves glibc its free chunks, which the next writes reuse warm: trimming after every write
+        made each refault its gRPC buffers (~7% of a ``put_group``'s round trip, ``bench.write_path``).
+        """
+        return_free_memory(force=force, trim=self.budget is not None)
+
     def hold(self, held: int, payload: int) -> None:
         """Count stored data: ``held`` bytes of memory, ``payload`` bytes of it payload (negative = freed)."""
         self.used += held
@@ -400,7 +411,7 @@ class Incoming:
             self.released = True
             self._account.in_flight -= self.mine
             self.mine = 0
-        return_free_memory()
+        self._account.free_unused()
         return True
 
     def __enter__(self) -> Incoming:

@@ -39,7 +39,7 @@ from flight_store.errors import (
     error_info,
 )
 from flight_store.groups import writer_meta
-from flight_store.memory import Incoming, return_free_memory
+from flight_store.memory import Incoming
 from flight_store.metrics import Record, StoreMetrics
 from flight_store.secrets import read_public, read_secret, read_token_file
 from flight_store.store import Store
@@ -304,7 +304,7 @@ class StoreServer(flight.FlightServerBase):
                 yield from batches
         finally:
             del batches
-            return_free_memory(force=True)
+            self.store.free_unused(force=True)
 
     def _answer(self, doc: Any) -> tuple[pa.Schema, Iterable[pa.RecordBatch], int]:
         """The answer to a ticket: its schema, its batches (a list, or made as they are sent) and its payload

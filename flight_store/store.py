@@ -45,7 +45,7 @@ from flight_store.contents import StoreContents
 from flight_store.durability import Journal
 from flight_store.errors import KnitError, LimitExceededError, SchemaMismatchError
 from flight_store.images import images_table
-from flight_store.memory import Incoming, MemoryAccount, pack, return_free_memory
+from flight_store.memory import Incoming, MemoryAccount, pack
 from flight_store.validate import normalize_group, normalize_groups, normalize_images
 from flight_store.weights import one_batch
 from schemas import weights as weights_codec
@@ -117,6 +117,11 @@ class Store:
         self._memory.close()
 
     # ---- groups --------------------------------------------------------------------------------
+
+    def free_unused(self, *, force: bool = False) -> None:
+        """Give back to the OS the memory the allocators hold but nothing uses (see
+        :meth:`~flight_store.memory.MemoryAccount.free_unused`)."""
+        self._memory.free_unused(force=force)
 
     def reading(self, nbytes: int) -> contextlib.AbstractContextManager[None]:
         """An answer of ``nbytes`` being sent: memory the RSS guard does not hold against writes meanwhile."""
@@ -277,7 +282,7 @@ class Store:
                 freed = self._contents.commit_release(todo, same)
                 self._journal.maybe_compact(self._contents)
         if freed:
-            return_free_memory()
+            self._memory.free_unused()
         return freed
 
     def has_group(self, group_id: str) -> bool:
@@ -316,7 +321,7 @@ class Store:
         with self._lock:
             released = self._contents.groups.released_among(ids)
         if merged:  # the merged chunks were freed on this thread
-            return_free_memory()
+            self._memory.free_unused()
         return _metadata.with_released(table, released, columns)
 
     # ---- images --------------------------------------------------------------------------------

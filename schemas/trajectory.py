@@ -381,6 +381,8 @@ def normalize_group(batches: Sequence[pa.RecordBatch], group_id: str, rows: int)
     if got != rows:
         msg = f"group {group_id!r} declares {rows} rows but its stream carried {got}"
         raise TrajectoryError(msg, column="sample_idx")
+    if len(out) == 1 and out[0].column("sample_idx").to_numpy().max() < rows:
+        return out  # the common case: check_rules found them distinct and >= 0, so 0..rows-1 once each
     idx = np.concatenate([b.column("sample_idx").to_numpy() for b in out])
     counts = np.bincount(np.clip(idx, 0, rows), minlength=rows + 1)
     if counts[:rows].max() > 1:

@@ -349,6 +349,22 @@ def test_rss_guard_refuses_while_the_process_outgrows_the_budget(make_group) -> 
     store.close()
     assert Store(StoreConfig(memory_budget=budget)).stats()["memory_rss"] is None  # off unless asked for
 
+
+def test_the_heap_is_trimmed_after_writes_and_releases_only_under_a_budget(make_group, monkeypatch) -> None:
+    from flight_store import memory
+
+    trims: list[int] = []
+    monkeypatch.setattr(memory, "_malloc_trim", lambda pad: trims.append(pad) or 1)
+    monkeypatch.setattr(memory, "_TRIM_EVERY_S", 0.0)  # every call may trim
+    for budget, trimmed in ((None, False), (64 << 20, True)):
+        trims.clear()
+        store = Store(StoreConfig(memory_budget=budget))
+        assert store.put_group("a", [make_group("a", size=2)]) == 2
+        after_write = len(trims)
+        assert store.release(["a"]) == 1
+        assert (after_write > 0, len(trims) > after_write) == (trimmed, trimmed), (budget, trims)
+        store.close()
+
 # ---- images, weights, version ------------------------------------------------------------------
 
 
