@@ -270,7 +270,7 @@ class MemoryAccount:
 
         The trim is for the budget and its RSS guard, which must see freed memory gone; a node without a
         budget leaves glibc its free chunks, which the next writes reuse warm: trimming after every write
-        made each refault its gRPC buffers (~7% of a ``put_group``'s round trip, ``bench.write_path``).
+        made each refault its gRPC buffers (~5% of a ``put_group``'s round trip, a one-off A/B of two nodes).
         """
         return_free_memory(force=force, trim=self.budget is not None)
 

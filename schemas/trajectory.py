@@ -96,16 +96,17 @@ def _check_structure(name: str, arr: pa.Array) -> None:
 
 
 def conform_column(name: str, arr: pa.Array | pa.ChunkedArray, expected: pa.DataType, *,
-                   validated: bool = False) -> pa.Array:
+                   validated: bool = False, typed: bool = False) -> pa.Array:
     """``arr`` as type ``expected`` (safe cast where allowed); refuses corrupt structure and nulls, naming ``name``.
 
-    ``validated``: the caller checked the structure already (:func:`normalize_batch` does so for a whole batch).
+    ``validated``: the caller checked the structure already (:func:`normalize_batch` does so for a whole batch);
+    ``typed``: and ``arr`` is known to be of type ``expected`` (its batch's schema is the expected one).
     """
     if isinstance(arr, pa.ChunkedArray):
         arr = arr.combine_chunks()
     if not validated:
         _check_structure(name, arr)
-    if arr.type != expected:
+    if not typed and arr.type != expected:
         if not _castable(arr.type, expected):
             msg = f"column {name!r} has type {arr.type}, expected {expected}"
             raise TrajectoryError(msg, column=name)
@@ -356,15 +357,18 @@ def normalize_batch(batch: pa.RecordBatch, group_id: str, *, now: dt.datetime | 
 def _conformed(batch: pa.RecordBatch, now: dt.datetime | None) -> dict[str, pa.Array]:
     """The columns of ``batch`` (``bytes`` left out) checked for names and structure, of the schema's types, and
     with the optional ones filled: what :func:`normalize_batch` checks the rules on."""
-    _check_names(batch.schema.names, OPTIONAL_ON_WRITE)
+    typed = batch.schema.equals(TRAJECTORY_SCHEMA)  # the common case: every column, in order, of its type
+    if not typed:
+        _check_names(batch.schema.names, OPTIONAL_ON_WRITE)
     try:
         batch.validate(full=True)  # every column in one pass; the slow path below names the broken one
         validated = True
     except pa.ArrowException:
         validated = False
-    cols = {name: conform_column(name, batch.column(i), _EXPECTED[name], validated=validated)
+    cols = {name: conform_column(name, batch.column(i), _EXPECTED[name], validated=validated, typed=typed)
             for i, name in enumerate(batch.schema.names) if name != "bytes"}  # by index: by name costs 2x
-    fill_defaults(cols, batch.num_rows, now=now)
+    if not typed:  # a column left out: its default
+        fill_defaults(cols, batch.num_rows, now=now)
     return cols
 
 
