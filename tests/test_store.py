@@ -98,6 +98,26 @@ def test_slice_errors_name_the_group(make_group) -> None:
     assert sm.value.column == "bogus"
 
 
+def test_a_batch_of_exactly_the_schema_is_still_refused_for_nulls_and_broken_rules(make_group) -> None:
+    store = Store()
+    good = make_group("g", size=2)
+    assert good.schema.equals(TRAJECTORY_SCHEMA)  # the writer's schema: the checks of names and types are skipped
+    bad = {  # column -> an array of its type breaking a rule, under the schema's own (non-nullable) field
+        "reward": pa.array([1.0, None], pa.float32()),
+        "response_ids": pa.array([[1] * 8, [1] * 7 + [None]], pa.list_(pa.int32())),
+        "response_len": pa.array([8, 9], pa.int32()),
+    }
+    for name, array in bad.items():
+        cols = [array if f.name == name else good.column(i) for i, f in enumerate(TRAJECTORY_SCHEMA)]
+        batch = pa.RecordBatch.from_arrays(cols, schema=TRAJECTORY_SCHEMA)
+        assert batch.schema.equals(TRAJECTORY_SCHEMA)
+        with pytest.raises(SchemaMismatchError) as exc:
+            store.put_group("g", [batch])
+        assert exc.value.column == name, (name, exc.value)
+    assert store.group_ids() == []
+    assert store.put_group("g", [good]) == 2
+
+
 def test_read_views_are_kept_for_the_next_reads_bounded_and_dropped_with_their_group(make_group, monkeypatch) -> None:
     from flight_store import groups
 
