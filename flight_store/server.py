@@ -446,11 +446,12 @@ def _receive(reader: flight.MetadataRecordBatchReader, write: Write, incoming: I
             write.touch()
             return batches
         write.touch()
-        if chunk.data is None or not chunk.data.num_rows:
+        data = chunk.data  # each access wraps the batch anew
+        if data is None or not data.num_rows:
             continue
-        incoming.add(chunk.data.get_total_buffer_size())  # the buffers received (nbytes costs ~40 us a batch)
-        got += chunk.data.num_rows
+        incoming.add(data.get_total_buffer_size())  # the buffers received (nbytes costs ~40 us a batch)
+        got += data.num_rows
         if rows is not None and got > rows:
             msg = f"{what} declares {rows} rows but its stream carried more; nothing stored"
             raise SchemaMismatchError(msg, column="sample_idx")
-        batches.append(chunk.data)
+        batches.append(data)
