@@ -26,6 +26,7 @@ import pyarrow.compute as pc
 from flight_store.errors import ConflictError, GroupReleasedError, SchemaMismatchError, UnknownGroupError
 from flight_store.memory import Block, view
 from schemas.arrow import TRAJECTORY_SCHEMA
+from schemas.trajectory import offset_lengths
 
 _TRAJ_COLUMNS = frozenset(TRAJECTORY_SCHEMA.names)
 _NO_META: dict[str, str] = {}  # shared by every group without writer metadata; never mutated
@@ -97,9 +98,7 @@ def row_bytes(batch: pa.RecordBatch) -> np.ndarray:
     n = batch.num_rows
     lengths = np.empty((len(var), n), dtype=np.int32)  # each column's value counts, then one product for all
     for k, j in enumerate(var.tolist()):
-        arr = batch.column(j)
-        offsets = np.frombuffer(arr.buffers()[1], dtype=np.int32, count=n + 1, offset=4 * arr.offset)
-        np.subtract(offsets[1:], offsets[:-1], out=lengths[k])
+        lengths[k] = offset_lengths(batch.column(j))
     out = np.repeat(fixed[None, :], n, axis=0)
     out[:, var] = lengths.T * width + 4
     return out

@@ -164,8 +164,9 @@ def test_committed_prompts_go_out_slow_source_ahead_by_its_lead(store_nodes) -> 
             worker._top_up()
             worker._latency = latency
             worker._completed_at.extend(i / completions_per_s for i in range(11))
-            last = worker._committed[-1]
-            worker._committed.appendleft(dataclasses.replace(last, group_id="again", attempt=1))
+            # a fast source's prompt from late in the stream, aborted: no order but this rule sends it first
+            late_fast = next(d for d in reversed(worker._committed) if d.prompt.data_source == "add_small")
+            worker._committed.appendleft(dataclasses.replace(late_fast, group_id="again", attempt=1))
             assert worker._next_committed().group_id == "again"  # an aborted group's prompt, whatever the order
             out = [worker._next_committed() for _ in range(8)]
             worker._writer.flush()  # registrations go through the writer's queue, in order with the writes
