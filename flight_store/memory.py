@@ -2,7 +2,7 @@
 
 * **allocators**: :func:`cap_malloc_arenas` and :func:`return_free_memory` keep glibc malloc and the
   Arrow pool from holding freed memory while a node with a memory budget serves dozens of concurrent
-  RPCs (a node without one trims only the Arrow pool: :meth:`MemoryAccount.free_unused`);
+  RPCs (a node without one leaves them alone: :meth:`MemoryAccount.free_unused`);
 * **blocks**: :func:`pack` copies a record batch into ONE exactly sized block of its own (an
   encapsulated IPC message, in pages of its own when large) and :func:`view` reads it back as
   zero-copy views;
@@ -83,7 +83,7 @@ def cap_malloc_arenas() -> None:
         mallopt(_M_MMAP_THRESHOLD, _MMAP_THRESHOLD)
 
 
-def return_free_memory(*, force: bool = False, trim: bool = True) -> None:
+def return_free_memory(*, force: bool = False) -> None:
     """Give the memory allocators hold but nothing uses back to the OS (after a write or a release).
 
     Two allocators keep freed memory resident while a node serves dozens of concurrent RPCs, each
@@ -93,12 +93,12 @@ def return_free_memory(*, force: bool = False, trim: bool = True) -> None:
     freed chunks in up to 8 x cores arenas, so ``malloc_trim`` runs at most every
     :data:`_TRIM_EVERY_S` (~0.2 ms each). In the 64-writer load test these held 10-50 MiB, as much
     as a 64 MiB budget's worth of groups the budget could not see. ``force`` trims now (after a large
-    answer was sent: what it borrowed must not stand in the way of the next write). ``trim=False`` leaves
-    glibc's heap alone (see :meth:`MemoryAccount.free_unused`).
+    answer was sent: what it borrowed must not stand in the way of the next write). A node without a
+    budget does none of this (see :meth:`MemoryAccount.free_unused`).
     """
     global _trimmed_at
     pa.default_memory_pool().release_unused()
-    if _malloc_trim is None or not trim:
+    if _malloc_trim is None:
         return
     now = time.monotonic()
     if (now - _trimmed_at < _TRIM_EVERY_S and not force) or not _trim_lock.acquire(blocking=force):
@@ -266,13 +266,15 @@ class MemoryAccount:
         self._rss_refusals = 0
 
     def free_unused(self, *, force: bool = False) -> None:
-        """:func:`return_free_memory`, glibc's heap trimmed only under a budget.
+        """:func:`return_free_memory`, only under a budget.
 
-        The trim is for the budget and its RSS guard, which must see freed memory gone; a node without a
-        budget leaves glibc its free chunks, which the next writes reuse warm: trimming after every write
-        made each refault its gRPC buffers (~5% of a ``put_group``'s round trip, a one-off A/B of two nodes).
+        It is for the budget and its RSS guard, which must see freed memory gone; a node without a budget
+        leaves the allocators their free memory, which the next writes reuse warm: trimming glibc's heap
+        after every write made each refault its gRPC buffers (~5% of a ``put_group``'s round trip, a one-off
+        A/B of two nodes), and emptying the Arrow pool cost ~10 us a write.
         """
-        return_free_memory(force=force, trim=self.budget is not None)
+        if self.budget is not None:
+            return_free_memory(force=force)
 
     def hold(self, held: int, payload: int) -> None:
         """Count stored data: ``held`` bytes of memory, ``payload`` bytes of it payload (negative = freed)."""
