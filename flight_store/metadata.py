@@ -127,7 +127,7 @@ class MetadataLog:
         n = b.num_rows
         seq = pa.array(np.arange(self.seq, self.seq + n, dtype=np.int64))
         self.seq += n  # the next number (a log restored from a compacted spill log may skip numbers)
-        rows = b.select(_META_INDEX if b.schema.equals(TRAJECTORY_SCHEMA) else METADATA_COLUMNS)
+        rows = b.select(_META_INDEX)  # a stored (normalized or restored) batch: the trajectory schema's columns
         # serialized and read back: one copy of every column into one buffer (a `take` costs 5x more)
         return pa.ipc.read_record_batch(rows.add_column(0, LOG_SCHEMA.field("seq"), seq).serialize(), LOG_SCHEMA)
 

@@ -30,6 +30,11 @@ them accepts, the others accept too.
   ``loss_mask`` have ``len(response_ids)`` values, ``prompt_len``/``response_len`` equal the list
   lengths, ``num_images`` equals ``len(image_keys)``).
 
+The common case (a batch of the schema's columns and types, no nulls, every rule kept, ``sample_idx``
+0..rows-1, status "completed") is proven in one native pass over the batch's buffers
+(``schemas/_kernels.c``, :func:`_checked_natively`); any other batch goes through the Python checks
+above, which are the reference and name what is wrong. The native pass never accepts what they refuse.
+
 :func:`normalize_group` normalises the batches of one whole group (one DoPut stream): exactly the
 declared number of rows, ``sample_idx`` 0..rows-1 once each; :func:`normalize_groups` checks the same for
 several whole groups at once (a bulk write). :func:`normalize_images` does the same for
@@ -46,6 +51,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
+from schemas import _kernels
 from schemas.arrow import IMAGE_SCHEMA, OPTIONAL_ON_WRITE, PAYLOAD_COLUMNS, STATUSES, TRAJECTORY_SCHEMA
 from schemas.images import IMAGE_DTYPES, key_of
 
@@ -351,7 +357,61 @@ def normalize_batch(batch: pa.RecordBatch, group_id: str, *, now: dt.datetime | 
     Raises:
         TrajectoryError: naming the offending column.
     """
-    return _finish(_conformed(batch, now), group_id)
+    return _checked_natively(batch, group_id) or _finish(_conformed(batch, now), group_id)
+
+
+_NATIVE_ROLES: dict[str, pa.DataType] = {
+    "group_id": pa.string(), "sample_idx": pa.int32(), "policy_version": pa.int64(),
+    "policy_version_min": pa.int64(), "prompt_len": pa.int32(), "response_len": pa.int32(), "reward": pa.float32(),
+    "status": pa.string(), "num_images": pa.int16(), "prompt_ids": pa.list_(pa.int32()),
+    "response_ids": pa.list_(pa.int32()), "response_logprobs": pa.list_(pa.float32()),
+    "loss_mask": pa.list_(pa.uint8()), "image_keys": pa.list_(pa.binary(32)),
+}
+"""The columns ``_kernels.check_group_batch`` reads, in the order of its roles, with the types it reads them as."""
+
+
+def _native_table() -> bytes:
+    """What ``_kernels.check_group_batch`` is told of the schema: the column count, each role's column index, and
+    the value width of each payload list (the last five roles, in :data:`PAYLOAD_COLUMNS` order)."""
+    for name, typ in _NATIVE_ROLES.items():
+        if _EXPECTED[name] != typ:  # the schema changed: the native pass would misread it
+            msg = f"schemas/_kernels.c reads column {name!r} as {typ}; the schema has {_EXPECTED[name]}"
+            raise TypeError(msg)
+    if tuple(_NATIVE_ROLES)[-5:] != PAYLOAD_COLUMNS:
+        msg = f"schemas/_kernels.c counts the payload of {tuple(_NATIVE_ROLES)[-5:]}, not of {PAYLOAD_COLUMNS}"
+        raise TypeError(msg)
+    index = [TRAJECTORY_SCHEMA.get_field_index(name) for name in _NATIVE_ROLES]
+    return np.array([len(TRAJECTORY_SCHEMA), *index, *(w for _, w in _PAYLOAD_WIDTHS)], dtype=np.int32).tobytes()
+
+
+_NATIVE_TABLE = _native_table()
+SIGNATURE: bytes = _kernels.signature(TRAJECTORY_SCHEMA.__arrow_c_schema__())
+"""The trajectory schema's column names and types as the native passes compare them (``_kernels.signature``)."""
+_BYTES_INDEX = TRAJECTORY_SCHEMA.get_field_index("bytes")
+
+
+def _checked_natively(batch: pa.RecordBatch, group_id: str) -> pa.RecordBatch | None:
+    """The common case in one native pass: a batch of the schema's columns and types, structurally valid, with no
+    null (and no validity bitmap) anywhere, whose rows keep every rule of :func:`check_rules` with ``sample_idx``
+    0..rows-1 and ``status`` "completed", returned as ``TRAJECTORY_SCHEMA`` with ``bytes`` recomputed; ``None``
+    for any other batch, which the Python rules then decide on (and name what is wrong).
+
+    ``_kernels.check_group_batch`` (schemas/_kernels.c) reads the batch through the Arrow C data interface and
+    compares its schema's column names and types with the trajectory schema's (:data:`SIGNATURE`); it accepts a
+    subset of what the Python rules accept (the tests hold it to that), in ~10 us instead of ~150.
+    """
+    if not batch.num_rows:
+        return None
+    try:
+        batch.validate(full=True)  # offsets in bounds and monotonic: what the native pass may read
+    except pa.ArrowException:
+        return None
+    out = np.empty(batch.num_rows, dtype=np.int64)
+    schema, array = batch.__arrow_c_array__()
+    if _kernels.check_group_batch(schema, array, SIGNATURE, group_id.encode(), b"completed", _NATIVE_TABLE, out):
+        return None
+    checked = batch.set_column(_BYTES_INDEX, TRAJECTORY_SCHEMA.field(_BYTES_INDEX), pa.array(out))
+    return checked.replace_schema_metadata(TRAJECTORY_SCHEMA.metadata)
 
 
 def _conformed(batch: pa.RecordBatch, now: dt.datetime | None) -> dict[str, pa.Array]:
@@ -379,6 +439,10 @@ def normalize_group(batches: Sequence[pa.RecordBatch], group_id: str, rows: int)
         TrajectoryError: a batch breaks a rule, the stream holds another number of rows, or the
             ``sample_idx`` repeat or leave a gap (named).
     """
+    if len(batches) == 1 and batches[0].num_rows == rows:  # the common case: one batch of rows 0..rows-1
+        fast = _checked_natively(batches[0], group_id)
+        if fast is not None:
+            return [fast]
     now = utc_now()
     out = [normalize_batch(b, group_id, now=now) for b in batches if b.num_rows]
     got = sum(b.num_rows for b in out)

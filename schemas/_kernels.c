@@ -1,0 +1,313 @@
+/* Native passes over a trajectory batch, read through the Arrow C data interface (one export per batch).
+ *
+ * check_group_batch: whether a batch of exactly TRAJECTORY_SCHEMA keeps every rule of the common case
+ * (no nulls or validity bitmaps, one group_id, sample_idx 0..n-1 once each, status "completed", finite
+ * rewards, loss masks 0/1, versions >= 0 and min <= max, list lengths that agree), filling the `bytes`
+ * column on the way. It answers only "all kept" (0) or "look closer" (a reason code > 0): the Python
+ * rules in schemas/trajectory.py stay the one place that names what is wrong, and run on any batch
+ * this pass does not accept. It never accepts a batch they would refuse.
+ *
+ * row_bytes: payload bytes of each row and column (fixed width, or a 4-byte offset plus values).
+ *
+ * Both read only offsets and values the caller's RecordBatch.validate(full=True) proved in bounds.
+ */
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+struct ArrowArray {
+    int64_t length;
+    int64_t null_count;
+    int64_t offset;
+    int64_t n_buffers;
+    int64_t n_children;
+    const void **buffers;
+    struct ArrowArray **children;
+    struct ArrowArray *dictionary;
+    void (*release)(struct ArrowArray *);
+    void *private_data;
+};
+
+struct ArrowSchema {
+    const char *format;
+    const char *name;
+    const char *metadata;
+    int64_t flags;
+    int64_t n_children;
+    struct ArrowSchema **children;
+    struct ArrowSchema *dictionary;
+    void (*release)(struct ArrowSchema *);
+    void *private_data;
+};
+
+/* The types of a schema's columns, as one string: each column's name and format, with its children's formats
+ * (a list's values) in parentheses; equal signatures = columns of the same names, types and layouts (nullability
+ * and metadata aside: the checks read null counts, and the caller stamps the schema's own metadata). */
+#define SIGNATURE_MAX 4096
+
+static int append(char *buf, size_t *len, const char *s) {
+    const size_t n = strlen(s);
+    if (*len + n >= SIGNATURE_MAX)
+        return 0;
+    memcpy(buf + *len, s, n);
+    *len += n;
+    return 1;
+}
+
+static int type_signature(const struct ArrowSchema *t, char *buf, size_t *len) {
+    if (t == NULL || t->format == NULL || !append(buf, len, t->format) ||
+        (t->dictionary != NULL && !append(buf, len, "!dictionary")))
+        return 0;
+    for (int64_t k = 0; k < t->n_children; k++)
+        if (!append(buf, len, "(") || !type_signature(t->children[k], buf, len) || !append(buf, len, ")"))
+            return 0;
+    return 1;
+}
+
+static int signature(const struct ArrowSchema *schema, char *buf, size_t *len) {
+    *len = 0;
+    if (schema == NULL || schema->format == NULL || strcmp(schema->format, "+s") != 0)
+        return 0;
+    for (int64_t j = 0; j < schema->n_children; j++) {
+        const struct ArrowSchema *c = schema->children[j];
+        if (c == NULL || c->name == NULL || !append(buf, len, c->name) || !append(buf, len, ":") ||
+            !type_signature(c, buf, len) || !append(buf, len, ";"))
+            return 0;
+    }
+    return 1;
+}
+
+/* Whether the exported schema in `capsule` has the signature `want`. */
+static int signed_as(PyObject *capsule, const Py_buffer *want) {
+    const struct ArrowSchema *schema = PyCapsule_GetPointer(capsule, "arrow_schema");
+    char buf[SIGNATURE_MAX];
+    size_t len;
+    if (schema == NULL) {
+        PyErr_Clear();
+        return 0;
+    }
+    return signature(schema, buf, &len) && (Py_ssize_t)len == want->len && memcmp(buf, want->buf, len) == 0;
+}
+
+static PyObject *schema_signature(PyObject *self, PyObject *capsule) {
+    const struct ArrowSchema *schema = PyCapsule_GetPointer(capsule, "arrow_schema");
+    char buf[SIGNATURE_MAX];
+    size_t len;
+    if (schema == NULL)
+        return NULL;
+    if (!signature(schema, buf, &len)) {
+        PyErr_SetString(PyExc_ValueError, "signature: not a schema of named columns, or too long");
+        return NULL;
+    }
+    return PyBytes_FromStringAndSize(buf, (Py_ssize_t)len);
+}
+
+/* The roles check_group_batch reads, in the order of the `roles` table the caller passes (column indexes). */
+enum {
+    R_GROUP_ID, R_SAMPLE_IDX, R_VERSION, R_VERSION_MIN, R_PROMPT_LEN, R_RESPONSE_LEN, R_REWARD, R_STATUS,
+    R_NUM_IMAGES, R_PROMPT_IDS, R_RESPONSE_IDS, R_RESPONSE_LOGPROBS, R_LOSS_MASK, R_IMAGE_KEYS, N_ROLES
+};
+/* The payload (list) columns, in role order from R_PROMPT_IDS: `bytes` counts their values. */
+#define N_LISTS 5
+
+/* Reasons a batch goes to the Python rules (never shown to a writer: the Python rules name the error). */
+enum {
+    OK, SCHEMA, NOT_A_BATCH, NULLS, GROUP_ID, SAMPLE_IDX, STATUS, REWARD, LOSS_MASK, VERSION, LENGTHS
+};
+
+static struct ArrowArray *batch_of(PyObject *capsule) {
+    struct ArrowArray *batch = PyCapsule_GetPointer(capsule, "arrow_array");
+    if (batch == NULL)
+        PyErr_Clear();
+    return batch;
+}
+
+/* Value i's [start, stop) in an offsets buffer (a string, binary or list column, 32-bit offsets). */
+static inline const int32_t *offsets_of(const struct ArrowArray *col, int64_t row0) {
+    return (const int32_t *)col->buffers[1] + col->offset + row0;
+}
+
+static inline const void *values_of(const struct ArrowArray *col, int64_t row0, size_t width) {
+    return (const char *)col->buffers[1] + (col->offset + row0) * width;
+}
+
+/* No null anywhere and no validity bitmap to strip, in a column and (for a list) its values. */
+static int without_nulls(const struct ArrowArray *col, int is_list) {
+    if (col->null_count != 0 || col->n_buffers < 2 || col->buffers[0] != NULL || col->buffers[1] == NULL)
+        return 0;
+    if (is_list) {
+        const struct ArrowArray *v = col->n_children == 1 ? col->children[0] : NULL;
+        if (v == NULL || v->null_count != 0 || v->n_buffers < 2 || v->buffers[0] != NULL)
+            return 0;
+    }
+    return 1;
+}
+
+static int check(const struct ArrowArray *batch, const int32_t *roles, const int32_t *widths, int64_t ncols,
+                 const char *gid, Py_ssize_t gid_len, const char *status, Py_ssize_t status_len, int64_t *bytes) {
+    const int64_t n = batch->length;
+    if (batch->n_children != ncols || batch->offset != 0 || n <= 0)
+        return NOT_A_BATCH;
+    const struct ArrowArray *c[N_ROLES];
+    for (int r = 0; r < N_ROLES; r++) {
+        if (roles[r] < 0 || roles[r] >= ncols)
+            return NOT_A_BATCH;
+        c[r] = batch->children[roles[r]];
+        if (c[r]->length != n)
+            return NOT_A_BATCH;
+    }
+    for (int64_t j = 0; j < ncols; j++) {
+        const struct ArrowArray *col = batch->children[j];
+        if (col->length != n || col->null_count != 0 || col->buffers[0] != NULL)
+            return NULLS;
+        if (col->n_children == 1 && !without_nulls(col, 1))
+            return NULLS;
+    }
+    const int lists[N_LISTS] = {R_PROMPT_IDS, R_RESPONSE_IDS, R_RESPONSE_LOGPROBS, R_LOSS_MASK, R_IMAGE_KEYS};
+    for (int k = 0; k < N_LISTS; k++)
+        if (!without_nulls(c[lists[k]], 1))
+            return NULLS;
+    const int strings[] = {R_GROUP_ID, R_STATUS};
+    for (size_t k = 0; k < sizeof strings / sizeof strings[0]; k++)
+        if (c[strings[k]]->n_buffers < 3 || c[strings[k]]->buffers[2] == NULL)
+            return NULLS;
+
+    /* one group: every group_id is the descriptor's */
+    const int32_t *go = offsets_of(c[R_GROUP_ID], 0);
+    const char *gd = (const char *)c[R_GROUP_ID]->buffers[2];
+    for (int64_t i = 0; i < n; i++)
+        if (go[i + 1] - go[i] != gid_len || memcmp(gd + go[i], gid, (size_t)gid_len) != 0)
+            return GROUP_ID;
+
+    /* sample_idx: 0..n-1, each once */
+    const int32_t *idx = values_of(c[R_SAMPLE_IDX], 0, 4);
+    unsigned char *seen = calloc((size_t)n, 1);
+    if (seen == NULL)
+        return NOT_A_BATCH;
+    int bad = 0;
+    for (int64_t i = 0; i < n && !bad; i++) {
+        if (idx[i] < 0 || idx[i] >= n || seen[idx[i]])
+            bad = 1;
+        else
+            seen[idx[i]] = 1;
+    }
+    free(seen);
+    if (bad)
+        return SAMPLE_IDX;
+
+    const int32_t *so = offsets_of(c[R_STATUS], 0);
+    const char *sd = (const char *)c[R_STATUS]->buffers[2];
+    for (int64_t i = 0; i < n; i++)
+        if (so[i + 1] - so[i] != status_len || memcmp(sd + so[i], status, (size_t)status_len) != 0)
+            return STATUS;
+
+    const float *reward = values_of(c[R_REWARD], 0, 4);
+    for (int64_t i = 0; i < n; i++)
+        if (!isfinite(reward[i]))
+            return REWARD;
+
+    const int64_t *v = values_of(c[R_VERSION], 0, 8), *vmin = values_of(c[R_VERSION_MIN], 0, 8);
+    for (int64_t i = 0; i < n; i++)
+        if (v[i] < 0 || vmin[i] < 0 || vmin[i] > v[i])
+            return VERSION;
+
+    const int32_t *po = offsets_of(c[R_PROMPT_IDS], 0), *ro = offsets_of(c[R_RESPONSE_IDS], 0);
+    const int32_t *lo = offsets_of(c[R_RESPONSE_LOGPROBS], 0), *mo = offsets_of(c[R_LOSS_MASK], 0);
+    const int32_t *io = offsets_of(c[R_IMAGE_KEYS], 0);
+    const int32_t *plen = values_of(c[R_PROMPT_LEN], 0, 4), *rlen = values_of(c[R_RESPONSE_LEN], 0, 4);
+    const int16_t *nimg = values_of(c[R_NUM_IMAGES], 0, 2);
+    for (int64_t i = 0; i < n; i++) {
+        const int64_t p = po[i + 1] - po[i], r = ro[i + 1] - ro[i], im = io[i + 1] - io[i];
+        if (lo[i + 1] - lo[i] != r || mo[i + 1] - mo[i] != r || rlen[i] != r || plen[i] != p || nimg[i] != im)
+            return LENGTHS;
+        /* the payload: each list's values times their width, plus one 4-byte offset per list */
+        bytes[i] = N_LISTS * 4 + p * widths[0] + r * (widths[1] + widths[2] + widths[3]) + im * widths[4];
+    }
+
+    const struct ArrowArray *mask = c[R_LOSS_MASK]->children[0];
+    const uint8_t *m = (const uint8_t *)mask->buffers[1] + mask->offset;
+    for (int64_t k = mo[0]; k < mo[n]; k++)
+        if (m[k] > 1)
+            return LOSS_MASK;
+    return OK;
+}
+
+static PyObject *check_group_batch(PyObject *self, PyObject *args) {
+    PyObject *schema, *capsule;
+    const char *gid, *status;
+    Py_ssize_t gid_len, status_len;
+    Py_buffer sig, table, out;
+    if (!PyArg_ParseTuple(args, "OOy*y#y#y*w*", &schema, &capsule, &sig, &gid, &gid_len, &status, &status_len,
+                          &table, &out))
+        return NULL;
+    struct ArrowArray *batch = batch_of(capsule);
+    int code = signed_as(schema, &sig) ? NOT_A_BATCH : SCHEMA;
+    if (code == NOT_A_BATCH && batch != NULL && table.len == (1 + N_ROLES + N_LISTS) * (Py_ssize_t)sizeof(int32_t) &&
+        out.len == batch->length * (Py_ssize_t)sizeof(int64_t)) {
+        /* the column count, one index per role, then the value width of each payload list */
+        const int32_t *t = table.buf;
+        code = check(batch, t + 1, t + 1 + N_ROLES, t[0], gid, gid_len, status, status_len, out.buf);
+    }
+    PyBuffer_Release(&sig);
+    PyBuffer_Release(&table);
+    PyBuffer_Release(&out);
+    return PyLong_FromLong(code);
+}
+
+static PyObject *row_bytes(PyObject *self, PyObject *args) {
+    PyObject *schema, *capsule;
+    Py_buffer sig, layout, out;
+    if (!PyArg_ParseTuple(args, "OOy*y*w*", &schema, &capsule, &sig, &layout, &out))
+        return NULL;
+    struct ArrowArray *batch = batch_of(capsule);
+    const int32_t *widths = layout.buf;  /* per column: the fixed width, or -(value width) - 1 for offsets */
+    const int64_t ncols = layout.len / (Py_ssize_t)sizeof(int32_t);
+    int ok = signed_as(schema, &sig) && batch != NULL && batch->n_children == ncols && batch->offset == 0 &&
+             out.len == batch->length * ncols * (Py_ssize_t)sizeof(int32_t);
+    for (int64_t j = 0; ok && j < ncols; j++) {
+        const struct ArrowArray *col = batch->children[j];
+        ok = col->length == batch->length && (widths[j] >= 0 || (col->n_buffers >= 2 && col->buffers[1] != NULL));
+    }
+    if (ok) {
+        int32_t *o = out.buf;
+        const int64_t n = batch->length;
+        for (int64_t j = 0; j < ncols; j++) {
+            if (widths[j] >= 0) {
+                for (int64_t i = 0; i < n; i++)
+                    o[i * ncols + j] = widths[j];
+            } else {
+                const int32_t *off = offsets_of(batch->children[j], 0);
+                const int32_t w = -widths[j] - 1;
+                for (int64_t i = 0; i < n; i++)
+                    o[i * ncols + j] = 4 + (off[i + 1] - off[i]) * w;
+            }
+        }
+    }
+    PyBuffer_Release(&sig);
+    PyBuffer_Release(&layout);
+    PyBuffer_Release(&out);
+    if (!ok) {
+        PyErr_SetString(PyExc_ValueError, "row_bytes: the batch is not of the schema signed, or out is not its size");
+        return NULL;
+    }
+    Py_RETURN_NONE;
+}
+
+static PyMethodDef methods[] = {
+    {"signature", schema_signature, METH_O,
+     "signature(schema_capsule) -> bytes: the names and types of the schema's columns, as the checks compare them"},
+    {"check_group_batch", check_group_batch, METH_VARARGS,
+     "check_group_batch(schema_capsule, array_capsule, signature, group_id, status, table, out_bytes) -> 0 when "
+     "the batch has the signature and every rule of the common case holds (out_bytes filled), else a reason > 0"},
+    {"row_bytes", row_bytes, METH_VARARGS,
+     "row_bytes(schema_capsule, array_capsule, signature, layout, out): payload bytes of each row and column into "
+     "out (int32, rows x columns) of a batch with the signature"},
+    {NULL, NULL, 0, NULL},
+};
+
+static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_kernels", NULL, -1, methods};
+
+PyMODINIT_FUNC PyInit__kernels(void) { return PyModule_Create(&module); }
