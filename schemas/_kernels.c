@@ -43,10 +43,12 @@ struct ArrowSchema {
     void *private_data;
 };
 
-/* The types of a schema's columns, as one string: each column's name and format, with its children's formats
- * (a list's values) in parentheses; equal signatures = columns of the same names, types and layouts (nullability
- * and metadata aside: the checks read null counts, and the caller stamps the schema's own metadata). */
+/* The types of a schema's columns, as one string: each column's name and format, with its children (a list's
+ * values: name, nullability, format) in parentheses; equal signatures = columns of the same names and types
+ * (a column's own nullability and metadata aside: the checks read null counts, and the caller rebuilds the
+ * batch under the schema itself). */
 #define SIGNATURE_MAX 4096
+#define ARROW_FLAG_NULLABLE 2
 
 static int append(char *buf, size_t *len, const char *s) {
     const size_t n = strlen(s);
@@ -61,9 +63,13 @@ static int type_signature(const struct ArrowSchema *t, char *buf, size_t *len) {
     if (t == NULL || t->format == NULL || !append(buf, len, t->format) ||
         (t->dictionary != NULL && !append(buf, len, "!dictionary")))
         return 0;
-    for (int64_t k = 0; k < t->n_children; k++)
-        if (!append(buf, len, "(") || !type_signature(t->children[k], buf, len) || !append(buf, len, ")"))
+    for (int64_t k = 0; k < t->n_children; k++) {  /* a nested field's name and nullability are part of the type */
+        const struct ArrowSchema *c = t->children[k];
+        if (c == NULL || c->name == NULL || !append(buf, len, "(") || !append(buf, len, c->name) ||
+            !append(buf, len, (c->flags & ARROW_FLAG_NULLABLE) ? "?" : "!") || !type_signature(c, buf, len) ||
+            !append(buf, len, ")"))
             return 0;
+    }
     return 1;
 }
 

@@ -410,8 +410,9 @@ def _checked_natively(batch: pa.RecordBatch, group_id: str) -> pa.RecordBatch | 
     schema, array = batch.__arrow_c_array__()
     if _kernels.check_group_batch(schema, array, SIGNATURE, group_id.encode(), b"completed", _NATIVE_TABLE, out):
         return None
-    checked = batch.set_column(_BYTES_INDEX, TRAJECTORY_SCHEMA.field(_BYTES_INDEX), pa.array(out))
-    return checked.replace_schema_metadata(TRAJECTORY_SCHEMA.metadata)
+    columns = [batch.column(i) for i in range(_BYTES_INDEX)] + [pa.array(out)] + [
+        batch.column(i) for i in range(_BYTES_INDEX + 1, batch.num_columns)]
+    return pa.RecordBatch.from_arrays(columns, schema=TRAJECTORY_SCHEMA)  # the schema itself, not the writer's
 
 
 def _conformed(batch: pa.RecordBatch, now: dt.datetime | None) -> dict[str, pa.Array]:

@@ -107,6 +107,8 @@ def _mutations() -> dict[str, tuple[Callable[[pa.RecordBatch], pa.RecordBatch], 
         "a large list": (lambda b: _with(b, "response_ids", b.column("response_ids").cast(pa.large_list(pa.int32()))),
                          None),
         "int64 sample_idx": (lambda b: _with(b, "sample_idx", b.column("sample_idx").cast(pa.int64())), None),
+        "list values named otherwise": (lambda b: _with(b, "prompt_ids", b.column("prompt_ids").cast(
+            pa.list_(pa.field("element", pa.int32(), nullable=False)))), None),
         "a column missing": (lambda b: b.drop_columns(["finish_reason"]), None),
         "a column renamed": (lambda b: b.rename_columns([*b.schema.names[:-1], "image_refs"]), "image_refs"),
     }
@@ -125,6 +127,14 @@ def test_the_native_pass_steps_aside_for_what_breaks_a_rule_or_leaves_the_common
         with pytest.raises(TrajectoryError) as err:
             normalize_batch(batch, GID)
         assert err.value.column == column
+
+
+def test_a_writer_schema_of_nullable_fields_and_its_metadata_is_accepted_as_the_schema_itself(make_group) -> None:
+    batch = make_group(GID, size=3)
+    loose = pa.schema([f.with_nullable(True).with_metadata({"note": "writer"}) for f in TRAJECTORY_SCHEMA],
+                      metadata={"knittrans.logprobs_mode": "processed"})
+    native, _ = _agree(pa.RecordBatch.from_arrays(batch.columns, schema=loose))
+    assert native is not None  # _agree: equal to what the Python rules return, under TRAJECTORY_SCHEMA itself
 
 
 def test_a_sliced_batch_and_one_with_images_agree(make_group) -> None:
