@@ -9,6 +9,7 @@ places that parse them, and raise :class:`WireError` naming what was wrong.
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Iterable, Sequence
 from json.encoder import encode_basestring
 from typing import Annotated, Any, Literal
@@ -418,8 +419,23 @@ def _validate(adapter: TypeAdapter[Any] | type[BaseModel], doc: Any, what: str) 
         raise WireError(msg) from None
 
 
+_PUT_GROUP_FORM = re.compile(
+    rb'\{"v":[0-9]{1,9},"kind":"put_group","group_id":"[^"\\\x00-\x1f]{1,512}","rows":[0-9]{1,9}\}')
+"""The form :func:`encode_put_group` writes for a group id without escapes: each key once, in its order."""
+
+
 def decode_descriptor(raw: bytes) -> PutGroup | PutGroups | PutImages | PutWeights | GroupRef:
-    """Parse a DoPut command descriptor."""
+    """Parse a DoPut command descriptor.
+
+    A ``put_group`` descriptor of :func:`encode_put_group`'s form (every writer's hot path) is parsed by the model
+    in one call (~30 us less on a busy node than the general path's ``json`` and union dispatch); any other, and
+    one that form lets through but the model refuses, takes the general path, which names what is wrong.
+    """
+    if _PUT_GROUP_FORM.fullmatch(raw):  # one key of each: no duplicate to refuse
+        try:
+            return PutGroup.model_validate_json(raw)
+        except ValidationError:
+            pass
     return _validate(_DESCRIPTOR, _load_json(raw, "descriptor", "descriptor_bytes"), "descriptor")  # type: ignore[no-any-return]
 
 

@@ -344,6 +344,31 @@ def test_tickets_take_json_numbers_only_and_no_duplicate_keys(doc: bytes) -> Non
         raw.close()
 
 
+@pytest.mark.parametrize("raw", [
+    b'{"v":2,"kind":"put_group","group_id":"s0-g7","rows":8}',
+    '{"v":2,"kind":"put_group","group_id":"gr\u00fcppe","rows":3}'.encode(),  # UTF-8 in the id
+    b'{"v":2,"kind":"put_group","group_id":"x","rows":0}',  # the form, but the model refuses: rows >= 1
+    b'{"v":3,"kind":"put_group","group_id":"x","rows":1}',  # another schema version
+    b'{"v":2,"kind":"put_group","group_id":"x","rows":999999999}',
+    b'{"v":2,"kind":"put_group","group_id":"\xff\xfe","rows":1}',  # not UTF-8
+    b'{"v":2,"kind":"put_group","group_id":"' + b"x" * 513 + b'","rows":1}',
+    b'{"v":2,"kind":"put_group","group_id":"x","rows":1,"rows":2}',  # not the form: the general path refuses
+])
+def test_a_put_group_descriptor_decodes_on_its_fast_path_as_on_the_general_one(raw: bytes) -> None:
+    from schemas import wire
+
+    def general(doc: bytes) -> object:
+        return wire._validate(wire._DESCRIPTOR, wire._load_json(doc, "descriptor", "descriptor_bytes"), "descriptor")
+
+    outcomes = []
+    for decode in (wire.decode_descriptor, general):
+        try:
+            outcomes.append(decode(raw))
+        except wire.WireError as exc:
+            outcomes.append(str(exc))
+    assert outcomes[0] == outcomes[1]
+
+
 def test_the_clients_encoders_write_the_models_bytes_and_a_bad_slice_is_refused_by_the_node() -> None:
     from flight_store.errors import WireDecodeError
     from schemas.plan import PlannedSlice
