@@ -73,38 +73,74 @@ static int type_signature(const struct ArrowSchema *t, char *buf, size_t *len) {
     return 1;
 }
 
-static int signature(const struct ArrowSchema *schema, char *buf, size_t *len) {
+static int append_bytes(char *buf, size_t *len, const char *s, size_t n) {
+    if (*len + n >= SIGNATURE_MAX)
+        return 0;
+    memcpy(buf + *len, s, n);
+    *len += n;
+    return 1;
+}
+
+/* The bytes of a field's metadata as the C data interface encodes it (int32 count, then int32-length-prefixed
+ * keys and values). */
+static size_t metadata_size(const char *m) {
+    if (m == NULL)
+        return 0;
+    int32_t n, k;
+    size_t at = sizeof n;
+    memcpy(&n, m, sizeof n);
+    for (int32_t i = 0; i < 2 * n; i++) {
+        memcpy(&k, m + at, sizeof k);
+        at += sizeof k + (size_t)k;
+    }
+    return at;
+}
+
+/* `fields`: each column's own nullability and metadata too (equal = the very same fields). */
+static int signature(const struct ArrowSchema *schema, int fields, char *buf, size_t *len) {
     *len = 0;
     if (schema == NULL || schema->format == NULL || strcmp(schema->format, "+s") != 0)
         return 0;
     for (int64_t j = 0; j < schema->n_children; j++) {
         const struct ArrowSchema *c = schema->children[j];
         if (c == NULL || c->name == NULL || !append(buf, len, c->name) || !append(buf, len, ":") ||
-            !type_signature(c, buf, len) || !append(buf, len, ";"))
+            !type_signature(c, buf, len))
+            return 0;
+        if (fields && (!append(buf, len, (c->flags & ARROW_FLAG_NULLABLE) ? "?" : "!") ||
+                       !append_bytes(buf, len, c->metadata, metadata_size(c->metadata))))
+            return 0;
+        if (!append(buf, len, ";"))
             return 0;
     }
     return 1;
 }
 
-/* Whether the exported schema in `capsule` has the signature `want`. */
-static int signed_as(PyObject *capsule, const Py_buffer *want) {
+static const struct ArrowSchema *schema_of(PyObject *capsule) {
     const struct ArrowSchema *schema = PyCapsule_GetPointer(capsule, "arrow_schema");
-    char buf[SIGNATURE_MAX];
-    size_t len;
-    if (schema == NULL) {
+    if (schema == NULL)
         PyErr_Clear();
-        return 0;
-    }
-    return signature(schema, buf, &len) && (Py_ssize_t)len == want->len && memcmp(buf, want->buf, len) == 0;
+    return schema;
 }
 
-static PyObject *schema_signature(PyObject *self, PyObject *capsule) {
+/* Whether `schema` has the signature `want` (of its columns' types, or with `fields`, of the fields too). */
+static int signed_as(const struct ArrowSchema *schema, int fields, const Py_buffer *want) {
+    char buf[SIGNATURE_MAX];
+    size_t len;
+    return schema != NULL && signature(schema, fields, buf, &len) && (Py_ssize_t)len == want->len &&
+           memcmp(buf, want->buf, len) == 0;
+}
+
+static PyObject *schema_signature(PyObject *self, PyObject *args) {
+    PyObject *capsule;
+    int fields = 0;
+    if (!PyArg_ParseTuple(args, "O|p", &capsule, &fields))
+        return NULL;
     const struct ArrowSchema *schema = PyCapsule_GetPointer(capsule, "arrow_schema");
     char buf[SIGNATURE_MAX];
     size_t len;
     if (schema == NULL)
         return NULL;
-    if (!signature(schema, buf, &len)) {
+    if (!signature(schema, fields, buf, &len)) {
         PyErr_SetString(PyExc_ValueError, "signature: not a schema of named columns, or too long");
         return NULL;
     }
@@ -242,15 +278,17 @@ static int check(const struct ArrowArray *batch, const int32_t *roles, const int
 }
 
 static PyObject *check_group_batch(PyObject *self, PyObject *args) {
-    PyObject *schema, *capsule;
+    PyObject *schema_capsule, *capsule;
     const char *gid, *status;
     Py_ssize_t gid_len, status_len;
-    Py_buffer sig, table, out;
-    if (!PyArg_ParseTuple(args, "OOy*y#y#y*w*", &schema, &capsule, &sig, &gid, &gid_len, &status, &status_len,
-                          &table, &out))
+    Py_buffer sig, exact, table, out;
+    if (!PyArg_ParseTuple(args, "OOy*y*y#y#y*w*", &schema_capsule, &capsule, &sig, &exact, &gid, &gid_len, &status,
+                          &status_len, &table, &out))
         return NULL;
     struct ArrowArray *batch = batch_of(capsule);
-    int code = signed_as(schema, &sig) ? NOT_A_BATCH : SCHEMA;
+    const struct ArrowSchema *schema = schema_of(schema_capsule);
+    const int same_fields = signed_as(schema, 1, &exact);
+    int code = same_fields || signed_as(schema, 0, &sig) ? NOT_A_BATCH : SCHEMA;
     if (code == NOT_A_BATCH && batch != NULL && table.len == (1 + N_ROLES + N_LISTS) * (Py_ssize_t)sizeof(int32_t) &&
         out.len == batch->length * (Py_ssize_t)sizeof(int64_t)) {
         /* the column count, one index per role, then the value width of each payload list */
@@ -258,20 +296,22 @@ static PyObject *check_group_batch(PyObject *self, PyObject *args) {
         code = check(batch, t + 1, t + 1 + N_ROLES, t[0], gid, gid_len, status, status_len, out.buf);
     }
     PyBuffer_Release(&sig);
+    PyBuffer_Release(&exact);
     PyBuffer_Release(&table);
     PyBuffer_Release(&out);
-    return PyLong_FromLong(code);
+    return PyLong_FromLong(code == OK && !same_fields ? -1 : code);
 }
 
 static PyObject *row_bytes(PyObject *self, PyObject *args) {
-    PyObject *schema, *capsule;
+    PyObject *schema_capsule, *capsule;
     Py_buffer sig, layout, out;
-    if (!PyArg_ParseTuple(args, "OOy*y*w*", &schema, &capsule, &sig, &layout, &out))
+    if (!PyArg_ParseTuple(args, "OOy*y*w*", &schema_capsule, &capsule, &sig, &layout, &out))
         return NULL;
+    const struct ArrowSchema *schema = schema_of(schema_capsule);
     struct ArrowArray *batch = batch_of(capsule);
     const int32_t *widths = layout.buf;  /* per column: the fixed width, or -(value width) - 1 for offsets */
     const int64_t ncols = layout.len / (Py_ssize_t)sizeof(int32_t);
-    int ok = signed_as(schema, &sig) && batch != NULL && batch->n_children == ncols && batch->offset == 0 &&
+    int ok = signed_as(schema, 0, &sig) && batch != NULL && batch->n_children == ncols && batch->offset == 0 &&
              out.len == batch->length * ncols * (Py_ssize_t)sizeof(int32_t);
     for (int64_t j = 0; ok && j < ncols; j++) {
         const struct ArrowArray *col = batch->children[j];
@@ -303,11 +343,13 @@ static PyObject *row_bytes(PyObject *self, PyObject *args) {
 }
 
 static PyMethodDef methods[] = {
-    {"signature", schema_signature, METH_O,
-     "signature(schema_capsule) -> bytes: the names and types of the schema's columns, as the checks compare them"},
+    {"signature", schema_signature, METH_VARARGS,
+     "signature(schema_capsule, fields=False) -> bytes: the names and types of the schema's columns (with fields, "
+     "their nullability and metadata too), as the checks compare them"},
     {"check_group_batch", check_group_batch, METH_VARARGS,
-     "check_group_batch(schema_capsule, array_capsule, signature, group_id, status, table, out_bytes) -> 0 when "
-     "the batch has the signature and every rule of the common case holds (out_bytes filled), else a reason > 0"},
+     "check_group_batch(schema_capsule, array_capsule, signature, fields_signature, group_id, status, table, "
+     "out_bytes) -> 0 when the batch has the signature and every rule of the common case holds (out_bytes filled), "
+     "-1 the same with fields of another signature, else a reason > 0"},
     {"row_bytes", row_bytes, METH_VARARGS,
      "row_bytes(schema_capsule, array_capsule, signature, layout, out): payload bytes of each row and column into "
      "out (int32, rows x columns) of a batch with the signature"},

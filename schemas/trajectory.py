@@ -387,6 +387,8 @@ def _native_table() -> bytes:
 _NATIVE_TABLE = _native_table()
 SIGNATURE: bytes = _kernels.signature(TRAJECTORY_SCHEMA.__arrow_c_schema__())
 """The trajectory schema's column names and types as the native passes compare them (``_kernels.signature``)."""
+_FIELDS_SIGNATURE = _kernels.signature(TRAJECTORY_SCHEMA.__arrow_c_schema__(), True)
+"""The same with each field's nullability and metadata: a batch with it keeps its fields."""
 _BYTES_INDEX = TRAJECTORY_SCHEMA.get_field_index("bytes")
 
 
@@ -408,8 +410,13 @@ def _checked_natively(batch: pa.RecordBatch, group_id: str) -> pa.RecordBatch | 
         return None
     out = np.empty(batch.num_rows, dtype=np.int64)
     schema, array = batch.__arrow_c_array__()
-    if _kernels.check_group_batch(schema, array, SIGNATURE, group_id.encode(), b"completed", _NATIVE_TABLE, out):
+    code = _kernels.check_group_batch(schema, array, SIGNATURE, _FIELDS_SIGNATURE, group_id.encode(), b"completed",
+                                      _NATIVE_TABLE, out)
+    if code > 0:
         return None
+    if code == 0:  # the schema's own fields (the common case): only `bytes` and the schema's metadata to set
+        checked = batch.set_column(_BYTES_INDEX, TRAJECTORY_SCHEMA.field(_BYTES_INDEX), pa.array(out))
+        return checked.replace_schema_metadata(TRAJECTORY_SCHEMA.metadata)
     columns = [batch.column(i) for i in range(_BYTES_INDEX)] + [pa.array(out)] + [
         batch.column(i) for i in range(_BYTES_INDEX + 1, batch.num_columns)]
     return pa.RecordBatch.from_arrays(columns, schema=TRAJECTORY_SCHEMA)  # the schema itself, not the writer's

@@ -129,9 +129,11 @@ def test_the_native_pass_steps_aside_for_what_breaks_a_rule_or_leaves_the_common
         assert err.value.column == column
 
 
-def test_a_writer_schema_of_nullable_fields_and_its_metadata_is_accepted_as_the_schema_itself(make_group) -> None:
+@pytest.mark.parametrize("nullable", [True, False])
+@pytest.mark.parametrize("note", [None, "writer"])
+def test_a_writer_schema_of_other_fields_is_accepted_as_the_schema_itself(make_group, nullable, note) -> None:
     batch = make_group(GID, size=3)
-    loose = pa.schema([f.with_nullable(True).with_metadata({"note": "writer"}) for f in TRAJECTORY_SCHEMA],
+    loose = pa.schema([f.with_nullable(nullable).with_metadata(note and {"note": note}) for f in TRAJECTORY_SCHEMA],
                       metadata={"knittrans.logprobs_mode": "processed"})
     native, _ = _agree(pa.RecordBatch.from_arrays(batch.columns, schema=loose))
     assert native is not None  # _agree: equal to what the Python rules return, under TRAJECTORY_SCHEMA itself
