@@ -1,11 +1,12 @@
 /* Native passes over a trajectory batch, read through the Arrow C data interface (one export per batch).
  *
- * check_group_batch: whether a batch of exactly TRAJECTORY_SCHEMA keeps every rule of the common case
- * (no nulls or validity bitmaps, one group_id, sample_idx 0..n-1 once each, status "completed", finite
- * rewards, loss masks 0/1, versions >= 0 and min <= max, list lengths that agree), filling the `bytes`
- * column on the way. It answers only "all kept" (0) or "look closer" (a reason code > 0): the Python
- * rules in schemas/trajectory.py stay the one place that names what is wrong, and run on any batch
- * this pass does not accept. It never accepts a batch they would refuse.
+ * check_group_batch: whether a batch of the trajectory schema's columns and types (its schema's signature)
+ * keeps every rule of the common case (no nulls or validity bitmaps, one group_id, sample_idx 0..n-1 once
+ * each, status "completed", finite rewards, loss masks 0/1, versions >= 0 and min <= max, list lengths that
+ * agree), filling the `bytes` column on the way. It answers only "all kept" (0, or -1 when the columns'
+ * own fields differ from the schema's) or "look closer" (a reason code > 0): the Python rules in
+ * schemas/trajectory.py stay the one place that names what is wrong, and run on any batch this pass does
+ * not accept. It never accepts a batch they would refuse.
  *
  * row_bytes: payload bytes of each row and column (fixed width, or a 4-byte offset plus values).
  *
@@ -167,7 +168,7 @@ static struct ArrowArray *batch_of(PyObject *capsule) {
     return batch;
 }
 
-/* Value i's [start, stop) in an offsets buffer (a string, binary or list column, 32-bit offsets). */
+/* The offsets of a string, binary or list column (32-bit) from row `row0`: value i spans [o[i], o[i + 1]). */
 static inline const int32_t *offsets_of(const struct ArrowArray *col, int64_t row0) {
     return (const int32_t *)col->buffers[1] + col->offset + row0;
 }
@@ -176,7 +177,8 @@ static inline const void *values_of(const struct ArrowArray *col, int64_t row0, 
     return (const char *)col->buffers[1] + (col->offset + row0) * width;
 }
 
-/* No null anywhere and no validity bitmap to strip, in a column and (for a list) its values. */
+/* No null anywhere and no validity bitmap to strip, in a column and (for a list) its values; its data (or
+ * offsets) buffer present. */
 static int without_nulls(const struct ArrowArray *col, int is_list) {
     if (col->null_count != 0 || col->n_buffers < 2 || col->buffers[0] != NULL || col->buffers[1] == NULL)
         return 0;
@@ -203,9 +205,7 @@ static int check(const struct ArrowArray *batch, const int32_t *roles, const int
     }
     for (int64_t j = 0; j < ncols; j++) {
         const struct ArrowArray *col = batch->children[j];
-        if (col->length != n || col->null_count != 0 || col->buffers[0] != NULL)
-            return NULLS;
-        if (col->n_children == 1 && !without_nulls(col, 1))
+        if (col->length != n || !without_nulls(col, col->n_children == 1))
             return NULLS;
     }
     const int lists[N_LISTS] = {R_PROMPT_IDS, R_RESPONSE_IDS, R_RESPONSE_LOGPROBS, R_LOSS_MASK, R_IMAGE_KEYS};
