@@ -156,6 +156,7 @@ class StoreServer(flight.FlightServerBase):
 
     def __init__(self, config: ServerConfig | None = None) -> None:
         config = config if config is not None else ServerConfig()
+        self._ready = False  # the server listens from super().__init__ on; calls wait for the rest (see _serving)
         self.config = config
         """What this node was started with."""
         kwargs: dict[str, Any] = {}
@@ -182,6 +183,14 @@ class StoreServer(flight.FlightServerBase):
         if config.metrics_port is not None:
             self.metrics = StoreMetrics(node=self.node_name, stats=self._metric_stats)
             self.metrics_port = self.metrics.serve(config.metrics_port, host=config.host)
+        self._ready = True
+
+    def _serving(self) -> None:
+        """Refuse, retryably, a call that arrives while the node is still starting: it listens before its store is
+        built, which with a spill log means replaying it (a restarted node's clients call it meanwhile)."""
+        if not self._ready:
+            msg = "the node is starting (its store is not ready: e.g. its spill log is being replayed); retry shortly"
+            raise flight.FlightUnavailableError(msg)
 
     def cluster_view(self) -> dict[str, Any]:
         """The ``cluster`` action's answer: the routing, the view's version, the nodes (id, location), this id."""
@@ -221,6 +230,7 @@ class StoreServer(flight.FlightServerBase):
         reader: flight.MetadataRecordBatchReader,
         writer: flight.FlightMetadataWriter,
     ) -> None:
+        self._serving()
         with self._observe("do_put") as rec:
             answer = _guard("DoPut", lambda: self._put(context, descriptor, reader, rec))
         writer.write(pa.py_buffer(json.dumps(answer).encode()))
@@ -279,6 +289,7 @@ class StoreServer(flight.FlightServerBase):
     # ---- DoGet ---------------------------------------------------------------------------------
 
     def do_get(self, context: flight.ServerCallContext, ticket: flight.Ticket) -> flight.FlightDataStream:
+        self._serving()
         raw = ticket.ticket
         with self._observe("do_get") as rec:
             schema, batches, nbytes = _guard("DoGet", lambda: self._answer(decode_ticket(raw)))
@@ -369,6 +380,7 @@ class StoreServer(flight.FlightServerBase):
             msg = f"unknown action {action.type!r}"  # pragma: no cover - decode_action_body checks
             raise WireError(msg)
 
+        self._serving()
         with self._observe(f"action_{action.type}" if action.type in ACTION_DESCRIPTIONS else "action_unknown"):
             answer = _guard(f"action {action.type!r}", run)
         return iter([json.dumps(answer).encode()])
@@ -384,6 +396,7 @@ class StoreServer(flight.FlightServerBase):
 
     def list_flights(self, context: flight.ServerCallContext, criteria: bytes) -> Iterator[flight.FlightInfo]:
         """Up to ``groups_per_list`` stored groups in arrival order (criteria ``after``/``limit`` page on)."""
+        self._serving()
         crit = _guard("ListFlights", lambda: decode_list_criteria(criteria or b""))
         limit = min(crit.limit or LIMITS["groups_per_list"], LIMITS["groups_per_list"])
         for gid in self.store.group_ids(after=crit.after, limit=limit):
@@ -402,6 +415,7 @@ class StoreServer(flight.FlightServerBase):
                 raise SchemaMismatchError(msg, column=None)
             return self._group_info(doc.group_id)
 
+        self._serving()
         return _guard("GetFlightInfo", run)
 
     def __enter__(self) -> StoreServer:

@@ -124,6 +124,53 @@ def test_budget_exceeded_is_retryable_and_unavailable(store_nodes, make_group) -
         _still_serves(client, make_group)
 
 
+def test_a_call_while_the_node_is_starting_is_refused_retryably_then_served(make_group, monkeypatch) -> None:
+    """The node listens before its store is built (a restarted node replays its spill log meanwhile, and its
+    clients are calling): those calls get a retryable refusal, never an internal error, and a client's retries
+    reach the node once it is up."""
+    import threading
+    import time
+
+    from flight_store import server as server_module
+    from flight_store.net import free_port
+    from flight_store.server import StoreServer
+
+    building = threading.Event()
+    real_store = server_module.Store
+
+    def slow_store(*args, **kwargs):  # type: ignore[no-untyped-def]
+        building.set()
+        time.sleep(0.5)  # a spill log being replayed
+        return real_store(*args, **kwargs)
+
+    monkeypatch.setattr(server_module, "Store", slow_store)
+    port = free_port()
+    started: list[StoreServer] = []
+    starter = threading.Thread(target=lambda: started.append(StoreServer(ServerConfig(port=port))))
+    starter.start()
+    try:
+        assert building.wait(10)
+        location = f"grpc://127.0.0.1:{port}"
+        raw = flight.connect(location)
+        refusals = []
+        group = flight.FlightDescriptor.for_command(GroupRef(group_id="g").to_bytes())
+        for call in (lambda: list(raw.do_action(flight.Action("health", b""))),
+                     lambda: raw.do_get(flight.Ticket(MetadataTicket().to_bytes())).read_all(),
+                     lambda: raw.get_flight_info(group)):
+            with pytest.raises(flight.FlightUnavailableError, match="the node is starting") as exc:
+                call()
+            refusals.append(exc.value)
+        raw.close()
+        assert len(refusals) == 3
+        with StoreClient(location, retries=8, backoff=0.05) as client:  # retried until the node is up
+            client.put_group(make_group("g", size=2))
+            assert client.health()[location]["ok"]
+    finally:
+        starter.join(10)
+        for s in started:
+            s.shutdown()
+
+
 def test_duplicate_write_keeps_one_copy(store_nodes, make_group) -> None:
     (server,) = store_nodes(1)
     with StoreClient(server.location) as client:
