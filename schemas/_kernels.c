@@ -16,6 +16,7 @@
 #include <Python.h>
 #include <math.h>
 #include <stdint.h>
+#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -45,40 +46,44 @@ struct ArrowSchema {
 };
 
 /* The types of a schema's columns, as one string: each column's name and format, with its children (a list's
- * values: name, nullability, format) in parentheses; equal signatures = columns of the same names and types
- * (a column's own nullability and metadata aside: the checks read null counts, and the caller rebuilds the
- * batch under the schema itself). */
+ * values: name, nullability, format) in parentheses, every name and format prefixed with its length; equal
+ * signatures = columns of the same names and types (a column's own nullability and metadata aside: the checks
+ * read null counts, and the caller rebuilds the batch under the schema itself). */
 #define SIGNATURE_MAX 4096
 #define ARROW_FLAG_NULLABLE 2
-
-static int append(char *buf, size_t *len, const char *s) {
-    const size_t n = strlen(s);
-    if (*len + n >= SIGNATURE_MAX)
-        return 0;
-    memcpy(buf + *len, s, n);
-    *len += n;
-    return 1;
-}
-
-static int type_signature(const struct ArrowSchema *t, char *buf, size_t *len) {
-    if (t == NULL || t->format == NULL || !append(buf, len, t->format) ||
-        (t->dictionary != NULL && !append(buf, len, "!dictionary")))
-        return 0;
-    for (int64_t k = 0; k < t->n_children; k++) {  /* a nested field's name and nullability are part of the type */
-        const struct ArrowSchema *c = t->children[k];
-        if (c == NULL || c->name == NULL || !append(buf, len, "(") || !append(buf, len, c->name) ||
-            !append(buf, len, (c->flags & ARROW_FLAG_NULLABLE) ? "?" : "!") || !type_signature(c, buf, len) ||
-            !append(buf, len, ")"))
-            return 0;
-    }
-    return 1;
-}
 
 static int append_bytes(char *buf, size_t *len, const char *s, size_t n) {
     if (*len + n >= SIGNATURE_MAX)
         return 0;
-    memcpy(buf + *len, s, n);
+    if (n > 0)
+        memcpy(buf + *len, s, n);
     *len += n;
+    return 1;
+}
+
+static int append(char *buf, size_t *len, const char *punctuation) {
+    return append_bytes(buf, len, punctuation, strlen(punctuation));
+}
+
+/* A name, format or metadata a writer chose, prefixed with its length: no choice of them reads as another. */
+static int append_field(char *buf, size_t *len, const char *s, size_t n) {
+    char prefix[24];
+    const int k = snprintf(prefix, sizeof prefix, "%zu'", n);
+    return k > 0 && append_bytes(buf, len, prefix, (size_t)k) && append_bytes(buf, len, s, n);
+}
+
+static int type_signature(const struct ArrowSchema *t, char *buf, size_t *len) {
+    if (t == NULL || t->format == NULL || !append_field(buf, len, t->format, strlen(t->format)) ||
+        (t->dictionary != NULL && !append(buf, len, "!dictionary")))
+        return 0;
+    for (int64_t k = 0; k < t->n_children; k++) {  /* a nested field's name and nullability are part of the type */
+        const struct ArrowSchema *c = t->children[k];
+        if (c == NULL || c->name == NULL || !append(buf, len, "(") ||
+            !append_field(buf, len, c->name, strlen(c->name)) ||
+            !append(buf, len, (c->flags & ARROW_FLAG_NULLABLE) ? "?" : "!") || !type_signature(c, buf, len) ||
+            !append(buf, len, ")"))
+            return 0;
+    }
     return 1;
 }
 
@@ -104,11 +109,11 @@ static int signature(const struct ArrowSchema *schema, int fields, char *buf, si
         return 0;
     for (int64_t j = 0; j < schema->n_children; j++) {
         const struct ArrowSchema *c = schema->children[j];
-        if (c == NULL || c->name == NULL || !append(buf, len, c->name) || !append(buf, len, ":") ||
-            !type_signature(c, buf, len))
+        if (c == NULL || c->name == NULL || !append_field(buf, len, c->name, strlen(c->name)) ||
+            !append(buf, len, ":") || !type_signature(c, buf, len))
             return 0;
         if (fields && (!append(buf, len, (c->flags & ARROW_FLAG_NULLABLE) ? "?" : "!") ||
-                       !append_bytes(buf, len, c->metadata, metadata_size(c->metadata))))
+                       !append_field(buf, len, c->metadata, metadata_size(c->metadata))))
             return 0;
         if (!append(buf, len, ";"))
             return 0;
