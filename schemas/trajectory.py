@@ -451,8 +451,10 @@ def normalize_group(batches: Sequence[pa.RecordBatch], group_id: str, rows: int)
         fast = _checked_natively(batches[0], group_id)
         if fast is not None:
             return [fast]
+    # the Python rules (which name what is wrong): the native pass declined the one batch, or there are several,
+    # of which it could take at most the one holding sample_idx 0..n-1
     now = utc_now()
-    out = [normalize_batch(b, group_id, now=now) for b in batches if b.num_rows]
+    out = [_finish(_conformed(b, now), group_id) for b in batches if b.num_rows]
     got = sum(b.num_rows for b in out)
     if got != rows:
         msg = f"group {group_id!r} declares {rows} rows but its stream carried {got}"

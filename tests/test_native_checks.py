@@ -51,10 +51,6 @@ def _with(batch: pa.RecordBatch, name: str, array: pa.Array) -> pa.RecordBatch:
     return batch.set_column(i, batch.schema.field(i).with_type(array.type), array)
 
 
-def _lists(rows: list[list[object]], typ: pa.DataType) -> pa.Array:
-    return pa.array(rows, type=typ)
-
-
 def test_a_valid_group_is_accepted_natively_as_the_python_rules_return_it(make_group) -> None:
     for batch in (make_group(GID, size=1), make_group(GID, size=8, response_len=33), make_group(GID, response_len=0)):
         native, _ = _agree(batch)
@@ -83,24 +79,24 @@ def _mutations() -> dict[str, tuple[Callable[[pa.RecordBatch], pa.RecordBatch], 
         "a NaN reward": (lambda b: _with(b, "reward", pa.array([0.0, float("nan"), 1.0, 0.0], pa.float32())), "reward"),
         "an infinite reward": (lambda b: _with(b, "reward", pa.array([0.0, 1.0, float("-inf"), 0.0], pa.float32())),
                                "reward"),
-        "a loss mask of 2": (lambda b: _with(b, "loss_mask", _lists([[1, 1], [1, 2], [0, 1], [1, 1]],
+        "a loss mask of 2": (lambda b: _with(b, "loss_mask", pa.array([[1, 1], [1, 2], [0, 1], [1, 1]],
                                                                     pa.list_(pa.uint8()))), "loss_mask"),
         "a negative version": (lambda b: _with(_with(b, "policy_version", pa.array([0, -1, 0, 0], pa.int64())),
                                                "policy_version_min", pa.array([0, -1, 0, 0], pa.int64())),
                                "policy_version"),
         "min above the version": (lambda b: _with(b, "policy_version_min", pa.array([0, 0, 3, 0], pa.int64())),
                                   "policy_version_min"),
-        "logprobs short": (lambda b: _with(b, "response_logprobs", _lists([[0.0, 0.0]] * 3 + [[0.0]], f32)),
+        "logprobs short": (lambda b: _with(b, "response_logprobs", pa.array([[0.0, 0.0]] * 3 + [[0.0]], f32)),
                            "response_logprobs"),
-        "loss mask long": (lambda b: _with(b, "loss_mask", _lists([[1, 1]] * 3 + [[1, 1, 1]], pa.list_(pa.uint8()))),
+        "loss mask long": (lambda b: _with(b, "loss_mask", pa.array([[1, 1]] * 3 + [[1, 1, 1]], pa.list_(pa.uint8()))),
                            "loss_mask"),
         "response_len off": (lambda b: _with(b, "response_len", pa.array([2, 2, 3, 2], pa.int32())), "response_len"),
         "prompt_len off": (lambda b: _with(b, "prompt_len", pa.array([4, 4, 4, 5], pa.int32())), "prompt_len"),
         "num_images off": (lambda b: _with(b, "num_images", pa.array([0, 1, 0, 0], pa.int16())), "num_images"),
         "a null reward": (lambda b: _with(b, "reward", pa.array([0.0, None, 1.0, 0.0], pa.float32())), "reward"),
-        "a null token": (lambda b: _with(b, "prompt_ids", _lists([[1, 2, 3, 4]] * 3 + [[1, None, 3, 4]], i32)),
+        "a null token": (lambda b: _with(b, "prompt_ids", pa.array([[1, 2, 3, 4]] * 3 + [[1, None, 3, 4]], i32)),
                          "prompt_ids"),
-        "a null list": (lambda b: _with(b, "prompt_ids", _lists([[1, 2, 3, 4]] * 3 + [None], i32)), "prompt_ids"),
+        "a null list": (lambda b: _with(b, "prompt_ids", pa.array([[1, 2, 3, 4]] * 3 + [None], i32)), "prompt_ids"),
         "validity bitmaps without nulls": (lambda b: b.take([0, 1, 2, 3]), None),  # take allocates them
         "a zoned timestamp": (lambda b: _with(b, "created_at", b.column("created_at").cast(pa.timestamp("us", "UTC"))),
                               None),
@@ -148,7 +144,7 @@ def test_a_sliced_batch_and_one_with_images_agree(make_group) -> None:
     native, _ = _agree(renumbered)
     assert native is not None
     key = bytes(range(32))
-    with_images = _with(_with(renumbered, "image_keys", _lists([[key], [], [key, key], []], pa.list_(pa.binary(32)))),
+    with_images = _with(_with(renumbered, "image_keys", pa.array([[key], [], [key, key], []], pa.list_(pa.binary(32)))),
                         "num_images", pa.array([1, 0, 2, 0], pa.int16()))
     native, _ = _agree(with_images)  # equal to the Python rules' batch, `bytes` (32 per key) included
     assert native is not None and native.column("bytes").to_pylist()[2] - native.column("bytes").to_pylist()[3] == 64
