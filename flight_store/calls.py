@@ -4,7 +4,8 @@
 pool, and gives every client call the same four things: a typed error for every Flight failure
 (:func:`flight_store.errors.from_flight_error`, naming the node), retries of exactly the retryable
 errors with exponential backoff, a fan-out over several nodes at once, and the three raw Flight
-calls the client builds on (an action, a DoPut of one table, a DoGet read whole).
+calls the client builds on (an action, a DoPut of one table, a DoGet read whole), and reads over
+read channels (:meth:`NodeCalls.read`: long-lived DoExchanges kept per node and projection).
 """
 
 from __future__ import annotations
@@ -12,8 +13,9 @@ from __future__ import annotations
 import json
 import logging
 import os
+import threading
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
 
@@ -21,6 +23,7 @@ import pyarrow as pa
 import pyarrow.flight as flight
 
 from flight_store.errors import KnitError, NodeUnavailableError, from_flight_error
+from flight_store.streams import ChannelBrokenError, ReadChannel
 
 T = TypeVar("T")
 K = TypeVar("K")
@@ -28,6 +31,12 @@ log = logging.getLogger(__name__)
 
 MAX_BACKOFF_S = 5.0
 """The longest wait between two attempts of a call."""
+CHANNEL_LIFETIME_S = 2.0
+"""How long a read channel lives (its call's deadline; the client's ``timeout`` when shorter). A channel serves
+reads for the first half of it, so a read waits at most that long on it before it is made again by DoGet, and
+a node that stops waits at most this long for a client's open channel to end."""
+IDLE_CHANNELS = 4
+"""Read channels kept open per node and projection between reads (one per thread reading at once)."""
 
 
 class NodeCalls:
@@ -60,6 +69,10 @@ class NodeCalls:
         self._clients = {loc: flight.FlightClient(loc, **kwargs) for loc in self.nodes}
         self._pool = ThreadPoolExecutor(max_workers=max(2, min(32, 2 * len(self.nodes))),
                                         thread_name_prefix="knit-client")
+        self._channel_lifetime = CHANNEL_LIFETIME_S if timeout is None else min(CHANNEL_LIFETIME_S, timeout)
+        self._idle: dict[tuple[str, tuple[str, ...] | None], list[ReadChannel]] = {}
+        self._idle_lock = threading.Lock()
+        self._closed = False
 
     def client(self, node: str) -> flight.FlightClient:
         """The Flight client of ``node``; ``ValueError`` for a node this client does not know."""
@@ -143,11 +156,89 @@ class NodeCalls:
         return self.retrying(node, lambda: self.call(node, lambda c: c.do_get(flight.Ticket(ticket),
                                                                                self.options).read_all()))
 
+    def read(self, tickets: Mapping[str, bytes], columns: list[str] | None,
+             fallback: Callable[[str], pa.Table]) -> dict[str, pa.Table]:
+        """Each node's answer to its ``slices`` ticket (of ``columns``), over read channels, in node order.
+
+        Every request is sent before any answer is read, so the nodes work at once without a thread per
+        node, and no call is made per read. A node whose channel cannot be opened or fails on the way is read
+        by ``fallback(node)`` instead (a DoGet with its retries and errors); a node's typed refusal (an
+        unknown group, a bad column) is raised, the first in node order.
+        """
+        sent: dict[str, ReadChannel] = {}
+        try:
+            for node, ticket in tickets.items():
+                channel = self._channel(node, columns)
+                if channel is not None:
+                    try:
+                        channel.send(ticket)
+                        sent[node] = channel
+                    except ChannelBrokenError:
+                        pass
+            out: dict[str, pa.Table] = {}
+            for node in tickets:
+                channel = sent.pop(node, None)
+                if channel is not None:
+                    try:
+                        out[node] = channel.receive()
+                        self._keep(channel)
+                        continue
+                    except ChannelBrokenError as exc:
+                        log.debug("%s; reading by DoGet", exc)
+                    except KnitError as exc:
+                        self._keep(channel)  # its answer ended: the channel goes on
+                        if not exc.retryable:
+                            raise
+                out[node] = fallback(node)
+            return out
+        finally:
+            for channel in sent.values():  # answers never read (an error came first): those channels end
+                channel.close()
+
+    def _channel(self, node: str, columns: list[str] | None) -> ReadChannel | None:
+        """An idle fresh read channel to ``node`` for ``columns``, or a new one (``None`` if it cannot be opened)."""
+        key = (node, None if columns is None else tuple(columns))
+        stale = []
+        found = None
+        with self._idle_lock:
+            idle = self._idle.get(key, [])
+            while idle and found is None:
+                channel = idle.pop()
+                if channel.fresh:
+                    found = channel
+                else:
+                    stale.append(channel)
+        for channel in stale:
+            channel.close()
+        if found is not None:
+            return found
+        try:
+            return ReadChannel(self.client(node), node, columns, self._channel_lifetime, self.headers)
+        except ChannelBrokenError as exc:
+            log.debug("no read channel to %s (%s); reading by DoGet", node, exc)
+            return None
+
+    def _keep(self, channel: ReadChannel) -> None:
+        """Keep ``channel`` for the next read (while fresh, up to :data:`IDLE_CHANNELS` a key), or end it."""
+        key = (channel.node, None if channel.columns is None else tuple(channel.columns))
+        with self._idle_lock:
+            idle = self._idle.setdefault(key, [])
+            if not self._closed and channel.fresh and len(idle) < IDLE_CHANNELS:
+                idle.append(channel)
+                return
+        channel.close()
+
     def _once_or_retried(self, node: str, call: Callable[[], T], retry: bool) -> T:
         return self.retrying(node, call) if retry else call()
 
     def close(self) -> None:
-        """Stop the pool and close every connection."""
+        """End the read channels, stop the pool and close every connection."""
+        with self._idle_lock:
+            self._closed = True
+            channels = [c for idle in self._idle.values() for c in idle]
+            self._idle.clear()
+        for channel in channels:
+            channel.close()
         self._pool.shutdown(wait=False, cancel_futures=True)
         for c in self._clients.values():
             c.close()

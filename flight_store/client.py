@@ -347,19 +347,23 @@ class StoreClient:
     # ---- payload -------------------------------------------------------------------------------
 
     def fetch(self, slices: Sequence[PlannedSlice], columns: Sequence[str] | None = None) -> pa.Table:
-        """The rows of ``slices`` (ONE DoGet per node, concurrently), in the order of ``slices``."""
+        """The rows of ``slices``, in the order of ``slices``: one request per node, all nodes at once.
+
+        Each node is asked over a read channel (a long-lived DoExchange, kept between fetches: no call
+        per read); a node whose channel fails is read by one DoGet instead, with retries.
+        """
         cols = list(columns) if columns is not None else None
         if not slices:
             return streams.empty_table(cols)
         per_node = streams.by_node(slices)
+        tickets = {n: streams.slices_ticket(ss, cols) for n, ss in per_node.items()}
         for n in per_node:
             self._calls.client(n)
 
-        def one(n: str) -> pa.Table:
-            return self._get_retrying(n, streams.slices_ticket(per_node[n], cols), streams.group_ids(per_node[n]))
+        def by_doget(n: str) -> pa.Table:
+            return self._get_retrying(n, tickets[n], streams.group_ids(per_node[n]))
 
-        tables = self._fan_out(per_node, one)
-        return streams.in_order(slices, tables)
+        return streams.in_order(slices, self._calls.read(tickets, cols, by_doget))
 
     def stream(
         self, micro_batches: Sequence[Sequence[PlannedSlice]], columns: Sequence[str] | None = None

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import hmac
 import itertools
 import json
@@ -38,7 +39,7 @@ from flight_store.errors import (
     WrongNodeError,
     error_info,
 )
-from flight_store.groups import writer_meta
+from flight_store.groups import check_columns, writer_meta
 from flight_store.memory import Incoming
 from flight_store.metrics import Record, StoreMetrics
 from flight_store.secrets import read_public, read_secret, read_token_file
@@ -60,6 +61,7 @@ from schemas.wire import (
     PutGroups,
     PutImages,
     PutWeights,
+    ReadChannel,
     ReleaseBody,
     ResolveBody,
     SliceRef,
@@ -69,8 +71,10 @@ from schemas.wire import (
     WireLimitError,
     decode_action_body,
     decode_descriptor,
+    decode_exchange,
     decode_list_criteria,
     decode_ticket,
+    encode_read_end,
 )
 
 log = logging.getLogger(__name__)
@@ -345,6 +349,56 @@ class StoreServer(flight.FlightServerBase):
             raise WireError(msg)
         return table.schema, table.to_batches(), table.get_total_buffer_size()
 
+    # ---- DoExchange: read channels -------------------------------------------------------------
+
+    def do_exchange(self, context: flight.ServerCallContext, descriptor: flight.FlightDescriptor,
+                    reader: flight.MetadataRecordBatchReader, writer: flight.MetadataRecordBatchWriter) -> None:
+        """A read channel (:class:`~schemas.wire.ReadChannel`): each request a ``slices`` ticket, each answer its
+        rows and an end message, until the client ends the channel or its deadline passes. A refused request is
+        answered with its typed error and the channel goes on."""
+        self._serving()
+        channel = _guard("DoExchange", lambda: decode_exchange(_descriptor_bytes(descriptor)))
+        _guard("DoExchange", lambda: check_columns(channel.columns))
+        names = channel.columns if channel.columns is not None else TRAJECTORY_SCHEMA.names
+        writer.begin(pa.schema([TRAJECTORY_SCHEMA.field(c) for c in names]), options=_IPC_OPTIONS)
+        while True:
+            try:
+                request = reader.read_chunk().app_metadata
+            except StopIteration:
+                return  # the client ended the channel
+            try:
+                with self._observe("read") as rec:
+                    schema, batches, nbytes = _guard("read", functools.partial(self._read, request, channel))
+                    rec.bytes_out += nbytes
+            except (KnitError, flight.FlightError) as exc:
+                writer.write_metadata(json.dumps({"error": _error_json(exc)}).encode())
+                continue
+            meta = {k.decode(): v.decode() for k, v in (schema.metadata or {}).items()}
+            last, rows = None, 0
+            for batch in self._stream(batches, nbytes):
+                if last is not None:
+                    writer.write_batch(last)
+                last, rows = batch, rows + batch.num_rows
+            end = encode_read_end(rows, meta)
+            if last is None:
+                writer.write_metadata(end)
+            else:
+                writer.write_with_metadata(last, end)
+
+    def _read(self, request: pa.Buffer | None, channel: ReadChannel) -> tuple[pa.Schema, Iterable[pa.RecordBatch], int]:
+        """The answer to a read channel's request: a ``slices`` ticket of the channel's columns."""
+        if request is None:
+            msg = "a read channel's request is a metadata-only message whose app metadata is a slices ticket"
+            raise WireError(msg)
+        doc = decode_ticket(request.to_pybytes())
+        if not isinstance(doc, SlicesTicket):
+            msg = f"a read channel answers slices tickets, got a {doc.kind!r} ticket"
+            raise WireError(msg)
+        if doc.columns != channel.columns:
+            msg = f"this read channel answers columns {channel.columns}, the ticket asks for {doc.columns}"
+            raise SchemaMismatchError(msg, column=None)
+        return self._answer(doc)
+
     # ---- actions -------------------------------------------------------------------------------
 
     def list_actions(self, context: flight.ServerCallContext) -> list[tuple[str, str]]:
@@ -426,15 +480,16 @@ class StoreServer(flight.FlightServerBase):
 
         gRPC lets running calls finish; a DoPut whose client stalls mid-stream never does (its handler
         waits for the client's next message), so after ``timeout_s`` the node stops waiting for it: such a
-        write was refused already (idle limit) and stores nothing.
+        write was refused already (idle limit) and stores nothing. A read channel ends at its deadline
+        (``StoreClient``'s within 2 s), or when ``timeout_s`` is up if its client gave it none.
         """
         stopper = threading.Thread(target=super().shutdown, name="knit-shutdown", daemon=True)
         stopper.start()
         stopper.join(timeout_s)
         clean = not stopper.is_alive()
         if not clean:
-            log.warning("node %s: %d call(s) still open after %.0f s (stalled writers); stopping without them",
-                        self.node_name, self._writes.active, timeout_s)
+            log.warning("node %s: calls still open after %.0f s (%d stalled writer(s), read channels without a "
+                        "deadline); stopping without them", self.node_name, timeout_s, self._writes.active)
         self._writes.close()
         if self.metrics is not None:
             self.metrics.close()
@@ -469,3 +524,11 @@ def _receive(reader: flight.MetadataRecordBatchReader, write: Write, incoming: I
             msg = f"{what} declares {rows} rows but its stream carried more; nothing stored"
             raise SchemaMismatchError(msg, column="sample_idx")
         batches.append(data)
+
+
+def _error_json(exc: Exception) -> dict[str, Any]:
+    """A refused read's error as a read channel sends it (a project error's JSON; any other Flight error's message)."""
+    if isinstance(exc, KnitError):
+        return error_info(exc)
+    retryable = isinstance(exc, flight.FlightUnavailableError)
+    return {"error": type(exc).__name__, "message": str(exc), "retryable": retryable}

@@ -1,22 +1,27 @@
 """Reading planned slices from store nodes: one ticket per node, rows back in plan order, streams.
 
-A fetch sends each node ONE slices ticket (:func:`slices_ticket`) for all the slices it holds and
-puts the answers back in the order of the plan (:func:`in_order`); a stream of several
-micro-batches reads each node's single answer a micro-batch at a time (:class:`NodeStream`).
-Used by :class:`flight_store.client.StoreClient`.
+A fetch sends each node ONE slices ticket (:func:`slices_ticket`) for all the slices it holds, over
+a read channel (:class:`ReadChannel`, a long-lived DoExchange: no call per read), and puts the
+answers back in the order of the plan (:func:`in_order`); a stream of several micro-batches reads
+each node's single DoGet answer a micro-batch at a time (:class:`NodeStream`). Used by
+:class:`flight_store.client.StoreClient`.
 """
 
 from __future__ import annotations
 
+import contextlib
+import json
+import time
 from collections import deque
 from collections.abc import Iterable, Mapping, Sequence
 
 import pyarrow as pa
 import pyarrow.flight as flight
 
-from flight_store.errors import WireDecodeError
+from flight_store.errors import WireDecodeError, from_error_info
 from schemas.arrow import TRAJECTORY_SCHEMA
 from schemas.plan import PlannedSlice
+from schemas.wire import ReadChannel as ReadChannelDoc
 from schemas.wire import encode_slices_ticket
 
 
@@ -105,3 +110,80 @@ def keys_by_node(keys: Sequence[bytes], nodes: Mapping[bytes, str]) -> dict[str,
     for k in keys:
         out.setdefault(nodes[k], []).append(k)
     return out
+
+
+class ChannelBrokenError(Exception):
+    """A read channel failed on the way (the node went away, the channel's deadline passed, the answer was
+    malformed): the read is to be made again another way. The channel is closed."""
+
+
+_NO_COLUMNS = pa.schema([])
+"""What a read channel's client sends batches of: none (its requests are metadata-only messages)."""
+
+
+class ReadChannel:
+    """One read channel with one node: a DoExchange answering ``slices`` tickets of ``columns``, one at a time.
+
+    It lives ``lifetime`` seconds (the call's deadline, so a node that stops waits at most that for it);
+    :attr:`fresh` says whether it has more than half of that left. Not thread-safe: one request at a time.
+    """
+
+    def __init__(self, client: flight.FlightClient, node: str, columns: list[str] | None, lifetime: float,
+                 headers: list[tuple[bytes, bytes]]) -> None:
+        self.node = node
+        self.columns = columns
+        self._renew_at = time.monotonic() + lifetime / 2
+        descriptor = flight.FlightDescriptor.for_command(ReadChannelDoc(columns=columns).to_bytes())
+        options = flight.FlightCallOptions(timeout=lifetime, headers=headers)
+        try:
+            self._writer, self._reader = client.do_exchange(descriptor, options)
+            self._writer.begin(_NO_COLUMNS)
+        except (flight.FlightError, pa.ArrowException) as exc:
+            raise ChannelBrokenError(str(exc)) from None
+
+    @property
+    def fresh(self) -> bool:
+        """Whether the channel has more than half its lifetime left (a read then has at least that long)."""
+        return time.monotonic() < self._renew_at
+
+    def send(self, ticket: bytes) -> None:
+        """Ask for the rows of ``ticket`` (a ``slices`` ticket of this channel's columns)."""
+        try:
+            self._writer.write_metadata(ticket)
+        except (flight.FlightError, pa.ArrowException) as exc:
+            self.close()
+            raise ChannelBrokenError(str(exc)) from None
+
+    def receive(self) -> pa.Table:
+        """The answer to the request sent last, whole; the node's typed error if it refused it (the channel
+        goes on), :class:`ChannelBrokenError` if the channel failed (it is closed)."""
+        batches: list[pa.RecordBatch] = []
+        try:
+            while True:
+                chunk = self._reader.read_chunk()
+                if chunk.data is not None:
+                    batches.append(chunk.data)
+                if chunk.app_metadata is not None:
+                    break
+            end = json.loads(chunk.app_metadata.to_pybytes())
+            if isinstance(end, dict) and isinstance(end.get("error"), dict):
+                error = from_error_info(end["error"])
+            else:
+                error = None
+                table = pa.Table.from_batches(batches, schema=self._reader.schema)
+                if table.num_rows != end["rows"]:
+                    msg = f"{table.num_rows} rows where it announced {end['rows']}"
+                    raise ValueError(msg)
+                table = table.replace_schema_metadata(end["metadata"] or None)
+        except (StopIteration, flight.FlightError, pa.ArrowException, ValueError, KeyError, TypeError) as exc:
+            self.close()
+            raise ChannelBrokenError(f"read channel to {self.node} failed: {exc!r}") from None
+        if error is not None:
+            raise error
+        return table
+
+    def close(self) -> None:
+        """End the channel (the node's handler returns); errors of a channel already broken are ignored."""
+        for step in (self._writer.done_writing, self._writer.close):  # close even if the half-close failed
+            with contextlib.suppress(flight.FlightError, pa.ArrowException):
+                step()

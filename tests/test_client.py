@@ -15,7 +15,7 @@ from polars.testing import assert_frame_equal
 from flight_store import streams as streams_mod
 from flight_store.client import StoreClient
 from flight_store.config import ServerConfig
-from flight_store.errors import NodeUnavailableError, UnknownGroupError, UnknownImageError
+from flight_store.errors import NodeUnavailableError, SchemaMismatchError, UnknownGroupError, UnknownImageError
 from flight_store.server import StoreServer
 from schemas.arrow import METADATA_SCHEMA
 from schemas.images import images_to_table
@@ -25,17 +25,31 @@ from schemas.weights import WEIGHTS_SCHEMA
 
 
 class _CountingServer(StoreServer):
-    """A real StoreServer that counts its DoGet calls."""
+    """A real StoreServer that counts its DoGet calls, its read channels opened and the tickets it answered
+    (by either)."""
 
     def __init__(self, *args: object, **kwargs: object) -> None:
         super().__init__(*args, **kwargs)  # type: ignore[arg-type]
-        self.doget_calls = 0
+        self.doget_calls = self.channels_opened = self.answers = 0
         self._count_lock = threading.Lock()
 
     def do_get(self, context, ticket):  # type: ignore[no-untyped-def]
         with self._count_lock:
             self.doget_calls += 1
         return super().do_get(context, ticket)
+
+    def do_exchange(self, context, descriptor, reader, writer):  # type: ignore[no-untyped-def]
+        with self._count_lock:
+            self.channels_opened += 1
+        return super().do_exchange(context, descriptor, reader, writer)
+
+    def _answer(self, doc):  # type: ignore[no-untyped-def]
+        with self._count_lock:
+            self.answers += 1
+        return super()._answer(doc)
+
+    def counts(self) -> tuple[int, int, int]:
+        return self.doget_calls, self.channels_opened, self.answers
 
 
 def test_placement_is_rendezvous_over_the_node_ids(store_nodes, make_group) -> None:
@@ -89,25 +103,83 @@ def test_scan_new_returns_each_row_once(store_nodes, make_group) -> None:
         assert_frame_equal(client.scan_new(), new.clear())
 
 
-def test_fetch_one_doget_per_node_in_slice_order(make_group) -> None:
+def test_fetch_one_read_per_node_over_kept_channels_in_slice_order(make_group) -> None:
     servers = [_CountingServer() for _ in range(3)]
     try:
         locs = [s.location for s in servers]
         with StoreClient(locs) as client:
-            for i in range(12):
-                client.put_group(make_group(f"g{i}", size=4), node=locs[i % 3])
+            for i in range(12):  # node 0's groups carry writer metadata, which comes back with their rows
+                group = make_group(f"g{i}", size=4)
+                meta = {"knittrans.logprobs_mode": "processed_logprobs"} if i % 3 == 0 else {}
+                client.put_group(group.replace_schema_metadata({**group.schema.metadata, **meta}), node=locs[i % 3])
             rng = np.random.default_rng(1)
             plan = [(f"g{i}", int(a), int(a) + 2) for i in rng.permutation(12) for a in [rng.integers(0, 3)]]
             slices = [PlannedSlice(node=locs[int(g[1:]) % 3], group_id=g, start=a, stop=b) for g, a, b in plan]
-            before = [s.doget_calls for s in servers]
-            table = client.fetch(slices, columns=["group_id", "sample_idx", "response_ids"])
-            assert [s.doget_calls - b for s, b in zip(servers, before, strict=True)] == [1, 1, 1]
+            cols = ["group_id", "sample_idx", "response_ids"]
             want = [(g, k) for g, a, b in plan for k in range(a, b)]
-            assert list(zip(table["group_id"].to_pylist(), table["sample_idx"].to_pylist(), strict=True)) == want
+            for attempt in range(3):  # one answer per node each time; channels opened once (no DoGet)
+                table = client.fetch(slices, columns=cols)
+                assert [s.counts() for s in servers] == [(0, 1, 1 + attempt)] * 3
+                assert list(zip(table["group_id"].to_pylist(), table["sample_idx"].to_pylist(), strict=True)) == want
+            for node in locs:  # the same table, schema metadata included, as one DoGet of the node's slices
+                mine = [s for s in slices if s.node == node]
+                by_doget = client._calls.get(node, streams_mod.slices_ticket(mine, cols))
+                assert by_doget.equals(client.fetch(mine, columns=cols), check_metadata=True)
+            node0 = client.fetch([s for s in slices if s.node == locs[0]], columns=cols).schema.metadata
+            assert node0[b"knittrans.logprobs_mode"] == b"processed_logprobs"
+            assert b"knittrans.logprobs_mode" not in client.fetch(slices, columns=cols).schema.metadata  # not shared
+            assert client.fetch(slices, columns=["sample_idx"]).num_rows == len(want)  # another projection: a channel
+            assert [s.channels_opened for s in servers] == [2, 2, 2]
             assert client.fetch([], columns=["sample_idx"]).num_rows == 0
     finally:
         for s in servers:
             s.shutdown()
+
+
+class _BreakingServer(_CountingServer):
+    """Ends its first ``breaks`` read channels right after their first request arrives, answering nothing."""
+
+    breaks = 1
+
+    def do_exchange(self, context, descriptor, reader, writer):  # type: ignore[no-untyped-def]
+        if self.breaks:
+            self.breaks -= 1
+            reader.read_chunk()
+            return None
+        return super().do_exchange(context, descriptor, reader, writer)
+
+
+def test_read_channel_refusals_are_typed_and_broken_or_old_channels_are_replaced(make_group) -> None:
+    import time
+
+    server = _BreakingServer()
+    stopped = False
+    try:
+        loc = server.location
+        with StoreClient([loc], timeout=0.6) as client:  # channels live 0.6 s, serve reads for 0.3 s
+            client.put_group(make_group("g", size=4))
+            part = [PlannedSlice(node=loc, group_id="g", start=1, stop=3)]
+            # the first channel ends without an answer: that read is made by DoGet
+            assert client.fetch(part, columns=["sample_idx"])["sample_idx"].to_pylist() == [1, 2]
+            assert server.counts() == (1, 0, 1)  # the broken channel never reached the counting handler
+            assert client.fetch(part, columns=["sample_idx"])["sample_idx"].to_pylist() == [1, 2]
+            assert server.counts() == (1, 1, 2)  # a new channel, no DoGet
+            with pytest.raises(UnknownGroupError, match="'nope'"):
+                client.fetch([PlannedSlice(node=loc, group_id="nope", start=0, stop=1)], columns=["sample_idx"])
+            assert client.fetch(part, columns=["sample_idx"]).num_rows == 2
+            assert server.counts() == (1, 1, 4)  # the refusal was answered on the channel, which goes on
+            with pytest.raises(SchemaMismatchError, match="'bogus'"):  # refused when its channel opens, then by DoGet
+                client.fetch(part, columns=["bogus"])
+            time.sleep(0.35)  # no longer fresh: the next read opens a new channel
+            assert client.fetch(part, columns=["sample_idx"]).num_rows == 2
+            assert (server.doget_calls, server.channels_opened) == (2, 3)
+            time.sleep(0.7)  # every channel of the client has passed its deadline: a stopping node waits for none
+            t0 = time.monotonic()
+            stopped = server.shutdown(timeout_s=5)
+            assert stopped and time.monotonic() - t0 < 2
+    finally:
+        if not stopped:
+            server.shutdown()
 
 
 def _keys(table: pa.Table) -> list[tuple[str, int]]:

@@ -42,8 +42,8 @@ def test_metrics_follow_write_fetch_release(make_group) -> None:
     assert mid['knit_bytes_in_total{rpc="do_put"}'] >= mid["knit_bytes"]
     assert mid['knit_request_seconds_count{outcome="ok",rpc="do_put"}'] == 1
     assert mid['knit_request_seconds_sum{outcome="ok",rpc="do_put"}'] > 0
-    assert after['knit_bytes_out_total{rpc="do_get"}'] == pytest.approx(table.nbytes, rel=0.01)
-    assert after['knit_request_seconds_count{outcome="ok",rpc="do_get"}'] == 1
+    assert after['knit_bytes_out_total{rpc="read"}'] == pytest.approx(table.nbytes, rel=0.01)
+    assert after['knit_request_seconds_count{outcome="ok",rpc="read"}'] == 1
     assert released['knit_groups{state="stored"}'] == 0 and released['knit_groups{state="released"}'] == 1
     assert released["knit_memory_used"] == 0
 
@@ -53,7 +53,7 @@ def test_failed_rpc_is_counted_as_error() -> None:
         with pytest.raises(Exception, match="ghost"):
             client.fetch([PlannedSlice(node=server.location, group_id="ghost", start=0, stop=1)])
         assert server.metrics_port is not None
-        assert _scrape(server.metrics_port)['knit_request_seconds_count{outcome="error",rpc="do_get"}'] == 1
+        assert _scrape(server.metrics_port)['knit_request_seconds_count{outcome="error",rpc="read"}'] == 1
 
 
 def test_node_process_metrics_port(node_process) -> None:

@@ -19,7 +19,7 @@ from flight_store.client import StoreClient
 from flight_store.config import ServerConfig
 from flight_store.server import StoreServer
 from schemas.plan import PlannedSlice
-from schemas.wire import GroupRef, MetadataTicket, PutGroup, ReleaseBody, SliceRef, SlicesTicket
+from schemas.wire import GroupRef, MetadataTicket, PutGroup, ReadChannel, ReleaseBody, SliceRef, SlicesTicket
 
 TOKEN = "s3cret-T0ken_with.symbols~+/="
 
@@ -97,6 +97,14 @@ def test_tls_location_and_authorized_client_round_trip(secured, cert, make_group
         assert table.column("sample_idx").to_pylist() == [1, 2]
 
 
+def _read_on_channel(raw: flight.FlightClient, ticket: bytes, options: flight.FlightCallOptions) -> None:
+    """A read channel opened by hand, asked for ``ticket``'s rows."""
+    writer, reader = raw.do_exchange(flight.FlightDescriptor.for_command(ReadChannel().to_bytes()), options)
+    writer.begin(pa.schema([]))
+    writer.write_metadata(ticket)
+    reader.read_chunk()
+
+
 @pytest.mark.parametrize("token", [None, "wrong-token", TOKEN + "x", TOKEN[:-1], ""])
 def test_missing_or_wrong_token_is_unauthenticated_and_sees_nothing(
     secured, cert, token, monkeypatch, make_group
@@ -122,6 +130,7 @@ def test_missing_or_wrong_token_is_unauthenticated_and_sees_nothing(
         "get_flight_info": lambda: raw.get_flight_info(
             flight.FlightDescriptor.for_command(GroupRef(group_id="secret-group").to_bytes()), options
         ),
+        "do_exchange reads": lambda: _read_on_channel(raw, slices, options),
     }
     for what, call in calls.items():
         with pytest.raises(flight.FlightUnauthenticatedError, match="unauthenticated"):

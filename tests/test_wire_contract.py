@@ -369,6 +369,39 @@ def test_a_put_group_descriptor_decodes_on_its_fast_path_as_on_the_general_one(r
     assert outcomes[0] == outcomes[1]
 
 
+_S = b'{"group_id":"g1","start":0,"stop":4}'
+
+
+@pytest.mark.parametrize("raw", [
+    b'{"v":2,"kind":"slices","slices":[' + _S + b',{"group_id":"g2","start":2,"stop":3}],"columns":["sample_idx"]}',
+    b'{"v":2,"kind":"slices","slices":[' + _S + b']}',
+    b'{"v":2,"kind":"slices","slices":[' + _S + b'],"columns":[]}',
+    '{"v":2,"kind":"slices","slices":[{"group_id":"gr\u00fcppe","start":0,"stop":1}]}'.encode(),  # UTF-8 in the id
+    b'{"v":2,"kind":"slices","slices":[{"group_id":"g","start":3,"stop":3}]}',  # the form; the model refuses
+    b'{"v":3,"kind":"slices","slices":[' + _S + b']}',  # another schema version
+    b'{"v":2,"kind":"slices","slices":[{"group_id":"\xff","start":0,"stop":1}]}',  # not UTF-8
+    b'{"v":2,"kind":"slices","slices":[{"group_id":"' + b"x" * 513 + b'","start":0,"stop":1}]}',
+    b'{"v":2,"kind":"slices","slices":[' + b",".join([_S] * 8193) + b']}',  # over slices_per_ticket
+    b'{"v":2,"kind":"slices","slices":[{"group_id":"g","start":0,"start":1,"stop":2}]}',  # not the form
+    b'{"v":2,"kind":"slices","slices":[' + _S + b'],"columns":["a","a"],"columns":["b"]}',  # not the form
+])
+def test_a_slices_ticket_decodes_on_its_fast_path_as_on_the_general_one(raw: bytes) -> None:
+    from schemas import wire
+
+    def general(doc: bytes) -> object:
+        return wire._validate(wire._TICKET, wire._load_json(doc, "ticket", "ticket_bytes"), "ticket")
+
+    outcomes = []
+    for decode in (wire.decode_ticket, general):
+        try:
+            outcomes.append(decode(raw))
+        except wire.WireLimitError as exc:
+            outcomes.append(("limit", exc.limit, exc.value, str(exc)))
+        except wire.WireError as exc:
+            outcomes.append(str(exc))
+    assert outcomes[0] == outcomes[1]
+
+
 def test_the_clients_encoders_write_the_models_bytes_and_a_bad_slice_is_refused_by_the_node() -> None:
     from flight_store.errors import WireDecodeError
     from schemas.plan import PlannedSlice

@@ -151,3 +151,68 @@ def test_raw_images_roundtrip(store_nodes) -> None:
     got = client.do_get(_ticket({"v": 2, "kind": "images", "keys": [key.hex()]})).read_all()
     assert got.column("data").to_pylist() == [b"\1\2\3\4"]
     client.close()
+
+
+def _answer(reader: flight.FlightStreamReader) -> tuple[pa.Table | None, dict[str, object]]:
+    """One read channel answer: its rows (``None`` for a refusal) and the JSON of its last message."""
+    batches = []
+    while True:
+        chunk = reader.read_chunk()
+        if chunk.data is not None:
+            batches.append(chunk.data)
+        if chunk.app_metadata is not None:
+            end = json.loads(chunk.app_metadata.to_pybytes())
+            return (None if "error" in end else pa.Table.from_batches(batches, schema=reader.schema)), end
+
+
+def test_raw_read_channel_answers_slices_tickets_one_after_another(store_nodes) -> None:
+    (server,) = store_nodes(1)
+    client = flight.connect(server.location)
+    schema = WRITE_SCHEMA.with_metadata({"knittrans.logprobs_mode": "processed_logprobs"})
+    for gid in ("raw-a", "raw-b"):
+        writer, reader = client.do_put(_cmd({"v": 2, "kind": "put_group", "group_id": gid, "rows": 3}), schema)
+        writer.write_batch(_group(gid, 3).replace_schema_metadata(schema.metadata))
+        writer.done_writing()
+        reader.read()
+        writer.close()
+    columns = ["group_id", "sample_idx", "response_ids"]
+    writer, reader = client.do_exchange(_cmd({"v": 2, "kind": "reads", "columns": columns}))
+    writer.begin(pa.schema([]))  # the client sends no rows: each request is a metadata-only message
+
+    def ask(doc: dict[str, object]) -> tuple[pa.Table | None, dict[str, object]]:
+        writer.write_metadata(json.dumps(doc).encode())
+        return _answer(reader)
+
+    def slices(*refs: tuple[str, int, int], cols: list[str] = columns) -> dict[str, object]:
+        return {"v": 2, "kind": "slices", "columns": cols,
+                "slices": [{"group_id": g, "start": a, "stop": b} for g, a, b in refs]}
+
+    table, end = ask(slices(("raw-b", 1, 3), ("raw-a", 0, 1)))
+    assert table is not None and table.column_names == columns
+    assert list(zip(table["group_id"].to_pylist(), table["sample_idx"].to_pylist(), strict=True)) == [
+        ("raw-b", 1), ("raw-b", 2), ("raw-a", 0)]
+    assert end["rows"] == 3 and end["metadata"]["knittrans.logprobs_mode"] == "processed_logprobs"  # type: ignore[index]
+    # refusals are answered in band, naming what was wrong, and the channel goes on
+    for doc, error, named in [
+        (slices(("nope", 0, 1)), "UnknownGroupError", "nope"),
+        (slices(("raw-a", 0, 1), cols=["sample_idx"]), "SchemaMismatchError", "columns"),
+        ({"v": 2, "kind": "metadata", "since": 0}, "WireDecodeError", "slices tickets"),
+        ({"v": 2, "kind": "slices", "slices": []}, "WireDecodeError", "slices"),
+    ]:
+        refused, end = ask(doc)
+        assert refused is None and end["error"]["error"] == error, end  # type: ignore[index]
+        assert named in end["error"]["message"]  # type: ignore[index]
+    table, end = ask(slices(("raw-a", 2, 3)))
+    assert table is not None and table["response_ids"].to_pylist() == [[12] * 3] and end["rows"] == 1
+    writer.done_writing()  # the client ends the channel
+    with pytest.raises(StopIteration):
+        reader.read_chunk()
+    writer.close()
+    # a descriptor of another kind, or naming an unknown column, is refused when the channel opens
+    for doc, named in [({"v": 2, "kind": "put_images"}, "reads"), ({"v": 2, "kind": "reads", "columns": ["x"]}, "'x'")]:
+        writer, reader = client.do_exchange(_cmd(doc))
+        with pytest.raises(flight.FlightServerError, match=named):
+            writer.begin(pa.schema([]))
+            writer.write_metadata(json.dumps(slices(("raw-a", 0, 1))).encode())
+            reader.read_chunk()
+    client.close()
