@@ -185,6 +185,11 @@ def test_committed_prompts_go_out_slow_source_ahead_by_its_lead(store_nodes) -> 
     assert near == sorted(stream, key=lambda x: (x[1] - (1.9 if x[0] == "mul_large" else 0.0), x[1]))
     assert near not in (first, stream)
     assert order("loader", slow, 10.0) == stream
+    # a source's latency is the upper quartile of its last groups': its tail counts, one outlier does not
+    from connectors.rollout import source_latency
+
+    assert source_latency([1.0, 2.0, 3.0, 4.0, 5.0]) == 4.0
+    assert source_latency([1.0] * 63 + [100.0]) == 1.0 and source_latency([1.0] * 32 + [9.0] * 32) == 9.0
 
 
 def test_a_synchronous_rollout_generates_each_train_batch_with_the_weights_it_starts_from(  # type: ignore[no-untyped-def]

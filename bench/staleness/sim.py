@@ -51,7 +51,7 @@ import polars as pl
 
 from admission import Planner, summary
 from bench.staleness.workload import SOURCES, SimParams, admission_config, dispatch_order, make_prompts
-from connectors.rollout import slow_ahead_leads
+from connectors.rollout import LATENCY_WINDOW, slow_ahead_leads, source_latency
 
 log = logging.getLogger(__name__)
 
@@ -153,15 +153,15 @@ class _Pipeline:
 
     def _leads(self) -> dict[str, float]:
         """Per class, how many places ahead of its loader position a prompt goes out: the rollout worker's rule
-        (``connectors.rollout.slow_ahead_leads``) over latencies and a rate measured online, here the mean over
-        each class's last 64 groups and the rate of the last 64 completions; 0 until every class has 8 groups
-        done."""
+        (``connectors.rollout.slow_ahead_leads``) over latencies and a rate measured online: each class's
+        ``source_latency`` (the upper quartile of its last 64 groups) and the rate of the last 64 completions; 0
+        until every class has 8 groups done."""
         done = self.completions
         if len(done) < 2 or any(len(v) < 8 for v in self.latency.values()):
             return dict.fromkeys(SOURCES, 0.0)
         recent = done[-64:]
         rate = (len(recent) - 1) / max(recent[-1] - recent[0], 1e-9)
-        return slow_ahead_leads(rate, {src: float(np.mean(v[-64:])) for src, v in self.latency.items()})
+        return slow_ahead_leads(rate, {src: source_latency(v[-LATENCY_WINDOW:]) for src, v in self.latency.items()})
 
     def _dispatch_lead(self) -> None:
         """Dispatch, while L allows, the waiting prompt of the lowest loader position minus its class's lead."""
