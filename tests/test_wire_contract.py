@@ -17,6 +17,7 @@ import subprocess
 import sys
 import textwrap
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -357,13 +358,19 @@ def test_tickets_take_json_numbers_only_and_no_duplicate_keys(doc: bytes) -> Non
 def test_a_put_group_descriptor_decodes_on_its_fast_path_as_on_the_general_one(raw: bytes) -> None:
     from schemas import wire
 
-    def general(doc: bytes) -> object:
-        return wire._validate(wire._DESCRIPTOR, wire._load_json(doc, "descriptor", "descriptor_bytes"), "descriptor")
+    _same_on_both_paths(raw, wire.decode_descriptor, wire._DESCRIPTOR, "descriptor", "descriptor_bytes")
+
+
+def _same_on_both_paths(raw: bytes, decode: Callable[[bytes], object], adapter: object, what: str, limit: str) -> None:
+    """``decode`` (with its fast path) gives the general path's document, or its error (limit and message)."""
+    from schemas import wire
 
     outcomes = []
-    for decode in (wire.decode_descriptor, general):
+    for run in (decode, lambda doc: wire._validate(adapter, wire._load_json(doc, what, limit), what)):  # type: ignore[arg-type]
         try:
-            outcomes.append(decode(raw))
+            outcomes.append(run(raw))
+        except wire.WireLimitError as exc:
+            outcomes.append(("limit", exc.limit, exc.value, str(exc)))
         except wire.WireError as exc:
             outcomes.append(str(exc))
     assert outcomes[0] == outcomes[1]
@@ -388,18 +395,7 @@ _S = b'{"group_id":"g1","start":0,"stop":4}'
 def test_a_slices_ticket_decodes_on_its_fast_path_as_on_the_general_one(raw: bytes) -> None:
     from schemas import wire
 
-    def general(doc: bytes) -> object:
-        return wire._validate(wire._TICKET, wire._load_json(doc, "ticket", "ticket_bytes"), "ticket")
-
-    outcomes = []
-    for decode in (wire.decode_ticket, general):
-        try:
-            outcomes.append(decode(raw))
-        except wire.WireLimitError as exc:
-            outcomes.append(("limit", exc.limit, exc.value, str(exc)))
-        except wire.WireError as exc:
-            outcomes.append(str(exc))
-    assert outcomes[0] == outcomes[1]
+    _same_on_both_paths(raw, wire.decode_ticket, wire._TICKET, "ticket", "ticket_bytes")
 
 
 def test_the_clients_encoders_write_the_models_bytes_and_a_bad_slice_is_refused_by_the_node() -> None:
