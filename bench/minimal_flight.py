@@ -2,8 +2,10 @@
 
 DoPut reads the stream and keeps its batches under the descriptor's command (no validation, no
 copy, no metadata). DoGet takes a JSON ticket ``[[key, start, stop], ...]`` and streams those row
-ranges of the kept batches as zero-copy slices, in order. It runs in a process of its own
-(:func:`start`), as the store nodes it is compared with do.
+ranges of the kept batches as zero-copy slices, in order. DoExchange is the same read without a call
+per read: each metadata-only message the client sends is such a ticket, answered by its rows, the
+last batch marked (:func:`open_channel`, :func:`send`, :func:`receive`). It runs in a process of its
+own (:func:`start`), as the store nodes it is compared with do.
 """
 
 from __future__ import annotations
@@ -32,9 +34,22 @@ class MinimalFlight(flight.FlightServerBase):  # type: ignore[misc]
         writer.write(pa.py_buffer(b"{}"))
 
     def do_get(self, context: Any, ticket: flight.Ticket) -> flight.RecordBatchStream:
-        parts = [self.kept[key.encode()].slice(start, stop - start)
-                 for key, start, stop in json.loads(ticket.ticket)]
-        return flight.RecordBatchStream(pa.concat_tables(parts))
+        return flight.RecordBatchStream(self._rows(ticket.ticket))
+
+    def do_exchange(self, context: Any, descriptor: flight.FlightDescriptor, reader: Any, writer: Any) -> None:
+        began = False
+        for chunk in reader:  # until the client half-closes
+            batches = self._rows(chunk.app_metadata.to_pybytes()).to_batches()
+            if not began:
+                writer.begin(batches[0].schema)
+                began = True
+            for batch in batches[:-1]:
+                writer.write_batch(batch)
+            writer.write_with_metadata(batches[-1], b"end")
+
+    def _rows(self, ticket: bytes) -> pa.Table:
+        return pa.concat_tables([self.kept[key.encode()].slice(start, stop - start)
+                                 for key, start, stop in json.loads(ticket)])
 
 
 def start() -> tuple[subprocess.Popen[bytes], str]:
@@ -70,6 +85,28 @@ def put(client: flight.FlightClient, key: str, data: pa.RecordBatch | pa.Table) 
 def get(client: flight.FlightClient, ranges: list[tuple[str, int, int]]) -> pa.Table:
     """One DoGet of the row ranges ``[(key, start, stop), ...]``, in order."""
     return client.do_get(flight.Ticket(json.dumps(ranges).encode())).read_all()
+
+
+def open_channel(client: flight.FlightClient) -> tuple[Any, Any]:
+    """A DoExchange to read row ranges on, one request after another (its writer and reader)."""
+    writer, reader = client.do_exchange(flight.FlightDescriptor.for_command(b"reads"))
+    writer.begin(pa.schema([]))
+    return writer, reader
+
+
+def send(channel: tuple[Any, Any], ranges: list[tuple[str, int, int]]) -> None:
+    """Ask ``channel`` for the row ranges ``[(key, start, stop), ...]``."""
+    channel[0].write_metadata(json.dumps(ranges).encode())
+
+
+def receive(channel: tuple[Any, Any]) -> pa.Table:
+    """The rows of the request sent last on ``channel``."""
+    batches = []
+    while True:
+        chunk = channel[1].read_chunk()
+        batches.append(chunk.data)
+        if chunk.app_metadata is not None:
+            return pa.Table.from_batches(batches)
 
 
 if __name__ == "__main__":

@@ -78,3 +78,31 @@ def test_step_specs_cover_every_planned_row_once(cluster: dict[str, Any]) -> Non
     w, specs = cluster["w"], cluster["specs"]
     rows = [tuple(row) for step in specs for rank in step for m in rank for row in m["rows"]]
     assert len(rows) == len(set(rows)) == len(cluster["groups"]) * w.group_size
+
+
+def test_the_minimal_servers_reads_by_doget_and_over_one_exchange_give_the_same_rows() -> None:
+    import pyarrow.flight as flight
+
+    from bench import minimal_flight
+
+    w = Workload(steps=1, groups=4, group_size=4, mini_batches=2, ranks=2, prompt_len=8, response_mean=16,
+                 response_max=32, token_budget=1024)
+    rng = np.random.default_rng(3)
+    groups = {f"g{i}": make_group(f"g{i}", w, rng) for i in range(2)}
+    proc, location = minimal_flight.start()
+    client = flight.connect(location)
+    try:
+        for key, group in groups.items():
+            minimal_flight.put(client, key, group)
+        channel = minimal_flight.open_channel(client)
+        for ranges in ([("g1", 1, 3), ("g0", 0, 1)], [("g0", 2, 4)]):  # one request after another on the channel
+            minimal_flight.send(channel, ranges)
+            by_exchange = minimal_flight.receive(channel)
+            assert by_exchange.equals(minimal_flight.get(client, ranges))
+            assert by_exchange.num_rows == sum(b - a for _, a, b in ranges)
+        channel[0].done_writing()
+        channel[0].close()
+    finally:
+        client.close()
+        proc.kill()
+        proc.wait(timeout=10)

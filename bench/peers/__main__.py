@@ -8,7 +8,9 @@ the quick run is met.
 
 Keys: ``ratios.step_vs_<peer>_c<C>`` = the peer's median train-step time / knittrans', at compute
 ``C`` ms per 1k tokens (``c0``: data movement alone); ``ratios.fetch_p50_vs_transferqueue`` and
-``ratios.fetch_p50_vs_minimal_flight`` = the other's median read of one micro-batch / knittrans'.
+``ratios.fetch_p50_vs_minimal_flight`` = the other's median read of one micro-batch / knittrans' (the minimal
+server's by one DoGet per node; ``ratios.fetch_p50_vs_minimal_flight_exchange``, a diagnostic: over one kept
+DoExchange per node, the floor of knittrans' read channels).
 ``metrics.first_wait_ms_<path>_c<C>``: from the driver handing out the step until the last rank
 held its first micro-batch (median over steps). The multimodal 2x2 (``mm_*``): ``ratios.mm_data_path_c<C>``
 = images through verl's controller per row / stored once and read by key (encoder per reference on

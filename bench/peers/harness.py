@@ -3,14 +3,16 @@
 What runs (all on loopback, in one Ray session started here):
 
 * **knittrans**: two ``knit serve`` nodes (processes of their own); ranks DoGet their own slices
-  (:mod:`bench.peers.knit`);
+  (:mod:`bench.peers.knit`); one micro-batch's read is ``StoreClient.fetch`` (over read channels);
 * **TransferQueue** 0.1.11, the package itself: its controller and two storage units; ranks read
   their rows through its client (:mod:`bench.peers.tq`);
 * **verl** 0.9.1, the package itself: ``DataProto`` dispatched by its single controller to a Ray
   worker group, with its default serialization, its numpy one, and ObjectRefs handed to the ranks
   (:mod:`bench.peers.verl_dp`);
-* a **minimal Flight** server (:mod:`bench.minimal_flight`): the floor for one micro-batch's read
-  and for a group's write.
+* a **minimal Flight** server (:mod:`bench.minimal_flight`): the floor for a group's write (one DoPut) and
+  for one micro-batch's read by one DoGet per node (``minimal_flight``); its reads over one long-lived
+  DoExchange per node (``minimal_flight_exchange``, a diagnostic) are the floor of knittrans' own read
+  channels.
 
 The groups are generated once (:func:`bench.transfer.workload.make_group`) and every path is given
 them; the admission planner's plans fix each rank's micro-batches, the same on every path
@@ -98,7 +100,7 @@ def run(w: Workload, computes: Sequence[float], paths: Sequence[str], fetch_roun
         for mode in ("default", "numpy", "objectref"):
             if f"verl_{mode}" in paths:
                 steppers[f"verl_dataproto_{mode}"] = _verl(w, mode, groups, specs, stack)
-        fetchers["minimal_flight"] = _minimal_fetcher(knit, groups, stack)
+        fetchers.update(_minimal_fetchers(knit, groups, stack))
         out["steps"] = _steps(steppers, specs, computes)
         out["fetch"] = _fetch_rounds(fetchers, [m for step in specs for rank in step for m in rank], fetch_rounds)
         out["driver_payload_bytes_knittrans"] = _knit_driver_bytes(knit, specs)
@@ -181,11 +183,13 @@ def _mm(knit: Any, w: Workload, computes: Sequence[float], stack: contextlib.Exi
             "distinct_images_per_step": w.groups * w.images_per_group}
 
 
-def _minimal_fetcher(knit: Any, groups: list[pa.RecordBatch],
-                     stack: contextlib.ExitStack) -> Callable[[list[MicroSpec]], list[float]]:
-    """The same rows from minimal Flight servers, one beside each store node holding that node's groups:
-    one DoGet per server a micro-batch, concurrently, the rows put back in the micro-batch's order (as
-    knittrans' client reads). The servers stop with ``stack``."""
+def _minimal_fetchers(knit: Any, groups: list[pa.RecordBatch],
+                      stack: contextlib.ExitStack) -> dict[str, Callable[[list[MicroSpec]], list[float]]]:
+    """The same rows from minimal Flight servers, one beside each store node holding that node's groups,
+    the rows put back in the micro-batch's order (as knittrans' client reads): ``minimal_flight``, one DoGet
+    per server a micro-batch, concurrently; ``minimal_flight_exchange``, one request per server a
+    micro-batch over a DoExchange per server kept open, every request sent before any answer is read (as
+    knittrans' read channels). The servers stop with ``stack``."""
     from concurrent.futures import ThreadPoolExecutor
 
     import pyarrow.flight as flight
@@ -198,10 +202,14 @@ def _minimal_fetcher(knit: Any, groups: list[pa.RecordBatch],
     stores = knit.client.nodes
     servers = [minimal_flight.start() for _ in stores]
     clients = {node: flight.connect(loc) for node, (_, loc) in zip(stores, servers, strict=True)}
+    channels = {node: minimal_flight.open_channel(c) for node, c in clients.items()}
     pool = ThreadPoolExecutor(len(stores))
 
     def stop() -> None:
         pool.shutdown()
+        for writer, _ in channels.values():
+            writer.done_writing()
+            writer.close()
         for c in clients.values():
             c.close()
         for proc, _ in servers:
@@ -228,7 +236,19 @@ def _minimal_fetcher(knit: Any, groups: list[pa.RecordBatch],
             out.append(time.perf_counter() - t0)
         return out
 
-    return fetch
+    def fetch_exchange(micros: list[MicroSpec]) -> list[float]:
+        out = []
+        for m in micros:
+            slices = [PlannedSlice(node=node, group_id=g, start=a, stop=b) for node, g, a, b in m["slices"]]
+            t0 = time.perf_counter()
+            per_node = streams.by_node(slices)
+            for node, ss in per_node.items():
+                minimal_flight.send(channels[node], [(s.group_id, s.start, s.stop) for s in ss])
+            streams.in_order(slices, {node: minimal_flight.receive(channels[node]) for node in per_node})
+            out.append(time.perf_counter() - t0)
+        return out
+
+    return {"minimal_flight": fetch, "minimal_flight_exchange": fetch_exchange}
 
 
 def _steps(steppers: dict[str, StepFn], specs: list[list[list[MicroSpec]]],
@@ -308,6 +328,8 @@ def summarize(raw: dict[str, Any], w: Workload, computes: Sequence[float]) -> tu
     if "fetch_p50_ms_transferqueue" in metrics:
         ratios["fetch_p50_vs_transferqueue"] = metrics["fetch_p50_ms_transferqueue"] / knit_p50
     ratios["fetch_p50_vs_minimal_flight"] = metrics["fetch_p50_ms_minimal_flight"] / knit_p50
+    if "fetch_p50_ms_minimal_flight_exchange" in metrics:  # a diagnostic: the floor of knittrans' read channels
+        ratios["fetch_p50_vs_minimal_flight_exchange"] = metrics["fetch_p50_ms_minimal_flight_exchange"] / knit_p50
     return metrics, ratios
 
 
