@@ -64,7 +64,7 @@ def run_demo(*, groups: int = 16, group_size: int = 4, seed: int = 0) -> int:
             PlannedSlice(node=node, group_id=gid, start=0, stop=group_size) for gid, node in firsts.iter_rows()
         ]
 
-        # fetch: one DoGet per node, rows in plan order; then release what was consumed
+        # fetch: one request per node (over read channels), rows in plan order; then release what was consumed
         batch = client.fetch(slices, columns=["group_id", "sample_idx", "response_ids", "loss_mask"])
         released = client.release([s.group_id for s in slices])
         client.publish_version(1)

@@ -1,10 +1,10 @@
 """Fetch one rank's multimodal mini-batch: its trajectory slices, then each distinct image once.
 
-A rank's share of a mini-batch is a list of micro-batches. :func:`fetch_mm_mini_batch` DoGets all
-their slices at once (one DoGet per node, only the packing columns plus ``image_keys``), splits the
-rows back into micro-batches and packs each, collects the distinct image keys of ALL the
-micro-batches (``train.multimodal.distinct_image_keys``), and DoGets each distinct image once, from
-the node that stores the group referencing it (one DoGet per node). Images are never replicated
+A rank's share of a mini-batch is a list of micro-batches. :func:`fetch_mm_mini_batch` reads all
+their slices at once (``StoreClient.fetch``: one read per node, only the packing columns plus
+``image_keys``), splits the rows back into micro-batches and packs each, collects the distinct image
+keys of ALL the micro-batches (``train.multimodal.distinct_image_keys``), and DoGets each distinct image
+once, from the node that stores the group referencing it (one DoGet per node). Images are never replicated
 into trajectories: a row carries 32-byte keys, the encoder sees each image once.
 
 Needs numpy and pyarrow; torch only through ``PackedBatch.to_torch`` when the caller asks.

@@ -4,7 +4,7 @@
 ``TrainConfig.vision``), with the mini-batch as the unit of fetching. Per mini-batch each rank:
 
 1. takes its micro-batches' slices and all their distinct images from the prefetch thread
-   (``train.mm_data.fetch_mm_mini_batch``: one DoGet per node for the rows, then one DoGet per
+   (``train.mm_data.fetch_mm_mini_batch``: one read per node for the rows, then one DoGet per
    node for the images, each distinct image once; the next mini-batch is fetched while this one
    computes);
 2. encodes the distinct images once (``DedupVisionEncoder.begin``: one leaf tensor);
