@@ -149,14 +149,17 @@ class _BreakingServer(_CountingServer):
         return super().do_exchange(context, descriptor, reader, writer)
 
 
-def test_read_channel_refusals_are_typed_and_broken_or_old_channels_are_replaced(make_group) -> None:
+def test_read_channel_refusals_are_typed_and_broken_or_old_channels_are_replaced(make_group, monkeypatch) -> None:
     import time
 
+    from flight_store import calls
+
+    monkeypatch.setattr(calls, "CHANNEL_LIFETIME_S", 1.6)  # channels live 1.6 s, serve reads for 0.8 s
     server = _BreakingServer()
     stopped = False
     try:
         loc = server.location
-        with StoreClient([loc], timeout=0.6) as client:  # channels live 0.6 s, serve reads for 0.3 s
+        with StoreClient([loc]) as client:
             client.put_group(make_group("g", size=4))
             part = [PlannedSlice(node=loc, group_id="g", start=1, stop=3)]
             # the first channel ends without an answer: that read is made by DoGet
@@ -170,10 +173,10 @@ def test_read_channel_refusals_are_typed_and_broken_or_old_channels_are_replaced
             assert server.counts() == (1, 1, 4)  # the refusal was answered on the channel, which goes on
             with pytest.raises(SchemaMismatchError, match="'bogus'"):  # refused when its channel opens, then by DoGet
                 client.fetch(part, columns=["bogus"])
-            time.sleep(0.35)  # no longer fresh: the next read opens a new channel
+            time.sleep(0.85)  # no longer fresh: the next read opens a new channel
             assert client.fetch(part, columns=["sample_idx"]).num_rows == 2
             assert (server.doget_calls, server.channels_opened) == (2, 3)
-            time.sleep(0.7)  # every channel of the client has passed its deadline: a stopping node waits for none
+            time.sleep(1.7)  # every channel of the client has passed its deadline: a stopping node waits for none
             t0 = time.monotonic()
             stopped = server.shutdown(timeout_s=5)
             assert stopped and time.monotonic() - t0 < 2
