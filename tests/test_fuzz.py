@@ -18,11 +18,11 @@ from typing import Any
 import pyarrow as pa
 import pyarrow.flight as flight
 import pytest
-from hypothesis import given, settings
+from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
 from flight_store.config import ServerConfig, StoreConfig
-from flight_store.errors import KnitError, from_flight_error
+from flight_store.errors import ERROR_CLASSES, KnitError, from_flight_error
 from flight_store.server import StoreServer
 from schemas.records import TrajectoryRecord, records_to_batch
 from schemas.wire import ACTION_DESCRIPTIONS, PutGroup
@@ -185,6 +185,58 @@ def test_fuzzed_action_bodies(node) -> None:
 
     one()
     tally.check("action", mostly_refused=False)
+
+
+def test_fuzzed_read_channel_requests_and_descriptors(node) -> None:
+    """A read channel answers every request with rows or an in-band project error and goes on; an exchange's
+    descriptor is accepted or refused typed."""
+    _, raw = node
+    requests, opens = _Tally(), _Tally()
+    long_lived = flight.FlightCallOptions(timeout=300)
+    channel = json.dumps({"v": 2, "kind": "reads", "columns": ["group_id", "sample_idx"]}).encode()
+    writer, reader = raw.do_exchange(flight.FlightDescriptor.for_command(channel), long_lived)
+    writer.begin(pa.schema([]))
+
+    def answer(w: Any, r: Any, request: bytes) -> dict[str, Any]:
+        w.write_metadata(request)
+        while True:
+            chunk = r.read_chunk()
+            if chunk.app_metadata is not None:
+                return json.loads(chunk.app_metadata.to_pybytes())  # type: ignore[no-any-return]
+
+    @SETTINGS
+    @given(request=documents())
+    def one(request: bytes) -> None:
+        assume(request)  # an empty message reads as the stream's end: it ends the channel (README)
+        end = answer(writer, reader, request)
+        if "error" in end:
+            assert end["error"]["error"] in ERROR_CLASSES and end["error"]["message"], end  # never internal
+        requests.add("error" in end)
+
+    def open_and_read(descriptor: bytes) -> None:
+        w, r = raw.do_exchange(flight.FlightDescriptor.for_command(descriptor), OPTIONS)
+        try:
+            w.begin(pa.schema([]))
+            answer(w, r, json.dumps({"v": 2, "kind": "slices", "slices": [
+                {"group_id": "known", "start": 0, "stop": 1}]}).encode())
+            w.done_writing()
+        finally:
+            w.close()
+
+    @SETTINGS
+    @given(descriptor=documents())
+    def opening(descriptor: bytes) -> None:
+        opens.add(_typed_or_ok("exchange", lambda: open_and_read(descriptor), raw))
+
+    one()
+    assert answer(writer, reader, json.dumps({"v": 2, "kind": "slices", "columns": ["group_id", "sample_idx"],
+                                              "slices": [{"group_id": "known", "start": 1, "stop": 3}]}).encode()) == {
+        "rows": 2, "metadata": {"knittrans.schema_version": "2", "knittrans.table": "trajectory"}}
+    writer.done_writing()
+    writer.close()
+    opening()
+    requests.check("read channel request", mostly_refused=True)
+    opens.check("exchange descriptor", mostly_refused=True)
 
 
 # ---- record batches --------------------------------------------------------------------------------
