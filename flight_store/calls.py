@@ -70,7 +70,7 @@ class NodeCalls:
         self._pool = ThreadPoolExecutor(max_workers=max(2, min(32, 2 * len(self.nodes))),
                                         thread_name_prefix="knit-client")
         self._channel_lifetime = CHANNEL_LIFETIME_S if timeout is None else min(CHANNEL_LIFETIME_S, timeout)
-        self._idle: dict[tuple[str, tuple[str, ...] | None], list[ReadChannel]] = {}
+        self._idle: dict[tuple[str, tuple[str, ...] | None], list[ReadChannel]] = {}  # by _channel_key
         self._idle_lock = threading.Lock()
         self._closed = False
 
@@ -197,7 +197,7 @@ class NodeCalls:
 
     def _channel(self, node: str, columns: list[str] | None) -> ReadChannel | None:
         """An idle fresh read channel to ``node`` for ``columns``, or a new one (``None`` if it cannot be opened)."""
-        key = (node, None if columns is None else tuple(columns))
+        key = _channel_key(node, columns)
         stale = []
         found = None
         with self._idle_lock:
@@ -220,7 +220,7 @@ class NodeCalls:
 
     def _keep(self, channel: ReadChannel) -> None:
         """Keep ``channel`` for the next read (while fresh, up to :data:`IDLE_CHANNELS` a key), or end it."""
-        key = (channel.node, None if channel.columns is None else tuple(channel.columns))
+        key = _channel_key(channel.node, channel.columns)
         with self._idle_lock:
             idle = self._idle.setdefault(key, [])
             if not self._closed and channel.fresh and len(idle) < IDLE_CHANNELS:
@@ -242,6 +242,11 @@ class NodeCalls:
         self._pool.shutdown(wait=False, cancel_futures=True)
         for c in self._clients.values():
             c.close()
+
+
+def _channel_key(node: str, columns: list[str] | None) -> tuple[str, tuple[str, ...] | None]:
+    """What read channels are kept under: the node and the projection."""
+    return node, None if columns is None else tuple(columns)
 
 
 def _outcome(fn: Callable[[K], T], node: K) -> Callable[[], T]:

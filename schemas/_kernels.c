@@ -195,6 +195,16 @@ static int without_nulls(const struct ArrowArray *col, int is_list) {
     return 1;
 }
 
+/* Whether each of the `n` values of a string column equals `s` (`len` bytes). */
+static int all_equal(const struct ArrowArray *col, int64_t n, const char *s, Py_ssize_t len) {
+    const int32_t *o = offsets_of(col, 0);
+    const char *data = (const char *)col->buffers[2];
+    for (int64_t i = 0; i < n; i++)
+        if (o[i + 1] - o[i] != len || memcmp(data + o[i], s, (size_t)len) != 0)
+            return 0;
+    return 1;
+}
+
 static int check(const struct ArrowArray *batch, const int32_t *roles, const int32_t *widths, int64_t ncols,
                  const char *gid, Py_ssize_t gid_len, const char *status, Py_ssize_t status_len, int64_t *bytes) {
     const int64_t n = batch->length;
@@ -223,11 +233,8 @@ static int check(const struct ArrowArray *batch, const int32_t *roles, const int
             return NULLS;
 
     /* one group: every group_id is the descriptor's */
-    const int32_t *go = offsets_of(c[R_GROUP_ID], 0);
-    const char *gd = (const char *)c[R_GROUP_ID]->buffers[2];
-    for (int64_t i = 0; i < n; i++)
-        if (go[i + 1] - go[i] != gid_len || memcmp(gd + go[i], gid, (size_t)gid_len) != 0)
-            return GROUP_ID;
+    if (!all_equal(c[R_GROUP_ID], n, gid, gid_len))
+        return GROUP_ID;
 
     /* sample_idx: 0..n-1, each once */
     const int32_t *idx = values_of(c[R_SAMPLE_IDX], 0, 4);
@@ -245,11 +252,8 @@ static int check(const struct ArrowArray *batch, const int32_t *roles, const int
     if (bad)
         return SAMPLE_IDX;
 
-    const int32_t *so = offsets_of(c[R_STATUS], 0);
-    const char *sd = (const char *)c[R_STATUS]->buffers[2];
-    for (int64_t i = 0; i < n; i++)
-        if (so[i + 1] - so[i] != status_len || memcmp(sd + so[i], status, (size_t)status_len) != 0)
-            return STATUS;
+    if (!all_equal(c[R_STATUS], n, status, status_len))
+        return STATUS;
 
     const float *reward = values_of(c[R_REWARD], 0, 4);
     for (int64_t i = 0; i < n; i++)
