@@ -123,9 +123,10 @@ class RolloutConfig:
     """Which committed prompt goes out next: ``slow_ahead`` (of the ``commit_ahead`` prompts waiting, the one of
     the lowest place in the prompt stream minus its data source's lead: the groups the engine completes while a
     group of that source generates beyond the fastest source's latency, both measured from dispatch to
-    completion; so a slow class goes out early enough to finish beside its quota mates and a fast one does not
-    finish early to wait for them), ``slow_first`` (one of the source whose groups took longest so far, however
-    far ahead) or ``loader`` (the stream's order)."""
+    completion, a source's running groups counting with their ages so far; so a slow class goes out early
+    enough to finish beside its quota mates and a fast one does not finish early to wait for them),
+    ``slow_first`` (one of the source whose groups took longest so far, however far ahead) or ``loader`` (the
+    stream's order)."""
     synchronous: tuple[int, int] | None = None
     """``(B, K)``: generate on-policy, as a colocated run does: the ``i``-th prompt drawn (a train batch is ``B``
     prompts in stream order) is dispatched only once the engine holds weights of version ``(i // B) * K`` or

@@ -146,10 +146,12 @@ def test_committed_prompts_go_out_slow_source_ahead_by_its_lead(store_nodes) -> 
     (``slow_ahead``: completion rate x latency gap), or first whatever the distance (``slow_first``)."""
     import dataclasses
     import itertools
+    from collections import deque
+    from datetime import UTC, datetime, timedelta
 
     from connectors.config import RolloutConfig
     from connectors.fake_engine import FakeEngine
-    from connectors.rollout import RolloutWorker
+    from connectors.rollout import RolloutWorker, _Pending
     from connectors.tasks import mixed_prompts
 
     (server,) = store_nodes(1)
@@ -163,6 +165,7 @@ def test_committed_prompts_go_out_slow_source_ahead_by_its_lead(store_nodes) -> 
                 prompts=itertools.islice(mixed_prompts(cfg.data_sources, seed=5, chunk=8), 8)) as worker:
             worker._top_up()
             worker._latency = latency
+            worker._latencies = {src: deque([lat]) for src, lat in latency.items()}
             worker._completed_at.extend(i / completions_per_s for i in range(11))
             # a fast source's prompt from late in the stream, aborted: no order but this rule sends it first
             late_fast = next(d for d in reversed(worker._committed) if d.prompt.data_source == "add_small")
@@ -190,6 +193,19 @@ def test_committed_prompts_go_out_slow_source_ahead_by_its_lead(store_nodes) -> 
 
     assert source_latency([1.0, 2.0, 3.0, 4.0, 5.0]) == 4.0
     assert source_latency([1.0] * 63 + [100.0]) == 1.0 and source_latency([1.0] * 32 + [9.0] * 32) == 9.0
+    # the ages of its groups still running count as well: before any completes, they alone give its lead
+    assert source_latency([1.0] * 3, running=[9.0]) == 3.0 and source_latency([], running=[2.0, 4.0]) == 3.5
+    cfg = RolloutConfig(model="unused", stores=[server.location], group_size=2, max_groups=0)
+    with StoreClient(server.location) as client, RolloutWorker(cfg, client=client,
+                                                               engine=FakeEngine(max_steps=1)) as worker:
+        worker._latencies = {"add_small": deque([0.1])}
+        worker._completed_at.extend(i / 10.0 for i in range(11))  # 10 groups a second
+        prompt = next(p for p in mixed_prompts(cfg.data_sources, seed=5, chunk=8) if p.data_source == "mul_large")
+        started = datetime.now(UTC) - timedelta(seconds=2.1)
+        worker._pending = {"r": _Pending("g", prompt, server.location, [], started, 0, None)}  # type: ignore[arg-type]
+        leads = worker._leads()
+        worker._pending = {}
+        assert leads["add_small"] == 0.0 and 20.0 <= leads["mul_large"] <= 21.0  # 10/s x (>= 2.1 s - 0.1 s)
 
 
 def test_a_synchronous_rollout_generates_each_train_batch_with_the_weights_it_starts_from(  # type: ignore[no-untyped-def]

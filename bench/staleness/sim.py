@@ -154,14 +154,18 @@ class _Pipeline:
     def _leads(self) -> dict[str, float]:
         """Per class, how many places ahead of its loader position a prompt goes out: the rollout worker's rule
         (``connectors.rollout.slow_ahead_leads``) over latencies and a rate measured online: each class's
-        ``source_latency`` (the upper quartile of its last 64 groups) and the rate of the last 64 completions; 0
-        until every class has 8 groups done."""
-        done = self.completions
-        if len(done) < 2 or any(len(v) < 8 for v in self.latency.values()):
+        ``source_latency`` (the upper quartile of its last 64 groups' latencies and its running groups' ages)
+        and the rate of the last 64 completions; 0 until two groups are done."""
+        recent = self.completions[-64:]
+        if len(recent) < 2 or recent[-1] <= recent[0]:
             return dict.fromkeys(SOURCES, 0.0)
-        recent = done[-64:]
-        rate = (len(recent) - 1) / max(recent[-1] - recent[0], 1e-9)
-        return slow_ahead_leads(rate, {src: source_latency(v[-LATENCY_WINDOW:]) for src, v in self.latency.items()})
+        running: dict[str, list[float]] = {}
+        for gi, t0 in self.start_time.items():
+            running.setdefault(self.flat[gi].source, []).append(self.now - t0)
+        latency = {src: source_latency(self.latency[src][-LATENCY_WINDOW:], running.get(src, ()))
+                   for src in SOURCES if self.latency[src] or src in running}
+        leads = slow_ahead_leads((len(recent) - 1) / (recent[-1] - recent[0]), latency)
+        return {src: leads.get(src, 0.0) for src in SOURCES}
 
     def _dispatch_lead(self) -> None:
         """Dispatch, while L allows, the waiting prompt of the lowest loader position minus its class's lead."""
