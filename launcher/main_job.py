@@ -39,11 +39,12 @@ def parse(argv: Sequence[str]) -> tuple[list[RunConfig], argparse.Namespace]:
                                      "store nodes, a vLLM rollout worker and a Megatron trainer, with weight sync.")
     parser.add_argument("--compare", action="store_true",
                         help="run train_batch, mini_batch and streaming (quota-free), on the same seeds")
-    parser.add_argument("--match-throughput", action="store_true",
-                        help="with --compare or --policies: run train_batch first, then each other policy (colocated, "
-                        "which waits for each train batch's weights, excepted) at its smallest lookahead (one "
-                        "mini-batch of groups, two, ... up to 2B) that keeps the trainer busy (not waiting for "
-                        f"admission) at least {MATCH * 100:.0f}%% as much as train_batch did; every try is reported")
+    parser.add_argument("--match-throughput", action=argparse.BooleanOptionalAction, default=None,
+                        help="with --compare (the default there) or --policies: run train_batch first, then each "
+                        "other policy (colocated, which waits for each train batch's weights, excepted) at its "
+                        "smallest lookahead (one mini-batch of groups, two, ... up to 2B) that keeps the trainer busy "
+                        f"(not waiting for admission) at least {MATCH * 100:.0f}%% as much as train_batch did; every "
+                        "try is reported. --no-match-throughput: each policy at its default lookahead")
     parser.add_argument("--policies", type=_policies, default=None, metavar="A,B,...",
                         help=f"run these policies one after another, on the same seeds (of {', '.join(RUN_POLICIES)}; "
                         "e.g. train_batch,mini_batch,colocated for a learning comparison)")
@@ -68,6 +69,8 @@ def parse(argv: Sequence[str]) -> tuple[list[RunConfig], argparse.Namespace]:
     if args.compare and args.policies:
         parser.error("--compare and --policies: give one of them")
     policies = COMPARED if args.compare else args.policies
+    if args.match_throughput is None:
+        args.match_throughput = bool(args.compare)
     if args.match_throughput and (not policies or policies[0] != "train_batch"):
         parser.error("--match-throughput needs --compare, or --policies starting with train_batch (the baseline)")
     if not policies:

@@ -60,7 +60,7 @@ RUN_MODELS: dict[str, RunModel] = {
     "smollm2-135m": RunModel(folder=SMOLLM2_135M_INSTRUCT.name, publish_dtype="bfloat16",
                              run_defaults={"reward": "exact", "max_tokens": 32, "optim": {"lr": 1e-5},
                                            "train_batches": 12,
-                                           "admission": {"train_batch_groups": 4, "dp_ranks": 1},
+                                           "admission": {"train_batch_groups": 4, "mini_batches": 2, "dp_ranks": 1},
                                            # the sources it starts between 5% and 40% on (bench.task_success)
                                            "data_sources": {"add_small": 0.5, "add_large": 0.5}}),
 }

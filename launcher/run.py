@@ -75,8 +75,9 @@ class Interrupted(Exception):
 
 
 def _default_admission() -> AdmissionConfig:
-    """B=8, G=4, K=2 on 2 ranks, with the built-in sources' 50/50 mix as each train batch's quota."""
-    return AdmissionConfig(train_batch_groups=8, group_size=4, mini_batches=2, dp_ranks=2, token_budget=4096,
+    """B=8, G=4, K=4 on 2 ranks (one group per rank and step), with the built-in sources' 50/50 mix as each train
+    batch's quota. K=4 as in ``bench.staleness`` and the common PPO setting of four mini-batches per train batch."""
+    return AdmissionConfig(train_batch_groups=8, group_size=4, mini_batches=4, dp_ranks=2, token_budget=4096,
                            quotas=(Quota(column="data_source", shares=dict(DEFAULT_DATA_SOURCES)),))
 
 
@@ -87,7 +88,7 @@ class RunConfig:
     Example:
         >>> cfg = RunConfig(train_batches=3, out=Path("runs/x"))
         >>> cfg.lookahead_groups, cfg.steps, cfg.total_groups
-        (12, 6, 24)
+        (10, 12, 24)
     """
 
     admission: AdmissionConfig = field(default_factory=_default_admission)

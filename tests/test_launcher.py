@@ -36,15 +36,15 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def test_lookahead_defaults_per_policy() -> None:
-    assert RunConfig().lookahead_groups == 12  # mini_batch: B + B/K
+    assert RunConfig().lookahead_groups == 10  # mini_batch: B + B/K (B=8, K=4)
     tb = RunConfig().for_policy("train_batch", Path("x"))
     assert tb.lookahead_groups == 16 and tb.out == Path("x")  # one whole train batch ahead
-    four = RunConfig(admission=AdmissionConfig(train_batch_groups=8, group_size=4, mini_batches=4, dp_ranks=2))
-    assert four.lookahead_groups == 10
+    two = RunConfig(admission=AdmissionConfig(train_batch_groups=8, group_size=4, mini_batches=2, dp_ranks=2))
+    assert two.lookahead_groups == 12
     assert RunConfig(lookahead=9).lookahead_groups == 9
     colocated = RunConfig().for_policy("colocated", Path("c"))
     assert colocated.lookahead_groups == 8  # one train batch, generated with the weights it starts from
-    assert rollout_config(colocated, ["grpc://127.0.0.1:1"]).synchronous == (8, 2)
+    assert rollout_config(colocated, ["grpc://127.0.0.1:1"]).synchronous == (8, 4)
     assert rollout_config(RunConfig(), ["grpc://127.0.0.1:1"]).synchronous is None
 
 
@@ -62,7 +62,7 @@ def test_children_get_validated_documents_with_the_run_geometry(tmp_path: Path) 
     cfg = RunConfig(train_batches=3, out=tmp_path, seed=7).for_policy("train_batch", tmp_path)
     stores = ["grpc://127.0.0.1:1", "grpc://127.0.0.1:2"]
     trainer = documents.load(TrainConfig, documents.dump(train_config(cfg, trainer_model(300), stores)))
-    assert trainer.max_steps == 6 and trainer.publish_weights and trainer.stores == stores
+    assert trainer.max_steps == 12 and trainer.publish_weights and trainer.stores == stores  # 3 x K=4
     assert trainer.admission == cfg.admission and trainer.admission.policy == "train_batch"
     assert trainer.model.vocab_size == 300 and trainer.seed == 7 and trainer.optim.lr == cfg.optim.lr
     rollout = documents.load(RolloutConfig, documents.dump(rollout_config(cfg, stores)))
@@ -135,7 +135,7 @@ def test_knit_run_help_shows_the_run_s_own_defaults(capsys: pytest.CaptureFixtur
     with pytest.raises(SystemExit):
         parse(["--help"])
     out = " ".join(capsys.readouterr().out.split())
-    for flag, shown in (("--train-batch-groups", "8"), ("--mini-batches", "2"), ("--lr", "0.003")):
+    for flag, shown in (("--train-batch-groups", "8"), ("--mini-batches", "4"), ("--lr", "0.003")):
         assert f"{flag} " in out and f"(default: {shown})" in out.rsplit(f"{flag} ", 1)[1].split(" --", 1)[0], flag
 
 
@@ -154,8 +154,11 @@ def test_knit_run_policies_and_match_throughput_flags() -> None:
     configs, args = parse(["--policies", "train_batch,mini_batch,colocated", "--out", "/tmp/y"])
     assert [c.policy for c in configs] == ["train_batch", "mini_batch", "colocated"]
     assert [c.out for c in configs] == [Path("/tmp/y") / p for p in ("train_batch", "mini_batch", "colocated")]
-    configs, args = parse(["--compare", "--match-throughput"])
+    configs, args = parse(["--compare"])  # --compare matches throughput unless told not to
     assert args.match_throughput and configs[0].policy == "train_batch"
+    assert not parse(["--compare", "--no-match-throughput"])[1].match_throughput
+    assert not parse(["--policies", "train_batch,mini_batch"])[1].match_throughput
+    assert parse(["--policies", "train_batch,mini_batch", "--match-throughput"])[1].match_throughput
     for bad in (["--policies", "mini_batch,fast"], ["--policies", "mini_batch,mini_batch"],
                 ["--compare", "--policies", "train_batch"], ["--match-throughput"],
                 ["--policies", "mini_batch,train_batch", "--match-throughput"]):
@@ -166,8 +169,10 @@ def test_knit_run_policies_and_match_throughput_flags() -> None:
 def test_match_throughput_takes_the_smallest_lookahead_that_keeps_up() -> None:
     from launcher.main_job import _matched, lookaheads
 
-    cfg = RunConfig(out=Path("/tmp/m")).for_policy("mini_batch", Path("/tmp/m/mini_batch"))
+    two = dataclasses.replace(RunConfig().admission, mini_batches=2)
+    cfg = RunConfig(out=Path("/tmp/m"), admission=two).for_policy("mini_batch", Path("/tmp/m/mini_batch"))
     assert lookaheads(cfg) == [4, 8, 12, 16]  # one mini-batch of groups (B/K = 4) up to 2B
+    assert lookaheads(RunConfig()) == [2, 4, 6, 8, 10, 12, 14, 16]  # the default K=4
 
     class Notes:
         def note(self, text: str) -> None:
@@ -218,7 +223,7 @@ def test_knit_run_model_smollm2_maps_to_the_checkpoint_bf16_sync_and_exact_rewar
     (cfg,), _ = parse(["--model", "smollm2-135m", "--model-dir", str(folder), "--max-tokens", "48"])
     assert cfg.model == "smollm2-135m" and cfg.model_dir == folder
     assert cfg.reward == "exact" and cfg.max_tokens == 48 and cfg.optim.lr == 1e-5  # a flag beats the default
-    # make run's geometry (B=4, one rank, 12 train batches); the rest of the admission keeps the run's defaults
+    # make run's geometry (B=4, K=2, one rank, 12 train batches); the rest of the admission keeps the run's defaults
     assert (cfg.admission.train_batch_groups, cfg.admission.dp_ranks, cfg.train_batches) == (4, 1, 12)
     assert (cfg.admission.group_size, cfg.admission.mini_batches, cfg.admission.token_budget) == (4, 2, 4096)
     (default_dir,), _ = parse(["--model", "smollm2-135m"])
