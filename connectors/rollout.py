@@ -66,7 +66,8 @@ from schemas.wire import DispatchedGroup
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["RolloutConfig", "RolloutReport", "RolloutWorker", "run_rollout", "slow_ahead_leads", "source_latency"]
+__all__ = ["RolloutConfig", "RolloutReport", "RolloutWorker", "measured_leads", "run_rollout", "slow_ahead_leads",
+           "source_latency"]
 
 
 LATENCY_WINDOW = 64
@@ -104,6 +105,20 @@ def slow_ahead_leads(rate: float, latency: Mapping[str, float]) -> dict[str, flo
     stream's order."""
     fastest = min(latency.values())
     return {src: rate * (lat - fastest) for src, lat in latency.items()}
+
+
+def measured_leads(completed_at: Sequence[float], windows: Mapping[str, Sequence[float]],
+                   running: Mapping[str, Sequence[float]]) -> dict[str, float]:
+    """:func:`slow_ahead_leads` from what was measured: the completion rate over ``completed_at`` (the last
+    groups' completion times, oldest first) and, per data source with groups completed or running, the
+    :func:`source_latency` of its ``windows`` entry (its last groups' latencies) and its ``running`` entry (the
+    ages of its groups still generating). Empty until two groups completed. The rule of the rollout worker's
+    ``slow_ahead`` order and of ``bench.staleness``'s simulator."""
+    if len(completed_at) < 2 or completed_at[-1] <= completed_at[0]:
+        return {}
+    latency = {src: source_latency(windows.get(src, ()), running.get(src, ()))
+               for src in {*windows, *running} if len(windows.get(src, ())) or len(running.get(src, ()))}
+    return slow_ahead_leads((len(completed_at) - 1) / (completed_at[-1] - completed_at[0]), latency)
 
 
 @dataclass(slots=True)
@@ -322,16 +337,11 @@ class RolloutWorker:
         the prompt stream a prompt goes out: the groups the engine completes (rate over the last 64) while a
         group of it generates beyond the fastest source's latency (:func:`source_latency` of its last groups and
         of the ages of those running), so that groups complete in about the stream's order."""
-        done = self._completed_at
-        if len(done) < 2 or done[-1] <= done[0]:
-            return {}
         now = datetime.now(UTC)
         running: dict[str, list[float]] = {}
         for p in self._pending.values():
             running.setdefault(p.prompt.data_source, []).append((now - p.created_at).total_seconds())
-        latency = {src: source_latency(self._latencies.get(src, ()), running.get(src, ()))
-                   for src in {*self._latencies, *running}}
-        return slow_ahead_leads((len(done) - 1) / (done[-1] - done[0]), latency)
+        return measured_leads(self._completed_at, self._latencies, running)
 
     def _on_policy(self, drawn: _Drawn) -> bool:
         """Whether ``drawn`` may go out now under ``synchronous`` (always without it): the engine holds the

@@ -51,7 +51,7 @@ import polars as pl
 
 from admission import Planner, summary
 from bench.staleness.workload import SOURCES, SimParams, admission_config, dispatch_order, make_prompts
-from connectors.rollout import LATENCY_WINDOW, slow_ahead_leads, source_latency
+from connectors.rollout import LATENCY_WINDOW, measured_leads
 
 log = logging.getLogger(__name__)
 
@@ -153,18 +153,14 @@ class _Pipeline:
 
     def _leads(self) -> dict[str, float]:
         """Per class, how many places ahead of its loader position a prompt goes out: the rollout worker's rule
-        (``connectors.rollout.slow_ahead_leads``) over latencies and a rate measured online: each class's
+        (``connectors.rollout.measured_leads``) over latencies and a rate measured online: each class's
         ``source_latency`` (the upper quartile of its last 64 groups' latencies and its running groups' ages)
         and the rate of the last 64 completions; 0 until two groups are done."""
-        recent = self.completions[-64:]
-        if len(recent) < 2 or recent[-1] <= recent[0]:
-            return dict.fromkeys(SOURCES, 0.0)
         running: dict[str, list[float]] = {}
         for gi, t0 in self.start_time.items():
             running.setdefault(self.flat[gi].source, []).append(self.now - t0)
-        latency = {src: source_latency(self.latency[src][-LATENCY_WINDOW:], running.get(src, ()))
-                   for src in SOURCES if self.latency[src] or src in running}
-        leads = slow_ahead_leads((len(recent) - 1) / (recent[-1] - recent[0]), latency)
+        windows = {src: v[-LATENCY_WINDOW:] for src, v in self.latency.items()}
+        leads = measured_leads(self.completions[-64:], windows, running)
         return {src: leads.get(src, 0.0) for src in SOURCES}
 
     def _dispatch_lead(self) -> None:
