@@ -57,7 +57,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     _plot_curves(Path(args.out).with_name(Path(args.out).stem + "_curves.png"), curves)
     tb, mb = res["train_batch"], res["mini_batch"]
     metrics: dict[str, Any] = {
-        f"{pol}_{key}": val for pol, r in res.items() for key, val in r.items() if key != "per_step_arch_mean"
+        f"{pol}_{key}": val for pol, r in res.items() for key, val in r.items() if not isinstance(val, list)
     }
     metrics.update({
         "mini_batch_lookahead_groups": mb["lookahead_groups"],
@@ -83,7 +83,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
               "lookahead": {"train_batch": 2 * p.groups, "colocated": p.groups, "mini_batch": mb["lookahead_groups"],
                             "streaming": res["streaming"]["lookahead_groups"]}}
     doc = write_result(args.out, metrics, ratios, params,
-                       per_step_arch_mean={k: v["per_step_arch_mean"] for k, v in res.items()})
+                       per_step_arch_mean={k: v["per_step_arch_mean"] for k, v in res.items()},
+                       per_train_batch_arch_mean={k: v["per_train_batch_arch_mean"] for k, v in res.items()})
     _plot(Path(args.out).with_suffix(".png"), res)
     print(f"arch staleness mean: train_batch {tb['arch_mean']:.3f}  mini_batch {mb['arch_mean']:.3f}  "
           f"colocated {res['colocated']['arch_mean']:.3f}")
@@ -91,6 +92,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     print(f"streaming (quota-free, L={st['lookahead_groups']}): arch {st['arch_mean']:.3f}, throughput "
           f"{st['throughput']:.2f}, quota violations {st['quota_violations']}; mini_batch / streaming arch "
           f"{ratios['mini_vs_streaming_arch']:.2f}")
+    print("arch staleness per train batch (seeds averaged): " + ";  ".join(
+        f"{pol} " + " ".join(f"{x:.2f}" for x in res[pol]["per_train_batch_arch_mean"])
+        for pol in ("train_batch", "mini_batch", "streaming")))
     print(f"generation span mean (weight updates while a trajectory was generated, beyond admission): "
           f"train_batch {tb['generation_span_mean']:.3f}  mini_batch {mb['generation_span_mean']:.3f}; total "
           f"(arch + span): train_batch {tb['total_staleness_mean']:.3f}  mini_batch {mb['total_staleness_mean']:.3f}")

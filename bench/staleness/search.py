@@ -16,9 +16,12 @@ from bench.staleness.workload import SimParams
 
 
 def run_policy(p: SimParams, policy: str, lookahead: int, seeds: list[int]) -> dict[str, Any]:
-    """Mean of :func:`simulate` over seeds (per-step series from the first seed)."""
+    """Mean of :func:`simulate` over seeds (per train batch: the mean over seeds; per step: the first seed's)."""
     rs = [simulate(p, policy, lookahead, s) for s in seeds]
-    out: dict[str, Any] = {key: float(np.mean([r[key] for r in rs])) for key in rs[0] if key != "per_step_arch_mean"}
+    out: dict[str, Any] = {key: float(np.mean([r[key] for r in rs]))
+                           for key, val in rs[0].items() if not isinstance(val, list)}
+    per_tb = [r["per_train_batch_arch_mean"] for r in rs]
+    out["per_train_batch_arch_mean"] = [float(np.mean(x)) for x in zip(*per_tb, strict=False)]
     out["arch_max"] = float(max(r["arch_max"] for r in rs))
     out["quota_violations"] = int(sum(r["quota_violations"] for r in rs))
     out["per_step_arch_mean"] = rs[0]["per_step_arch_mean"]

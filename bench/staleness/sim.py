@@ -33,9 +33,10 @@ Model:
   that still keeps >= 90% busy). After every step (``--sync per_step``, default) or after every
   train batch (``per_train_batch``) the new weights reach the rollout (version = steps applied).
 * **Metrics**: architectural staleness from the planner's own accounting (mean, token-weighted,
-  max, signed mean); quota violations (train batches whose ``data_source`` counts differ from the
-  quota); trainer idle fraction and throughput (trajectories per simulated second) measured in
-  steady state, from the end of train batch 0 to the end of the run.
+  max, signed mean; and per train batch, which sets a run's start apart from its steady state);
+  quota violations (train batches whose ``data_source`` counts differ from the quota); trainer
+  idle fraction and throughput (trajectories per simulated second) measured in steady state, from
+  the end of train batch 0 to the end of the run.
 """
 
 from __future__ import annotations
@@ -296,6 +297,8 @@ def _results(sim: _Pipeline) -> dict[str, Any]:
     consumed = sim.planner.consumed_frame().filter(pl.col("step") < sim.total_steps)
     rep = sim.planner.staleness_report()
     run = summary(consumed)  # same accounting on the trimmed frame
+    per_tb = consumed.group_by("train_batch").agg(pl.col("arch_staleness").mean()).sort("train_batch")
+    per_train_batch = [float(x) for x in per_tb["arch_staleness"]]
     if len(step_end) <= k_mb:  # the pipeline deadlocked (lookahead held by groups no quota admits)
         log.warning("%s with L=%d deadlocked after %d steps", sim.policy, sim.lookahead, len(step_end))
         return {"arch_mean": run["arch_mean"], "arch_token_weighted": run["arch_token_weighted"],
@@ -306,7 +309,8 @@ def _results(sim: _Pipeline) -> dict[str, Any]:
                 "trainer_idle_fraction": 1.0, "throughput": 0.0, "rollout_slot_utilization": 0.0,
                 "step_s_mean": float("nan"), "math_group_latency_s_mean": float("nan"),
                 "chat_group_latency_s_mean": float("nan"), "sim_seconds": sim.now, "planner_calls": sim.calls,
-                "per_step_arch_mean": [r["arch_mean"] for r in rep["per_step"]]}
+                "per_step_arch_mean": [r["arch_mean"] for r in rep["per_step"]],
+                "per_train_batch_arch_mean": per_train_batch}
     t0, t1 = step_end[k_mb - 1], step_end[-1]
     busy = sum(max(0.0, min(e, t1) - max(s, t0)) for s, e in sim.busy_intervals)
     trained = (len(step_end) - k_mb) * sim.m * p.group_size
@@ -324,6 +328,7 @@ def _results(sim: _Pipeline) -> dict[str, Any]:
         "chat_group_latency_s_mean": float(np.mean(sim.latency["chat"])), "sim_seconds": t1,
         "planner_calls": sim.calls,
         "per_step_arch_mean": [r["arch_mean"] for r in rep["per_step"] if r["step"] < sim.total_steps],
+        "per_train_batch_arch_mean": per_train_batch,
     }
 
 
