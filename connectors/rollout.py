@@ -72,6 +72,8 @@ __all__ = ["RolloutConfig", "RolloutReport", "RolloutWorker", "measured_leads", 
 
 LATENCY_WINDOW = 64
 """Groups per data source whose dispatch-to-completion seconds the dispatch order looks at (the last ones)."""
+RATE_WINDOW = 64
+"""Completed groups (the last ones, of every source) whose completion times give the rollout's completion rate."""
 LATENCY_QUANTILE = 0.75
 """The latency a data source is given: the upper quartile of its window (with its running groups' ages, see
 :func:`source_latency`). A quota waits for a slow class's tail, not its mean: in ``bench.staleness --quick``
@@ -204,9 +206,8 @@ class RolloutWorker:
         self._pending: dict[str, _Pending] = {}
         self._committed: deque[_Drawn] = deque()  # drawn (and re-dispatched) prompts waiting for dispatch
         self._drawn = 0  # prompts drawn from the stream
-        self._latency: dict[str, float] = {}  # data source -> its latency (source_latency of its window)
         self._latencies: dict[str, deque[float]] = {}  # data source -> its last groups' dispatch-to-completion seconds
-        self._completed_at: deque[float] = deque(maxlen=64)  # when the last groups completed (perf_counter)
+        self._completed_at: deque[float] = deque(maxlen=RATE_WINDOW)  # when the last groups completed (perf_counter)
         self._placed = 0  # group ids handed out
         self._stop = False
         self._held = False  # the last lookahead check paused dispatch
@@ -325,7 +326,8 @@ class RolloutWorker:
         if order == "loader" or len(ready) == 1 or ready[0].attempt:  # an aborted group's prompt goes out first
             chosen = ready[0]
         elif order == "slow_first":  # sources not yet measured count as slowest, so each is measured early
-            chosen = max(ready, key=lambda d: self._latency.get(d.prompt.data_source, float("inf")))
+            latency = {src: source_latency(window) for src, window in self._latencies.items()}
+            chosen = max(ready, key=lambda d: latency.get(d.prompt.data_source, float("inf")))
         else:
             leads = self._leads()
             chosen = min(ready, key=lambda d: d.index - leads.get(d.prompt.data_source, 0.0))
@@ -424,7 +426,6 @@ class RolloutWorker:
         took = (datetime.now(UTC) - pending.created_at).total_seconds()  # created when the engine took it
         window = self._latencies.setdefault(prompt.data_source, deque(maxlen=LATENCY_WINDOW))
         window.append(took)
-        self._latency[prompt.data_source] = source_latency(window)
         self._completed_at.append(time.perf_counter())
         rewards = [0.0] * self.config.group_size
         for c in out.outputs:

@@ -164,7 +164,6 @@ def test_committed_prompts_go_out_slow_source_ahead_by_its_lead(store_nodes) -> 
                 cfg, client=client, engine=FakeEngine(max_steps=1),
                 prompts=itertools.islice(mixed_prompts(cfg.data_sources, seed=5, chunk=8), 8)) as worker:
             worker._top_up()
-            worker._latency = latency
             worker._latencies = {src: deque([lat]) for src, lat in latency.items()}
             worker._completed_at.extend(i / completions_per_s for i in range(11))
             # a fast source's prompt from late in the stream, aborted: no order but this rule sends it first

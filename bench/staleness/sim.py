@@ -52,7 +52,7 @@ import polars as pl
 
 from admission import Planner, summary
 from bench.staleness.workload import SOURCES, SimParams, admission_config, dispatch_order, make_prompts
-from connectors.rollout import LATENCY_WINDOW, measured_leads
+from connectors.rollout import LATENCY_WINDOW, RATE_WINDOW, measured_leads
 
 log = logging.getLogger(__name__)
 
@@ -148,7 +148,7 @@ class _Pipeline:
         if len(self.step_end) <= k or not all(self.latency.values()):
             return {src: share[src] * self.lookahead for src in SOURCES}
         rate = k * self.m / (self.step_end[-1] - self.step_end[-1 - k])
-        lat = {src: float(np.mean(v[-64:])) for src, v in self.latency.items()}
+        lat = {src: float(np.mean(v[-LATENCY_WINDOW:])) for src, v in self.latency.items()}
         mean = sum(share[src] * lat[src] for src in SOURCES)
         return {src: share[src] * self.lookahead + share[src] * rate * (lat[src] - mean) for src in SOURCES}
 
@@ -161,7 +161,7 @@ class _Pipeline:
         for gi, t0 in self.start_time.items():
             running.setdefault(self.flat[gi].source, []).append(self.now - t0)
         windows = {src: v[-LATENCY_WINDOW:] for src, v in self.latency.items()}
-        leads = measured_leads(self.completions[-64:], windows, running)
+        leads = measured_leads(self.completions[-RATE_WINDOW:], windows, running)
         return {src: leads.get(src, 0.0) for src in SOURCES}
 
     def _dispatch_lead(self) -> None:
