@@ -47,6 +47,23 @@ from flight_store.store import Store
 from flight_store.writes import Write, WriteSlots
 from schemas import routing
 from schemas.arrow import SCHEMA_VERSION, TRAJECTORY_SCHEMA
+from schemas.replies import (
+    ClusterNode,
+    ClusterReply,
+    DemandReply,
+    DispatchReply,
+    HealthReply,
+    NodeStats,
+    PutGroupReply,
+    PutGroupsReply,
+    PutImagesReply,
+    PutWeightsReply,
+    RefusedGroup,
+    ReleaseReply,
+    Reply,
+    ResolveReply,
+    VersionReply,
+)
 from schemas.routing import ROUTING
 from schemas.wire import (
     ACTION_DESCRIPTIONS,
@@ -61,7 +78,7 @@ from schemas.wire import (
     PutGroups,
     PutImages,
     PutWeights,
-    ReadChannel,
+    ReadChannelDescriptor,
     ReleaseBody,
     ResolveBody,
     SliceRef,
@@ -152,9 +169,9 @@ class StoreServer(flight.FlightServerBase):
     Example:
         >>> from flight_store.config import StoreConfig
         >>> with StoreServer(ServerConfig(store=StoreConfig(memory_budget=1 << 30))) as server:
-        ...     from flight_store.client import StoreClient
-        ...     with StoreClient(server.location) as client:
-        ...         client.health()[server.location]["ok"]
+        ...     from flight_store.client import StoreAdmin
+        ...     with StoreAdmin(server.location) as admin:
+        ...         admin.health()[server.location].ok
         True
     """
 
@@ -185,7 +202,7 @@ class StoreServer(flight.FlightServerBase):
         self.metrics_port: int | None = None
         """Port of ``/metrics`` (``None`` without metrics)."""
         if config.metrics_port is not None:
-            self.metrics = StoreMetrics(node=self.node_name, stats=self._metric_stats)
+            self.metrics = StoreMetrics(node=self.node_name, stats=self.stats)
             self.metrics_port = self.metrics.serve(config.metrics_port, host=config.host)
         self._ready = True
 
@@ -196,10 +213,10 @@ class StoreServer(flight.FlightServerBase):
             msg = "the node is starting (its store is not ready: e.g. its spill log is being replayed); retry shortly"
             raise flight.FlightUnavailableError(msg)
 
-    def cluster_view(self) -> dict[str, Any]:
+    def cluster_view(self) -> ClusterReply:
         """The ``cluster`` action's answer: the routing, the view's version, the nodes (id, location), this id."""
-        return {"routing": ROUTING, "version": self.config.cluster_version, "self": self.node_name,
-                "nodes": [{"id": m.id, "location": m.location} for m in self._members]}
+        return ClusterReply(routing=ROUTING, version=self.config.cluster_version, self_id=self.node_name,
+                            nodes=[ClusterNode(id=m.id, location=m.location) for m in self._members])
 
     def _check_owner(self, group_id: str) -> None:
         """Refuse a group that routing gives another node of the cluster (:class:`WrongNodeError` names it)."""
@@ -211,11 +228,6 @@ class StoreServer(flight.FlightServerBase):
             msg = (f"group {group_id!r} belongs to node {owner} ({where}), not to node {self.node_name}: "
                    f"routing {ROUTING} over the cluster's ids (see the cluster action)")
             raise WrongNodeError(msg, group_id=group_id, owner=owner, location=where)
-
-    def _metric_stats(self) -> dict[str, Any]:
-        s = self.store.stats()
-        groups = s.get("groups")
-        return {**s, "groups_by_state": groups if isinstance(groups, dict) else {}}
 
     @contextlib.contextmanager
     def _observe(self, rpc: str) -> Iterator[Record]:
@@ -237,10 +249,10 @@ class StoreServer(flight.FlightServerBase):
         self._serving()
         with self._observe("do_put") as rec:
             answer = _guard("DoPut", lambda: self._put(context, descriptor, reader, rec))
-        writer.write(pa.py_buffer(json.dumps(answer).encode()))
+        writer.write(pa.py_buffer(answer.to_bytes()))
 
     def _put(self, context: flight.ServerCallContext, descriptor: flight.FlightDescriptor,
-             reader: flight.MetadataRecordBatchReader, rec: Record) -> dict[str, Any]:
+             reader: flight.MetadataRecordBatchReader, rec: Record) -> Reply:
         """One DoPut: decode, take a writer slot, receive batch by batch (each counted as it arrives), store."""
         doc = decode_descriptor(_descriptor_bytes(descriptor))
         if isinstance(doc, GroupRef):
@@ -263,14 +275,15 @@ class StoreServer(flight.FlightServerBase):
             if isinstance(doc, PutGroup):
                 rows = self.store.put_group(doc.group_id, batches, doc.rows, writer_meta(reader.schema),
                                             incoming=incoming)
-                return {"group_id": doc.group_id, "rows_added": rows}
+                return PutGroupReply(group_id=doc.group_id, rows_added=rows)
             table = pa.Table.from_batches(batches, schema=reader.schema)
             if isinstance(doc, PutImages):
-                return {"stored": self.store.put_images(table, incoming=incoming)}
-            return {"version": doc.version, "stored": self.store.put_weights(table, doc.version, incoming=incoming)}
+                return PutImagesReply(stored=self.store.put_images(table, incoming=incoming))
+            return PutWeightsReply(version=doc.version,
+                                   stored=self.store.put_weights(table, doc.version, incoming=incoming))
 
     def _put_groups(self, context: flight.ServerCallContext, doc: PutGroups,
-                    reader: flight.MetadataRecordBatchReader, rec: Record) -> dict[str, Any]:
+                    reader: flight.MetadataRecordBatchReader, rec: Record) -> PutGroupsReply:
         """A bulk DoPut: receive the whole stream, then validate and commit each group on its own."""
         total = sum(g.rows for g in doc.groups)
         what = f"{len(doc.groups)} groups"
@@ -288,7 +301,8 @@ class StoreServer(flight.FlightServerBase):
             stored, refused = self.store.put_groups([(g.group_id, g.rows) for g in doc.groups], batches,
                                                     writer_meta(reader.schema), incoming=incoming,
                                                     check=self._check_owner)
-            return {"stored": stored, "refused": {gid: error_info(exc) for gid, exc in refused.items()}}
+            return PutGroupsReply(stored=stored, refused={gid: RefusedGroup.model_validate(error_info(exc))
+                                                         for gid, exc in refused.items()})
 
     # ---- DoGet ---------------------------------------------------------------------------------
 
@@ -353,9 +367,9 @@ class StoreServer(flight.FlightServerBase):
 
     def do_exchange(self, context: flight.ServerCallContext, descriptor: flight.FlightDescriptor,
                     reader: flight.MetadataRecordBatchReader, writer: flight.MetadataRecordBatchWriter) -> None:
-        """A read channel (:class:`~schemas.wire.ReadChannel`): each request a ``slices`` ticket, each answer its
-        rows and an end message, until the client ends the channel or its deadline passes. A refused request is
-        answered with its typed error and the channel goes on."""
+        """A read channel (:class:`~schemas.wire.ReadChannelDescriptor`): each request a ``slices`` ticket, each
+        answer its rows and an end message, until the client ends the channel or its deadline passes. A refused
+        request is answered with its typed error and the channel goes on."""
         self._serving()
         channel = _guard("DoExchange", lambda: decode_exchange(_descriptor_bytes(descriptor)))
         _guard("DoExchange", lambda: check_columns(channel.columns))
@@ -385,7 +399,8 @@ class StoreServer(flight.FlightServerBase):
             else:
                 writer.write_with_metadata(last, end)
 
-    def _read(self, request: pa.Buffer | None, channel: ReadChannel) -> tuple[pa.Schema, Iterable[pa.RecordBatch], int]:
+    def _read(self, request: pa.Buffer | None,
+              channel: ReadChannelDescriptor) -> tuple[pa.Schema, Iterable[pa.RecordBatch], int]:
         """The answer to a read channel's request: a ``slices`` ticket of the channel's columns."""
         if request is None:
             msg = "a read channel's request is a metadata-only message whose app metadata is a slices ticket"
@@ -405,39 +420,45 @@ class StoreServer(flight.FlightServerBase):
         return list(ACTION_DESCRIPTIONS.items())
 
     def do_action(self, context: flight.ServerCallContext, action: flight.Action) -> Iterator[bytes]:
-        def run() -> dict[str, Any]:
-            body = decode_action_body(action.type, action.body.to_pybytes() if action.body else b"")
-            if action.type == "health":
-                return {"ok": True, "node": self.node_name, "schema_version": SCHEMA_VERSION}
-            if action.type == "cluster":
-                return self.cluster_view()
-            if action.type == "stats":
-                return {**self.store.stats(), "writers": self._writes.active, "writes_given_up": self._writes.given_up}
-            if isinstance(body, ReleaseBody):
-                return {"released": self.store.release(body.group_ids)}
-            if isinstance(body, PublishVersionBody):
-                return {"version": self.store.publish_version(body.version)}
-            if action.type == "get_version":
-                return {"version": self.store.get_version()}
-            if isinstance(body, DispatchBody):
-                for g in body.groups:
-                    self._check_owner(g.group_id)
-                stored = self.store.dispatch(body.groups)
-                return {"registered": len(body.groups) - len(stored), "stored": stored}
-            if isinstance(body, DemandBody):
-                self.store.set_demand(body.classes)
-                return {"demand": body.classes}
-            if isinstance(body, ResolveBody):
-                return {"resolved": self.store.resolve(body.group_ids, body.reason)}
-            if action.type == "inflight":
-                return self.store.inflight()
-            msg = f"unknown action {action.type!r}"  # pragma: no cover - decode_action_body checks
-            raise WireError(msg)
-
         self._serving()
         with self._observe(f"action_{action.type}" if action.type in ACTION_DESCRIPTIONS else "action_unknown"):
-            answer = _guard(f"action {action.type!r}", run)
-        return iter([json.dumps(answer).encode()])
+            answer = _guard(f"action {action.type!r}", lambda: self._act(action))
+        return iter([answer.to_bytes()])
+
+    def _act(self, action: flight.Action) -> Reply:
+        """The answer to one action (its body decoded by ``schemas.wire``, its answer a ``schemas.replies`` model)."""
+        body = decode_action_body(action.type, action.body.to_pybytes() if action.body else b"")
+        if action.type == "health":
+            return HealthReply(ok=True, node=self.node_name, schema_version=SCHEMA_VERSION)
+        if action.type == "cluster":
+            return self.cluster_view()
+        if action.type == "stats":
+            return self.stats()
+        if isinstance(body, ReleaseBody):
+            return ReleaseReply(released=self.store.release(body.group_ids))
+        if isinstance(body, PublishVersionBody):
+            return VersionReply(version=self.store.publish_version(body.version))
+        if action.type == "get_version":
+            return VersionReply(version=self.store.get_version())
+        if isinstance(body, DispatchBody):
+            for g in body.groups:
+                self._check_owner(g.group_id)
+            stored = self.store.dispatch(body.groups)
+            return DispatchReply(registered=len(body.groups) - len(stored), stored=stored)
+        if isinstance(body, DemandBody):
+            self.store.set_demand(body.classes)
+            return DemandReply(demand=body.classes)
+        if isinstance(body, ResolveBody):
+            return ResolveReply(resolved=self.store.resolve(body.group_ids, body.reason))
+        if action.type == "inflight":
+            return self.store.inflight()
+        msg = f"unknown action {action.type!r}"  # pragma: no cover - decode_action_body checks
+        raise WireError(msg)
+
+    def stats(self) -> NodeStats:
+        """The ``stats`` action's answer: the store's counters and the writes being received."""
+        return self.store.stats().model_copy(update={"writers": self._writes.active,
+                                                     "writes_given_up": self._writes.given_up})
 
     # ---- ListFlights / GetFlightInfo -----------------------------------------------------------
 
@@ -481,7 +502,7 @@ class StoreServer(flight.FlightServerBase):
         gRPC lets running calls finish; a DoPut whose client stalls mid-stream never does (its handler
         waits for the client's next message), so after ``timeout_s`` the node stops waiting for it: such a
         write was refused already (idle limit) and stores nothing. A read channel ends at its deadline
-        (``StoreClient``'s within 2 s), or when ``timeout_s`` is up if its client gave it none.
+        (a store client's within 2 s), or when ``timeout_s`` is up if its client gave it none.
         """
         stopper = threading.Thread(target=super().shutdown, name="knit-shutdown", daemon=True)
         stopper.start()

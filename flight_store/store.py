@@ -50,6 +50,7 @@ from flight_store.validate import normalize_group, normalize_groups, normalize_i
 from flight_store.weights import one_batch
 from schemas import weights as weights_codec
 from schemas.arrow import SCHEMA_VERSION
+from schemas.replies import InflightReply, NodeStats
 from schemas.wire import DispatchedGroup
 
 __all__ = ["MAX_VERSION_STEP", "Store", "StoreConfig"]
@@ -461,20 +462,20 @@ class Store:
         with self._lock:
             self._demand = dict(classes)
 
-    def inflight(self) -> dict[str, object]:
+    def inflight(self) -> InflightReply:
         """The groups in flight here, with the registration and resolution counts (the ``inflight`` action)."""
         with self._lock:
-            return self._contents.dispatched.snapshot()
+            return InflightReply.model_validate(self._contents.dispatched.snapshot())
 
     # ---- stats ---------------------------------------------------------------------------------
 
-    def stats(self) -> dict[str, object]:
-        """Counters for the ``stats`` action (JSON-serialisable)."""
+    def stats(self) -> NodeStats:
+        """Counters for the ``stats`` action."""
         with self._lock:
             c, memory = self._contents, self._memory
             stored, released, rows_stored = c.groups.counts()
             rss = memory.rss()
-            return {
+            return NodeStats.model_validate({
                 "node": self.config.node_name,
                 "schema_version": SCHEMA_VERSION,
                 "rows": c.groups.rows,
@@ -499,4 +500,4 @@ class Store:
                 "bytes_in": c.bytes_in,
                 "bytes_out": self.bytes_out,
                 "uptime_s": round(time.time() - self.started, 3),
-            }
+            })

@@ -233,7 +233,7 @@ Ticket = Annotated[MetadataTicket | SlicesTicket | ImagesTicket | WeightsTicket,
 # ---- DoExchange descriptors ----------------------------------------------------------------------
 
 
-class ReadChannel(_Doc):
+class ReadChannelDescriptor(_Doc):
     """A read channel: one long-lived DoExchange that answers ``slices`` tickets of these ``columns``, one
     request after another, without a call per read.
 
@@ -493,13 +493,13 @@ def decode_ticket(raw: bytes) -> MetadataTicket | SlicesTicket | ImagesTicket | 
     return _validate(_TICKET, _load_json(raw, "ticket", "ticket_bytes"), "ticket")  # type: ignore[no-any-return]
 
 
-def decode_exchange(raw: bytes) -> ReadChannel:
-    """Parse a DoExchange command descriptor (a :class:`ReadChannel`, the one kind of exchange)."""
+def decode_exchange(raw: bytes) -> ReadChannelDescriptor:
+    """Parse a DoExchange command descriptor (a :class:`ReadChannelDescriptor`, the one kind of exchange)."""
     doc = _load_json(raw, "exchange descriptor", "descriptor_bytes")
     if isinstance(doc, dict) and doc.get("kind") != "reads":
         msg = f"a DoExchange descriptor must be of kind 'reads', got {doc.get('kind')!r}"
         raise WireError(msg)
-    return _validate(ReadChannel, doc, "exchange descriptor")  # type: ignore[no-any-return]
+    return _validate(ReadChannelDescriptor, doc, "exchange descriptor")  # type: ignore[no-any-return]
 
 
 def decode_action_body(action: str, raw: bytes) -> _Doc:

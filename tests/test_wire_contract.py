@@ -26,9 +26,10 @@ import pyarrow as pa
 import pyarrow.flight as flight
 import pytest
 
-from flight_store.client import StoreClient
 from flight_store.config import ClusterMember, ServerConfig, StoreConfig
+from flight_store.reading import StoreReader
 from flight_store.server import StoreServer
+from flight_store.writing import StoreWriter
 
 ROOT = Path(__file__).resolve().parents[1]
 G = 4
@@ -149,7 +150,7 @@ def test_a_stream_that_ends_early_stores_nothing(how: str, spill: bool, tmp_path
     try:
         _end_early(how, server.location, tmp_path)
         deadline = time.monotonic() + 10
-        while server.store.stats()["memory_in_flight"] and time.monotonic() < deadline:
+        while server.store.stats().memory_in_flight and time.monotonic() < deadline:
             time.sleep(0.05)  # the server notices the broken stream on its own time
         client = flight.connect(server.location)
         assert _stored(client) == []
@@ -219,10 +220,10 @@ def test_a_node_refuses_a_group_routing_gives_another_naming_it(tmp_path: Path) 
         assert info["location"] == members[2].location
         assert info["retryable"] is False and "node2" in str(err)
         assert _stored(raw) == [mine]
-        with StoreClient.from_cluster(servers[1].location) as client:  # one location is enough to find them all
+        with StoreWriter.from_cluster(servers[1].location) as client:  # one location is enough to find them all
             assert sorted(client.nodes) == sorted(m.location for m in members)
             assert client.put_group(_group(other).to_batches()[0]) == members[2].location
-        part = StoreClient([m.location for m in members[:2]])
+        part = StoreReader([m.location for m in members[:2]])
         with pytest.raises(ValueError, match="belongs to the cluster"):
             part.node_for("x")  # a client that knows only part of the cluster would route wrong
         part.close()
@@ -243,7 +244,7 @@ def test_a_write_larger_than_the_node_is_refused_for_good(tmp_path: Path) -> Non
         info = _info(_refusal(lambda: _put_group(raw, big)))
         assert info["class"] == "CapacityExceededError" and info["retryable"] is False
         assert info["capacity"] == 64 << 10 and info["needed"] > info["capacity"]
-        with StoreClient(server.location, retries=5, backoff=2.0) as client:  # one retry would wait 2 s
+        with StoreWriter(server.location, retries=5, backoff=2.0) as client:  # one retry would wait 2 s
             from flight_store.errors import CapacityExceededError
 
             t0 = time.monotonic()
@@ -410,8 +411,8 @@ def test_the_clients_encoders_write_the_models_bytes_and_a_bad_slice_is_refused_
         assert encode_slices_ticket(refs, cols) == model.to_bytes()
     for g in odd:
         assert encode_put_group(g, 8) == PutGroup(group_id=g, rows=8).to_bytes()
-    with StoreServer() as server, StoreClient([server.location]) as client:
-        client.put_group(_group("g"))
+    with StoreServer() as server, StoreReader([server.location]) as client, StoreWriter.sharing(client) as writer:
+        writer.put_group(_group("g"))
         with pytest.raises(WireDecodeError, match=r"empty or reversed row range \[3, 1\) for group 'g'"):
             client.fetch([PlannedSlice(node=server.location, group_id="g", start=3, stop=1)])
         assert client.fetch([PlannedSlice(node=server.location, group_id="g", start=1, stop=3)],
@@ -433,7 +434,7 @@ def test_logprob_mode_survives_the_store_and_reaches_the_trainer() -> None:
         rows = raw.do_get(flight.Ticket(json.dumps({"v": 2, "kind": "slices", "slices": [
             {"group_id": "lp", "start": 0, "stop": G}]}).encode())).read_all()
         assert rows.schema.metadata[b"knittrans.logprobs_mode"] == b"processed_logprobs"
-        with StoreClient(server.location) as client:
+        with StoreReader(server.location) as client:
             mb = MicroBatch(slices=[PlannedSlice(node=server.location, group_id="lp", start=0, stop=G)],
                             advantages=[0.0] * G)
             got = fetch_micro_batch("padded", (client.stream([mb.slices], PACK_COLUMNS), mb))
@@ -448,14 +449,14 @@ def test_images_go_to_the_groups_node_and_a_consumer_reads_admitted_micro_batche
     from schemas.images import images_to_table
 
     servers = store_nodes(2)
-    with StoreClient([s.location for s in servers]) as client:
+    with StoreReader([s.location for s in servers]) as client, StoreWriter.sharing(client) as writer:
         planner = Planner(AdmissionConfig(train_batch_groups=2, group_size=G, mini_batches=1, dp_ranks=2))
         for i in range(2):
             gid = f"mm{i}"
             table, keys = images_to_table([np.full((3, 2, 2), i, np.uint8)])
-            client.put_images(table, group_ids=[gid])
+            writer.put_images(table, group_ids=[gid])
             keyed = _group(gid, image_keys=pa.array([keys] * G, pa.list_(pa.binary(32))))
-            client.put_group(keyed)
+            writer.put_group(keyed)
             node = next(s for s in servers if s.location == client.node_for(gid))
             assert node.store.has_image(keys[0]) and node.store.has_group(gid)
         (plan,) = planner.update(client.scan_new(), inflight=0)
@@ -470,9 +471,9 @@ def test_a_child_process_client_sees_the_same_routing(store_nodes) -> None:
     """Routing is a pure function of the node ids: a second process (another client) agrees."""
     servers = store_nodes(2)
     locs = [s.location for s in servers]
-    code = ("import sys, json; from flight_store.client import StoreClient;"
-            "c = StoreClient(sys.argv[1:]); print(json.dumps([c.node_for(f'g{i}') for i in range(50)]))")
+    code = ("import sys, json; from flight_store.client import StoreNodes;"
+            "c = StoreNodes(sys.argv[1:]); print(json.dumps([c.node_for(f'g{i}') for i in range(50)]))")
     out = subprocess.run([sys.executable, "-c", code, *locs], cwd=ROOT, capture_output=True, text=True, timeout=60,
                          check=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
-    with StoreClient(list(reversed(locs))) as client:
+    with StoreReader(list(reversed(locs))) as client:
         assert json.loads(out.stdout) == [client.node_for(f"g{i}") for i in range(50)]
