@@ -48,6 +48,7 @@ from flight_store.writes import Write, WriteSlots
 from schemas import routing
 from schemas.arrow import SCHEMA_VERSION, TRAJECTORY_SCHEMA
 from schemas.replies import (
+    ACTION_DESCRIPTIONS,
     ClusterNode,
     ClusterReply,
     DemandReply,
@@ -66,7 +67,6 @@ from schemas.replies import (
 )
 from schemas.routing import ROUTING
 from schemas.wire import (
-    ACTION_DESCRIPTIONS,
     LIMITS,
     DemandBody,
     DispatchBody,

@@ -19,7 +19,7 @@ import pyarrow.flight as flight
 from flight_store.errors import from_error_info
 from schemas.arrow import TRAJECTORY_SCHEMA
 from schemas.plan import PlannedSlice
-from schemas.wire import ReadChannelDescriptor, encode_slices_ticket
+from schemas.wire import ReadChannelDescriptor, SliceRef, SlicesTicket
 
 
 def empty_table(cols: list[str] | None) -> pa.Table:
@@ -42,8 +42,10 @@ def group_ids(slices: Iterable[PlannedSlice]) -> list[str]:
 
 
 def slices_ticket(slices: Iterable[PlannedSlice], cols: list[str] | None) -> bytes:
-    """The DoGet ticket of ``slices`` (one node's) projected to ``cols``."""
-    return encode_slices_ticket(((s.group_id, s.start, s.stop) for s in slices), cols)
+    """The DoGet ticket of ``slices`` (one node's) projected to ``cols``. Built unvalidated: the node validates
+    every ticket it is sent and answers a bad one with a typed error naming what is wrong."""
+    refs = [SliceRef.model_construct(group_id=s.group_id, start=s.start, stop=s.stop) for s in slices]
+    return SlicesTicket.model_construct(slices=refs, columns=cols).to_bytes()
 
 
 def in_order(slices: Sequence[PlannedSlice], tables: dict[str, pa.Table]) -> pa.Table:

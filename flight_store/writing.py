@@ -20,12 +20,12 @@ from schemas.wire import (
     DispatchBody,
     DispatchedGroup,
     GroupRows,
+    PutGroup,
     PutGroups,
     PutImages,
     ResolveBody,
     ResolveReason,
     WeightsTicket,
-    encode_put_group,
 )
 
 PUT_GROUPS_DESCRIPTOR_BYTES = 60_000
@@ -73,7 +73,8 @@ class StoreWriter(StoreNodes):
                 raise ValueError(msg)
             group_id = str(batch.column("group_id")[0].as_py())
         target = node if node is not None else self.node_for(group_id)
-        self._calls.put(target, encode_put_group(group_id, batch.num_rows), batch, PutGroupReply)
+        desc = PutGroup.model_construct(group_id=group_id, rows=batch.num_rows).to_bytes()  # the node validates it
+        self._calls.put(target, desc, batch, PutGroupReply)
         return target
 
     def put_groups(self, batches: Sequence[pa.RecordBatch | pa.Table]) -> PutGroupsResult:

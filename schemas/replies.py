@@ -226,3 +226,21 @@ ACTION_REPLIES: dict[str, type[Reply]] = {
     "inflight": InflightReply,
 }
 """Action type -> the model of its answer (the same keys as ``schemas.wire.ACTION_BODIES``)."""
+
+ACTION_DESCRIPTIONS: dict[str, str] = {
+    "health": 'liveness; answers {"ok": true, "node": ..., "schema_version": ...}',
+    "cluster": 'the cluster view: {"routing": "rendezvous-sha256", "version": N, "nodes": [{"id", "location"}], '
+               '"self": id}; a group belongs to the node routing picks from "nodes"',
+    "stats": "rows, bytes, groups by state, images, memory budget and use, bytes in/out",
+    "release": 'free the payload of consumed groups; body {"v":2,"group_ids":[...]}',
+    "publish_version": 'record the newest policy version; body {"v":2,"version":N}',
+    "get_version": 'the newest published policy version; answers {"version": N}',
+    "dispatch": 'register groups in flight (queued or running) with their quota class; body {"v":2,"groups":[...]}; '
+                'answers {"registered": N, "stored": [ids already written, so not registered]}',
+    "resolve": 'take groups out of flight without rows; body {"v":2,"group_ids":[...],"reason":"aborted"}',
+    "demand": 'groups per data_source the trainer needs and nothing running brings (shown in stats); '
+              'body {"v":2,"classes":{"math":2}}',
+    "inflight": 'the groups in flight here: {"groups": [{"group_id", "data_source", "prompt_id", '
+                '"dispatch_version", "state", "dispatched_at"}], "registered_total": N, "resolved": {reason: N}}',
+}
+"""What ``list_actions`` says of each action (its body, ``schemas.wire.ACTION_BODIES``, and its answer)."""

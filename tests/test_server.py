@@ -23,8 +23,8 @@ from flight_store.errors import (
 from flight_store.reading import StoreReader
 from flight_store.writing import StoreWriter
 from schemas.plan import PlannedSlice
-from schemas.replies import GroupCounts, PutGroupReply
-from schemas.wire import ACTION_DESCRIPTIONS, GroupRef, MetadataTicket, PutGroup
+from schemas.replies import ACTION_DESCRIPTIONS, GroupCounts, PutGroupReply
+from schemas.wire import GroupRef, MetadataTicket, PutGroup
 
 
 def _still_serves(client: StoreReader, make_group, gid: str = "alive") -> None:

@@ -17,7 +17,6 @@ import subprocess
 import sys
 import textwrap
 import time
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -346,71 +345,19 @@ def test_tickets_take_json_numbers_only_and_no_duplicate_keys(doc: bytes) -> Non
         raw.close()
 
 
-@pytest.mark.parametrize("raw", [
-    b'{"v":2,"kind":"put_group","group_id":"s0-g7","rows":8}',
-    '{"v":2,"kind":"put_group","group_id":"gr\u00fcppe","rows":3}'.encode(),  # UTF-8 in the id
-    b'{"v":2,"kind":"put_group","group_id":"x","rows":0}',  # the form, but the model refuses: rows >= 1
-    b'{"v":3,"kind":"put_group","group_id":"x","rows":1}',  # another schema version
-    b'{"v":2,"kind":"put_group","group_id":"x","rows":999999999}',
-    b'{"v":2,"kind":"put_group","group_id":"\xff\xfe","rows":1}',  # not UTF-8
-    b'{"v":2,"kind":"put_group","group_id":"' + b"x" * 513 + b'","rows":1}',
-    b'{"v":2,"kind":"put_group","group_id":"x","rows":1,"rows":2}',  # not the form: the general path refuses
-])
-def test_a_put_group_descriptor_decodes_on_its_fast_path_as_on_the_general_one(raw: bytes) -> None:
-    from schemas import wire
-
-    _same_on_both_paths(raw, wire.decode_descriptor, wire._DESCRIPTOR, "descriptor", "descriptor_bytes")
-
-
-def _same_on_both_paths(raw: bytes, decode: Callable[[bytes], object], adapter: object, what: str, limit: str) -> None:
-    """``decode`` (with its fast path) gives the general path's document, or its error (limit and message)."""
-    from schemas import wire
-
-    outcomes = []
-    for run in (decode, lambda doc: wire._validate(adapter, wire._load_json(doc, what, limit), what)):  # type: ignore[arg-type]
-        try:
-            outcomes.append(run(raw))
-        except wire.WireLimitError as exc:
-            outcomes.append(("limit", exc.limit, exc.value, str(exc)))
-        except wire.WireError as exc:
-            outcomes.append(str(exc))
-    assert outcomes[0] == outcomes[1]
-
-
-_S = b'{"group_id":"g1","start":0,"stop":4}'
-
-
-@pytest.mark.parametrize("raw", [
-    b'{"v":2,"kind":"slices","slices":[' + _S + b',{"group_id":"g2","start":2,"stop":3}],"columns":["sample_idx"]}',
-    b'{"v":2,"kind":"slices","slices":[' + _S + b']}',
-    b'{"v":2,"kind":"slices","slices":[' + _S + b'],"columns":[]}',
-    '{"v":2,"kind":"slices","slices":[{"group_id":"gr\u00fcppe","start":0,"stop":1}]}'.encode(),  # UTF-8 in the id
-    b'{"v":2,"kind":"slices","slices":[{"group_id":"g","start":3,"stop":3}]}',  # the form; the model refuses
-    b'{"v":3,"kind":"slices","slices":[' + _S + b']}',  # another schema version
-    b'{"v":2,"kind":"slices","slices":[{"group_id":"\xff","start":0,"stop":1}]}',  # not UTF-8
-    b'{"v":2,"kind":"slices","slices":[{"group_id":"' + b"x" * 513 + b'","start":0,"stop":1}]}',
-    b'{"v":2,"kind":"slices","slices":[' + b",".join([_S] * 8193) + b']}',  # over slices_per_ticket
-    b'{"v":2,"kind":"slices","slices":[{"group_id":"g","start":0,"start":1,"stop":2}]}',  # not the form
-    b'{"v":2,"kind":"slices","slices":[' + _S + b'],"columns":["a","a"],"columns":["b"]}',  # not the form
-])
-def test_a_slices_ticket_decodes_on_its_fast_path_as_on_the_general_one(raw: bytes) -> None:
-    from schemas import wire
-
-    _same_on_both_paths(raw, wire.decode_ticket, wire._TICKET, "ticket", "ticket_bytes")
-
-
-def test_the_clients_encoders_write_the_models_bytes_and_a_bad_slice_is_refused_by_the_node() -> None:
+def test_the_clients_documents_are_the_models_bytes_and_a_bad_slice_is_refused_by_the_node() -> None:
+    from flight_store import streams
     from flight_store.errors import WireDecodeError
     from schemas.plan import PlannedSlice
-    from schemas.wire import PutGroup, SliceRef, SlicesTicket, encode_put_group, encode_slices_ticket
+    from schemas.wire import SliceRef, SlicesTicket, decode_ticket
 
     odd = ['g"1\\', "gr\u00fcppe \u2028", "tab\tnew\nline\x01", "s0-g7"]  # quotes, escapes, non-ASCII, controls
-    refs = [(g, i, i + 2) for i, g in enumerate(odd)]
+    planned = [PlannedSlice(node="n", group_id=g, start=i, stop=i + 2) for i, g in enumerate(odd)]
     for cols in (None, ["group_id", "sample_idx"], []):
-        model = SlicesTicket(slices=[SliceRef(group_id=g, start=a, stop=b) for g, a, b in refs], columns=cols)
-        assert encode_slices_ticket(refs, cols) == model.to_bytes()
-    for g in odd:
-        assert encode_put_group(g, 8) == PutGroup(group_id=g, rows=8).to_bytes()
+        model = SlicesTicket(slices=[SliceRef(group_id=s.group_id, start=s.start, stop=s.stop) for s in planned],
+                             columns=cols)
+        assert streams.slices_ticket(planned, cols) == model.to_bytes()
+        assert decode_ticket(streams.slices_ticket(planned, cols)) == model
     with StoreServer() as server, StoreReader([server.location]) as client, StoreWriter.sharing(client) as writer:
         writer.put_group(_group("g"))
         with pytest.raises(WireDecodeError, match=r"empty or reversed row range \[3, 1\) for group 'g'"):
