@@ -255,11 +255,11 @@ class StoreServer(flight.FlightServerBase):
             # this thread's earlier answers were freed once sent: their pages go back before this one is copied
             # (not for a small answer: a micro-batch's copy into warm pages costs a third of one into fresh ones)
             pa.default_memory_pool().release_unused()
-            with self.store.reading(nbytes):
+            with self.store.memory.reading(nbytes):
                 yield from batches
         finally:
             del batches
-            self.store.free_unused(force=True)
+            self.store.memory.free_unused(force=True)
 
     def _answer(self, doc: Any) -> tuple[pa.Schema, Iterable[pa.RecordBatch], int]:
         """The answer to a ticket: its schema, its batches (a list, or made as they are sent) and its payload
@@ -369,15 +369,15 @@ class StoreServer(flight.FlightServerBase):
         if isinstance(body, DispatchBody):
             for g in body.groups:
                 self._check_owner(g.group_id)
-            stored = self.store.dispatch(body.groups)
+            stored = self.store.supply.dispatch(body.groups)
             return replies.DispatchReply(registered=len(body.groups) - len(stored), stored=stored)
         if isinstance(body, DemandBody):
-            self.store.set_demand(body.classes)
+            self.store.supply.set_demand(body.classes)
             return replies.DemandReply(demand=body.classes)
         if isinstance(body, ResolveBody):
-            return replies.ResolveReply(resolved=self.store.resolve(body.group_ids, body.reason))
+            return replies.ResolveReply(resolved=self.store.supply.resolve(body.group_ids, body.reason))
         if action.type == "inflight":
-            return self.store.inflight()
+            return self.store.supply.inflight()
         msg = f"unknown action {action.type!r}"  # pragma: no cover - decode_action_body checks
         raise WireError(msg)
 
