@@ -124,7 +124,9 @@ class StoreReader(StoreNodes):
         """The rows of ``slices``, in the order of ``slices``: one request per node, all nodes at once.
 
         Each node is asked over a read channel (a long-lived DoExchange, kept between fetches: no call
-        per read); a node whose channel fails is read by one DoGet instead, with retries.
+        per read). A node whose channel breaks (the node restarted, the channel's deadline passed) is read
+        by one DoGet instead: a channel is one long call that cannot be retried mid-answer, a DoGet is
+        retried on retryable errors and, for a node still unavailable, names the groups it held.
         """
         cols = list(columns) if columns is not None else None
         if not slices:
