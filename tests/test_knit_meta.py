@@ -1,4 +1,4 @@
-"""``knit meta`` (polars SQL over the live metadata of every node) and ``StoreClient.metadata()`` on real nodes."""
+"""``knit meta`` (polars SQL over the live metadata of every node) and ``StoreReader.metadata()`` on real nodes."""
 
 from __future__ import annotations
 
