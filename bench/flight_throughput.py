@@ -12,8 +12,8 @@ In one run:
     pass, best of 3 passes, from a store node in ANOTHER PROCESS (``python -m flight_store --config``
     on a free port), against the baseline: copying the same bytes in-process into newly
     allocated buffers, both kept alive for the pass. The headline DoGet is the trainer's path:
-    one DoGet streams all the micro-batches, read one at a time (``StoreClient.stream``);
-    ``doget_per_call_gbps`` is one DoGet per micro-batch (``StoreClient.fetch``), which pays gRPC's
+    one DoGet streams all the micro-batches, read one at a time (``StoreReader.stream``);
+    ``doget_per_call_gbps`` is one DoGet per micro-batch (``StoreReader.fetch``), which pays gRPC's
     per-call cost (~1 ms on 2 cores) once per 2.4 MB micro-batch. All of (a) runs in a child
     process with the system allocator and a fixed mmap threshold, so every buffer on BOTH sides
     is fresh memory (first-touch pages; the heap below that threshold is recycled normally, see
@@ -46,10 +46,11 @@ import pyarrow as pa
 
 from bench._common import pyplot, timer, write_result
 from bench._hosts import network_mode, run_in_hosts, start_node
-from flight_store.client import StoreClient
 from flight_store.config import ServerConfig, StoreConfig
 from flight_store.node import NodeProcess
+from flight_store.reading import StoreReader
 from flight_store.server import StoreServer
+from flight_store.writing import StoreWriter
 from schemas.arrow import TRAJECTORY_SCHEMA
 from schemas.plan import PlannedSlice
 
@@ -113,17 +114,17 @@ def fresh_copy(table: pa.Table, keep: list[pa.Buffer]) -> int:
 
 
 def bench_doget(
-    client: StoreClient, node: str, total_bytes: int, tokens: int, passes: int, rng: np.random.Generator
+    client: StoreReader, node: str, total_bytes: int, tokens: int, passes: int, rng: np.random.Generator
 ) -> dict:
     """(a) DoGet micro-batches of 8 trajectories from the other process, vs an in-process copy.
 
     Two ways of fetching the same micro-batches, each pass:
 
     * **stream** (the headline: what the trainer does): ONE DoGet streams all the micro-batches'
-      slices and they are read one micro-batch at a time (``StoreClient.stream``); then every
+      slices and they are read one micro-batch at a time (``StoreReader.stream``); then every
       micro-batch's bytes are copied into new buffers (a separate timed phase, so the stream
       cannot run ahead during the copies);
-    * **per call**: one DoGet per micro-batch (``StoreClient.fetch``), each followed right away by the
+    * **per call**: one DoGet per micro-batch (``StoreReader.fetch``), each followed right away by the
       copy of its bytes, so both sides see the same load on a shared machine.
 
     Fetched tables and copies stay alive for the pass. Each side keeps its best pass; the copy's
@@ -133,8 +134,9 @@ def bench_doget(
     mb_rows = 8
     row_bytes = tokens * BYTES_PER_TOKEN
     n_groups = max(1, -(-total_bytes // (row_bytes * mb_rows)))
-    for g in range(n_groups):
-        client.put_group(make_group(f"big{g}", mb_rows, tokens, rng), node=node)
+    with StoreWriter.sharing(client) as writer:
+        for g in range(n_groups):
+            writer.put_group(make_group(f"big{g}", mb_rows, tokens, rng), node=node)
     plans = [[PlannedSlice(node=node, group_id=f"big{g}", start=0, stop=mb_rows)] for g in range(n_groups)]
     client.fetch(plans[0])  # warm the connection
     stream_s: list[float] = []
@@ -197,10 +199,11 @@ def bench_meta_scan(rows: int, repeats: int, rng: np.random.Generator) -> dict:
                 server = stack.enter_context(start_store_process())
             else:
                 server = stack.enter_context(StoreServer())
-            client = clients[label] = stack.enter_context(StoreClient(server.location))
+            client = clients[label] = stack.enter_context(StoreReader(server.location))
             tokens = max(1, (payload - 4 * 16) // BYTES_PER_TOKEN)
-            for g in range(rows // group_size):
-                client.put_group(make_group(f"{label}{g}", group_size, tokens, rng))
+            with StoreWriter.sharing(client) as writer:
+                for g in range(rows // group_size):
+                    writer.put_group(make_group(f"{label}{g}", group_size, tokens, rng))
             client.scan_metadata()  # warm
         times: dict[str, list[float]] = {label: [] for label in sizes}
         for _ in range(repeats):
@@ -214,16 +217,16 @@ def bench_meta_scan(rows: int, repeats: int, rng: np.random.Generator) -> dict:
         out = {}
         for label, client in clients.items():
             out[f"meta_scan_ms_{label}"] = statistics.median(times[label]) * 1e3
-            out[f"stored_bytes_{label}"] = next(iter(client.stats().values()))["memory_used"]
+            out[f"stored_bytes_{label}"] = next(iter(client.stats().values())).memory_used
     return out
 
 
-def bench_latency(client: StoreClient, node: str, groups: int, fetches: int, rng: np.random.Generator) -> dict:
+def bench_latency(client: StoreReader, node: str, groups: int, fetches: int, rng: np.random.Generator) -> dict:
     """(c) p50/p99 of fetching 8 trajectories (8 random groups, one row each) from a store of ``groups`` groups."""
     size = 4
-    with timer() as w:
+    with timer() as w, StoreWriter.sharing(client) as writer:
         for g in range(groups):
-            client.put_group(make_group(f"s{g}", size, 256, rng), node=node)
+            writer.put_group(make_group(f"s{g}", size, 256, rng), node=node)
     lat = []
     for i in range(fetches + 20):
         picks = rng.choice(groups, size=8, replace=False)
@@ -307,7 +310,7 @@ def run_doget(params: dict, seed: int) -> dict:
     rng = np.random.default_rng(seed)
     node = start_store_process()
     try:
-        with StoreClient(node.location, timeout=120) as client:
+        with StoreReader(node.location, timeout=120) as client:
             return bench_doget(
                 client,
                 node.location,
@@ -369,7 +372,7 @@ def main(argv: list[str] | None = None) -> int:
         a = run_doget_fresh(params, args.seed, Path(tmp) / "doget.json")
     pool = run_doget(params, args.seed)  # the same in this process: the Arrow pool recycles pages
     a.update({f"{k.replace('_gbps', '')}_pool_gbps": v for k, v in pool.items() if k.endswith("_gbps")})
-    with start_store_process() as node, StoreClient(node.location, timeout=120) as client:
+    with start_store_process() as node, StoreReader(node.location, timeout=120) as client:
         c = bench_latency(client, node.location, params["latency_groups"], params["latency_fetches"], rng)
     b = bench_meta_scan(params["meta_rows"], params["meta_repeats"], rng)
 

@@ -43,7 +43,8 @@ DTYPES = ("params", "bfloat16")
 def _trainer(location: str, model_dir: str, out: str, done: str, per_dtype: int) -> None:
     import torch
 
-    from flight_store.client import StoreClient
+    from flight_store.reading import StoreReader
+    from flight_store.writing import StoreWriter
     from train import mcore_compat, model
     from train.config import ModelConfig, ParallelConfig
     from train.loop import publish_weights
@@ -53,7 +54,7 @@ def _trainer(location: str, model_dir: str, out: str, done: str, per_dtype: int)
     built = type("Built", (), {"gpt": gpt})()
     gen = torch.Generator().manual_seed(0)
     rows: list[dict[str, Any]] = []
-    with StoreClient(location, timeout=120.0) as client:
+    with StoreReader(location, timeout=120.0) as client, StoreWriter.sharing(client) as rollout:
         for version, dtype in enumerate((d for d in DTYPES for _ in range(per_dtype)), start=1):
             with torch.no_grad():
                 for p in gpt.parameters():
@@ -63,7 +64,7 @@ def _trainer(location: str, model_dir: str, out: str, done: str, per_dtype: int)
             t_put = time.time()
             client.publish_version(version)
             t_pub = time.time()
-            nbytes = client.get_weights(version).column("data").nbytes
+            nbytes = rollout.get_weights(version).column("data").nbytes
             rows.append({"version": version, "dtype": dtype, "t_step_end": t_end, "t_put": t_put,
                          "t_published": t_pub, "bytes": nbytes})
             while not Path(f"{done}.{version}").exists():  # the engine runs it
@@ -78,7 +79,7 @@ def _engine(location: str, model_dir: str, out: str, done: str, versions: int) -
 
     from connectors.config import RolloutConfig
     from connectors.engine import VllmEngine
-    from flight_store.client import StoreClient
+    from flight_store.writing import StoreWriter
 
     engine = VllmEngine(RolloutConfig(model=model_dir, stores=[location], max_model_len=256, max_num_seqs=4))
     params = SamplingParams(max_tokens=1, temperature=0.0)
@@ -87,7 +88,7 @@ def _engine(location: str, model_dir: str, out: str, done: str, versions: int) -
     Path(f"{done}.ready").touch()
     rows: list[dict[str, Any]] = []
     current = 0
-    with StoreClient(location, timeout=120.0) as client:
+    with StoreWriter(location, timeout=120.0) as client:
         while current < versions:
             published = client.get_version()
             if published <= current:

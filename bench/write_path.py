@@ -5,11 +5,11 @@
 Both servers run in processes of their own on loopback: a ``knit serve`` node (no spill log, no
 budget) and a minimal pyarrow Flight server whose DoPut reads the stream and keeps its batches (no
 validation, no copy, no metadata: the floor a Flight write cannot go below). The client writes the
-same groups (G trajectories of ``--tokens`` response tokens, all 19 columns, as ``StoreClient``
+same groups (G trajectories of ``--tokens`` response tokens, all 19 columns, as ``StoreWriter``
 users send them) one DoPut per group to each, in interleaved repetitions, and reports throughput
 (payload GB/s) and the time per group; ``ratios.put_vs_minimal_flight`` is the node's throughput over
 the floor's (the node's validation included). Then the bulk write: other groups of the same shape in
-DoPuts of :data:`BULK` groups each (``StoreClient.put_groups``, each group still validated and
+DoPuts of :data:`BULK` groups each (``StoreWriter.put_groups``, each group still validated and
 committed on its own) beside DoPuts of the same batches to the minimal server
 (``ratios.put_groups_vs_minimal_flight_bulk``; ``ratios.put_groups_vs_put_group``: the bulk write's
 gain). ``metrics.server_us_per_group`` is ``Store.put_group`` in-process on the same groups: the
@@ -33,8 +33,8 @@ import pyarrow.flight as flight
 from bench import minimal_flight
 from bench._common import write_result
 from bench.flight_throughput import make_group, start_store_process
-from flight_store.client import StoreClient
 from flight_store.store import Store, StoreConfig
+from flight_store.writing import StoreWriter
 
 BULK = 32
 """Groups per bulk DoPut (``put_groups``), and per DoPut of the same batches to the minimal server."""
@@ -95,7 +95,7 @@ def run(groups_n: int, size: int, tokens: int, reps: int, seed: int) -> dict[str
     sink, sink_location = minimal_flight.start()
     times: dict[str, list[float]] = {"knit": [], "minimal": [], "bulk": [], "bulk_minimal": []}
     try:
-        with StoreClient(node.location) as client:
+        with StoreWriter(node.location) as client:
             raw = flight.connect(sink_location)
             for rep in range(reps):
                 groups = [make_group(f"r{rep}g{i}", size, tokens, rng) for i in range(groups_n)]

@@ -29,7 +29,7 @@ class RolloutConfig:
     stores: list[str]
     """Store locations (``grpc://host:port``) the groups are written to.
 
-    A group goes to the node routing gives it (``StoreClient.node_for``)."""
+    A group goes to the node routing gives it (``StoreNodes.node_for``)."""
     client: ClientConfig = field(default_factory=lambda: ClientConfig(retries=20))
     """How the worker talks to the stores: timeouts, retries (20: a store restarting from its spill log is waited
     for, ~80 s), the token file."""
@@ -113,8 +113,8 @@ class RolloutConfig:
     max_queued_writes: int = 64
     """With ``async_writes``: the step loop waits when this many writes are queued."""
     register_inflight: bool = True
-    """Register each group with its node when it is drawn and dispatched (``StoreClient.dispatch``), so a
-    planner counts it as supply to come (``StoreClient.inflight``); resolved when its rows are written."""
+    """Register each group with its node when it is drawn and dispatched (``StoreWriter.dispatch``), so a
+    planner counts it as supply to come (``StoreReader.inflight``); resolved when its rows are written."""
     commit_ahead: int = 0
     """Prompts drawn from the prompt stream ahead of dispatch and registered as ``queued`` (the loader's
     committed prompts: with a train batch's worth the planner sees the quota classes coming before they

@@ -9,7 +9,7 @@ The trainer consumes groups (releases them); the rollout must not run arbitraril
   since the last check, so ``limit`` bounds every group dispatched and not yet consumed;
 * ``hook``: a caller's own rule over the stores' stats (``LookaheadHook``), checked with ``limit``;
 * **demand**: the trainer's planner publishes, through the stores' stats, the groups per data source
-  its current train batch still needs and nothing running will bring (``StoreClient.publish_demand``).
+  its current train batch still needs and nothing running will bring (``StoreReader.publish_demand``).
   While paused with nothing running, the worker may dispatch prompts of those classes, one at a time
   (:meth:`take_demand`):
   otherwise a lookahead full of groups of other classes would wait forever for the one the quota
@@ -31,22 +31,22 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable, Mapping
-from typing import Any
 
 from flight_store.errors import NodeUnavailableError
+from schemas.replies import NodeStats
 
 logger = logging.getLogger(__name__)
 
-StoreStats = Mapping[str, Mapping[str, Any]]
-"""``StoreClient.stats()``: store location -> that store's stats."""
+StoreStats = Mapping[str, NodeStats]
+"""``StoreNodes.stats()``: store location -> that store's stats."""
 
 LookaheadHook = Callable[[StoreStats], bool]
-"""Called with ``StoreClient.stats()`` (store -> stats); returns True to pause dispatch."""
+"""Called with ``StoreNodes.stats()`` (store -> stats); returns True to pause dispatch."""
 
 
 def unreleased_groups(stats: StoreStats) -> int:
     """Groups the stores hold and the trainer has not released yet, over all stores."""
-    return sum(int(s.get("groups", {}).get("stored", 0)) for s in stats.values())
+    return sum(s.groups.stored for s in stats.values())
 
 
 class LookaheadLimit:
@@ -127,8 +127,8 @@ class LookaheadLimit:
     def _check(self, stats: StoreStats) -> None:
         self._demand = {}
         for s in stats.values():
-            for source, n in dict(s.get("demand") or {}).items():
-                self._demand[str(source)] = max(self._demand.get(str(source), 0), int(n))
+            for source, n in s.demand.items():
+                self._demand[source] = max(self._demand.get(source, 0), n)
         self._stored_at_poll = unreleased_groups(stats)
         self._written_since_poll = 0
         paused = self._limit is not None and self._stored_at_poll >= self._limit

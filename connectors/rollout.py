@@ -47,7 +47,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import pyarrow as pa
@@ -63,6 +63,9 @@ from connectors.weight_sync import WeightSync
 from connectors.writer import GroupWriter
 from schemas.images import images_to_table
 from schemas.wire import DispatchedGroup
+
+if TYPE_CHECKING:
+    from flight_store.writing import StoreWriter
 
 logger = logging.getLogger(__name__)
 
@@ -153,7 +156,7 @@ class RolloutWorker:
 
     Args:
         config: what to generate and where to write.
-        client: a ``flight_store.StoreClient`` over ``config.stores`` (built when ``None``).
+        client: a :class:`~flight_store.writing.StoreWriter` over ``config.stores`` (built when ``None``).
         engine: a started engine (``VllmEngine(config)`` is started when ``None``).
         prompts: the prompt stream (default: ``config.prompts_file`` or the built-in task mix).
         lookahead: an extra lookahead rule over the stores' stats (True pauses dispatch), checked
@@ -170,7 +173,7 @@ class RolloutWorker:
         self,
         config: RolloutConfig,
         *,
-        client: Any = None,
+        client: StoreWriter | None = None,
         engine: Engine | None = None,
         prompts: Iterator[Prompt] | None = None,
         lookahead: LookaheadHook | None = None,
@@ -178,9 +181,9 @@ class RolloutWorker:
         self.config = config
         self._owns_client = client is None
         if client is None:
-            from flight_store.client import StoreClient
+            from flight_store.writing import StoreWriter
 
-            client = StoreClient.from_config(config.stores, config.client)
+            client = StoreWriter.from_config(config.stores, config.client)
         self.client = client
         self.report = RolloutReport()
         t0 = time.perf_counter()

@@ -22,10 +22,10 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable
-from typing import Any
 
 from connectors.engine import Engine
 from flight_store.errors import NodeUnavailableError
+from flight_store.writing import StoreWriter
 
 logger = logging.getLogger(__name__)
 
@@ -34,14 +34,14 @@ class WeightSync:
     """Tracks the engine's policy version and loads newly published weights into the engine.
 
     Args:
-        client: a ``flight_store.StoreClient`` (``get_version``, ``get_weights``).
+        client: the rollout's store client (``get_version``, ``get_weights``).
         engine: the engine to load weights into.
         version: the version of the weights the engine starts with.
         poll_s: seconds between two ``get_version`` calls.
         load: load published weights into the engine (else only adopt the version number).
     """
 
-    def __init__(self, client: Any, engine: Engine, *, version: int, poll_s: float, load: bool) -> None:
+    def __init__(self, client: StoreWriter, engine: Engine, *, version: int, poll_s: float, load: bool) -> None:
         self._client = client
         self._engine = engine
         self._poll_s = poll_s

@@ -25,21 +25,23 @@ import time
 from collections import deque
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Any
 
 import pyarrow as pa
+
+from flight_store.writing import StoreWriter
+from schemas.wire import DispatchedGroup, ResolveReason
 
 
 class GroupWriter:
     """Writes images and groups to their store nodes through ``client``, in queue order.
 
     Args:
-        client: a ``flight_store.StoreClient`` (``put_images``, ``put_group``).
+        client: the rollout's store client (``put_images``, ``put_group``, ``dispatch``, ``resolve``).
         background: DoPut from one background thread; ``False`` writes inline.
         max_queued: with ``background``, most writes queued before ``put_*`` waits.
     """
 
-    def __init__(self, client: Any, *, background: bool = True, max_queued: int = 64) -> None:
+    def __init__(self, client: StoreWriter, *, background: bool = True, max_queued: int = 64) -> None:
         if max_queued < 1:
             msg = f"max_queued={max_queued} must be >= 1"
             raise ValueError(msg)
@@ -47,7 +49,7 @@ class GroupWriter:
         self._max_queued = max_queued
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="knit-rollout-writer") \
             if background else None
-        self._queued: deque[Future[None]] = deque()
+        self._queued: deque[Future[object]] = deque()
         self._lock = threading.Lock()
         self.write_s = 0.0
         """Seconds spent in DoPut calls (images and groups)."""
@@ -78,12 +80,12 @@ class GroupWriter:
 
         self._submit(put)
 
-    def dispatch(self, groups: list[Any]) -> None:
-        """Queue the registration of groups in flight (``StoreClient.dispatch``), in order with the writes."""
+    def dispatch(self, groups: list[DispatchedGroup]) -> None:
+        """Queue the registration of groups in flight (``StoreWriter.dispatch``), in order with the writes."""
         self._submit(lambda: self._client.dispatch(groups))
 
-    def resolve(self, group_ids: list[str], reason: str) -> None:
-        """Queue taking groups out of flight without rows (``StoreClient.resolve``)."""
+    def resolve(self, group_ids: list[str], reason: ResolveReason) -> None:
+        """Queue taking groups out of flight without rows (``StoreWriter.resolve``)."""
         self._submit(lambda: self._client.resolve(group_ids, reason))
 
     def flush(self) -> None:
@@ -99,7 +101,7 @@ class GroupWriter:
             if self._pool is not None:
                 self._pool.shutdown(wait=True)
 
-    def _submit(self, fn: Callable[[], None]) -> None:
+    def _submit(self, fn: Callable[[], object]) -> None:
         if self._pool is None:
             fn()
             return

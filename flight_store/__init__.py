@@ -1,11 +1,11 @@
-"""Node-local Arrow Flight store: the store, its Flight server, the client, typed errors, configs.
+"""Node-local Arrow Flight store: the store, its Flight server, the clients by role, typed errors, configs.
 
 Imports only pyarrow, polars, pydantic and numpy.
 """
 
 from __future__ import annotations
 
-from flight_store.client import StoreClient
+from flight_store.client import StoreAdmin, StoreNodes
 from flight_store.config import ServerConfig, StoreConfig
 from flight_store.errors import (
     BudgetExceededError,
@@ -22,8 +22,10 @@ from flight_store.errors import (
     WrongNodeError,
 )
 from flight_store.node import serve
+from flight_store.reading import StoreReader
 from flight_store.server import StoreServer
 from flight_store.store import Store
+from flight_store.writing import StoreWriter
 
 __all__ = [
     "BudgetExceededError",
@@ -35,9 +37,12 @@ __all__ = [
     "SchemaMismatchError",
     "ServerConfig",
     "Store",
-    "StoreClient",
+    "StoreAdmin",
     "StoreConfig",
+    "StoreNodes",
+    "StoreReader",
     "StoreServer",
+    "StoreWriter",
     "UnknownGroupError",
     "UnknownImageError",
     "UnknownWeightsError",

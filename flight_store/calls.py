@@ -1,16 +1,16 @@
-"""The plumbing under :class:`flight_store.client.StoreClient`: one Flight client per node, and how a call is made.
+"""The plumbing under the store clients (:mod:`flight_store.client`): one Flight client per node, how a call is made.
 
 :class:`NodeCalls` holds the connections, the call options (deadline, bearer token) and a thread
 pool, and gives every client call the same four things: a typed error for every Flight failure
 (:func:`flight_store.errors.from_flight_error`, naming the node), retries of exactly the retryable
 errors with exponential backoff, a fan-out over several nodes at once, and the three raw Flight
 calls the client builds on (an action, a DoPut of one table, a DoGet read whole), and reads over
-read channels (:meth:`NodeCalls.read`: long-lived DoExchanges kept per node and projection).
+read channels (:meth:`NodeCalls.read`: long-lived DoExchanges kept per node and projection). Answers
+are parsed with their ``schemas.replies`` model, the one the server builds them with.
 """
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import threading
@@ -22,11 +22,13 @@ from typing import Any, TypeVar
 import pyarrow as pa
 import pyarrow.flight as flight
 
-from flight_store.errors import KnitError, NodeUnavailableError, from_flight_error
+from flight_store.errors import KnitError, NodeUnavailableError, WireDecodeError, from_flight_error
 from flight_store.streams import ChannelBrokenError, ReadChannel
+from schemas.replies import Reply, ReplyError
 
 T = TypeVar("T")
 K = TypeVar("K")
+R = TypeVar("R", bound=Reply)
 log = logging.getLogger(__name__)
 
 MAX_BACKOFF_S = 5.0
@@ -40,7 +42,10 @@ IDLE_CHANNELS = 4
 
 
 class NodeCalls:
-    """Calls to a fixed set of store nodes (see :class:`flight_store.client.StoreClient` for the arguments)."""
+    """Calls to a fixed set of store nodes (see :class:`flight_store.client.StoreNodes` for the arguments).
+
+    Several clients may share one (:meth:`share`); the connections close when the last of them closes.
+    """
 
     def __init__(self, locations: Sequence[str], *, token: str | None, tls_root_certs: bytes | None,
                  timeout: float | None, retries: int, backoff: float) -> None:
@@ -48,7 +53,7 @@ class NodeCalls:
             msg = f"retries and backoff must be >= 0, got retries={retries}, backoff={backoff}"
             raise ValueError(msg)
         if not locations:
-            msg = "StoreClient needs at least one location"
+            msg = "a store client needs at least one location"
             raise ValueError(msg)
         if len(set(locations)) != len(locations):
             msg = f"duplicate locations in {list(locations)}"
@@ -73,6 +78,17 @@ class NodeCalls:
         self._idle: dict[tuple[str, tuple[str, ...] | None], list[ReadChannel]] = {}  # by _channel_key
         self._idle_lock = threading.Lock()
         self._closed = False
+        self._users = 1
+        self._users_lock = threading.Lock()
+
+    def share(self) -> NodeCalls:
+        """These calls, for one more client (each of them closes once; the last close ends the connections)."""
+        with self._users_lock:
+            if self._users == 0:
+                msg = "these store connections are closed"
+                raise ValueError(msg)
+            self._users += 1
+        return self
 
     def client(self, node: str) -> flight.FlightClient:
         """The Flight client of ``node``; ``ValueError`` for a node this client does not know."""
@@ -129,17 +145,18 @@ class NodeCalls:
                 failed.append(n)
         return out, failed
 
-    def action(self, node: str, name: str, body: bytes = b"", *, retry: bool = True) -> dict[str, Any]:
-        """Flight action ``name`` on ``node``: its one JSON answer (``{}`` for none); retried unless ``retry=False``."""
-        def run(c: flight.FlightClient) -> dict[str, Any]:
+    def action(self, node: str, name: str, reply: type[R], body: bytes = b"", *, retry: bool = True) -> R:
+        """Flight action ``name`` on ``node``: its answer, parsed by ``reply`` (the action's model in
+        ``schemas.replies.ACTION_REPLIES``); retried unless ``retry=False``."""
+        def run(c: flight.FlightClient) -> R:
             results = list(c.do_action(flight.Action(name, body), self.options))
-            return json.loads(results[0].body.to_pybytes()) if results else {}
+            return _parse(reply, results[0].body.to_pybytes() if results else b"{}", node)
 
-        return self._once_or_retried(node, lambda: self.call(node, run), retry)
+        return self.retrying(node, lambda: self.call(node, run)) if retry else self.call(node, run)
 
-    def put(self, node: str, descriptor: bytes, data: pa.Table | pa.RecordBatch) -> dict[str, Any]:
+    def put(self, node: str, descriptor: bytes, data: pa.Table | pa.RecordBatch, reply: type[R]) -> R:
         """DoPut ``data`` under ``descriptor``, ended cleanly (the node commits only then): its answer; retried."""
-        def run(c: flight.FlightClient) -> dict[str, Any]:
+        def run(c: flight.FlightClient) -> R:
             writer, reader = c.do_put(flight.FlightDescriptor.for_command(descriptor), data.schema, self.options)
             try:
                 writer.write(data)
@@ -147,7 +164,7 @@ class NodeCalls:
                 buf = reader.read()
             finally:
                 writer.close()
-            return json.loads(buf.to_pybytes()) if buf is not None else {}
+            return _parse(reply, buf.to_pybytes() if buf is not None else b"{}", node)
 
         return self.retrying(node, lambda: self.call(node, run))
 
@@ -228,11 +245,12 @@ class NodeCalls:
                 return
         channel.close()
 
-    def _once_or_retried(self, node: str, call: Callable[[], T], retry: bool) -> T:
-        return self.retrying(node, call) if retry else call()
-
     def close(self) -> None:
-        """End the read channels, stop the pool and close every connection."""
+        """End the read channels, stop the pool and close every connection (once no client shares them)."""
+        with self._users_lock:
+            self._users = max(0, self._users - 1)
+            if self._users:
+                return
         with self._idle_lock:
             self._closed = True
             channels = [c for idle in self._idle.values() for c in idle]
@@ -242,6 +260,15 @@ class NodeCalls:
         self._pool.shutdown(wait=False, cancel_futures=True)
         for c in self._clients.values():
             c.close()
+
+
+def _parse(reply: type[R], raw: bytes, node: str) -> R:
+    """``raw`` as a ``reply``; an answer that is not one is a :class:`WireDecodeError` naming the node."""
+    try:
+        return reply.from_bytes(raw)  # type: ignore[no-any-return]
+    except ReplyError as exc:
+        msg = f"node {node} answered what this client cannot read: {exc}"
+        raise WireDecodeError(msg) from None
 
 
 def _channel_key(node: str, columns: list[str] | None) -> tuple[str, tuple[str, ...] | None]:

@@ -12,9 +12,9 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any
 
 from schemas import routing
+from schemas.replies import ClusterReply
 
 
 @dataclass(frozen=True, slots=True)
@@ -37,24 +37,23 @@ class ClusterView:
         return self._by_id[routing.owner(group_id, list(self._by_id))]
 
 
-def view_from(answers: Mapping[str, Mapping[str, Any]]) -> ClusterView:
+def view_from(answers: Mapping[str, ClusterReply]) -> ClusterView:
     """The cluster view of the nodes that gave these ``cluster`` answers (location -> answer).
 
     Raises:
         ValueError: two nodes share an id, or a node's configured membership differs from the
             locations asked (naming both).
     """
-    ids = {loc: str(a["self"]) for loc, a in answers.items()}
+    ids = {loc: a.self_id for loc, a in answers.items()}
     if len(set(ids.values())) != len(ids):
         msg = f"two store nodes report the same id: {ids}"
         raise ValueError(msg)
     versions = set()
     for loc, a in answers.items():
-        members = {str(m["location"]): str(m["id"]) for m in a.get("nodes", [])}
+        members = {m.location: m.id for m in a.nodes}
         if len(members) > 1 and members != ids:
-            msg = (f"node {loc} belongs to the cluster {members} (version {a.get('version')}), but this client "
-                   f"was given {ids}: give the client exactly the cluster's locations (or use "
-                   "StoreClient.from_cluster)")
+            msg = (f"node {loc} belongs to the cluster {members} (version {a.version}), but this client "
+                   f"was given {ids}: give the client exactly the cluster's locations (or use from_cluster)")
             raise ValueError(msg)
-        versions.add(int(a.get("version", 1)))
+        versions.add(a.version)
     return ClusterView(ids=ids, version=max(versions, default=1))

@@ -112,7 +112,7 @@ class StoreConfig:
 
 @dataclass(kw_only=True, slots=True)
 class ClientConfig:
-    """How a part talks to the stores (``StoreClient.from_config``): timeouts, retries, credentials.
+    """How a part talks to the stores (``StoreNodes.from_config``): timeouts, retries, credentials.
 
     Secrets are never part of the config: the token and the CA are read from the files named here.
     """

@@ -6,7 +6,7 @@ prompt and the policy version it was dispatched at. A group leaves the table whe
 written (the store's commit resolves it, under the same lock, so a reader never sees a group both in
 flight and stored), or when the rollout resolves it without rows (``aborted``: the prompt goes out
 again under a new id; ``filtered``; ``cancelled``). The planner reads the table as its in-flight
-supply (``StoreClient.inflight``), so it runs the exact quota feasibility test.
+supply (``StoreReader.inflight``), so it runs the exact quota feasibility test.
 
 In-flight entries are soft state: they are not written to the spill log, so a restarted node has
 none until the rollout registers again; a planner that sees fewer groups in flight is only more

@@ -7,7 +7,7 @@ Every project error is a :class:`KnitError` and, at the same time, a subclass of
   ``extra_info`` bytes (``b"knit:<ClassName>\\n<json attributes>"``);
 * a raw ``pyarrow.flight`` client sees a ``FlightError`` subclass whose message names the
   offending column, group or key;
-* :class:`flight_store.client.StoreClient` re-raises the SAME project class
+* :mod:`flight_store.client`'s store clients re-raise the SAME project class
   (:func:`from_flight_error`), so callers write ``except BudgetExceededError``.
 
 Whether to retry: ``retryable`` is a class attribute (and a field of the JSON in ``extra_info``). A

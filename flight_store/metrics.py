@@ -10,9 +10,11 @@ optional dependency (the ``run`` extra), imported only when metrics are enabled.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
+
+from schemas.replies import NodeStats
 
 
 def _import_prometheus() -> Any:
@@ -29,17 +31,18 @@ class StoreMetrics:
 
     Example:
         >>> import urllib.request
-        >>> m = StoreMetrics(node="n0", stats=lambda: {"rows": 3})
+        >>> from flight_store.store import Store
+        >>> m = StoreMetrics(node="n0", stats=Store().stats)
         >>> with m.observe("do_get") as rec:
         ...     rec.bytes_out += 1024
         >>> port = m.serve(0)
         >>> text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
-        >>> 'knit_bytes_out_total{rpc="do_get"} 1024.0' in text, "knit_rows 3.0" in text
+        >>> 'knit_bytes_out_total{rpc="do_get"} 1024.0' in text, "knit_rows 0.0" in text
         (True, True)
         >>> m.close()
     """
 
-    def __init__(self, *, node: str, stats: Callable[[], Mapping[str, Any]]) -> None:
+    def __init__(self, *, node: str, stats: Callable[[], NodeStats]) -> None:
         prom = _import_prometheus()
         from prometheus_client.core import GaugeMetricFamily
 
@@ -58,8 +61,8 @@ class StoreMetrics:
             def collect(self) -> Iterator[Any]:
                 s = stats_fn()
                 groups = GaugeMetricFamily("knit_groups", "groups by state", labels=["state"])
-                for state, n in (s.get("groups_by_state") or {}).items():
-                    groups.add_metric([str(state)], float(n))
+                for state, n in s.groups.model_dump().items():
+                    groups.add_metric([state], float(n))
                 yield groups
                 for key, help_ in (
                     ("rows", "trajectory rows held"),
@@ -72,8 +75,9 @@ class StoreMetrics:
                     ("images", "distinct images held"),
                     ("policy_version", "newest published policy version"),
                 ):
-                    if key in s and s[key] is not None:
-                        yield GaugeMetricFamily(f"knit_{key}", help_, value=float(s[key]))
+                    value = getattr(s, key)
+                    if value is not None:
+                        yield GaugeMetricFamily(f"knit_{key}", help_, value=float(value))
 
         self.registry.register(_StateCollector())  # type: ignore[arg-type]
 

@@ -80,7 +80,7 @@ class NodeProcess:
 
     Example:
         >>> with NodeProcess(ServerConfig(log_level="WARNING")) as node:  # doctest: +SKIP
-        ...     StoreClient(node.location).health()
+        ...     StoreAdmin(node.location).health()
     """
 
     def __init__(self, config: ServerConfig, workdir: Path | None = None, *,

@@ -18,38 +18,29 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
-import hmac
 import itertools
 import json
 import logging
-import secrets
 import threading
-from collections.abc import Callable, Iterable, Iterator
-from typing import Any, TypeVar
+from collections.abc import Iterable, Iterator
+from typing import Any
 
 import pyarrow as pa
 import pyarrow.flight as flight
 
 from flight_store.config import ClusterMember, ServerConfig
-from flight_store.errors import (
-    KnitError,
-    LimitExceededError,
-    SchemaMismatchError,
-    WireDecodeError,
-    WrongNodeError,
-    error_info,
-)
+from flight_store.errors import KnitError, SchemaMismatchError, WrongNodeError, error_info
 from flight_store.groups import check_columns, writer_meta
 from flight_store.memory import Incoming
 from flight_store.metrics import Record, StoreMetrics
+from flight_store.rpc import TokenAuthFactory, descriptor_bytes, error_json, guard, receive
 from flight_store.secrets import read_public, read_secret, read_token_file
 from flight_store.store import Store
-from flight_store.writes import Write, WriteSlots
-from schemas import routing
+from flight_store.writes import WriteSlots
+from schemas import replies, routing
 from schemas.arrow import SCHEMA_VERSION, TRAJECTORY_SCHEMA
 from schemas.routing import ROUTING
 from schemas.wire import (
-    ACTION_DESCRIPTIONS,
     LIMITS,
     DemandBody,
     DispatchBody,
@@ -61,14 +52,13 @@ from schemas.wire import (
     PutGroups,
     PutImages,
     PutWeights,
-    ReadChannel,
+    ReadChannelDescriptor,
     ReleaseBody,
     ResolveBody,
     SliceRef,
     SlicesTicket,
     WeightsTicket,
     WireError,
-    WireLimitError,
     decode_action_body,
     decode_descriptor,
     decode_exchange,
@@ -78,7 +68,6 @@ from schemas.wire import (
 )
 
 log = logging.getLogger(__name__)
-T = TypeVar("T")
 ANSWER_ROWS = 16384
 """Most rows of one message of a metadata answer (~2 MB): a scan of 100k rows streams, it is not one message."""
 SMALL_ANSWER = 1 << 20
@@ -89,55 +78,6 @@ _IPC_OPTIONS = pa.ipc.IpcWriteOptions()
 SMALL_ANSWER_SLICES = 16
 """A small answer of at most this many slices (one micro-batch) is made whole and sent by Arrow alone; a
 longer one (a whole step's micro-batches, streamed) is made as it is sent, so its first rows go out first."""
-
-
-def _guard(what: str, fn: Callable[[], T]) -> T:
-    """Run ``fn`` and turn any error into one a Flight client receives typed.
-
-    A bug (any other exception) is logged here with its traceback under a short id; the client sees
-    only the id, never internal names or the traceback.
-    """
-    try:
-        return fn()
-    except WireLimitError as exc:
-        raise LimitExceededError(str(exc), limit=exc.limit, value=exc.value) from None
-    except WireError as exc:
-        raise WireDecodeError(str(exc)) from None
-    except (KnitError, flight.FlightError):
-        raise
-    except Exception:
-        incident = secrets.token_hex(4)
-        log.exception("%s failed (incident %s)", what, incident)
-        msg = f"{what} failed: an internal error (incident {incident}, logged by the node)"
-        raise flight.FlightInternalError(msg) from None
-
-
-class _TokenAuthFactory(flight.ServerMiddlewareFactory):  # type: ignore[misc]
-    """Refuses every call whose ``authorization`` header is not ``Bearer <token>`` (constant-time compare)."""
-
-    def __init__(self, token: str) -> None:
-        super().__init__()
-        self._expected = b"Bearer " + token.encode()
-
-    def start_call(self, info: flight.CallInfo, headers: dict[str, list[Any]]) -> None:
-        values = headers.get("authorization", [])
-        for v in values:
-            got = v.encode() if isinstance(v, str) else bytes(v)
-            if hmac.compare_digest(got, self._expected):
-                return None
-        what = "no bearer token" if not values else "a wrong bearer token"
-        msg = f"unauthenticated: the call to {info.method} carried {what}"
-        raise flight.FlightUnauthenticatedError(msg)
-
-
-def _descriptor_bytes(descriptor: flight.FlightDescriptor) -> bytes:
-    if descriptor.descriptor_type == flight.DescriptorType.CMD:
-        return bytes(descriptor.command)
-    path = descriptor.path or []
-    if len(path) != 1:
-        msg = f"a path descriptor must hold exactly one JSON document, got {len(path)} elements"
-        raise WireError(msg)
-    return bytes(path[0])
 
 
 class StoreServer(flight.FlightServerBase):
@@ -152,9 +92,9 @@ class StoreServer(flight.FlightServerBase):
     Example:
         >>> from flight_store.config import StoreConfig
         >>> with StoreServer(ServerConfig(store=StoreConfig(memory_budget=1 << 30))) as server:
-        ...     from flight_store.client import StoreClient
-        ...     with StoreClient(server.location) as client:
-        ...         client.health()[server.location]["ok"]
+        ...     from flight_store.client import StoreAdmin
+        ...     with StoreAdmin(server.location) as admin:
+        ...         admin.health()[server.location].ok
         True
     """
 
@@ -169,7 +109,7 @@ class StoreServer(flight.FlightServerBase):
                 flight.CertKeyPair(read_public(config.tls_cert_file), read_secret(config.tls_key_file, "TLS key"))
             ]
         if config.auth_token_file is not None:
-            kwargs["middleware"] = {"knit_auth": _TokenAuthFactory(read_token_file(config.auth_token_file))}
+            kwargs["middleware"] = {"knit_auth": TokenAuthFactory(read_token_file(config.auth_token_file))}
         super().__init__(config.bind_location, **kwargs)
         self.coalesce_below = config.coalesce_below
         """A DoGet of several slices under this many bytes is sent as one copied batch (0 = never)."""
@@ -185,7 +125,7 @@ class StoreServer(flight.FlightServerBase):
         self.metrics_port: int | None = None
         """Port of ``/metrics`` (``None`` without metrics)."""
         if config.metrics_port is not None:
-            self.metrics = StoreMetrics(node=self.node_name, stats=self._metric_stats)
+            self.metrics = StoreMetrics(node=self.node_name, stats=self.stats)
             self.metrics_port = self.metrics.serve(config.metrics_port, host=config.host)
         self._ready = True
 
@@ -196,10 +136,10 @@ class StoreServer(flight.FlightServerBase):
             msg = "the node is starting (its store is not ready: e.g. its spill log is being replayed); retry shortly"
             raise flight.FlightUnavailableError(msg)
 
-    def cluster_view(self) -> dict[str, Any]:
+    def cluster_view(self) -> replies.ClusterReply:
         """The ``cluster`` action's answer: the routing, the view's version, the nodes (id, location), this id."""
-        return {"routing": ROUTING, "version": self.config.cluster_version, "self": self.node_name,
-                "nodes": [{"id": m.id, "location": m.location} for m in self._members]}
+        return replies.ClusterReply(routing=ROUTING, version=self.config.cluster_version, self_id=self.node_name,
+                            nodes=[replies.ClusterNode(id=m.id, location=m.location) for m in self._members])
 
     def _check_owner(self, group_id: str) -> None:
         """Refuse a group that routing gives another node of the cluster (:class:`WrongNodeError` names it)."""
@@ -211,11 +151,6 @@ class StoreServer(flight.FlightServerBase):
             msg = (f"group {group_id!r} belongs to node {owner} ({where}), not to node {self.node_name}: "
                    f"routing {ROUTING} over the cluster's ids (see the cluster action)")
             raise WrongNodeError(msg, group_id=group_id, owner=owner, location=where)
-
-    def _metric_stats(self) -> dict[str, Any]:
-        s = self.store.stats()
-        groups = s.get("groups")
-        return {**s, "groups_by_state": groups if isinstance(groups, dict) else {}}
 
     @contextlib.contextmanager
     def _observe(self, rpc: str) -> Iterator[Record]:
@@ -236,13 +171,13 @@ class StoreServer(flight.FlightServerBase):
     ) -> None:
         self._serving()
         with self._observe("do_put") as rec:
-            answer = _guard("DoPut", lambda: self._put(context, descriptor, reader, rec))
-        writer.write(pa.py_buffer(json.dumps(answer).encode()))
+            answer = guard("DoPut", lambda: self._put(context, descriptor, reader, rec))
+        writer.write(pa.py_buffer(answer.to_bytes()))
 
     def _put(self, context: flight.ServerCallContext, descriptor: flight.FlightDescriptor,
-             reader: flight.MetadataRecordBatchReader, rec: Record) -> dict[str, Any]:
+             reader: flight.MetadataRecordBatchReader, rec: Record) -> replies.Reply:
         """One DoPut: decode, take a writer slot, receive batch by batch (each counted as it arrives), store."""
-        doc = decode_descriptor(_descriptor_bytes(descriptor))
+        doc = decode_descriptor(descriptor_bytes(descriptor))
         if isinstance(doc, GroupRef):
             msg = "a 'group' descriptor names a stored group (GetFlightInfo); to write one, use kind 'put_group'"
             raise WireError(msg)
@@ -252,35 +187,25 @@ class StoreServer(flight.FlightServerBase):
             self._check_owner(doc.group_id)  # before a byte of the stream is read
         what = (f"group {doc.group_id!r}" if isinstance(doc, PutGroup) else
                 f"weights v{doc.version}" if isinstance(doc, PutWeights) else "images")
-        with self._writes.slot() as write, self.store.incoming(
-                what, new_group=doc.group_id if isinstance(doc, PutGroup) else None) as incoming:
-            write.incoming = incoming
-            batches = _receive(reader, write, incoming, doc.rows if isinstance(doc, PutGroup) else None, what)
-            rec.bytes_in += incoming.received
-            if context.is_cancelled():  # the client went away or its deadline passed: nothing is stored
-                msg = "the DoPut was cancelled before its stream ended; nothing stored"
-                raise flight.FlightCancelledError(msg)
+        group = doc.group_id if isinstance(doc, PutGroup) else None
+        with self._received(context, reader, rec, what, doc.rows if isinstance(doc, PutGroup) else None,
+                            group) as (batches, incoming):
             if isinstance(doc, PutGroup):
                 rows = self.store.put_group(doc.group_id, batches, doc.rows, writer_meta(reader.schema),
                                             incoming=incoming)
-                return {"group_id": doc.group_id, "rows_added": rows}
+                return replies.PutGroupReply(group_id=doc.group_id, rows_added=rows)
             table = pa.Table.from_batches(batches, schema=reader.schema)
             if isinstance(doc, PutImages):
-                return {"stored": self.store.put_images(table, incoming=incoming)}
-            return {"version": doc.version, "stored": self.store.put_weights(table, doc.version, incoming=incoming)}
+                return replies.PutImagesReply(stored=self.store.put_images(table, incoming=incoming))
+            return replies.PutWeightsReply(version=doc.version,
+                                   stored=self.store.put_weights(table, doc.version, incoming=incoming))
 
     def _put_groups(self, context: flight.ServerCallContext, doc: PutGroups,
-                    reader: flight.MetadataRecordBatchReader, rec: Record) -> dict[str, Any]:
+                    reader: flight.MetadataRecordBatchReader, rec: Record) -> replies.PutGroupsReply:
         """A bulk DoPut: receive the whole stream, then validate and commit each group on its own."""
         total = sum(g.rows for g in doc.groups)
         what = f"{len(doc.groups)} groups"
-        with self._writes.slot() as write, self.store.incoming(what) as incoming:
-            write.incoming = incoming
-            batches = _receive(reader, write, incoming, total, what)
-            rec.bytes_in += incoming.received
-            if context.is_cancelled():
-                msg = "the DoPut was cancelled before its stream ended; nothing stored"
-                raise flight.FlightCancelledError(msg)
+        with self._received(context, reader, rec, what, total, None) as (batches, incoming):
             got = sum(b.num_rows for b in batches)
             if got != total:
                 msg = f"{what} declare {total} rows but the stream carried {got}; nothing stored"
@@ -288,7 +213,22 @@ class StoreServer(flight.FlightServerBase):
             stored, refused = self.store.put_groups([(g.group_id, g.rows) for g in doc.groups], batches,
                                                     writer_meta(reader.schema), incoming=incoming,
                                                     check=self._check_owner)
-            return {"stored": stored, "refused": {gid: error_info(exc) for gid, exc in refused.items()}}
+            why = {gid: replies.RefusedGroup.model_validate(error_info(exc)) for gid, exc in refused.items()}
+            return replies.PutGroupsReply(stored=stored, refused=why)
+
+    @contextlib.contextmanager
+    def _received(self, context: flight.ServerCallContext, reader: flight.MetadataRecordBatchReader, rec: Record,
+                  what: str, rows: int | None, group: str | None) -> Iterator[tuple[list[pa.RecordBatch], Incoming]]:
+        """A DoPut's whole stream, received in a writer slot, each batch counted against the budget as it
+        arrives (``rows``: the most it may carry; ``group``: a group's write, checked early against the budget)."""
+        with self._writes.slot() as write, self.store.incoming(what, new_group=group) as incoming:
+            write.incoming = incoming
+            batches = receive(reader, write, incoming, rows, what)
+            rec.bytes_in += incoming.received
+            if context.is_cancelled():  # the client went away or its deadline passed: nothing is stored
+                msg = "the DoPut was cancelled before its stream ended; nothing stored"
+                raise flight.FlightCancelledError(msg)
+            yield batches, incoming
 
     # ---- DoGet ---------------------------------------------------------------------------------
 
@@ -296,7 +236,7 @@ class StoreServer(flight.FlightServerBase):
         self._serving()
         raw = ticket.ticket
         with self._observe("do_get") as rec:
-            schema, batches, nbytes = _guard("DoGet", lambda: self._answer(decode_ticket(raw)))
+            schema, batches, nbytes = guard("DoGet", lambda: self._answer(decode_ticket(raw)))
             rec.bytes_out += nbytes
         if isinstance(batches, list) and nbytes < SMALL_ANSWER:
             # a micro-batch's answer goes out as Arrow's own stream: no Python per batch and no forced
@@ -315,11 +255,11 @@ class StoreServer(flight.FlightServerBase):
             # this thread's earlier answers were freed once sent: their pages go back before this one is copied
             # (not for a small answer: a micro-batch's copy into warm pages costs a third of one into fresh ones)
             pa.default_memory_pool().release_unused()
-            with self.store.reading(nbytes):
+            with self.store.memory.reading(nbytes):
                 yield from batches
         finally:
             del batches
-            self.store.free_unused(force=True)
+            self.store.memory.free_unused(force=True)
 
     def _answer(self, doc: Any) -> tuple[pa.Schema, Iterable[pa.RecordBatch], int]:
         """The answer to a ticket: its schema, its batches (a list, or made as they are sent) and its payload
@@ -353,12 +293,12 @@ class StoreServer(flight.FlightServerBase):
 
     def do_exchange(self, context: flight.ServerCallContext, descriptor: flight.FlightDescriptor,
                     reader: flight.MetadataRecordBatchReader, writer: flight.MetadataRecordBatchWriter) -> None:
-        """A read channel (:class:`~schemas.wire.ReadChannel`): each request a ``slices`` ticket, each answer its
-        rows and an end message, until the client ends the channel or its deadline passes. A refused request is
-        answered with its typed error and the channel goes on."""
+        """A read channel (:class:`~schemas.wire.ReadChannelDescriptor`): each request a ``slices`` ticket, each
+        answer its rows and an end message, until the client ends the channel or its deadline passes. A refused
+        request is answered with its typed error and the channel goes on."""
         self._serving()
-        channel = _guard("DoExchange", lambda: decode_exchange(_descriptor_bytes(descriptor)))
-        _guard("DoExchange", lambda: check_columns(channel.columns))
+        channel = guard("DoExchange", lambda: decode_exchange(descriptor_bytes(descriptor)))
+        guard("DoExchange", lambda: check_columns(channel.columns))
         names = channel.columns if channel.columns is not None else TRAJECTORY_SCHEMA.names
         writer.begin(pa.schema([TRAJECTORY_SCHEMA.field(c) for c in names]), options=_IPC_OPTIONS)
         while True:
@@ -368,10 +308,10 @@ class StoreServer(flight.FlightServerBase):
                 return  # the client ended the channel
             try:
                 with self._observe("read") as rec:
-                    schema, batches, nbytes = _guard("read", functools.partial(self._read, request, channel))
+                    schema, batches, nbytes = guard("read", functools.partial(self._read, request, channel))
                     rec.bytes_out += nbytes
             except (KnitError, flight.FlightError) as exc:
-                writer.write_metadata(json.dumps({"error": _error_json(exc)}).encode())
+                writer.write_metadata(json.dumps({"error": error_json(exc)}).encode())
                 continue
             meta = {k.decode(): v.decode() for k, v in (schema.metadata or {}).items()}
             last, rows = None, 0
@@ -385,7 +325,8 @@ class StoreServer(flight.FlightServerBase):
             else:
                 writer.write_with_metadata(last, end)
 
-    def _read(self, request: pa.Buffer | None, channel: ReadChannel) -> tuple[pa.Schema, Iterable[pa.RecordBatch], int]:
+    def _read(self, request: pa.Buffer | None,
+              channel: ReadChannelDescriptor) -> tuple[pa.Schema, Iterable[pa.RecordBatch], int]:
         """The answer to a read channel's request: a ``slices`` ticket of the channel's columns."""
         if request is None:
             msg = "a read channel's request is a metadata-only message whose app metadata is a slices ticket"
@@ -402,42 +343,48 @@ class StoreServer(flight.FlightServerBase):
     # ---- actions -------------------------------------------------------------------------------
 
     def list_actions(self, context: flight.ServerCallContext) -> list[tuple[str, str]]:
-        return list(ACTION_DESCRIPTIONS.items())
+        return list(replies.ACTION_DESCRIPTIONS.items())
 
     def do_action(self, context: flight.ServerCallContext, action: flight.Action) -> Iterator[bytes]:
-        def run() -> dict[str, Any]:
-            body = decode_action_body(action.type, action.body.to_pybytes() if action.body else b"")
-            if action.type == "health":
-                return {"ok": True, "node": self.node_name, "schema_version": SCHEMA_VERSION}
-            if action.type == "cluster":
-                return self.cluster_view()
-            if action.type == "stats":
-                return {**self.store.stats(), "writers": self._writes.active, "writes_given_up": self._writes.given_up}
-            if isinstance(body, ReleaseBody):
-                return {"released": self.store.release(body.group_ids)}
-            if isinstance(body, PublishVersionBody):
-                return {"version": self.store.publish_version(body.version)}
-            if action.type == "get_version":
-                return {"version": self.store.get_version()}
-            if isinstance(body, DispatchBody):
-                for g in body.groups:
-                    self._check_owner(g.group_id)
-                stored = self.store.dispatch(body.groups)
-                return {"registered": len(body.groups) - len(stored), "stored": stored}
-            if isinstance(body, DemandBody):
-                self.store.set_demand(body.classes)
-                return {"demand": body.classes}
-            if isinstance(body, ResolveBody):
-                return {"resolved": self.store.resolve(body.group_ids, body.reason)}
-            if action.type == "inflight":
-                return self.store.inflight()
-            msg = f"unknown action {action.type!r}"  # pragma: no cover - decode_action_body checks
-            raise WireError(msg)
-
         self._serving()
-        with self._observe(f"action_{action.type}" if action.type in ACTION_DESCRIPTIONS else "action_unknown"):
-            answer = _guard(f"action {action.type!r}", run)
-        return iter([json.dumps(answer).encode()])
+        with self._observe(f"action_{action.type}" if action.type in replies.ACTION_DESCRIPTIONS else "action_unknown"):
+            answer = guard(f"action {action.type!r}", lambda: self._act(action))
+        return iter([answer.to_bytes()])
+
+    def _act(self, action: flight.Action) -> replies.Reply:
+        """The answer to one action (its body decoded by ``schemas.wire``, its answer a ``schemas.replies`` model)."""
+        body = decode_action_body(action.type, action.body.to_pybytes() if action.body else b"")
+        if action.type == "health":
+            return replies.HealthReply(ok=True, node=self.node_name, schema_version=SCHEMA_VERSION)
+        if action.type == "cluster":
+            return self.cluster_view()
+        if action.type == "stats":
+            return self.stats()
+        if isinstance(body, ReleaseBody):
+            return replies.ReleaseReply(released=self.store.release(body.group_ids))
+        if isinstance(body, PublishVersionBody):
+            return replies.VersionReply(version=self.store.publish_version(body.version))
+        if action.type == "get_version":
+            return replies.VersionReply(version=self.store.get_version())
+        if isinstance(body, DispatchBody):
+            for g in body.groups:
+                self._check_owner(g.group_id)
+            stored = self.store.supply.dispatch(body.groups)
+            return replies.DispatchReply(registered=len(body.groups) - len(stored), stored=stored)
+        if isinstance(body, DemandBody):
+            self.store.supply.set_demand(body.classes)
+            return replies.DemandReply(demand=body.classes)
+        if isinstance(body, ResolveBody):
+            return replies.ResolveReply(resolved=self.store.supply.resolve(body.group_ids, body.reason))
+        if action.type == "inflight":
+            return self.store.supply.inflight()
+        msg = f"unknown action {action.type!r}"  # pragma: no cover - decode_action_body checks
+        raise WireError(msg)
+
+    def stats(self) -> replies.NodeStats:
+        """The ``stats`` action's answer: the store's counters and the writes being received."""
+        return self.store.stats().model_copy(update={"writers": self._writes.active,
+                                                     "writes_given_up": self._writes.given_up})
 
     # ---- ListFlights / GetFlightInfo -----------------------------------------------------------
 
@@ -451,7 +398,7 @@ class StoreServer(flight.FlightServerBase):
     def list_flights(self, context: flight.ServerCallContext, criteria: bytes) -> Iterator[flight.FlightInfo]:
         """Up to ``groups_per_list`` stored groups in arrival order (criteria ``after``/``limit`` page on)."""
         self._serving()
-        crit = _guard("ListFlights", lambda: decode_list_criteria(criteria or b""))
+        crit = guard("ListFlights", lambda: decode_list_criteria(criteria or b""))
         limit = min(crit.limit or LIMITS["groups_per_list"], LIMITS["groups_per_list"])
         for gid in self.store.group_ids(after=crit.after, limit=limit):
             try:
@@ -463,14 +410,14 @@ class StoreServer(flight.FlightServerBase):
         self, context: flight.ServerCallContext, descriptor: flight.FlightDescriptor
     ) -> flight.FlightInfo:
         def run() -> flight.FlightInfo:
-            doc = decode_descriptor(_descriptor_bytes(descriptor))
+            doc = decode_descriptor(descriptor_bytes(descriptor))
             if not isinstance(doc, GroupRef | PutGroup):
                 msg = f"GetFlightInfo describes prompt groups only (kind 'group'), got a {doc.kind!r} descriptor"
                 raise SchemaMismatchError(msg, column=None)
             return self._group_info(doc.group_id)
 
         self._serving()
-        return _guard("GetFlightInfo", run)
+        return guard("GetFlightInfo", run)
 
     def __enter__(self) -> StoreServer:
         return self
@@ -481,7 +428,7 @@ class StoreServer(flight.FlightServerBase):
         gRPC lets running calls finish; a DoPut whose client stalls mid-stream never does (its handler
         waits for the client's next message), so after ``timeout_s`` the node stops waiting for it: such a
         write was refused already (idle limit) and stores nothing. A read channel ends at its deadline
-        (``StoreClient``'s within 2 s), or when ``timeout_s`` is up if its client gave it none.
+        (a store client's within 2 s), or when ``timeout_s`` is up if its client gave it none.
         """
         stopper = threading.Thread(target=super().shutdown, name="knit-shutdown", daemon=True)
         stopper.start()
@@ -499,36 +446,3 @@ class StoreServer(flight.FlightServerBase):
 
     def __exit__(self, *exc: object) -> None:
         self.shutdown()
-
-
-def _receive(reader: flight.MetadataRecordBatchReader, write: Write, incoming: Incoming, rows: int | None,
-             what: str) -> list[pa.RecordBatch]:
-    """The stream's batches, each counted against the budget as it arrives (so an oversized write is refused
-    at the batch that makes it too large, not after all of it arrived); ``rows``: the most rows a group
-    may send."""
-    batches: list[pa.RecordBatch] = []
-    got = 0
-    while True:
-        try:
-            chunk = reader.read_chunk()
-        except StopIteration:
-            write.touch()
-            return batches
-        write.touch()
-        data = chunk.data  # each access wraps the batch anew
-        if data is None or not data.num_rows:
-            continue
-        incoming.add(data.get_total_buffer_size())  # the buffers received (nbytes costs ~40 us a batch)
-        got += data.num_rows
-        if rows is not None and got > rows:
-            msg = f"{what} declares {rows} rows but its stream carried more; nothing stored"
-            raise SchemaMismatchError(msg, column="sample_idx")
-        batches.append(data)
-
-
-def _error_json(exc: Exception) -> dict[str, Any]:
-    """A refused read's error as a read channel sends it (a project error's JSON; any other Flight error's message)."""
-    if isinstance(exc, KnitError):
-        return error_info(exc)
-    retryable = isinstance(exc, flight.FlightUnavailableError)
-    return {"error": type(exc).__name__, "message": str(exc), "retryable": retryable}

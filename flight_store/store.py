@@ -1,18 +1,12 @@
 """The node-local store: prompt groups, metadata log, images, weights (no gRPC inside).
 
 :class:`Store` is the facade the Flight server calls. What it keeps lives in single-idea modules:
-
-* :mod:`flight_store.groups`: each prompt group as the batches that arrived, each in a block of its
-  own, with a ``sample_idx`` row index, served as zero-copy slices;
-* :mod:`flight_store.metadata`: the append-only metadata log (``seq`` = position in the log),
-  read from a cursor;
-* :mod:`flight_store.images`: images keyed by content hash, stored once, reference-counted by the
-  unreleased groups naming them;
-* :mod:`flight_store.weights`: the newest weights tables (``weights_versions`` of them) and the published
-  policy version;
-* :mod:`flight_store.memory`: the blocks, the memory budget, writes in flight, the RSS guard;
-* :mod:`flight_store.durability`: the spill log records and their replay;
-* :mod:`flight_store.contents`: the one commit path that changes all of the above.
+:mod:`~flight_store.groups` (each group's batches, served as zero-copy slices),
+:mod:`~flight_store.metadata` (the append-only log, ``seq`` = position), :mod:`~flight_store.images`
+(content-keyed, reference-counted), :mod:`~flight_store.weights` (the newest tables and the published
+version), :mod:`~flight_store.memory` (blocks, budget, writes in flight, RSS guard),
+:mod:`~flight_store.durability` (the spill log), :mod:`~flight_store.supply` (groups in flight, demand)
+and :mod:`~flight_store.contents` (the one commit path that changes them).
 
 A write runs in two steps: validate, deduplicate, reserve memory and append to the spill log
 (here), then commit (:class:`~flight_store.contents.StoreContents`); replaying the spill log
@@ -20,12 +14,11 @@ commits only, through the same methods.
 
 Guarantees: writes are validated first and committed atomically (nothing of a refused stream is
 stored); idempotent per ``(group_id, sample_idx)``; a full memory budget refuses writes with the
-retryable :class:`BudgetExceededError` and never drops data (the budget counts the memory a
-stored group really holds, its pages plus object overhead, and what writes in flight hold; see
-:attr:`StoreConfig.memory_budget`); one lock (an ``RLock`` the memory account shares) makes every
-method thread-safe. Durability (optional ``spill_dir``): every accepted change is fsynced to the
-spill log BEFORE it is committed in memory (so before DoPut returns), and a store reopened on the
-directory gets back what it held (see :mod:`flight_store.durability`).
+retryable :class:`BudgetExceededError` and never drops data (the budget counts what a stored group
+really holds and what writes in flight hold; see :attr:`StoreConfig.memory_budget`); one lock (an
+``RLock`` the memory account shares) makes every method thread-safe. Durability (optional
+``spill_dir``): every accepted change is fsynced to the spill log BEFORE it is committed in memory,
+and a store reopened on the directory gets back what it held (see :mod:`flight_store.durability`).
 """
 
 from __future__ import annotations
@@ -46,11 +39,12 @@ from flight_store.durability import Journal
 from flight_store.errors import KnitError, LimitExceededError, SchemaMismatchError
 from flight_store.images import images_table
 from flight_store.memory import Incoming, MemoryAccount, pack
+from flight_store.supply import Supply
 from flight_store.validate import normalize_group, normalize_groups, normalize_images
 from flight_store.weights import one_batch
 from schemas import weights as weights_codec
 from schemas.arrow import SCHEMA_VERSION
-from schemas.wire import DispatchedGroup
+from schemas.replies import NodeStats
 
 __all__ = ["MAX_VERSION_STEP", "Store", "StoreConfig"]
 
@@ -75,27 +69,23 @@ class Store:
         4
         >>> store.metadata(since=0, columns=["group_id", "sample_idx"]).num_rows
         4
-        >>> pa.Table.from_batches(store.slices([("g0", 1, 3)], columns=["sample_idx"])).column(0).to_pylist()
-        [1, 2]
     """
 
     def __init__(self, config: StoreConfig | None = None) -> None:
         self.config = config if config is not None else StoreConfig()
         self._lock = threading.RLock()
-        self._memory = MemoryAccount(
-            budget=self.config.memory_budget,
-            node_name=self.config.node_name,
-            rss_guard=self.config.rss_guard,
-            lock=self._lock,
-        )
+        self.memory = MemoryAccount(budget=self.config.memory_budget, node_name=self.config.node_name,
+                                    rss_guard=self.config.rss_guard, lock=self._lock)
+        """The memory account: budget, writes in flight, answers being sent, giving memory back to the OS."""
         cfg = self.config
         history_rows, tombstones = cfg.bookkeeping()
-        self._contents = StoreContents(cfg.node_name, self._memory, weights_versions=cfg.weights_versions,
+        self._contents = StoreContents(cfg.node_name, self.memory, weights_versions=cfg.weights_versions,
                                        history_rows=history_rows, tombstones=tombstones)
         self._journal = Journal(cfg.spill_dir, recovery=cfg.spill_recovery, compact_bytes=cfg.spill_compact_bytes)
         self.bytes_out = 0
         """Payload bytes served (slices, images, weights)."""
-        self._demand: dict[str, int] = {}
+        self.supply = Supply(self._contents, self._lock)
+        """The groups in flight here and the trainer's demand (:class:`~flight_store.supply.Supply`)."""
         self.started = time.time()
         self.recovered: dict[str, int] = {}
         """What replaying the spill log restored: records, groups (unreleased), released groups, rows."""
@@ -114,18 +104,9 @@ class Store:
     def close(self) -> None:
         """Close the spill log and the RSS guard (a memory-only store has nothing to close)."""
         self._journal.close()
-        self._memory.close()
+        self.memory.close()
 
     # ---- groups --------------------------------------------------------------------------------
-
-    def free_unused(self, *, force: bool = False) -> None:
-        """Give back to the OS the memory the allocators hold but nothing uses (see
-        :meth:`~flight_store.memory.MemoryAccount.free_unused`)."""
-        self._memory.free_unused(force=force)
-
-    def reading(self, nbytes: int) -> contextlib.AbstractContextManager[None]:
-        """An answer of ``nbytes`` being sent: memory the RSS guard does not hold against writes meanwhile."""
-        return self._memory.reading(nbytes)
 
     def incoming(self, what: str, *, new_group: str | None = None) -> Incoming:
         """A write about to be received (the server counts its bytes as they arrive, see :class:`Incoming`).
@@ -136,7 +117,7 @@ class Store:
         def admit() -> bool:
             return new_group is None or new_group not in self._contents.groups
 
-        return self._memory.incoming(what, admit=admit)
+        return self.memory.incoming(what, admit=admit)
 
     def _own_incoming(self, what: str, batches: Sequence[pa.RecordBatch | pa.Table],
                       new_group: str | None = None) -> Incoming:
@@ -153,13 +134,10 @@ class Store:
                   meta: dict[str, str] | None = None, *, incoming: Incoming | None = None) -> int:
         """Validate and store one whole group ``group_id`` of ``rows`` rows, atomically; returns rows added.
 
-        ``rows`` is what the writer declared (the server passes the descriptor's); ``None`` = the rows of
-        ``batches`` (an in-process caller hands over the whole group at once). ``incoming``: the server's
-        reservation for the bytes it received (default: one made here for ``batches``).
-
-        A group is written once: a rewrite with the same content is a no-op (returns 0; an idempotent
-        retry, also of a group already released), one with other content is refused. ``meta`` is the
-        writer's ``knittrans.*`` schema metadata (served back with its slices). All or nothing.
+        ``rows``: what the writer declared (``None`` = the rows of ``batches``); ``incoming``: the server's
+        reservation for the bytes it received (default: one made here). A group is written once: a rewrite
+        with the same content is a no-op (returns 0, also for a released group), one with other content is
+        refused. ``meta``: the writer's ``knittrans.*`` schema metadata (served back with its slices).
 
         Raises:
             SchemaMismatchError: a batch breaks the trajectory schema or a rule, or the stream does not hold
@@ -225,8 +203,8 @@ class Store:
             self._contents.images.check_present(keys, group_id)
             packed = [pack(b) for b in normalized]
             # stored groups + this group + what the OTHER writes in flight hold must fit
-            self._memory.reserve(sum(held for _, held in packed), what, incoming.others)
-            self._memory.check_rss(0, what)  # the packed blocks' pages are resident already
+            self.memory.reserve(sum(held for _, held in packed), what, incoming.others)
+            self.memory.check_rss(0, what)  # the packed blocks' pages are resident already
             self._journal.group(group_id, [block for block, _ in packed], meta or {})
             return self._contents.commit_group(group_id, normalized, packed, meta, image_keys=keys)
 
@@ -282,7 +260,7 @@ class Store:
                 freed = self._contents.commit_release(todo, same)
                 self._journal.maybe_compact(self._contents)
         if freed:
-            self._memory.free_unused()
+            self.memory.free_unused()
         return freed
 
     def has_group(self, group_id: str) -> bool:
@@ -321,7 +299,7 @@ class Store:
         with self._lock:
             released = self._contents.groups.released_among(ids)
         if merged:  # the merged chunks were freed on this thread
-            self._memory.free_unused()
+            self.memory.free_unused()
         return _metadata.with_released(table, released, columns)
 
     # ---- images --------------------------------------------------------------------------------
@@ -340,9 +318,9 @@ class Store:
             with self._lock:
                 new = self._contents.images.new(t.to_batches())
                 needed = sum(v.held for v in new.values())
-                self._memory.reserve(needed, f"{len(new)} image(s)", incoming.others)
+                self.memory.reserve(needed, f"{len(new)} image(s)", incoming.others)
                 if new:
-                    self._memory.check_rss(0, f"{len(new)} image(s)")
+                    self.memory.check_rss(0, f"{len(new)} image(s)")
                     self._journal.images([v.row for v in new.values()])
                 return self._contents.commit_images(new)
         raise AssertionError  # pragma: no cover - the with block returns or raises
@@ -398,8 +376,8 @@ class Store:
                         return False
                     leaving = slot.leaving()
                     freed = slot.held(leaving) if leaving is not None else 0
-                    self._memory.reserve(max(0, packed[1] - freed), what, incoming.others)
-                    self._memory.check_rss(0, what)
+                    self.memory.reserve(max(0, packed[1] - freed), what, incoming.others)
+                    self.memory.check_rss(0, what)
                     self._contents.commit_weights(batch, version, packed)
                 finally:
                     self._journal.keep_weights(slot.versions, written=version)  # a version not kept leaves
@@ -436,45 +414,15 @@ class Store:
         with self._lock:
             return self._contents.weights.published
 
-    # ---- groups in flight ----------------------------------------------------------------------
-
-    def dispatch(self, groups: Iterable[DispatchedGroup]) -> list[str]:
-        """Register groups in flight (or update their state); returns the ids already written here, which
-        are not registered (a registration that arrives after its group's rows changes nothing)."""
-        stored: list[str] = []
-        with self._lock:
-            c = self._contents
-            for g in groups:
-                if g.group_id in c.groups:
-                    stored.append(g.group_id)
-                    continue
-                c.dispatched.register(g.group_id, g.data_source, g.prompt_id, g.dispatch_version, g.state)
-        return stored
-
-    def resolve(self, group_ids: Iterable[str], reason: str) -> int:
-        """Take groups out of flight without rows (``reason``: aborted, filtered, cancelled); returns how many were."""
-        with self._lock:
-            return sum(self._contents.dispatched.resolve(g, reason) for g in dict.fromkeys(group_ids))
-
-    def set_demand(self, classes: dict[str, int]) -> None:
-        """Record what the trainer needs and nothing running brings (groups per data source; shown in ``stats``)."""
-        with self._lock:
-            self._demand = dict(classes)
-
-    def inflight(self) -> dict[str, object]:
-        """The groups in flight here, with the registration and resolution counts (the ``inflight`` action)."""
-        with self._lock:
-            return self._contents.dispatched.snapshot()
-
     # ---- stats ---------------------------------------------------------------------------------
 
-    def stats(self) -> dict[str, object]:
-        """Counters for the ``stats`` action (JSON-serialisable)."""
+    def stats(self) -> NodeStats:
+        """Counters for the ``stats`` action."""
         with self._lock:
-            c, memory = self._contents, self._memory
+            c, memory = self._contents, self.memory
             stored, released, rows_stored = c.groups.counts()
             rss = memory.rss()
-            return {
+            return NodeStats.model_validate({
                 "node": self.config.node_name,
                 "schema_version": SCHEMA_VERSION,
                 "rows": c.groups.rows,
@@ -485,7 +433,7 @@ class Store:
                 "spill_bytes": self._journal.size,
                 "spill_compactions": self._journal.compactions,
                 "groups": {"stored": stored, "released": released, "inflight": len(c.dispatched)},
-                "demand": dict(self._demand),
+                "demand": dict(self.supply.demand),
                 "bytes": memory.payload,
                 "images": len(c.images),
                 "image_bytes": c.images.nbytes,
@@ -499,4 +447,4 @@ class Store:
                 "bytes_in": c.bytes_in,
                 "bytes_out": self.bytes_out,
                 "uptime_s": round(time.time() - self.started, 3),
-            }
+            })

@@ -1,10 +1,9 @@
-"""Reading planned slices from store nodes: one ticket per node, rows back in plan order, streams.
+"""Reading planned slices from store nodes: one ticket per node, rows back in plan order.
 
 A fetch sends each node ONE slices ticket (:func:`slices_ticket`) for all the slices it holds, over
 a read channel (:class:`ReadChannel`, a long-lived DoExchange: no call per read), and puts the
-answers back in the order of the plan (:func:`in_order`); a stream of several micro-batches reads
-each node's single DoGet answer a micro-batch at a time (:class:`NodeStream`). Used by
-:class:`flight_store.client.StoreClient`.
+answers back in the order of the plan (:func:`in_order`). Used by
+:class:`flight_store.reading.StoreReader`.
 """
 
 from __future__ import annotations
@@ -12,17 +11,15 @@ from __future__ import annotations
 import contextlib
 import json
 import time
-from collections import deque
 from collections.abc import Iterable, Mapping, Sequence
 
 import pyarrow as pa
 import pyarrow.flight as flight
 
-from flight_store.errors import WireDecodeError, from_error_info
+from flight_store.errors import from_error_info
 from schemas.arrow import TRAJECTORY_SCHEMA
 from schemas.plan import PlannedSlice
-from schemas.wire import ReadChannel as ReadChannelDoc
-from schemas.wire import encode_slices_ticket
+from schemas.wire import ReadChannelDescriptor, SliceRef, SlicesTicket
 
 
 def empty_table(cols: list[str] | None) -> pa.Table:
@@ -45,8 +42,10 @@ def group_ids(slices: Iterable[PlannedSlice]) -> list[str]:
 
 
 def slices_ticket(slices: Iterable[PlannedSlice], cols: list[str] | None) -> bytes:
-    """The DoGet ticket of ``slices`` (one node's) projected to ``cols``."""
-    return encode_slices_ticket(((s.group_id, s.start, s.stop) for s in slices), cols)
+    """The DoGet ticket of ``slices`` (one node's) projected to ``cols``. Built unvalidated: the node validates
+    every ticket it is sent and answers a bad one with a typed error naming what is wrong."""
+    refs = [SliceRef.model_construct(group_id=s.group_id, start=s.start, stop=s.stop) for s in slices]
+    return SlicesTicket.model_construct(slices=refs, columns=cols).to_bytes()
 
 
 def in_order(slices: Sequence[PlannedSlice], tables: dict[str, pa.Table]) -> pa.Table:
@@ -61,47 +60,6 @@ def in_order(slices: Sequence[PlannedSlice], tables: dict[str, pa.Table]) -> pa.
     metas = [t.schema.metadata or {} for t in tables.values()]
     shared = {k: v for k, v in metas[0].items() if all(m.get(k) == v for m in metas[1:])}  # what every node says
     return pa.concat_tables(parts).replace_schema_metadata(shared or None)
-
-
-class NodeStream:
-    """One node's DoGet answer of several micro-batches, read a given number of rows at a time."""
-
-    def __init__(self, reader: flight.FlightStreamReader, node: str) -> None:
-        self.reader = reader
-        self.node = node
-        self._pending: deque[pa.RecordBatch] = deque()
-        self._rows = 0  # rows in _pending
-
-    def take(self, rows: int) -> pa.Table:
-        """The next ``rows`` rows (zero-copy slices of the received batches)."""
-        while self._rows < rows:
-            try:
-                batch = self.reader.read_chunk().data
-            except StopIteration:
-                msg = f"node {self.node} ended its stream {rows - self._rows} rows short"
-                raise WireDecodeError(msg) from None
-            self._pending.append(batch)
-            self._rows += batch.num_rows
-        out: list[pa.RecordBatch] = []
-        need = rows
-        while need:
-            batch = self._pending.popleft()
-            if batch.num_rows > need:
-                self._pending.appendleft(batch.slice(need))
-                batch = batch.slice(0, need)
-            out.append(batch)
-            need -= batch.num_rows
-        self._rows -= rows
-        return pa.Table.from_batches(out, schema=self.reader.schema)
-
-    def finish(self, _client: object = None) -> None:
-        """Check that the stream ends here (no rows beyond the ones asked for)."""
-        extra = self._rows
-        for chunk in self.reader:
-            extra += chunk.data.num_rows
-        if extra:
-            msg = f"node {self.node} streamed {extra} rows more than asked for"
-            raise WireDecodeError(msg)
 
 
 def keys_by_node(keys: Sequence[bytes], nodes: Mapping[bytes, str]) -> dict[str, list[bytes]]:
@@ -133,7 +91,7 @@ class ReadChannel:
         self.node = node
         self.columns = columns
         self._renew_at = time.monotonic() + lifetime / 2
-        descriptor = flight.FlightDescriptor.for_command(ReadChannelDoc(columns=columns).to_bytes())
+        descriptor = flight.FlightDescriptor.for_command(ReadChannelDescriptor(columns=columns).to_bytes())
         options = flight.FlightCallOptions(timeout=lifetime, headers=headers)
         try:
             self._writer, self._reader = client.do_exchange(descriptor, options)

@@ -81,8 +81,8 @@ def serve(argv: Sequence[str]) -> int:
 
 def meta(argv: Sequence[str]) -> int:
     """``knit meta``: polars SQL over the live metadata of every node."""
-    from flight_store.client import StoreClient
     from flight_store.query import TABLE, query_metadata
+    from flight_store.reading import StoreReader
 
     parser = argparse.ArgumentParser(prog="knit meta", description="Polars SQL over the live trajectory metadata "
                                      f"of every node, registered as the table {TABLE!r}.")
@@ -91,7 +91,7 @@ def meta(argv: Sequence[str]) -> int:
     parser.add_argument("--format", choices=["table", "csv", "json"], default="table")
     parser.add_argument("--token", default=None, help="bearer token (default: $KNIT_TOKEN)")
     args = parser.parse_args(list(argv))
-    with StoreClient([s for s in args.stores.split(",") if s], token=args.token) as client:
+    with StoreReader([s for s in args.stores.split(",") if s], token=args.token) as client:
         try:
             out = query_metadata(client.metadata(), args.sql)
         except ValueError as exc:

@@ -10,8 +10,9 @@ import time
 import numpy as np
 import polars as pl
 
-from flight_store.client import StoreClient
+from flight_store.reading import StoreReader
 from flight_store.server import StoreServer
+from flight_store.writing import StoreWriter
 from schemas.plan import PlannedSlice
 from schemas.records import TrajectoryRecord, records_to_batch
 
@@ -40,11 +41,12 @@ def run_demo(*, groups: int = 16, group_size: int = 4, seed: int = 0) -> int:
     """Run the demo, printing what each step did; returns 0 when every step checked out."""
     rng = np.random.default_rng(seed)
     t0 = time.perf_counter()
-    with StoreServer() as n0, StoreServer() as n1, StoreClient([n0.location, n1.location]) as client:
+    with StoreServer() as n0, StoreServer() as n1, \
+            StoreWriter([n0.location, n1.location]) as writer, StoreReader.sharing(writer) as client:
         # write: one DoPut per prompt group, placed by a stable hash of its id
         for g in range(groups):
             source = ("math", "code", "chat")[g % 3]
-            client.put_group(records_to_batch(_group(rng, f"prompt-{g}", group_size, source, version=0)))
+            writer.put_group(records_to_batch(_group(rng, f"prompt-{g}", group_size, source, version=0)))
 
         # scan: metadata only, from both nodes, as one polars frame
         meta = client.scan_new(columns=["group_id", "sample_idx", "data_source", "reward", "response_len"])

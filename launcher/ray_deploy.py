@@ -48,13 +48,14 @@ from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from typing import Any, Literal
 
-from flight_store.client import StoreClient
 from flight_store.config import ClusterMember, ServerConfig
 from flight_store.net import free_port, free_ports
+from flight_store.reading import StoreReader
 from launcher import report
 from launcher.placement import Placement, Site
 from launcher.run import Interrupted, LiveState, RunConfig, rollout_config, store_configs, train_config
 from schemas import documents
+from schemas.replies import NodeStats
 from train.config import ModelConfig
 
 log = logging.getLogger(__name__)
@@ -256,7 +257,7 @@ def run_on_ray(cfg: RunConfig, model: ModelConfig, *, address: str = "auto", eng
     t0 = time.time()
     try:
         _start(ray, dep, cfg, model, engine, cpus_per_actor)
-        with StoreClient(dep.locations, timeout=5.0) as client:
+        with StoreReader(dep.locations, timeout=5.0) as client:
             _supervise(ray, dep, cfg, client, state, stop, on_update, node_loss_grace_s)
         _collect(dep, cfg, partial=False)
     finally:
@@ -313,11 +314,11 @@ def _start(ray: Any, dep: Deployment, cfg: RunConfig, model: ModelConfig, engine
     dep.rollout.ref = dep.rollout.actor.run.remote(roll_cfg, engine)
 
 
-def _supervise(ray: Any, dep: Deployment, cfg: RunConfig, client: StoreClient, state: LiveState,
+def _supervise(ray: Any, dep: Deployment, cfg: RunConfig, client: StoreReader, state: LiveState,
                stop: threading.Event, on_update: Callable[[LiveState], None] | None, grace_s: float) -> None:
     """Follow the run until every trainer rank returned; on a failure, tell a lost node from a failed component."""
     deadline = time.monotonic() + cfg.timeout_s
-    last_stats: dict[str, dict[str, Any]] = {}
+    last_stats: dict[str, NodeStats] = {}
     pending = {c.ref: c for c in [*dep.ranks, dep.rollout] if c is not None}
     next_check = 0.0
     while any(c.ref in pending for c in dep.ranks):
@@ -341,7 +342,7 @@ def _supervise(ray: Any, dep: Deployment, cfg: RunConfig, client: StoreClient, s
                 _raise_lost(dep, cfg, lost, last_stats, cause="Ray marked the node dead")
         with contextlib.suppress(Exception):  # a slow or lost node: the checks above decide
             stats = client.stats()
-            dep.driver_bytes["stats"] += len(json.dumps(stats))
+            dep.driver_bytes["stats"] += sum(len(s.to_bytes()) for s in stats.values())
             last_stats.update(stats)
             state.read_stats(stats)
         state.read_progress(cfg.out / "progress.jsonl")
@@ -358,7 +359,7 @@ def _lost_node(ray: Any, dep: Deployment) -> dict[str, Any] | None:
 
 
 def _failed(ray: Any, dep: Deployment, cfg: RunConfig, comp: Component, exc: Exception,
-            last_stats: dict[str, dict[str, Any]], grace_s: float) -> None:
+            last_stats: dict[str, NodeStats], grace_s: float) -> None:
     """A component's call failed: a lost node if Ray marks one of ours dead within ``grace_s``, else that component."""
     log.warning("%s on %s failed (%s); asking Ray whether a node was lost", comp.name, comp.node_ip, type(exc).__name__)
     deadline = time.monotonic() + grace_s
@@ -371,17 +372,17 @@ def _failed(ray: Any, dep: Deployment, cfg: RunConfig, comp: Component, exc: Exc
     raise RayDeployError(msg) from exc
 
 
-def _raise_lost(dep: Deployment, cfg: RunConfig, node: dict[str, Any], last_stats: dict[str, dict[str, Any]],
+def _raise_lost(dep: Deployment, cfg: RunConfig, node: dict[str, Any], last_stats: dict[str, NodeStats],
                 *, cause: str) -> None:
     """Account for the lost node, save what the surviving stores hold, raise :class:`RayNodeLostError`."""
     ip, node_id = node["NodeManagerAddress"], node["NodeID"]
     lost_locations = [loc for s, loc in zip(dep.stores, dep.locations, strict=True) if s.node_id == node_id]
-    held = {loc: last_stats.get(loc, {}).get("groups", {}) for loc in lost_locations}
+    held = [last_stats[loc].groups for loc in lost_locations if loc in last_stats]
     accounting = {
         "node_ip": ip, "node_id": node_id, "components": dep.on(node_id), "detected_at": time.time(), "cause": cause,
         "stores_lost": lost_locations,
-        "groups_lost_unconsumed": sum(int(g.get("stored", 0)) for g in held.values()),
-        "groups_released_before_loss": sum(int(g.get("released", 0)) for g in held.values()),
+        "groups_lost_unconsumed": sum(g.stored for g in held),
+        "groups_released_before_loss": sum(g.released for g in held),
         "reason": "the node's store held them in memory and its spill log is on that node; not trained",
     }
     for c in dep.components:  # stop the rest now: a rank waiting on a lost peer would wait for its gloo timeout
@@ -397,12 +398,13 @@ def _raise_lost(dep: Deployment, cfg: RunConfig, node: dict[str, Any], last_stat
 def _collect(dep: Deployment, cfg: RunConfig, *, partial: bool, skip: set[str] = frozenset()) -> None:  # type: ignore[assignment]
     """The stores' metadata and counters into the run folder (metadata columns only: never payload)."""
     locations = [loc for loc in dep.locations if loc not in skip]
-    with StoreClient(locations, timeout=30.0, retries=3 if partial else 20) as client:
+    with StoreReader(locations, timeout=30.0, retries=3 if partial else 20) as client:
         metadata = client.scan_metadata(partial=partial)
         stats = client.stats()
     dep.driver_bytes["metadata"] += int(metadata.estimated_size())
     metadata.write_parquet(cfg.out / "metadata.parquet")
-    (cfg.out / "store_stats.json").write_text(json.dumps(stats, indent=1))
+    (cfg.out / "store_stats.json").write_text(json.dumps({n: s.model_dump(by_alias=True) for n, s in stats.items()},
+                                                          indent=1))
 
 
 def _stop_all(ray: Any, dep: Deployment) -> None:

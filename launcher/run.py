@@ -50,15 +50,16 @@ from typing import Any
 
 from admission.config import AdmissionConfig, Policy, Quota
 from connectors.config import DEFAULT_DATA_SOURCES, RolloutConfig
-from flight_store.client import StoreClient
 from flight_store.config import ClusterMember, ServerConfig, StoreConfig
 from flight_store.net import free_ports
+from flight_store.reading import StoreReader
 from launcher import report
 from launcher.children import ROOT, Child, Children
 from launcher.model import MODELS_DIR, RUN_MODELS, RunModelName
 from launcher.placement import Placement
 from launcher.stores import Stores
 from schemas import documents
+from schemas.replies import NodeStats
 from train.config import ModelConfig, OptimConfig, ParallelConfig, TrainConfig
 
 log = logging.getLogger(__name__)
@@ -275,11 +276,11 @@ class LiveState:
             self.admitted = max(self.admitted, int(self.steps[-1].get("admitted_groups") or 0))
             self.phase = "training"
 
-    def read_stats(self, stats: dict[str, dict[str, Any]]) -> None:
+    def read_stats(self, stats: dict[str, NodeStats]) -> None:
         """Take the stores' counters."""
-        self.written = sum(int(s["groups"]["stored"]) + int(s["groups"]["released"]) for s in stats.values())
-        self.consumed = sum(int(s["groups"]["released"]) for s in stats.values())
-        self.version = max(int(s.get("policy_version", 0)) for s in stats.values())
+        self.written = sum(s.groups.stored + s.groups.released for s in stats.values())
+        self.consumed = sum(s.groups.released for s in stats.values())
+        self.version = max(s.policy_version for s in stats.values())
 
 
 def run_policy(cfg: RunConfig, model: ModelConfig, *, stop: threading.Event,
@@ -307,16 +308,17 @@ def run_policy(cfg: RunConfig, model: ModelConfig, *, stop: threading.Event,
         rollout = kids.start("rollout", placement.rollout.command([sys.executable, "-m", "connectors", "--config",
                                                                    str(rollout_doc)]), env=placement.rollout.env)
         try:
-            with StoreClient(locations, timeout=5.0) as client:
+            with StoreReader(locations, timeout=5.0) as client:
                 interrupted = _supervise(cfg, kids, stores, (trainers, rollout), client, state, stop, on_update)
             stores.wait_up()  # every node answers: export their metadata, then stop them (Children.__exit__)
         finally:
             stores.close()
-        with StoreClient(locations, timeout=30.0, retries=20) as client:  # fresh connections, none in reconnect backoff
+        with StoreReader(locations, timeout=30.0, retries=20) as client:  # fresh connections, none in reconnect backoff
             metadata = client.metadata().collect()
             stats = client.stats()
         metadata.write_parquet(cfg.out / "metadata.parquet")
-        (cfg.out / "store_stats.json").write_text(json.dumps(stats, indent=1))
+        (cfg.out / "store_stats.json").write_text(json.dumps({n: s.model_dump(by_alias=True) for n, s in stats.items()},
+                                                              indent=1))
     urls = [f"http://{n.advertised_host}:{n.metrics_port}/metrics" for n in stores.nodes if n.metrics_port is not None]
     quotas = [(q.column, n) for q, n in zip(cfg.admission.quotas, cfg.admission.quota_counts(), strict=True)]
     result = report.policy_summary(cfg.out, config=json.loads(documents.dump(cfg)) | {
@@ -344,7 +346,7 @@ def start_trainer(kids: Children, placement: Placement, doc: Path, dp_ranks: int
 
 
 def _supervise(cfg: RunConfig, kids: Children, stores: Stores, workers: tuple[list[Child], Child],
-               client: StoreClient, state: LiveState, stop: threading.Event,
+               client: StoreReader, state: LiveState, stop: threading.Event,
                on_update: Callable[[LiveState], None] | None) -> bool:
     """Follow the run until the trainer exits, restarting a store node that dies; returns True when interrupted.
 

@@ -34,7 +34,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from flight_store.client import StoreClient
+from flight_store.client import StoreAdmin
 from flight_store.config import ServerConfig
 from launcher.children import Child, Children
 from launcher.placement import Site
@@ -100,7 +100,7 @@ class Stores:
             raise ValueError(msg)
         self._sites = sites if sites is not None else [Site() for _ in nodes]
         self._probe_s = probe_s
-        self._probes: dict[str, StoreClient] = {}  # the prober thread's own connections
+        self._probes: dict[str, StoreAdmin] = {}  # the prober thread's own connections
         self._prober: threading.Thread | None = None
         self._stop_probing = threading.Event()
         self._lock = threading.Lock()  # outages are appended by the prober too
@@ -208,9 +208,9 @@ class Stores:
         """``health`` over one long-lived connection per node (a probe costs one small call, no new connection)."""
         probe = self._probes.get(location)
         if probe is None:
-            probe = self._probes[location] = StoreClient(location, timeout=1.0, retries=0)
+            probe = self._probes[location] = StoreAdmin(location, timeout=1.0, retries=0)
         try:
-            return bool(probe.health()[location].get("ok"))
+            return bool(probe.health()[location].ok)
         except Exception as exc:  # any failure is "does not answer now"
             log.debug("probe of %s failed: %s", location, exc)
             return False
@@ -258,5 +258,5 @@ class Stores:
 
 def answers(location: str) -> bool:
     """Whether the node at ``location`` answers ``health`` now (a fresh connection: no reconnect backoff)."""
-    with StoreClient(location, timeout=1.0, retries=0) as probe:
-        return bool(probe.health()[location].get("ok"))
+    with StoreAdmin(location, timeout=1.0, retries=0) as probe:
+        return bool(probe.health()[location].ok)

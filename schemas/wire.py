@@ -9,9 +9,6 @@ are the only places that parse them, and raise :class:`WireError` naming what wa
 from __future__ import annotations
 
 import json
-import re
-from collections.abc import Iterable, Sequence
-from json.encoder import encode_basestring
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError, model_validator
@@ -233,7 +230,7 @@ Ticket = Annotated[MetadataTicket | SlicesTicket | ImagesTicket | WeightsTicket,
 # ---- DoExchange descriptors ----------------------------------------------------------------------
 
 
-class ReadChannel(_Doc):
+class ReadChannelDescriptor(_Doc):
     """A read channel: one long-lived DoExchange that answers ``slices`` tickets of these ``columns``, one
     request after another, without a call per read.
 
@@ -350,36 +347,10 @@ ACTION_BODIES: dict[str, type[_Doc]] = {
     "demand": DemandBody,
     "inflight": EmptyBody,
 }
-"""Action type -> body model; the server's ``list_actions`` describes the same set."""
-
-ACTION_DESCRIPTIONS: dict[str, str] = {
-    "health": 'liveness; answers {"ok": true, "node": ..., "schema_version": ...}',
-    "cluster": 'the cluster view: {"routing": "rendezvous-sha256", "version": N, "nodes": [{"id", "location"}], '
-               '"self": id}; a group belongs to the node routing picks from "nodes"',
-    "stats": "rows, bytes, groups by state, images, memory budget and use, bytes in/out",
-    "release": 'free the payload of consumed groups; body {"v":2,"group_ids":[...]}',
-    "publish_version": 'record the newest policy version; body {"v":2,"version":N}',
-    "get_version": 'the newest published policy version; answers {"version": N}',
-    "dispatch": 'register groups in flight (queued or running) with their quota class; body {"v":2,"groups":[...]}; '
-                'answers {"registered": N, "stored": [ids already written, so not registered]}',
-    "resolve": 'take groups out of flight without rows; body {"v":2,"group_ids":[...],"reason":"aborted"}',
-    "demand": 'groups per data_source the trainer needs and nothing running brings (shown in stats); '
-              'body {"v":2,"classes":{"math":2}}',
-    "inflight": 'the groups in flight here: {"groups": [{"group_id", "data_source", "prompt_id", '
-                '"dispatch_version", "state", "dispatched_at"}], "registered_total": N, "resolved": {reason: N}}',
-}
+"""Action type -> body model; ``schemas.replies.ACTION_DESCRIPTIONS`` describes the same set."""
 
 
-# ---- encoding on the hot path ---------------------------------------------------------------------
-
-def encode_slices_ticket(refs: Iterable[tuple[str, int, int]], columns: Sequence[str] | None) -> bytes:
-    """``SlicesTicket(slices=[(group_id, start, stop), ...], columns=columns).to_bytes()``, byte for byte, written
-    without building the model (3 us instead of 9 for a micro-batch's slices of one node): the client's
-    per-read encoder. The node validates every ticket it is sent and names what is wrong."""
-    slices = ",".join(f'{{"group_id":{encode_basestring(g)},"start":{a},"stop":{b}}}' for g, a, b in refs)
-    cols = "" if columns is None else ',"columns":[' + ",".join(map(encode_basestring, columns)) + "]"
-    return f'{{"v":{SCHEMA_VERSION},"kind":"slices","slices":[{slices}]{cols}}}'.encode()
-
+# ---- encoding -----------------------------------------------------------------------------------
 
 def encode_read_end(rows: int, metadata: dict[str, str]) -> bytes:
     """The app metadata ending a read channel's answer of ``rows`` rows: ``{"rows": N, "metadata": {...}}``
@@ -387,13 +358,6 @@ def encode_read_end(rows: int, metadata: dict[str, str]) -> bytes:
     carries it). A refused request is answered by one metadata-only message ``{"error": {...}}`` instead
     (the typed error's JSON, as a bulk write names a refused group)."""
     return json.dumps({"rows": rows, "metadata": metadata}).encode()
-
-
-def encode_put_group(group_id: str, rows: int) -> bytes:
-    """``PutGroup(group_id=group_id, rows=rows).to_bytes()``, byte for byte, without building the model (as
-    :func:`encode_slices_ticket`)."""
-    gid = encode_basestring(group_id)
-    return f'{{"v":{SCHEMA_VERSION},"kind":"put_group","group_id":{gid},"rows":{rows}}}'.encode()
 
 
 # ---- decoding ----------------------------------------------------------------------------------
@@ -447,59 +411,23 @@ def _validate(adapter: TypeAdapter[Any] | type[BaseModel], doc: Any, what: str) 
         raise WireError(msg) from None
 
 
-_PUT_GROUP_FORM = re.compile(
-    rb'\{"v":[0-9]{1,9},"kind":"put_group","group_id":"[^"\\\x00-\x1f]{1,512}","rows":[0-9]{1,9}\}')
-"""The form :func:`encode_put_group` writes for a group id without escapes: each key once, in its order."""
-
-
 def decode_descriptor(raw: bytes) -> PutGroup | PutGroups | PutImages | PutWeights | GroupRef:
-    """Parse a DoPut command descriptor.
-
-    A ``put_group`` descriptor of :func:`encode_put_group`'s form (every writer's hot path) is parsed by the model
-    in one call (~20 us less on a busy node than the general path's ``json`` and union dispatch); any other, and
-    one that form lets through but the model refuses, takes the general path, which names what is wrong.
-    """
-    if _PUT_GROUP_FORM.fullmatch(raw):  # one key of each: no duplicate to refuse
-        try:
-            return PutGroup.model_validate_json(raw)
-        except ValidationError:
-            pass
+    """Parse a DoPut command descriptor."""
     return _validate(_DESCRIPTOR, _load_json(raw, "descriptor", "descriptor_bytes"), "descriptor")  # type: ignore[no-any-return]
 
 
-_SLICE_FORM = rb'\{"group_id":"[^"\\\x00-\x1f]{1,512}","start":[0-9]{1,19},"stop":[0-9]{1,19}\}'
-_NAME_FORM = rb'"[^"\\\x00-\x1f]{1,512}"'
-_SLICES_FORM = re.compile(
-    rb'\{"v":[0-9]{1,9},"kind":"slices","slices":\[' + _SLICE_FORM + rb'(?:,' + _SLICE_FORM + rb')*\]'
-    rb'(?:,"columns":\[(?:' + _NAME_FORM + rb'(?:,' + _NAME_FORM + rb')*)?\])?\}')
-"""The form :func:`encode_slices_ticket` writes for ids and columns without escapes: each key once, in its order."""
-
-
 def decode_ticket(raw: bytes) -> MetadataTicket | SlicesTicket | ImagesTicket | WeightsTicket:
-    """Parse a DoGet ticket (or a read channel's request).
-
-    A ``slices`` ticket of :func:`encode_slices_ticket`'s form (every reader's hot path) within the limits is
-    parsed by the model in one call (~50 us less on a busy node than the general path); any other, and one
-    the model refuses, takes the general path, which names what is wrong.
-    """
-    if len(raw) <= LIMITS["ticket_bytes"] and _SLICES_FORM.fullmatch(raw):  # one key of each: no duplicate
-        try:
-            doc = SlicesTicket.model_validate_json(raw)
-        except ValidationError:
-            pass
-        else:
-            if len(doc.slices) <= LIMITS["slices_per_ticket"]:
-                return doc
+    """Parse a DoGet ticket (or a read channel's request)."""
     return _validate(_TICKET, _load_json(raw, "ticket", "ticket_bytes"), "ticket")  # type: ignore[no-any-return]
 
 
-def decode_exchange(raw: bytes) -> ReadChannel:
-    """Parse a DoExchange command descriptor (a :class:`ReadChannel`, the one kind of exchange)."""
+def decode_exchange(raw: bytes) -> ReadChannelDescriptor:
+    """Parse a DoExchange command descriptor (a :class:`ReadChannelDescriptor`, the one kind of exchange)."""
     doc = _load_json(raw, "exchange descriptor", "descriptor_bytes")
     if isinstance(doc, dict) and doc.get("kind") != "reads":
         msg = f"a DoExchange descriptor must be of kind 'reads', got {doc.get('kind')!r}"
         raise WireError(msg)
-    return _validate(ReadChannel, doc, "exchange descriptor")  # type: ignore[no-any-return]
+    return _validate(ReadChannelDescriptor, doc, "exchange descriptor")  # type: ignore[no-any-return]
 
 
 def decode_action_body(action: str, raw: bytes) -> _Doc:

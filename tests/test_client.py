@@ -1,4 +1,4 @@
-"""StoreClient over several real nodes: placement, metadata fan-out, fetch order, control calls."""
+"""The store clients (writer, reader, admin) over several real nodes: placement, metadata, fetch order, control."""
 
 from __future__ import annotations
 
@@ -13,10 +13,12 @@ import pytest
 from polars.testing import assert_frame_equal
 
 from flight_store import streams as streams_mod
-from flight_store.client import StoreClient
+from flight_store.client import StoreAdmin
 from flight_store.config import ServerConfig
 from flight_store.errors import NodeUnavailableError, SchemaMismatchError, UnknownGroupError, UnknownImageError
+from flight_store.reading import StoreReader
 from flight_store.server import StoreServer
+from flight_store.writing import StoreWriter
 from schemas.arrow import METADATA_SCHEMA
 from schemas.images import images_to_table
 from schemas.plan import PlannedSlice
@@ -55,28 +57,28 @@ class _CountingServer(StoreServer):
 def test_placement_is_rendezvous_over_the_node_ids(store_nodes, make_group) -> None:
     servers = store_nodes(3)
     locs = [s.location for s in servers]
-    with StoreClient(locs) as client:
+    with StoreWriter(locs) as client:
         assert client.nodes == locs
         written = {f"g{i}": client.put_group(make_group(f"g{i}", size=2)) for i in range(30)}
     assert all(written[g] == owner(g, locs) for g in written)  # a node's id is its location by default
     assert len(set(written.values())) == 3  # 30 groups spread over every node
     for s in servers:
         assert sorted(s.store.group_ids()) == sorted(g for g, n in written.items() if n == s.location)
-    with StoreClient(locs) as again:  # a new client places the same way
+    with StoreReader(locs) as again:  # a new client places the same way
         assert all(again.node_for(g) == n for g, n in written.items())
 
 
 def test_scan_metadata_fans_out_with_node_column(store_nodes, make_group) -> None:
     servers = store_nodes(2)
     locs = [s.location for s in servers]
-    with StoreClient(locs) as client:
+    with StoreReader(locs) as client, StoreWriter.sharing(client) as writer:
         empty = client.scan_metadata(columns=["group_id", "reward"])
         assert empty.height == 0 and empty.columns == ["seq", "group_id", "reward", "node"]
         assert empty.schema["node"] == pl.String and empty.schema["reward"] == pl.Float32
         full_empty = client.scan_metadata()
         assert full_empty.columns == [*METADATA_SCHEMA.names, "node"]
-        client.put_group(make_group("a", size=3), node=locs[0])
-        client.put_group(make_group("b", size=2), node=locs[1])
+        writer.put_group(make_group("a", size=3), node=locs[0])
+        writer.put_group(make_group("b", size=2), node=locs[1])
         frame = client.scan_metadata(columns=["group_id", "sample_idx"])
         assert dict(frame.schema) == {"seq": pl.Int64, "group_id": pl.String, "sample_idx": pl.Int32, "node": pl.String}
         got = frame.sort("group_id", "sample_idx").select("node", "group_id", "seq").rows()
@@ -90,14 +92,14 @@ def test_scan_metadata_fans_out_with_node_column(store_nodes, make_group) -> Non
 
 def test_scan_new_returns_each_row_once(store_nodes, make_group) -> None:
     servers = store_nodes(2)
-    with StoreClient([s.location for s in servers]) as client:
+    with StoreReader([s.location for s in servers]) as client, StoreWriter.sharing(client) as writer:
         for i in range(5):
-            client.put_group(make_group(f"g{i}", size=2))
+            writer.put_group(make_group(f"g{i}", size=2))
         first = client.scan_new(columns=["group_id"])
         assert first.height == 10
         assert client.scan_new(columns=["group_id"]).height == 0
-        client.put_group(make_group("late", size=3))
-        client.put_group(make_group("g0", size=2))  # duplicate: no new rows
+        writer.put_group(make_group("late", size=3))
+        writer.put_group(make_group("g0", size=2))  # duplicate: no new rows
         new = client.scan_new()
         assert new["group_id"].to_list() == ["late"] * 3
         assert_frame_equal(client.scan_new(), new.clear())
@@ -107,11 +109,11 @@ def test_fetch_one_read_per_node_over_kept_channels_in_slice_order(make_group) -
     servers = [_CountingServer() for _ in range(3)]
     try:
         locs = [s.location for s in servers]
-        with StoreClient(locs) as client:
+        with StoreReader(locs) as client, StoreWriter.sharing(client) as writer:
             for i in range(12):  # node 0's groups carry writer metadata, which comes back with their rows
                 group = make_group(f"g{i}", size=4)
                 meta = {"knittrans.logprobs_mode": "processed_logprobs"} if i % 3 == 0 else {}
-                client.put_group(group.replace_schema_metadata({**group.schema.metadata, **meta}), node=locs[i % 3])
+                writer.put_group(group.replace_schema_metadata({**group.schema.metadata, **meta}), node=locs[i % 3])
             rng = np.random.default_rng(1)
             plan = [(f"g{i}", int(a), int(a) + 2) for i in rng.permutation(12) for a in [rng.integers(0, 3)]]
             slices = [PlannedSlice(node=locs[int(g[1:]) % 3], group_id=g, start=a, stop=b) for g, a, b in plan]
@@ -159,8 +161,8 @@ def test_read_channel_refusals_are_typed_and_broken_or_old_channels_are_replaced
     stopped = False
     try:
         loc = server.location
-        with StoreClient([loc]) as client:
-            client.put_group(make_group("g", size=4))
+        with StoreReader([loc]) as client, StoreWriter.sharing(client) as writer:
+            writer.put_group(make_group("g", size=4))
             part = [PlannedSlice(node=loc, group_id="g", start=1, stop=3)]
             # the first channel ends without an answer: that read is made by DoGet
             assert client.fetch(part, columns=["sample_idx"])["sample_idx"].to_pylist() == [1, 2]
@@ -190,13 +192,13 @@ def _keys(table: pa.Table) -> list[tuple[str, int]]:
 
 
 @pytest.mark.parametrize("coalesce_below", [0, 1 << 20])  # one batch per slice run / all slices in one batch
-def test_stream_one_doget_per_node_yields_each_micro_batch_in_order(make_group, coalesce_below: int) -> None:
+def test_stream_yields_each_micro_batch_in_order_over_read_channels(make_group, coalesce_below: int) -> None:
     servers = [_CountingServer(ServerConfig(coalesce_below=coalesce_below)) for _ in range(2)]
     try:
         locs = [s.location for s in servers]
-        with StoreClient(locs) as client:
+        with StoreReader(locs) as client, StoreWriter.sharing(client) as writer:
             for i in range(10):
-                client.put_group(make_group(f"g{i}", size=4, response_len=3 + i), node=locs[i % 2])
+                writer.put_group(make_group(f"g{i}", size=4, response_len=3 + i), node=locs[i % 2])
             rng = np.random.default_rng(2)
             micro_batches = []
             for _ in range(5):  # mixed nodes, partial groups, uneven sizes
@@ -209,7 +211,7 @@ def test_stream_one_doget_per_node_yields_each_micro_batch_in_order(make_group, 
             cols = ["group_id", "sample_idx", "response_ids"]
             before = [s.doget_calls for s in servers]
             got = list(client.stream(micro_batches, columns=cols))
-            assert [s.doget_calls - b for s, b in zip(servers, before, strict=True)] == [1, 1]
+            assert [s.doget_calls - b for s, b in zip(servers, before, strict=True)] == [0, 0]  # no call per read
             assert len(got) == len(micro_batches)
             for mb, table in zip(micro_batches, got, strict=True):
                 assert table.column_names == cols
@@ -221,44 +223,43 @@ def test_stream_one_doget_per_node_yields_each_micro_batch_in_order(make_group, 
             s.shutdown()
 
 
-def test_stream_errors_are_typed_and_an_abandoned_stream_is_cancelled(store_nodes, make_group) -> None:
+def test_stream_errors_are_typed_and_an_abandoned_stream_reads_no_further(store_nodes, make_group) -> None:
     (server,) = store_nodes(1)
     node = server.location
-    with StoreClient(node) as client:
+    with StoreReader(node) as client, StoreWriter.sharing(client) as writer:
         for i in range(4):
-            client.put_group(make_group(f"g{i}", size=4, response_len=4096))
+            writer.put_group(make_group(f"g{i}", size=4, response_len=4096))
         mbs = [[PlannedSlice(node=node, group_id=f"g{i}", start=0, stop=4)] for i in range(4)]
         with pytest.raises(UnknownGroupError, match="ghost"):
             list(client.stream([*mbs, [PlannedSlice(node=node, group_id="ghost", start=0, stop=1)]]))
         stream = client.stream(mbs)
         assert _keys(next(stream))[0] == ("g0", 0)
-        stream.close()  # the caller stops early: the DoGet is cancelled, the node keeps serving
+        stream.close()  # the caller stops early: nothing more is read, the node keeps serving
         assert [_keys(t)[0] for t in client.stream(mbs)] == [(f"g{i}", 0) for i in range(4)]
 
 
-def test_stream_falls_back_to_per_micro_batch_fetch_when_a_node_stream_breaks(
-    store_nodes, make_group, monkeypatch
-) -> None:
+def test_stream_reads_a_node_by_doget_when_its_read_channel_breaks(store_nodes, make_group, monkeypatch) -> None:
     servers = store_nodes(2)
     locs = [s.location for s in servers]
-    with StoreClient(locs, backoff=0.01) as client:
+    with StoreReader(locs, backoff=0.01) as client, StoreWriter.sharing(client) as writer:
         for i in range(6):
-            client.put_group(make_group(f"g{i}", size=2), node=locs[i % 2])
+            writer.put_group(make_group(f"g{i}", size=2), node=locs[i % 2])
         mbs = [[PlannedSlice(node=locs[i % 2], group_id=f"g{i}", start=0, stop=2) for i in (k, k + 1)]
                for k in (0, 2, 4)]
         broken = {"calls": 0}
-        real_take = streams_mod.NodeStream.take
+        real_receive = streams_mod.ReadChannel.receive
 
-        def flaky_take(self, rows):  # type: ignore[no-untyped-def]
+        def flaky_receive(self):  # type: ignore[no-untyped-def]
             if self.node == locs[1]:
                 broken["calls"] += 1
-                raise flight.FlightUnavailableError("connection reset (injected)")
-            return real_take(self, rows)
+                self.close()
+                raise streams_mod.ChannelBrokenError("connection reset (injected)")
+            return real_receive(self)
 
-        monkeypatch.setattr(streams_mod.NodeStream, "take", flaky_take)
+        monkeypatch.setattr(streams_mod.ReadChannel, "receive", flaky_receive)
         got = [_keys(t) for t in client.stream(mbs)]
         assert got == [[(f"g{i}", 0), (f"g{i}", 1), (f"g{i + 1}", 0), (f"g{i + 1}", 1)] for i in (0, 2, 4)]
-        assert broken["calls"] == 1  # after the break, node 1 is fetched per micro-batch
+        assert broken["calls"] == 3  # each micro-batch's read of node 1 was made again by DoGet
         servers[1].shutdown()
         with pytest.raises(NodeUnavailableError, match=re.escape(locs[1])) as exc:
             list(client.stream(mbs))
@@ -268,21 +269,21 @@ def test_stream_falls_back_to_per_micro_batch_fetch_when_a_node_stream_breaks(
 def test_images_release_version_and_weights(store_nodes, make_group) -> None:
     servers = store_nodes(2)
     locs = [s.location for s in servers]
-    with StoreClient(locs) as client:
+    with StoreReader(locs) as client, StoreWriter.sharing(client) as writer:
         table, keys = images_to_table([np.full((2, 4, 4), v, dtype=np.uint8) for v in range(3)])
         with pytest.raises(ValueError, match="group_ids"):
-            client.put_images(table)  # images go to the node(s) of the groups that reference them
+            writer.put_images(table)  # images go to the node(s) of the groups that reference them
         a, b = (next(g for g in (f"g{i}" for i in range(99)) if client.node_for(g) == n) for n in locs)
-        assert client.put_images(table, group_ids=[a]) == 3
-        assert client.put_images(table.slice(1), group_ids=[a, b]) == 2  # node of a has them; node of b stores 2
+        assert writer.put_images(table, group_ids=[a]) == 3
+        assert writer.put_images(table.slice(1), group_ids=[a, b]) == 2  # node of a has them; node of b stores 2
         assert servers[0].store.has_image(keys[0]) and not servers[1].store.has_image(keys[0])
         got = client.fetch_images([keys[2], keys[0], keys[2], keys[1]])  # found wherever they are, once each
         assert got.column("image_key").to_pylist() == [keys[2], keys[0], keys[1]]
         assert client.fetch_images([keys[1]], nodes={keys[1]: locs[1]}).num_rows == 1
         with pytest.raises(UnknownImageError, match=bytes(32).hex()):
             client.fetch_images([bytes(32)])
-        client.put_group(make_group(a, size=2))
-        client.put_group(make_group(b, size=2))
+        writer.put_group(make_group(a, size=2))
+        writer.put_group(make_group(b, size=2))
         assert client.release([a, b, "never"]) == {locs[0]: 1, locs[1]: 1}
         assert client.release([a]) == {locs[0]: 0, locs[1]: 0}
         assert client.get_version() == 0
@@ -293,10 +294,10 @@ def test_images_release_version_and_weights(store_nodes, make_group) -> None:
         )
         client.put_weights(weights, 3)
         for loc in locs:
-            assert client.get_weights(node=loc).equals(weights.cast(WEIGHTS_SCHEMA))  # stored as the schema says
-        assert client.get_weights(3).num_rows == 2
+            assert writer.get_weights(node=loc).equals(weights.cast(WEIGHTS_SCHEMA))  # stored as the schema says
+        assert writer.get_weights(3).num_rows == 2
         stats = client.stats()
-        assert set(stats) == set(locs) and all(s["weights_version"] == 3 for s in stats.values())
+        assert set(stats) == set(locs) and all(s.weights_version == 3 for s in stats.values())
 
 
 def test_token_is_sent_as_bearer_header(monkeypatch, tmp_path) -> None:
@@ -309,12 +310,12 @@ def test_token_is_sent_as_bearer_header(monkeypatch, tmp_path) -> None:
     try:
         explicit, from_env = (s.location for s in servers)
         monkeypatch.delenv("KNIT_TOKEN", raising=False)
-        with StoreClient(explicit, token="s3cret") as client:
-            assert client.health()[explicit]["ok"] is True
+        with StoreAdmin(explicit, token="s3cret") as client:
+            assert client.health()[explicit].ok is True
         monkeypatch.setenv("KNIT_TOKEN", "from-env")
-        with StoreClient(from_env) as client:
-            assert client.stats()[from_env]["rows"] == 0
-        with StoreClient(explicit) as client, pytest.raises(flight.FlightUnauthenticatedError):
+        with StoreReader(from_env) as client:
+            assert client.stats()[from_env].rows == 0
+        with StoreReader(explicit) as client, pytest.raises(flight.FlightUnauthenticatedError):
             client.stats()  # the environment's token, not the explicit one
     finally:
         for s in servers:
@@ -324,11 +325,11 @@ def test_token_is_sent_as_bearer_header(monkeypatch, tmp_path) -> None:
 def test_unreachable_node(store_nodes) -> None:
     (server,) = store_nodes(1)
     dead = "grpc://127.0.0.1:1"
-    with StoreClient([server.location, dead], timeout=5) as client:
-        health = client.health()
-        assert health[server.location]["ok"] and not health[dead]["ok"]
+    with StoreReader([server.location, dead], timeout=5) as client, StoreAdmin.sharing(client) as admin:
+        health = admin.health()
+        assert health[server.location].ok and not health[dead].ok and health[dead].error
         with pytest.raises(NodeUnavailableError, match=re.escape("127.0.0.1:1")) as exc:
             client.scan_metadata()
         assert exc.value.node == dead and exc.value.retryable
     with pytest.raises(ValueError, match="unknown node"):
-        StoreClient(server.location).fetch([PlannedSlice(node=dead, group_id="g", start=0, stop=1)])
+        StoreReader(server.location).fetch([PlannedSlice(node=dead, group_id="g", start=0, stop=1)])

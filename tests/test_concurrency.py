@@ -7,7 +7,8 @@ from concurrent.futures import ThreadPoolExecutor
 
 import polars as pl
 
-from flight_store.client import StoreClient
+from flight_store.reading import StoreReader
+from flight_store.writing import StoreWriter
 from schemas.plan import PlannedSlice
 
 WRITERS = 8
@@ -18,12 +19,12 @@ GROUP_SIZE = 2
 def test_8_writers_x_200_groups_with_a_concurrent_reader(store_nodes, make_group) -> None:
     servers = store_nodes(2)
     locs = [s.location for s in servers]
-    shared = StoreClient(locs)  # half the writers share one client, half have their own
+    shared = StoreReader(locs)  # half the writers share its connections, half have their own
     stop = threading.Event()
     seen: list[pl.DataFrame] = []
 
     def writer(w: int) -> int:
-        client = shared if w % 2 else StoreClient(locs)
+        client = StoreWriter.sharing(shared) if w % 2 else StoreWriter(locs)
         try:
             for i in range(GROUPS_PER_WRITER):
                 gid = f"w{w}-g{i}"
@@ -33,11 +34,10 @@ def test_8_writers_x_200_groups_with_a_concurrent_reader(store_nodes, make_group
                     client.put_group(batch)  # a retried write: must not duplicate
             return GROUPS_PER_WRITER
         finally:
-            if client is not shared:
-                client.close()
+            client.close()
 
     def reader() -> None:
-        with StoreClient(locs) as client:
+        with StoreReader(locs) as client:
             while not stop.is_set():
                 seen.append(client.scan_new(columns=["group_id", "sample_idx"]))
             seen.append(client.scan_new(columns=["group_id", "sample_idx"]))
@@ -63,8 +63,8 @@ def test_8_writers_x_200_groups_with_a_concurrent_reader(store_nodes, make_group
     placed = meta.select("group_id", "node").unique()
     assert all(shared.node_for(g) == n for g, n in placed.iter_rows())  # each group on its hashed node
     stats = shared.stats()
-    assert sum(s["rows"] for s in stats.values()) == total
-    assert sum(s["groups"]["stored"] for s in stats.values()) == WRITERS * GROUPS_PER_WRITER
+    assert sum(s.rows for s in stats.values()) == total
+    assert sum(s.groups.stored for s in stats.values()) == WRITERS * GROUPS_PER_WRITER
     # every group is served from the node that holds it
     slices = [
         PlannedSlice(node=n, group_id=g, start=0, stop=GROUP_SIZE)

@@ -26,11 +26,14 @@ from connectors.fake_engine import FakeEngine
 from connectors.lookahead import LookaheadLimit, StoreStats, unreleased_groups
 from connectors.rollout import RolloutConfig, RolloutWorker, run_rollout
 from connectors.tasks import Prompt
-from flight_store.client import StoreClient
+from flight_store.reading import StoreReader
+from flight_store.store import Store
+from flight_store.writing import StoreWriter
 from launcher.children import CHILD_ENV, child_env
 from schemas import documents
 from schemas.images import image_key, table_to_images
 from schemas.plan import PlannedSlice
+from schemas.replies import GroupCounts
 from schemas.weights import WEIGHTS_SCHEMA
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -48,7 +51,7 @@ def _config(nodes: list[str], **kw: Any) -> RolloutConfig:
     return RolloutConfig(**base)
 
 
-def _all_rows(client: StoreClient, frame: pl.DataFrame, columns: list[str]) -> pa.Table:
+def _all_rows(client: StoreReader, frame: pl.DataFrame, columns: list[str]) -> pa.Table:
     groups = frame.group_by(["node", "group_id"]).agg(pl.len().alias("n")).sort("group_id")
     slices = [PlannedSlice(node=n, group_id=g, start=0, stop=k) for n, g, k in groups.iter_rows()]
     return client.fetch(slices, columns=columns)
@@ -61,7 +64,7 @@ def _all_rows(client: StoreClient, frame: pl.DataFrame, columns: list[str]) -> p
 def test_worker_streams_scored_groups_to_two_nodes(store_nodes, async_writes: bool) -> None:  # type: ignore[no-untyped-def]
     servers = store_nodes(2)
     nodes = [s.location for s in servers]
-    with StoreClient(nodes) as client:
+    with StoreReader(nodes) as client, StoreWriter.sharing(client) as writer:
         client.publish_version(3)
         engine = FakeEngine(max_steps=5)
         seen_during_run: list[int] = []
@@ -72,7 +75,7 @@ def test_worker_streams_scored_groups_to_two_nodes(store_nodes, async_writes: bo
                 if self.report.groups == 8 and not async_writes:  # half-way: the store has what was written
                     seen_during_run.append(client.scan_metadata(columns=["group_id"])["group_id"].n_unique())
 
-        with Spy(_config(nodes, async_writes=async_writes), client=client, engine=engine) as worker:
+        with Spy(_config(nodes, async_writes=async_writes), client=writer, engine=engine) as worker:
             report = worker.run()
         assert report.groups == 16 and report.rows == 64 and report.aborted_groups == 0
         assert len(report.write_times) == 16 and report.write_times == sorted(report.write_times)
@@ -96,10 +99,10 @@ def test_refused_and_unfinished_groups_are_written_as_aborted(store_nodes) -> No
     prompts = iter([Prompt(data_source="s", text="ok 1", sample={"answer": "1"}),
                     Prompt(data_source="s", text="REFUSE me", sample={"answer": "1"}),
                     Prompt(data_source="s", text="ok 2", sample={"answer": "1"})])
-    with StoreClient(server.location) as client:
+    with StoreReader(server.location) as client, StoreWriter.sharing(client) as writer:
         engine = FakeEngine(max_steps=10**9, refuse="REFUSE")  # never finishes on its own
         cfg = _config([server.location], max_groups=3, max_seconds=0.3)
-        report = RolloutWorker(cfg, client=client, engine=engine, prompts=prompts).run()
+        report = RolloutWorker(cfg, client=writer, engine=engine, prompts=prompts).run()
         assert report.groups == 3 and report.aborted_groups == 3
         assert sorted(engine.aborted) == ["t-0", "t-2"]
         frame = client.scan_metadata().sort(["group_id", "sample_idx"])
@@ -111,17 +114,17 @@ def test_refused_and_unfinished_groups_are_written_as_aborted(store_nodes) -> No
 
 def test_lookahead_limit_pauses_dispatch_until_groups_are_released(store_nodes) -> None:  # type: ignore[no-untyped-def]
     (server,) = store_nodes(1)
-    with StoreClient(server.location) as client:
+    with StoreReader(server.location) as client, StoreWriter.sharing(client) as writer:
         cfg = _config([server.location], max_groups=12, prompts_per_wave=2, max_unreleased_groups=6,
                       lookahead_poll_s=0.01)
-        worker = RolloutWorker(cfg, client=client, engine=FakeEngine(max_steps=2))
+        worker = RolloutWorker(cfg, client=writer, engine=FakeEngine(max_steps=2))
         result: dict[str, Any] = {}
         thread = threading.Thread(target=lambda: result.setdefault("report", worker.run()), daemon=True)
         thread.start()
         stalled_at = None
         for _ in range(100):
             time.sleep(0.05)
-            n = int(client.stats()[server.location]["groups"]["stored"])
+            n = int(client.stats()[server.location].groups.stored)
             if n >= 6 and stalled_at == n:
                 break
             stalled_at = n
@@ -131,7 +134,8 @@ def test_lookahead_limit_pauses_dispatch_until_groups_are_released(store_nodes) 
         thread.join(timeout=10)
         assert not thread.is_alive()
         assert result["report"].groups == 12
-    stats = {"a": {"groups": {"stored": 1}}, "b": {"groups": {"stored": 1}}}
+    one = Store().stats().model_copy(update={"groups": GroupCounts(stored=1, released=3, inflight=0)})
+    stats = {"a": one, "b": one}
     assert unreleased_groups(stats) == 2
     assert not LookaheadLimit(lambda: stats, limit=2, poll_s=0.0).allows(running=0)
     assert LookaheadLimit(lambda: stats, limit=3, poll_s=0.0).allows(running=0)
@@ -148,9 +152,9 @@ def test_custom_lookahead_hook_pauses_dispatch(store_nodes) -> None:  # type: ig
         seen.append(unreleased_groups(stats))
         return unreleased_groups(stats) >= 4
 
-    with StoreClient(server.location) as client:
+    with StoreReader(server.location) as client, StoreWriter.sharing(client) as writer:
         cfg = _config([server.location], max_groups=8, prompts_per_wave=1, lookahead_poll_s=0.0)
-        worker = RolloutWorker(cfg, client=client, engine=FakeEngine(max_steps=1), lookahead=hook)
+        worker = RolloutWorker(cfg, client=writer, engine=FakeEngine(max_steps=1), lookahead=hook)
         result: dict[str, Any] = {}
         thread = threading.Thread(target=lambda: result.setdefault("report", worker.run()), daemon=True)
         thread.start()
@@ -158,7 +162,7 @@ def test_custom_lookahead_hook_pauses_dispatch(store_nodes) -> None:  # type: ig
         while time.monotonic() < deadline and seen.count(4) < 3:  # checked again and again at 4: paused
             time.sleep(0.02)
         assert thread.is_alive(), "the hook should pause dispatch"
-        assert int(client.stats()[server.location]["groups"]["stored"]) == 4
+        assert int(client.stats()[server.location].groups.stored) == 4
         client.release(client.scan_metadata(columns=["group_id"])["group_id"].unique().to_list())
         thread.join(timeout=10)
         assert not thread.is_alive() and result["report"].groups == 8
@@ -166,11 +170,11 @@ def test_custom_lookahead_hook_pauses_dispatch(store_nodes) -> None:  # type: ig
 
 def test_lookahead_counts_running_groups(store_nodes) -> None:  # type: ignore[no-untyped-def]
     (server,) = store_nodes(1)
-    with StoreClient(server.location) as client:
+    with StoreReader(server.location) as client, StoreWriter.sharing(client) as writer:
         engine = FakeEngine(max_steps=3)
         cfg = _config([server.location], group_size=2, max_groups=12, prompts_per_wave=8, lookahead_poll_s=0.01,
                       max_unreleased_groups=3, lookahead_counts_running=True)
-        worker = RolloutWorker(cfg, client=client, engine=engine)
+        worker = RolloutWorker(cfg, client=writer, engine=engine)
         done = threading.Event()
         thread = threading.Thread(target=lambda: (worker.run(), done.set()), daemon=True)
         thread.start()
@@ -195,13 +199,13 @@ def test_rollout_waits_for_and_loads_the_initial_weights(store_nodes) -> None:  
     (server,) = store_nodes(1)
     table = pa.table({"name": ["w"], "shape": [[1]], "dtype": ["float32"], "data": [b"\0\0\0\0"]},
                      schema=WEIGHTS_SCHEMA)
-    with StoreClient(server.location) as client:
+    with StoreReader(server.location) as client, StoreWriter.sharing(client) as writer:
         engine = FakeEngine(max_steps=2)
         cfg = _config([server.location], max_groups=2, weight_sync=True, wait_initial_weights_s=20.0)
         timer = threading.Timer(0.5, lambda: client.put_weights(table, 0))  # the trainer publishes v0 later
         timer.start()
         t0 = time.monotonic()
-        report = RolloutWorker(cfg, client=client, engine=engine).run()
+        report = RolloutWorker(cfg, client=writer, engine=engine).run()
         timer.join()
         assert time.monotonic() - t0 >= 0.5  # it waited for the weights before generating
         assert len(engine.loaded) == 1 and engine.loaded[0].column("name").to_pylist() == ["w"]
@@ -209,7 +213,7 @@ def test_rollout_waits_for_and_loads_the_initial_weights(store_nodes) -> None:  
         cfg = _config([server.location], max_groups=1, weight_sync=True, wait_initial_weights_s=0.3,
                       initial_version=5)
         with pytest.raises(TimeoutError, match="version 5"):
-            RolloutWorker(cfg, client=client, engine=FakeEngine()).run()
+            RolloutWorker(cfg, client=writer, engine=FakeEngine()).run()
 
 
 def test_images_are_stored_once_and_referenced_by_every_row(store_nodes) -> None:  # type: ignore[no-untyped-def]
@@ -219,13 +223,13 @@ def test_images_are_stored_once_and_referenced_by_every_row(store_nodes) -> None
     own = [rng.random((3, 8, 8), dtype=np.float32) for _ in range(3)]
     prompts = [Prompt(data_source="mm", text=f"describe {i}", sample={"answer": "0"},
                       images=(shared, own[i], shared)) for i in range(3)]
-    with StoreClient(server.location) as client:
-        report = RolloutWorker(_config([server.location], max_groups=3), client=client, engine=FakeEngine(),
+    with StoreReader(server.location) as client, StoreWriter.sharing(client) as writer:
+        report = RolloutWorker(_config([server.location], max_groups=3), client=writer, engine=FakeEngine(),
                                prompts=iter(prompts)).run()
         assert report.groups == 3
         assert report.images_written == 6  # 2 distinct per prompt, dedup inside the prompt
         stats = client.stats()[server.location]
-        assert stats["images"] == 4  # the shared image once across prompts
+        assert stats.images == 4  # the shared image once across prompts
         frame = client.scan_metadata()
         assert set(frame["num_images"].to_list()) == {3}
         table = _all_rows(client, frame, ["group_id", "image_keys"])
@@ -247,11 +251,11 @@ def test_weight_sync_loads_published_weights_and_tags_versions(store_nodes) -> N
                         "data": [np.float32([1, 2]).tobytes()]},
                        schema=pa.schema([("name", pa.string()), ("shape", pa.list_(pa.int32())),
                                          ("dtype", pa.string()), ("data", pa.large_binary())]))
-    with StoreClient(server.location) as client:
+    with StoreReader(server.location) as client, StoreWriter.sharing(client) as writer:
         client.put_weights(weights, 2)
         client.publish_version(2)
         engine = FakeEngine()
-        report = RolloutWorker(_config([server.location], max_groups=4, weight_sync=True), client=client,
+        report = RolloutWorker(_config([server.location], max_groups=4, weight_sync=True), client=writer,
                                engine=engine).run()
         assert len(engine.loaded) == 1 and engine.loaded[0].column("name").to_pylist() == ["lm_head.weight"]
         assert report.policy_versions == [2]
@@ -312,7 +316,7 @@ def test_run_rollout_writes_the_report_and_stops_cleanly_on_sigterm(store_nodes,
     timer.join()
     assert signal.getsignal(signal.SIGTERM) is previous
     assert report.groups == 3 and report.aborted_groups == 3 and sorted(engine.aborted) == ["s-0", "s-1", "s-2"]
-    with StoreClient(server.location) as client:
+    with StoreReader(server.location) as client:
         frame = client.scan_metadata().filter(pl.col("group_id").str.starts_with("s-"))
         assert frame.height == 12 and set(frame["status"].unique()) == {"aborted"}
 
@@ -356,7 +360,7 @@ def test_real_vllm_round_trip_is_exact_and_streams_to_two_nodes(store_nodes, tin
                         dump_raw=str(raw_path), weight_sync=True, initial_version=7, version_poll_s=0.05)
     cmd = [sys.executable, "-m", "connectors", "--config", str(documents.write(cfg, tmp_path / "rollout.json"))]
     polls: list[tuple[float, int]] = []
-    with StoreClient(nodes) as client:
+    with StoreReader(nodes) as client:
         client.publish_version(7)
         with subprocess.Popen(cmd, cwd=ROOT, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                               text=True) as proc:
@@ -476,12 +480,13 @@ def _weights_driver(model: str, location: str, out: str) -> None:
     before = float(np.abs(hf_logprobs(old, p, r) - lp).max())
     g = torch.Generator().manual_seed(1)
     new = {k: v + 0.05 * torch.randn(v.shape, generator=g) for k, v in old.items()}
-    from flight_store.client import StoreClient
+    from flight_store.reading import StoreReader
+    from flight_store.writing import StoreWriter
 
-    with StoreClient(location) as client:
+    with StoreReader(location) as client, StoreWriter.sharing(client) as writer:
         client.put_weights(from_tensors(new.items(), torch), 1)
         client.publish_version(1)
-        table = client.get_weights(client.get_version())
+        table = writer.get_weights(client.get_version())
     loaded = load_weights_into_llm(llm, table)
     p2, r2, lp2 = vllm_run()
     doc = {

@@ -15,11 +15,12 @@ import polars as pl
 import pyarrow as pa
 import pytest
 
-from flight_store.client import StoreClient
 from flight_store.config import ServerConfig, StoreConfig
 from flight_store.errors import CapacityExceededError, GroupReleasedError
+from flight_store.reading import StoreReader
 from flight_store.spill import LOG_NAME, SpillCorruptionError, SpillLog
 from flight_store.store import Store
+from flight_store.writing import StoreWriter
 from schemas.images import images_to_table
 from schemas.plan import PlannedSlice
 
@@ -60,9 +61,9 @@ def test_restart_restores_groups_seq_images_weights_version(tmp_path: Path, make
     assert version == 7 and weights.column("data").to_pylist() == [b"\x01\x02"]
     assert again.get_version() == 5
     for k in ("rows_stored", "metadata_rows", "groups", "images"):
-        assert again.stats()[k] == stats[k], k
+        assert getattr(again.stats(), k) == getattr(stats, k), k
     for k in ("bytes", "memory_used"):  # buffer padding may differ by a few bytes after the IPC round trip
-        assert again.stats()[k] == pytest.approx(stats[k], rel=0.02), k
+        assert getattr(again.stats(), k) == pytest.approx(getattr(stats, k), rel=0.02), k
     # numbering continues; a release after the restart sticks too (and frees the image)
     again.put_group("d", [make_group("d", size=2)])
     assert _meta(again)[-2:] == [(9, "d", 0), (10, "d", 1)]
@@ -182,8 +183,8 @@ def test_compaction_keeps_the_log_proportional_to_what_is_live(tmp_path: Path, m
             store.put_weights(w, i)
         sizes.append((tmp_path / LOG_NAME).stat().st_size)
     stats = store.stats()
-    assert stats["spill_compactions"] > 3 and max(sizes[100:]) < 3 * (64 << 10)  # bounded, not 200 groups' worth
-    assert int(stats["metadata_rows_held"]) <= 4 * 3 + 40 + 10  # live rows + the bounded history
+    assert stats.spill_compactions > 3 and max(sizes[100:]) < 3 * (64 << 10)  # bounded, not 200 groups' worth
+    assert stats.metadata_rows_held <= 4 * 3 + 40 + 10  # live rows + the bounded history
     before = _meta(store)
     live = store.group_ids()
     store.close()
@@ -191,7 +192,7 @@ def test_compaction_keeps_the_log_proportional_to_what_is_live(tmp_path: Path, m
     assert again.group_ids() == live == ["g197", "g198", "g199"]
     assert [m for m in _meta(again) if m[1] in live] == [m for m in before if m[1] in live]  # same seq
     assert again.put_group("g10", [make_group("g10", size=4, response_len=64)]) == 0  # a tombstone recognises it
-    assert again.weights()[1] == 150 and again.stats()["weights_version"] == 150
+    assert again.weights()[1] == 150 and again.stats().weights_version == 150
     again.put_group("new", [make_group("new", size=1)])
     assert _meta(again)[-1][0] == 800  # numbering continues after every row ever written
     again.close()
@@ -293,7 +294,7 @@ def test_sigkill_during_four_writers_loses_no_acknowledged_group(tmp_path: Path,
     stop = threading.Event()
 
     def writer(w: int) -> None:
-        with StoreClient(loc, timeout=5, retries=0) as client:
+        with StoreWriter(loc, timeout=5, retries=0) as client:
             i = 0
             while not stop.is_set():
                 gid = f"w{w}-g{i}"
@@ -308,7 +309,7 @@ def test_sigkill_during_four_writers_loses_no_acknowledged_group(tmp_path: Path,
     try:
         for t in threads:
             t.start()
-        with StoreClient(loc, timeout=5) as client:
+        with StoreReader(loc, timeout=5) as client:
             while sum(map(len, acked)) < 40:
                 time.sleep(0.01)
             to_release = [a[0] for a in acked]
@@ -330,7 +331,7 @@ def test_sigkill_during_four_writers_loses_no_acknowledged_group(tmp_path: Path,
 
     proc, loc = node_process(node)
     try:
-        with StoreClient(loc) as client:
+        with StoreReader(loc) as client, StoreWriter.sharing(client) as writer:
             meta = client.scan_metadata(columns=["group_id", "sample_idx"])
             rows = meta.group_by("group_id").agg(n=pl.col("sample_idx").count(), k=pl.col("sample_idx").n_unique())
             counts = dict(zip(rows["group_id"].to_list(), zip(rows["n"].to_list(), rows["k"].to_list(), strict=True),
@@ -354,11 +355,11 @@ def test_sigkill_during_four_writers_loses_no_acknowledged_group(tmp_path: Path,
                 sorted(live)[0], size=4, response_len=64
             ).column("response_ids").to_pylist()
             stats = client.stats()[loc]
-            assert stats["groups"]["released"] == len(released)
+            assert stats.groups.released == len(released)
             for g in released:  # released before the kill: not resurrected
                 with pytest.raises(GroupReleasedError):
                     client.fetch([PlannedSlice(node=loc, group_id=g, start=0, stop=1)])
-            client.put_group(make_group("after-restart", size=2), node=loc)
+            writer.put_group(make_group("after-restart", size=2), node=loc)
             new = client.scan_metadata(since={loc: len(seqs)})
             assert new["seq"].to_list() == [len(seqs), len(seqs) + 1]
     finally:

@@ -25,7 +25,8 @@ from flight_store.config import ServerConfig, StoreConfig
 from flight_store.errors import ERROR_CLASSES, KnitError, from_flight_error
 from flight_store.server import StoreServer
 from schemas.records import TrajectoryRecord, records_to_batch
-from schemas.wire import ACTION_DESCRIPTIONS, PutGroup
+from schemas.replies import ACTION_DESCRIPTIONS
+from schemas.wire import PutGroup
 
 OPTIONS = flight.FlightCallOptions(timeout=10)
 SETTINGS = settings(max_examples=40, deadline=None, derandomize=True)

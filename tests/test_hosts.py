@@ -273,12 +273,12 @@ def test_sites_and_placements_are_checked() -> None:
 
 
 def test_a_node_bound_to_every_interface_advertises_the_address_given(store_nodes) -> None:  # type: ignore[no-untyped-def]
-    from flight_store.client import StoreClient
+    from flight_store.client import StoreAdmin
 
     (node,) = store_nodes(1, ServerConfig(host="0.0.0.0", advertise_host="127.0.0.1"))
     assert node.location.startswith("grpc://127.0.0.1:")
-    with StoreClient(node.location) as client:
-        assert client.health()[node.location]["ok"]
+    with StoreAdmin(node.location) as client:
+        assert client.health()[node.location].ok
 
 
 def test_store_configs_bind_and_advertise_their_sites(tmp_path: Path) -> None:

@@ -6,8 +6,10 @@ import json
 
 import pytest
 
-from flight_store.client import StoreClient
 from flight_store.errors import WireDecodeError, WrongNodeError
+from flight_store.reading import StoreReader
+from flight_store.writing import StoreWriter
+from schemas.replies import ACTION_REPLIES, DispatchReply
 from schemas.wire import DispatchedGroup
 
 
@@ -19,9 +21,9 @@ def _d(gid: str, source: str = "math", state: str = "running", version: int = 0)
 def test_dispatched_groups_are_in_flight_on_their_node_until_written(store_nodes, make_group,  # type: ignore[no-untyped-def]
                                                                     spread_ids) -> None:
     servers = store_nodes(2)
-    with StoreClient([s.location for s in servers]) as client:
+    with StoreReader([s.location for s in servers]) as client, StoreWriter.sharing(client) as writer:
         ids = spread_ids(client, 6)
-        assert client.dispatch([_d(g, "math" if i % 2 else "code") for i, g in enumerate(ids)]) == []
+        assert writer.dispatch([_d(g, "math" if i % 2 else "code") for i, g in enumerate(ids)]) == []
         seen = client.inflight()
         assert sorted(seen.groups["group_id"].to_list()) == sorted(ids)
         assert dict(zip(seen.groups["group_id"], seen.groups["node"], strict=True)) == {g: client.node_for(g)
@@ -29,19 +31,19 @@ def test_dispatched_groups_are_in_flight_on_their_node_until_written(store_nodes
         assert seen.registered_total == 6
         assert seen.groups.group_by("data_source").len().sort("data_source").rows() == [("code", 3), ("math", 3)]
 
-        client.dispatch([_d(ids[0], state="queued", version=3)])  # an update, not a second registration
+        writer.dispatch([_d(ids[0], state="queued", version=3)])  # an update, not a second registration
         row = client.inflight().groups.filter(group_id=ids[0]).row(0, named=True)
         assert (row["state"], row["dispatch_version"]) == ("queued", 3)
 
-        client.put_group(make_group(ids[1], size=2))  # its rows resolve it
-        assert client.resolve([ids[2], "never-dispatched"], "aborted") == 1
+        writer.put_group(make_group(ids[1], size=2))  # its rows resolve it
+        assert writer.resolve([ids[2], "never-dispatched"], "aborted") == 1
         after = client.inflight()
         assert sorted(after.groups["group_id"].to_list()) == sorted(set(ids) - {ids[1], ids[2]})
         assert after.registered_total == 6 and after.resolved == {"written": 1, "aborted": 1}
-        assert sum(st["groups"]["inflight"] for st in client.stats().values()) == 4
+        assert sum(st.groups.inflight for st in client.stats().values()) == 4
 
         # a registration that arrives after the group's rows changes nothing
-        assert client.dispatch([_d(ids[1])]) == [ids[1]]
+        assert writer.dispatch([_d(ids[1])]) == [ids[1]]
         assert ids[1] not in client.inflight().groups["group_id"].to_list()
 
 
@@ -53,14 +55,14 @@ def test_a_group_is_registered_only_with_its_own_node(store_nodes) -> None:  # t
     members = [ClusterMember(id=f"node{i}", location=f"grpc://127.0.0.1:{p}") for i, p in enumerate(ports)]
     servers = [store_nodes(1, ServerConfig(port=p, node_name=f"node{i}", cluster=members))[0]
                for i, p in enumerate(ports)]
-    with StoreClient.from_cluster(servers[0].location) as client:
+    with StoreReader.from_cluster(servers[0].location) as client, StoreWriter.sharing(client) as writer:
         gid = "g0"
         other = next(s for s in servers if s.location != client.node_for(gid))
         body = json.dumps({"v": 2, "groups": [_d(gid).model_dump()]}).encode()
         with pytest.raises(WrongNodeError, match="belongs to node"):
-            client._calls.action(other.location, "dispatch", body)
+            client._calls.action(other.location, "dispatch", DispatchReply, body)
         assert client.inflight().groups.height == 0
-        client.dispatch([_d(gid)])  # the client sends it where it belongs
+        writer.dispatch([_d(gid)])  # the client sends it where it belongs
         assert client.inflight().groups["node"].to_list() == [client.node_for(gid)]
 
 
@@ -75,9 +77,9 @@ def test_a_group_is_registered_only_with_its_own_node(store_nodes) -> None:  # t
 def test_bad_bodies_are_refused_by_name(store_nodes, doc, what) -> None:  # type: ignore[no-untyped-def]
     (server,) = store_nodes(1)
     action = "resolve" if "reason" in doc else "dispatch"
-    with StoreClient(server.location) as client:
+    with StoreReader(server.location) as client:
         with pytest.raises(WireDecodeError, match=what):
-            client._calls.action(server.location, action, json.dumps(doc).encode())
+            client._calls.action(server.location, action, ACTION_REPLIES[action], json.dumps(doc).encode())
         assert client.inflight().registered_total == 0
 
 
@@ -111,8 +113,8 @@ def test_groups_the_engine_aborts_go_out_again_and_every_train_batch_keeps_its_q
                         lookahead_counts_running=True, lookahead_poll_s=0.02, commit_ahead=b, max_redispatch=20)
     admission = AdmissionConfig(train_batch_groups=b, group_size=g, mini_batches=k,
                                 quotas=(Quota(column="data_source", counts={"add_small": 2, "mul_large": 2}),))
-    with StoreClient(locations) as client:
-        worker = RolloutWorker(cfg, client=client, engine=engine, prompts=iter(prompts))
+    with StoreReader(locations) as client, StoreWriter.sharing(client) as writer:
+        worker = RolloutWorker(cfg, client=writer, engine=engine, prompts=iter(prompts))
         thread = threading.Thread(target=worker.run, daemon=True)
         thread.start()
         path = tmp_path / "consumed.parquet"
@@ -160,8 +162,8 @@ def test_committed_prompts_go_out_slow_source_ahead_by_its_lead(store_nodes) -> 
         cfg = RolloutConfig(model="unused", stores=[server.location], group_size=2, max_groups=0,
                             prompts_per_wave=1, commit_ahead=8, mix_chunk=8, version_poll_s=0.0,
                             dispatch_order=dispatch_order)
-        with StoreClient(server.location) as client, RolloutWorker(
-                cfg, client=client, engine=FakeEngine(max_steps=1),
+        with StoreReader(server.location) as client, StoreWriter.sharing(client) as writer, RolloutWorker(
+                cfg, client=writer, engine=FakeEngine(max_steps=1),
                 prompts=itertools.islice(mixed_prompts(cfg.data_sources, seed=5, chunk=8), 8)) as worker:
             worker._top_up()
             worker._latencies = {src: deque([lat]) for src, lat in latency.items()}
@@ -195,7 +197,7 @@ def test_committed_prompts_go_out_slow_source_ahead_by_its_lead(store_nodes) -> 
     # the ages of its groups still running count as well: before any completes, they alone give its lead
     assert source_latency([1.0] * 3, running=[9.0]) == 3.0 and source_latency([], running=[2.0, 4.0]) == 3.5
     cfg = RolloutConfig(model="unused", stores=[server.location], group_size=2, max_groups=0)
-    with StoreClient(server.location) as client, RolloutWorker(cfg, client=client,
+    with StoreWriter(server.location) as client, RolloutWorker(cfg, client=client,
                                                                engine=FakeEngine(max_steps=1)) as worker:
         worker._latencies = {"add_small": deque([0.1])}
         worker._completed_at.extend(i / 10.0 for i in range(11))  # 10 groups a second
@@ -225,14 +227,14 @@ def test_a_synchronous_rollout_generates_each_train_batch_with_the_weights_it_st
     cfg = RolloutConfig(model="unused", stores=[server.location], group_size=2, max_groups=3 * b,
                         prompts_per_wave=4, commit_ahead=b, version_poll_s=0.0, group_id_prefix="s-",
                         synchronous=(b, k))
-    with StoreClient(server.location) as client:
-        worker = RolloutWorker(cfg, client=client, engine=FakeEngine(max_steps=1))
+    with StoreReader(server.location) as client, StoreWriter.sharing(client) as writer:
+        worker = RolloutWorker(cfg, client=writer, engine=FakeEngine(max_steps=1))
         thread = threading.Thread(target=worker.run, daemon=True)
         thread.start()
 
         def stored_after(wait_s: float) -> int:
             time.sleep(wait_s)
-            return int(client.stats()[server.location]["groups"]["stored"])
+            return int(client.stats()[server.location].groups.stored)
 
         assert stored_after(0.5) == b  # train batch 1 waits for version 2
         client.publish_version(1)

@@ -1,4 +1,4 @@
-"""``knit meta`` (polars SQL over the live metadata of every node) and ``StoreClient.metadata()`` on real nodes."""
+"""``knit meta`` (polars SQL over the live metadata of every node) and ``StoreReader.metadata()`` on real nodes."""
 
 from __future__ import annotations
 
@@ -9,24 +9,27 @@ from pathlib import Path
 
 import polars as pl
 
-from flight_store.client import StoreClient
+from flight_store.client import StoreNodes
 from flight_store.query import query_metadata
+from flight_store.reading import StoreReader
+from flight_store.writing import StoreWriter
 
 ROOT = Path(__file__).resolve().parents[1]
 SQL = "SELECT data_source, avg(reward) AS reward, count(*) AS n FROM trajectories GROUP BY 1 ORDER BY 1"
 
 
-def _write(client: StoreClient, make_group, spread_ids) -> None:  # type: ignore[no-untyped-def]
+def _write(client: StoreNodes, make_group, spread_ids) -> None:  # type: ignore[no-untyped-def]
     # 6 groups of 4 over 3 sources, owned by every node; make_group's rewards are i % 2 -> 0.5 per group
     for g, gid in enumerate(spread_ids(client, 6)):
         source = ("math", "code", "chat")[g % 3]
-        client.put_group(make_group(gid, size=4, data_source=source, policy_version=g // 2))
+        with StoreWriter.sharing(client) as writer:
+            writer.put_group(make_group(gid, size=4, data_source=source, policy_version=g // 2))
 
 
 def test_knit_meta_sql_over_two_live_nodes(store_nodes, make_group, spread_ids) -> None:  # type: ignore[no-untyped-def]
     servers = store_nodes(2)
     nodes = [s.location for s in servers]
-    with StoreClient(nodes) as client:
+    with StoreReader(nodes) as client:
         _write(client, make_group, spread_ids)
         assert set(client.scan_metadata(columns=["group_id"])["node"].unique()) == set(nodes)  # both nodes hold data
     res = subprocess.run([sys.executable, "-m", "launcher", "meta", "--stores", ",".join(nodes), "--sql", SQL,
@@ -40,7 +43,7 @@ def test_knit_meta_sql_over_two_live_nodes(store_nodes, make_group, spread_ids) 
 
 def test_knit_meta_refuses_a_bad_query(store_nodes, make_group, spread_ids) -> None:  # type: ignore[no-untyped-def]
     (server,) = store_nodes(1)
-    with StoreClient(server.location) as client:
+    with StoreReader(server.location) as client:
         _write(client, make_group, spread_ids)
     res = subprocess.run([sys.executable, "-m", "launcher", "meta", "--stores", server.location, "--sql",
                           "SELECT no_such_column FROM trajectories"], cwd=ROOT, capture_output=True, text=True,
@@ -51,7 +54,7 @@ def test_knit_meta_refuses_a_bad_query(store_nodes, make_group, spread_ids) -> N
 
 def test_metadata_lazyframe_api(store_nodes, make_group, spread_ids) -> None:  # type: ignore[no-untyped-def]
     servers = store_nodes(2)
-    with StoreClient([s.location for s in servers]) as client:
+    with StoreReader([s.location for s in servers]) as client:
         _write(client, make_group, spread_ids)
         lazy = client.metadata()
         assert isinstance(lazy, pl.LazyFrame)

@@ -14,9 +14,9 @@ import pyarrow as pa
 import pyarrow.flight as flight
 import pytest
 
-from flight_store.client import StoreClient
 from flight_store.config import ServerConfig, StoreConfig
 from flight_store.server import StoreServer
+from flight_store.writing import StoreWriter
 from schemas.wire import LIMITS
 
 G = 4
@@ -123,7 +123,7 @@ def test_a_document_of_many_keys_is_refused_in_linear_time() -> None:
 
 
 def test_list_flights_answers_a_page_at_a_time() -> None:
-    with StoreServer() as server, StoreClient(server.location) as client:
+    with StoreServer() as server, StoreWriter(server.location) as client:
         for i in range(LIMITS["groups_per_list"] + 200):
             client.put_group(_group(f"g{i:05d}", rows=1))
         raw = flight.connect(server.location)
@@ -227,7 +227,7 @@ def test_writers_beyond_the_cap_are_refused_retryably_and_the_client_retries() -
         timer = threading.Timer(0.5, lambda: (writer.write_table(_group("slow")), writer.done_writing(),
                                               writer.close()))
         timer.start()
-        with StoreClient(server.location, retries=6, backoff=0.1) as client:
+        with StoreWriter(server.location, retries=6, backoff=0.1) as client:
             client.put_group(_group("b"))  # retried until the slot is free
         timer.join()
         assert sorted(server.store.group_ids()) == ["b", "slow"]

@@ -33,9 +33,10 @@ import polars as pl
 import pyarrow as pa
 import pytest
 
-from flight_store.client import StoreClient
 from flight_store.config import ServerConfig, StoreConfig
 from flight_store.errors import BudgetExceededError
+from flight_store.reading import StoreReader
+from flight_store.writing import StoreWriter
 from schemas.plan import PlannedSlice
 
 WRITERS = 64
@@ -59,7 +60,7 @@ def _status_kib(pid: int, field: str) -> int:
     raise KeyError(msg)
 
 
-def _consume(client: StoreClient, frame: pl.DataFrame) -> list[str]:
+def _consume(client: StoreReader, frame: pl.DataFrame) -> list[str]:
     """Fetch the groups of a scanned metadata ``frame`` 64 at a time, release them; returns their ids."""
     groups = frame.group_by("group_id", "node", maintain_order=True).agg(pl.len().alias("n"))
     assert (groups["n"] == GROUP_SIZE).all()
@@ -77,7 +78,7 @@ def _consume(client: StoreClient, frame: pl.DataFrame) -> list[str]:
     return done
 
 
-def _warm_up(wclient: StoreClient, cclient: StoreClient, template: pa.Table, gid_index: int) -> None:
+def _warm_up(wclient: StoreWriter, cclient: StoreReader, template: pa.Table, gid_index: int) -> None:
     """The 64 writers put one group each at once; the consumer fetches and releases them (nodes end empty)."""
 
     def put(w: int) -> None:
@@ -98,8 +99,8 @@ def test_64_writers_budget_backpressure_nothing_dropped_rss_bounded(make_group, 
     locs = [loc for _, loc in procs]
     clients = contextlib.ExitStack()
     try:
-        wclient = clients.enter_context(StoreClient(locs, timeout=30))
-        cclient = clients.enter_context(StoreClient(locs, timeout=30))
+        wclient = clients.enter_context(StoreWriter(locs, timeout=30))
+        cclient = clients.enter_context(StoreReader(locs, timeout=30))
         template = pa.Table.from_batches([make_group("t", size=GROUP_SIZE, response_len=RESPONSE_LEN)])
         gid_index = template.schema.get_field_index("group_id")
         _warm_up(wclient, cclient, template, gid_index)
@@ -114,7 +115,7 @@ def test_64_writers_budget_backpressure_nothing_dropped_rss_bounded(make_group, 
         done = threading.Event()
         pushed_back = threading.Event()
 
-        def writer(w: int, client: StoreClient) -> None:
+        def writer(w: int, client: StoreWriter) -> None:
             rng = random.Random(w)
             try:
                 for i in range(GROUPS_PER_WRITER):
@@ -135,7 +136,7 @@ def test_64_writers_budget_backpressure_nothing_dropped_rss_bounded(make_group, 
             except BaseException as exc:  # reported below; a writer must never give up
                 failures.append(exc)
 
-        def consumer(client: StoreClient) -> None:
+        def consumer(client: StoreReader) -> None:
             pushed_back.wait(timeout=60)  # let the writers fill the budget first: backpressure is certain
             try:
                 while len(consumed) < total and not done.is_set():
@@ -174,9 +175,9 @@ def test_64_writers_budget_backpressure_nothing_dropped_rss_bounded(make_group, 
     assert set(consumed) == set(acked) and all(n == 1 for n in consumed.values())  # each exactly once
     assert sum(retries.values()) > 0, "the budget never pushed back: the test does not test backpressure"
     for s in stats.values():
-        assert s["groups"] == {"stored": 0, "released": s["groups"]["released"], "inflight": 0}
-        assert s["memory_used"] == 0 and s["memory_in_flight"] == 0
-    assert sum(s["groups"]["released"] for s in stats.values()) == total + WRITERS  # + the warm-up's
+        assert s.groups.stored == 0 and s.groups.inflight == 0
+        assert s.memory_used == 0 and s.memory_in_flight == 0
+    assert sum(s.groups.released for s in stats.values()) == total + WRITERS  # + the warm-up's
     growth = {pid: (peaks[pid] - baseline[pid]) * 1024 for pid in peaks}
     report = {
         "elapsed_s": round(elapsed, 1),

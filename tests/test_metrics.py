@@ -6,9 +6,10 @@ import urllib.request
 
 import pytest
 
-from flight_store.client import StoreClient
 from flight_store.config import ServerConfig, StoreConfig
+from flight_store.reading import StoreReader
 from flight_store.server import StoreServer
+from flight_store.writing import StoreWriter
 from schemas.plan import PlannedSlice
 
 pytest.importorskip("prometheus_client")
@@ -31,8 +32,8 @@ def test_metrics_follow_write_fetch_release(make_group) -> None:
         before = _scrape(server.metrics_port)
         assert before['knit_groups{state="stored"}'] == 0
         assert before["knit_memory_budget"] == 1 << 24
-        with StoreClient(server.location) as client:
-            node = client.put_group(make_group("g", size=4, response_len=32))
+        with StoreReader(server.location) as client, StoreWriter.sharing(client) as writer:
+            node = writer.put_group(make_group("g", size=4, response_len=32))
             mid = _scrape(server.metrics_port)
             table = client.fetch([PlannedSlice(node=node, group_id="g", start=0, stop=2)], columns=["response_ids"])
             after = _scrape(server.metrics_port)
@@ -49,7 +50,7 @@ def test_metrics_follow_write_fetch_release(make_group) -> None:
 
 
 def test_failed_rpc_is_counted_as_error() -> None:
-    with StoreServer(ServerConfig(metrics_port=0)) as server, StoreClient(server.location) as client:
+    with StoreServer(ServerConfig(metrics_port=0)) as server, StoreReader(server.location) as client:
         with pytest.raises(Exception, match="ghost"):
             client.fetch([PlannedSlice(node=server.location, group_id="ghost", start=0, stop=1)])
         assert server.metrics_port is not None

@@ -38,6 +38,13 @@ STEPS = 6  # train_batch_groups=4, mini_batches=2 -> 2 groups per step, one per 
 
 
 def _groups(client: Any, n_groups: int) -> dict[str, tuple[str, list[bytes]]]:
+    from flight_store.writing import StoreWriter
+
+    with StoreWriter.sharing(client) as writer:
+        return _write_groups(writer, n_groups)
+
+
+def _write_groups(client: Any, n_groups: int) -> dict[str, tuple[str, list[bytes]]]:
     """Write ``n_groups`` groups: 1-2 images each (group 2k+1 shares one image with group 2k); same tokens."""
     rng = np.random.default_rng(0)
     base = [(rng.integers(1, VOCAB, PROMPT).tolist(), rng.integers(1, VOCAB, RESPONSE).tolist()) for _ in range(G)]
@@ -79,7 +86,7 @@ def test_mini_batch_fetches_each_distinct_image_once(stores: Any) -> None:
     from train.mm_data import fetch_mm_mini_batch
 
     groups = _groups(stores, 4)
-    assert sum(int(s["images"]) for s in stores.stats().values()) == len({k for _, ks in groups.values() for k in ks})
+    assert sum(s.images for s in stores.stats().values()) == len({k for _, ks in groups.values() for k in ks})
     # two micro-batches over groups g00..g03, rows split across micro-batches (g01 in both)
     gids = sorted(groups)
     mbs = [MicroBatch(slices=[PlannedSlice(node=groups[gids[0]][0], group_id=gids[0], start=0, stop=G),
@@ -88,7 +95,7 @@ def test_mini_batch_fetches_each_distinct_image_once(stores: Any) -> None:
            MicroBatch(slices=[PlannedSlice(node=groups[gids[1]][0], group_id=gids[1], start=2, stop=G),
                               PlannedSlice(node=groups[gids[2]][0], group_id=gids[2], start=0, stop=G)],
                       advantages=[-0.5] * (G - 2 + G))]
-    before = {n: int(s["bytes_out"]) for n, s in stores.stats().items()}
+    before = {n: s.bytes_out for n, s in stores.stats().items()}
     got = fetch_mm_mini_batch(stores, mbs)
     distinct = list(dict.fromkeys(k for g in gids[:3] for k in groups[g][1]))
     assert list(got.images) == distinct
@@ -102,7 +109,7 @@ def test_mini_batch_fetches_each_distinct_image_once(stores: Any) -> None:
     assert [len(r) for r in got.row_keys] == [G + 2, 2 * G - 2]
     pixels = len(distinct) * 3 * IMG * IMG
     assert pixels <= got.image_bytes < 2 * pixels  # once per distinct image, not per reference
-    served = sum(int(s["bytes_out"]) - before[n] for n, s in stores.stats().items())
+    served = sum(s.bytes_out - before[n] for n, s in stores.stats().items())
     assert served < got.trajectory_bytes + 2 * pixels
 
 
@@ -126,13 +133,13 @@ def test_clipvit_dedup_gradients_equal_per_reference_encoding() -> None:
 
 
 def _servers() -> tuple[Any, list[Any]]:
-    from flight_store.client import StoreClient
     from flight_store.config import ServerConfig
+    from flight_store.reading import StoreReader
     from flight_store.server import StoreServer
 
     # named nodes: routing hashes node ids, and a location's port changes from run to run
     servers = [StoreServer(ServerConfig(node_name=f"node{i}")) for i in range(2)]
-    return StoreClient([s.location for s in servers]), servers
+    return StoreReader([s.location for s in servers]), servers
 
 
 def _train(tmp: Path, *, dedup: bool) -> dict[str, Any]:
@@ -150,7 +157,7 @@ def _train(tmp: Path, *, dedup: bool) -> dict[str, Any]:
         config = documents.write(cfg, tmp / "train.json")
         _run([sys.executable, "-m", "train", "--config", str(config), "--nproc", "2"])
         reports = [json.loads((tmp / f"rank{r}.json").read_text()) for r in (0, 1)]
-        left = sum(int(s["images"]) for s in client.stats().values())
+        left = sum(s.images for s in client.stats().values())
     finally:
         client.close()
         for s in servers:

@@ -10,18 +10,19 @@ import pyarrow.flight as flight
 import pytest
 
 from admission import AdmissionConfig, Planner
-from flight_store.client import StoreClient
 from flight_store.errors import NodeUnavailableError
+from flight_store.reading import StoreReader
+from flight_store.writing import StoreWriter
 from schemas.plan import PlannedSlice
 
 
 def test_partial_scan_and_fetch_retries_name_the_failed_node(store_nodes, make_group) -> None:
     servers = store_nodes(3)
     locs = [s.location for s in servers]
-    with StoreClient(locs, retries=2, backoff=0.05, timeout=5) as client:
+    with StoreReader(locs, retries=2, backoff=0.05, timeout=5) as client, StoreWriter.sharing(client) as writer:
         for i, loc in enumerate(locs):
-            client.put_group(make_group(f"g{i}", size=4), node=loc)
-            client.put_group(make_group(f"h{i}", size=4), node=loc)
+            writer.put_group(make_group(f"g{i}", size=4), node=loc)
+            writer.put_group(make_group(f"h{i}", size=4), node=loc)
         servers[1].shutdown()
         dead = locs[1]
         with pytest.raises(NodeUnavailableError, match=dead.replace(".", r"\.")) as strict:
@@ -46,7 +47,7 @@ def test_partial_scan_and_fetch_retries_name_the_failed_node(store_nodes, make_g
         # live nodes still serve
         assert client.fetch([wanted[0], PlannedSlice(node=locs[2], group_id="h2", start=0, stop=4)]).num_rows == 8
         # once every node answers again, the strict scan works (a fresh node on a new port stands in)
-    with StoreClient([locs[0], locs[2]]) as client:
+    with StoreReader([locs[0], locs[2]]) as client:
         assert client.scan_metadata().height == 16 and client.last_failed_nodes == []
 
 
@@ -60,7 +61,7 @@ def test_run_goes_on_when_one_of_three_nodes_stops(store_nodes, make_group) -> N
     errors: list[str] = []
 
     def writer() -> None:
-        with StoreClient(locs, timeout=5, retries=0) as w:
+        with StoreWriter(locs, timeout=5, retries=0) as w:
             i = 0
             while not stop.is_set() and i < 400:
                 gid = f"g{i}"
@@ -85,7 +86,7 @@ def test_run_goes_on_when_one_of_three_nodes_stops(store_nodes, make_group) -> N
     thread = threading.Thread(target=writer)
     thread.start()
     try:
-        with StoreClient(locs, timeout=5, retries=2, backoff=0.05) as client:
+        with StoreReader(locs, timeout=5, retries=2, backoff=0.05) as client:
             deadline = time.monotonic() + 60
             while len(plans_after) < 12 and time.monotonic() < deadline:
                 if len(plans_before) >= 6 and dead in alive:

@@ -8,19 +8,23 @@ import pyarrow as pa
 import pyarrow.flight as flight
 import pytest
 
-from flight_store.client import StoreClient
+from flight_store.client import StoreNodes
 from flight_store.errors import ConflictError, LimitExceededError, SchemaMismatchError, WireDecodeError
+from flight_store.reading import StoreReader
+from flight_store.writing import StoreWriter
 from schemas.plan import PlannedSlice
 from train.packing import PACK_COLUMNS
 
 
-def _group(client: StoreClient, gid: str, rows: int, columns: list[str] | None = None) -> pa.Table:
-    return client.fetch([PlannedSlice(node=client.node_for(gid), group_id=gid, start=0, stop=rows)], columns=columns)
+def _group(client: StoreNodes, gid: str, rows: int, columns: list[str] | None = None) -> pa.Table:
+    with StoreReader.sharing(client) as reader:
+        return reader.fetch([PlannedSlice(node=client.node_for(gid), group_id=gid, start=0, stop=rows)],
+                            columns=columns)
 
 
 def test_groups_land_on_their_nodes_and_read_back(store_nodes, make_group, spread_ids) -> None:  # type: ignore[no-untyped-def]
     servers = store_nodes(2)
-    with StoreClient([s.location for s in servers]) as client:
+    with StoreWriter([s.location for s in servers]) as client:
         ids = spread_ids(client, 10)
         batches = [make_group(g, size=3, response_len=5 + i) for i, g in enumerate(ids)]
         result = client.put_groups(batches)
@@ -35,7 +39,7 @@ def test_groups_land_on_their_nodes_and_read_back(store_nodes, make_group, sprea
 
 def test_a_bad_group_is_refused_alone_and_named(store_nodes, make_group) -> None:  # type: ignore[no-untyped-def]
     (server,) = store_nodes(1)
-    with StoreClient(server.location) as client:
+    with StoreWriter(server.location) as client:
         client.put_group(make_group("old", size=2))
         gap = make_group("gap", size=3).set_column(1, "sample_idx", pa.array([0, 1, 5], pa.int32()))
         batches = [make_group("a", size=2), gap, make_group("old", size=2, response_len=9), make_group("b", size=2),
@@ -51,12 +55,12 @@ def test_a_bad_group_is_refused_alone_and_named(store_nodes, make_group) -> None
 
 def test_client_refuses_duplicate_and_empty_batches(store_nodes, make_group) -> None:  # type: ignore[no-untyped-def]
     (server,) = store_nodes(1)
-    with StoreClient(server.location) as client:
+    with StoreWriter(server.location) as client:
         with pytest.raises(ValueError, match="same group"):
             client.put_groups([make_group("x"), make_group("x")])
         with pytest.raises(ValueError, match="non-empty"):
             client.put_groups([make_group("x").slice(0, 0)])
-        assert server.store.stats()["groups"]["stored"] == 0
+        assert server.store.stats().groups.stored == 0
 
 
 def _raw_put(location: str, descriptor: dict, table: pa.Table) -> dict:  # type: ignore[type-arg]
@@ -86,7 +90,7 @@ def test_rows_that_do_not_add_up_store_nothing(store_nodes, make_group) -> None:
     answer = _raw_put(server.location, desc, swapped)
     assert answer["stored"] == {} and set(answer["refused"]) == {"c", "d"}
     assert answer["refused"]["c"]["error"] == "SchemaMismatchError"
-    assert server.store.stats()["groups"]["stored"] == 2
+    assert server.store.stats().groups.stored == 2
 
 
 def test_descriptor_limits(store_nodes, make_group) -> None:  # type: ignore[no-untyped-def]
@@ -107,10 +111,10 @@ def test_descriptor_limits(store_nodes, make_group) -> None:  # type: ignore[no-
 def test_many_long_ids_split_into_several_doputs(store_nodes, make_group) -> None:  # type: ignore[no-untyped-def]
     (server,) = store_nodes(1)
     ids = [f"{i:04d}-" + "x" * 400 for i in range(300)]  # ~120 KB of ids: over one descriptor's 64 KiB
-    with StoreClient(server.location) as client:
+    with StoreWriter(server.location) as client:
         result = client.put_groups([make_group(g, size=1) for g in ids])
     assert result.refused == {} and len(result.stored) == 300
-    assert server.store.stats()["groups"]["stored"] == 300
+    assert server.store.stats().groups.stored == 300
 
 
 def _bulk(batches: list[pa.RecordBatch]) -> tuple[pa.Table, list[tuple[str, int]]]:
@@ -153,7 +157,7 @@ def test_a_bulk_of_valid_groups_is_checked_once_not_group_by_group(store_nodes, 
 
     (server,) = store_nodes(1)
     monkeypatch.setattr(store_module, "normalize_group", per_group)
-    with StoreClient(server.location) as client:
+    with StoreWriter(server.location) as client:
         batches = [make_group(f"v{i}", size=2 + i % 3) for i in range(6)]
         result = client.put_groups(batches)
         assert result.refused == {} and set(result.stored) == {f"v{i}" for i in range(6)}

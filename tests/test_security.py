@@ -15,11 +15,13 @@ import pyarrow as pa
 import pyarrow.flight as flight
 import pytest
 
-from flight_store.client import StoreClient
+from flight_store.client import StoreAdmin
 from flight_store.config import ServerConfig
+from flight_store.reading import StoreReader
 from flight_store.server import StoreServer
+from flight_store.writing import StoreWriter
 from schemas.plan import PlannedSlice
-from schemas.wire import GroupRef, MetadataTicket, PutGroup, ReadChannel, ReleaseBody, SliceRef, SlicesTicket
+from schemas.wire import GroupRef, MetadataTicket, PutGroup, ReadChannelDescriptor, ReleaseBody, SliceRef, SlicesTicket
 
 TOKEN = "s3cret-T0ken_with.symbols~+/="
 
@@ -82,15 +84,16 @@ def _token_config(directory: Path, token: str) -> ServerConfig:
 @pytest.fixture
 def secured(cert, make_group, tmp_path: Path):  # type: ignore[no-untyped-def]
     with StoreServer(_secured_config(tmp_path, cert)) as server:
-        with StoreClient(server.location, token=TOKEN, tls_root_certs=cert[0]) as client:
+        with StoreWriter(server.location, token=TOKEN, tls_root_certs=cert[0]) as client:
             client.put_group(make_group("secret-group", size=4))
         yield server
 
 
 def test_tls_location_and_authorized_client_round_trip(secured, cert, make_group) -> None:
     assert secured.location.startswith("grpc+tls://127.0.0.1:")
-    with StoreClient(secured.location, token=TOKEN, tls_root_certs=cert[0]) as client:
-        assert client.health()[secured.location]["ok"] is True
+    with StoreReader(secured.location, token=TOKEN, tls_root_certs=cert[0]) as client, \
+            StoreAdmin.sharing(client) as admin:
+        assert admin.health()[secured.location].ok is True
         frame = client.scan_metadata(columns=["group_id", "sample_idx"])
         assert frame["group_id"].to_list() == ["secret-group"] * 4
         table = client.fetch([PlannedSlice(node=secured.location, group_id="secret-group", start=1, stop=3)])
@@ -99,7 +102,7 @@ def test_tls_location_and_authorized_client_round_trip(secured, cert, make_group
 
 def _read_on_channel(raw: flight.FlightClient, ticket: bytes, options: flight.FlightCallOptions) -> None:
     """A read channel opened by hand, asked for ``ticket``'s rows."""
-    writer, reader = raw.do_exchange(flight.FlightDescriptor.for_command(ReadChannel().to_bytes()), options)
+    writer, reader = raw.do_exchange(flight.FlightDescriptor.for_command(ReadChannelDescriptor().to_bytes()), options)
     writer.begin(pa.schema([]))
     writer.write_metadata(ticket)
     reader.read_chunk()
@@ -155,17 +158,17 @@ def test_missing_or_wrong_token_is_unauthenticated_and_sees_nothing(
     # nothing changed: the group is still there, unreleased, and nothing was written
     assert secured.store.group_ids() == ["secret-group"]
     # the project client raises the same typed error
-    with StoreClient(loc, token=token or None, tls_root_certs=cert[0]) as client:
+    with StoreReader(loc, token=token or None, tls_root_certs=cert[0]) as client, StoreAdmin.sharing(client) as admin:
         with pytest.raises(flight.FlightUnauthenticatedError):
             client.scan_metadata()
         with pytest.raises(flight.FlightUnauthenticatedError):
             client.fetch([PlannedSlice(node=loc, group_id="secret-group", start=0, stop=1)])
-        assert client.health()[loc]["ok"] is False
+        assert admin.health()[loc].ok is False
 
 
 def test_token_from_environment(secured, cert, monkeypatch) -> None:
     monkeypatch.setenv("KNIT_TOKEN", TOKEN)
-    with StoreClient(secured.location, tls_root_certs=cert[0]) as client:
+    with StoreReader(secured.location, tls_root_certs=cert[0]) as client:
         assert client.scan_metadata().height == 4
 
 
@@ -173,8 +176,9 @@ def test_tls_is_required_and_verified(secured, cert) -> None:
     port = secured.port
     # plaintext gRPC against a TLS port, and TLS without trusting the self-signed root: no answer
     for loc, roots in ((f"grpc://127.0.0.1:{port}", None), (secured.location, None)):
-        with StoreClient(loc, token=TOKEN, tls_root_certs=roots, timeout=5, retries=0) as client:
-            assert client.health()[loc]["ok"] is False
+        with StoreReader(loc, token=TOKEN, tls_root_certs=roots, timeout=5, retries=0) as client, \
+                StoreAdmin.sharing(client) as admin:
+            assert admin.health()[loc].ok is False
             with pytest.raises(flight.FlightError):
                 client.scan_metadata()
 
@@ -189,10 +193,10 @@ def test_tokens_are_compared_in_constant_time(cert, monkeypatch, tmp_path: Path)
 
     monkeypatch.setattr(hmac, "compare_digest", spy)
     with StoreServer(_token_config(tmp_path, "tok")) as server:
-        with StoreClient(server.location, token="bad") as client:
-            assert client.health()[server.location]["ok"] is False
-        with StoreClient(server.location, token="tok") as client:
-            assert client.health()[server.location]["ok"] is True
+        with StoreAdmin(server.location, token="bad") as client:
+            assert client.health()[server.location].ok is False
+        with StoreAdmin(server.location, token="tok") as client:
+            assert client.health()[server.location].ok is True
     assert (b"Bearer bad", b"Bearer tok") in seen and (b"Bearer tok", b"Bearer tok") in seen
 
 
@@ -208,16 +212,16 @@ def test_server_refuses_half_a_tls_config_and_bad_tokens(cert, tmp_path: Path) -
         with pytest.raises(ValueError, match="is empty"):
             StoreServer(_token_config(tmp_path, empty))
     with pytest.raises(ValueError, match="printable ASCII"):
-        StoreClient("grpc://127.0.0.1:1", token="caf\u00e9")
+        StoreReader("grpc://127.0.0.1:1", token="caf\u00e9")
 
 
 def test_secured_node_process(tmp_path: Path, cert, make_group, node_process) -> None:
     proc, loc = node_process(_secured_config(tmp_path, cert))
     assert loc.startswith("grpc+tls://127.0.0.1:")
-    with StoreClient(loc, token=TOKEN, tls_root_certs=cert[0]) as client:
-        node = client.put_group(make_group("g", size=2))
+    with StoreReader(loc, token=TOKEN, tls_root_certs=cert[0]) as client, StoreWriter.sharing(client) as writer:
+        node = writer.put_group(make_group("g", size=2))
         assert client.fetch([PlannedSlice(node=node, group_id="g", start=0, stop=2)]).num_rows == 2
-    with StoreClient(loc, token="nope", tls_root_certs=cert[0]) as client, pytest.raises(
+    with StoreReader(loc, token="nope", tls_root_certs=cert[0]) as client, pytest.raises(
         flight.FlightUnauthenticatedError
     ):
         client.scan_metadata()
@@ -240,4 +244,4 @@ def test_secret_files_readable_by_others_are_refused(cert, tmp_path: Path) -> No
     from flight_store.config import ClientConfig
 
     with pytest.raises(PermissionError, match="auth token file"):
-        StoreClient.from_config("grpc://127.0.0.1:1", ClientConfig(token_file=str(token_file)))
+        StoreReader.from_config("grpc://127.0.0.1:1", ClientConfig(token_file=str(token_file)))

@@ -11,7 +11,7 @@ import pyarrow as pa
 import pyarrow.flight as flight
 import pytest
 
-from flight_store.client import StoreClient
+from flight_store.client import StoreAdmin
 from flight_store.config import ServerConfig, StoreConfig
 from flight_store.errors import (
     BudgetExceededError,
@@ -20,23 +20,27 @@ from flight_store.errors import (
     UnknownImageError,
     WireDecodeError,
 )
+from flight_store.reading import StoreReader
+from flight_store.writing import StoreWriter
 from schemas.plan import PlannedSlice
-from schemas.wire import ACTION_DESCRIPTIONS, GroupRef, MetadataTicket, PutGroup
+from schemas.replies import ACTION_DESCRIPTIONS, GroupCounts, PutGroupReply
+from schemas.wire import GroupRef, MetadataTicket, PutGroup
 
 
-def _still_serves(client: StoreClient, make_group, gid: str = "alive") -> None:
+def _still_serves(client: StoreReader, make_group, gid: str = "alive") -> None:
     """After an error, the node still answers and still stores and serves."""
-    assert all(h["ok"] for h in client.health().values())
-    node = client.put_group(make_group(gid, size=2))
+    with StoreAdmin.sharing(client) as admin, StoreWriter.sharing(client) as writer:
+        assert all(h.ok for h in admin.health().values())
+        node = writer.put_group(make_group(gid, size=2))
     assert client.fetch([PlannedSlice(node=node, group_id=gid, start=0, stop=2)]).num_rows == 2
 
 
 def test_schema_mismatch_names_column_stores_nothing(store_nodes, make_group) -> None:
     (server,) = store_nodes(1)
-    with StoreClient(server.location) as client:
+    with StoreReader(server.location) as client, StoreWriter.sharing(client) as writer:
         bad = make_group("g", size=3).drop_columns(["response_logprobs"])
         with pytest.raises(SchemaMismatchError, match="'response_logprobs'") as exc:
-            client.put_group(bad)
+            writer.put_group(bad)
         assert exc.value.column == "response_logprobs"
         assert isinstance(exc.value, flight.FlightServerError)
         assert client.scan_metadata().height == 0 and server.store.group_ids() == []
@@ -68,7 +72,7 @@ def test_raw_client_sees_a_flight_error_naming_the_column(store_nodes, make_grou
 )
 def test_malformed_ticket_is_a_wire_error(store_nodes, make_group, raw_ticket: bytes) -> None:
     (server,) = store_nodes(1)
-    with StoreClient(server.location) as client:
+    with StoreReader(server.location) as client:
         with pytest.raises(WireDecodeError):
             client._calls.get(server.location, raw_ticket)
         _still_serves(client, make_group)
@@ -80,9 +84,9 @@ def test_malformed_ticket_is_a_wire_error(store_nodes, make_group, raw_ticket: b
 )
 def test_malformed_descriptor_is_a_wire_error(store_nodes, make_group, raw_descriptor: bytes) -> None:
     (server,) = store_nodes(1)
-    with StoreClient(server.location) as client:
+    with StoreReader(server.location) as client:
         with pytest.raises(WireDecodeError, match="descriptor"):
-            client._calls.put(server.location, raw_descriptor, pa.Table.from_batches([make_group("g")]))
+            client._calls.put(server.location, raw_descriptor, pa.Table.from_batches([make_group("g")]), PutGroupReply)
         assert server.store.group_ids() == []
         _still_serves(client, make_group)
 
@@ -99,7 +103,7 @@ def test_unknown_version_message_names_the_version(store_nodes) -> None:
 
 def test_unknown_group_and_image(store_nodes, make_group) -> None:
     (server,) = store_nodes(1)
-    with StoreClient(server.location) as client:
+    with StoreReader(server.location) as client:
         with pytest.raises(UnknownGroupError, match="'ghost'") as exc:
             client.fetch([PlannedSlice(node=server.location, group_id="ghost", start=0, stop=1)])
         assert exc.value.group_id == "ghost"
@@ -112,14 +116,14 @@ def test_unknown_group_and_image(store_nodes, make_group) -> None:
 
 def test_budget_exceeded_is_retryable_and_unavailable(store_nodes, make_group) -> None:
     (server,) = store_nodes(1, ServerConfig(store=StoreConfig(memory_budget=50_000)))
-    with StoreClient(server.location) as client:
-        client.put_group(make_group("a", size=4, response_len=1000))
+    with StoreReader(server.location) as client, StoreWriter.sharing(client) as writer:
+        writer.put_group(make_group("a", size=4, response_len=1000))
         with pytest.raises(BudgetExceededError) as exc:
-            client.put_group(make_group("b", size=4, response_len=1000))
+            writer.put_group(make_group("b", size=4, response_len=1000))
         assert exc.value.retryable and isinstance(exc.value, flight.FlightUnavailableError)
         assert server.store.group_ids() == ["a"]
         assert client.release(["a"]) == {server.location: 1}
-        client.put_group(make_group("b", size=4, response_len=1000))  # the retry succeeds
+        writer.put_group(make_group("b", size=4, response_len=1000))  # the retry succeeds
         assert server.store.group_ids() == ["b"]
         _still_serves(client, make_group)
 
@@ -162,9 +166,10 @@ def test_a_call_while_the_node_is_starting_is_refused_retryably_then_served(make
             refusals.append(exc.value)
         raw.close()
         assert len(refusals) == 3
-        with StoreClient(location, retries=8, backoff=0.05) as client:  # retried until the node is up
+        # retried until the node is up
+        with StoreWriter(location, retries=8, backoff=0.05) as client, StoreAdmin.sharing(client) as admin:
             client.put_group(make_group("g", size=2))
-            assert client.health()[location]["ok"]
+            assert admin.health()[location].ok
     finally:
         starter.join(10)
         for s in started:
@@ -173,9 +178,9 @@ def test_a_call_while_the_node_is_starting_is_refused_retryably_then_served(make
 
 def test_duplicate_write_keeps_one_copy(store_nodes, make_group) -> None:
     (server,) = store_nodes(1)
-    with StoreClient(server.location) as client:
+    with StoreReader(server.location) as client, StoreWriter.sharing(client) as writer:
         for _ in range(3):
-            client.put_group(make_group("g", size=4))
+            writer.put_group(make_group("g", size=4))
         meta = client.scan_metadata(columns=["group_id", "sample_idx"])
         assert meta.height == 4 and meta["sample_idx"].to_list() == [0, 1, 2, 3]
         _still_serves(client, make_group)
@@ -186,11 +191,11 @@ def test_actions_list_and_answers(store_nodes, make_group) -> None:
     raw = flight.connect(server.location)
     described = {a.type: a.description for a in raw.list_actions()}
     assert described == ACTION_DESCRIPTIONS
-    with StoreClient(server.location) as client:
-        client.put_group(make_group("g", size=3))
+    with StoreReader(server.location) as client, StoreWriter.sharing(client) as writer:
+        writer.put_group(make_group("g", size=3))
         stats = client.stats()[server.location]
-        assert stats["rows"] == 3 and stats["groups"] == {"stored": 1, "released": 0, "inflight": 0}
-        assert stats["memory_budget"] == 1 << 30 and stats["memory_used"] > 0
+        assert stats.rows == 3 and stats.groups == GroupCounts(stored=1, released=0, inflight=0)
+        assert stats.memory_budget == 1 << 30 and stats.memory_used > 0
         client.publish_version(4)
         assert json.loads(next(iter(raw.do_action(flight.Action("get_version", b"")))).body.to_pybytes()) == {
             "version": 4
@@ -200,9 +205,9 @@ def test_actions_list_and_answers(store_nodes, make_group) -> None:
 
 def test_list_flights_and_get_flight_info_describe_groups(store_nodes, make_group) -> None:
     (server,) = store_nodes(1)
-    with StoreClient(server.location) as client:
-        client.put_group(make_group("a", size=2))
-        client.put_group(pa.Table.from_batches([make_group("b", size=1, start=3), make_group("b", size=3)]))
+    with StoreReader(server.location) as client, StoreWriter.sharing(client) as writer:
+        writer.put_group(make_group("a", size=2))
+        writer.put_group(pa.Table.from_batches([make_group("b", size=1, start=3), make_group("b", size=3)]))
         client.release(["a"])
     raw = flight.connect(server.location)
     infos = list(raw.list_flights())
@@ -218,9 +223,9 @@ def test_list_flights_and_get_flight_info_describe_groups(store_nodes, make_grou
 
 def test_doget_slices_projection_and_order(store_nodes, make_group) -> None:
     (server,) = store_nodes(1)
-    with StoreClient(server.location) as client:
+    with StoreReader(server.location) as client, StoreWriter.sharing(client) as writer:
         for g in "abc":
-            client.put_group(make_group(g, size=4))
+            writer.put_group(make_group(g, size=4))
         loc = server.location
         slices = [PlannedSlice(node=loc, group_id=g, start=s, stop=e) for g, s, e in [("c", 2, 4), ("a", 0, 1)]]
         table = client.fetch(slices, columns=["sample_idx", "group_id", "response_ids"])
@@ -237,9 +242,9 @@ def test_doget_slices_projection_and_order(store_nodes, make_group) -> None:
 def test_node_process_runs_a_config_document(node_process) -> None:
     proc, location = node_process(ServerConfig(store=StoreConfig(memory_budget=1_000_000)))
     assert location.startswith("grpc://127.0.0.1:")
-    with StoreClient(location, timeout=10) as client:
-        assert client.health()[location]["ok"]
-        assert client.stats()[location]["memory_budget"] == 1_000_000
+    with StoreAdmin(location, timeout=10) as client:
+        assert client.health()[location].ok
+        assert client.stats()[location].memory_budget == 1_000_000
     proc.send_signal(signal.SIGTERM)
     assert proc.wait(timeout=20) == 0
     assert proc.stdout is not None and proc.stdout.read().strip().endswith("knit serve: stopped")

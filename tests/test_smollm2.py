@@ -219,7 +219,8 @@ def _megatron(location: str, model_dir: str, out: str) -> None:
     import torch
     from transformers import LlamaForCausalLM
 
-    from flight_store.client import StoreClient
+    from flight_store.reading import StoreReader
+    from flight_store.writing import StoreWriter
     from train import mcore_compat, model
     from train.config import ModelConfig, ParallelConfig
     from train.loop import publish_weights
@@ -262,17 +263,17 @@ def _megatron(location: str, model_dir: str, out: str) -> None:
         for p in gpt.parameters():
             p.add_(0.05 * p.abs().mean() * torch.randn(p.shape, generator=gen))
     result["logprobs"] = trainer_logprobs()
-    with StoreClient(location) as client:
+    with StoreReader(location) as client, StoreWriter.sharing(client) as writer:
         t0 = time.perf_counter()
         publish_weights(types.SimpleNamespace(gpt=gpt), client, 1, env)
         client.publish_version(1)
         result["publish_s"] = time.perf_counter() - t0
-        table = client.get_weights(1)
+        table = writer.get_weights(1)
         result["tensors"], result["bytes"] = table.num_rows, table.nbytes
         # the same weights again as version 2, bfloat16 on the wire (TrainConfig.publish_dtype)
         publish_weights(types.SimpleNamespace(gpt=gpt), client, 2, env, dtype="bfloat16")
         client.publish_version(2)
-        table = client.get_weights(2)
+        table = writer.get_weights(2)
         result["bytes_bf16"], result["dtypes_bf16"] = table.nbytes, sorted(set(table.column("dtype").to_pylist()))
     Path(out).write_text(json.dumps(result))
     mcore_compat.shutdown()
@@ -285,7 +286,7 @@ def _vllm(location: str, model_dir: str, out: str) -> None:
     from connectors.config import RolloutConfig
     from connectors.engine import VllmEngine
     from connectors.tasks import Prompt
-    from flight_store.client import StoreClient
+    from flight_store.writing import StoreWriter
 
     cfg = RolloutConfig(model=model_dir, stores=[location], max_model_len=512, max_num_seqs=4, dtype="float32")
     engine = VllmEngine(cfg)
@@ -302,7 +303,7 @@ def _vllm(location: str, model_dir: str, out: str) -> None:
         return [float(o.prompt_logprobs[len(prompt) + i][t].logprob) for i, t in enumerate(response)]
 
     before = score()
-    with StoreClient(location) as client:
+    with StoreWriter(location) as client:
         table = client.get_weights(1)
         t0 = time.perf_counter()
         engine.load_weights(table)

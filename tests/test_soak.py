@@ -16,8 +16,9 @@ from pathlib import Path
 
 import pyarrow as pa
 
-from flight_store.client import StoreClient
 from flight_store.config import ServerConfig, StoreConfig
+from flight_store.reading import StoreReader
+from flight_store.writing import StoreWriter
 from schemas.records import TrajectoryRecord, records_to_batch
 
 GROUPS = int(os.environ.get("SOAK_GROUPS", "10000"))
@@ -38,11 +39,12 @@ def test_a_node_writing_and_releasing_for_long_stays_flat(node_process, tmp_path
     weights = pa.table({"name": ["w"], "shape": [[4096]], "dtype": ["float32"], "data": [bytes(4 * 4096)]})
     rss: dict[int, int] = {}
     t0 = time.monotonic()
-    with StoreClient(location, retries=0) as client:  # no retry: a refused write fails the test
+    # no retry: a refused write fails the test
+    with StoreReader(location, retries=0) as client, StoreWriter.sharing(client) as writer:
         pending: list[str] = []
         for i in range(GROUPS):
             gid = f"g{i}"
-            client.put_group(_group(gid))
+            writer.put_group(_group(gid))
             pending.append(gid)
             if len(pending) == 8:  # a mini-batch consumed
                 client.release(pending)
@@ -51,17 +53,17 @@ def test_a_node_writing_and_releasing_for_long_stays_flat(node_process, tmp_path
                 client.put_weights(weights, i)
                 client.publish_version(i)
             if i % 1000 == 0 or i == GROUPS - 1:
-                rss[i] = int(client.stats()[location]["memory_rss"])
+                rss[i] = int(client.stats()[location].memory_rss)
         stats = client.stats()[location]
     elapsed = time.monotonic() - t0
     growth = (rss[GROUPS - 1] - rss[warm_up]) / rss[warm_up]
     print(f"soak: {GROUPS} groups in {elapsed:.1f} s; RSS {rss[warm_up] >> 20} -> {rss[GROUPS - 1] >> 20} MiB "
-          f"({100 * growth:+.1f}%); metadata rows held {stats['metadata_rows_held']}, tombstones "
-          f"{stats['tombstones']}, spill log {stats['spill_bytes'] >> 10} KiB after {stats['spill_compactions']} "
+          f"({100 * growth:+.1f}%); metadata rows held {stats.metadata_rows_held}, tombstones "
+          f"{stats.tombstones}, spill log {stats.spill_bytes >> 10} KiB after {stats.spill_compactions} "
           f"compactions; RSS MiB every 1000 groups {[v >> 20 for v in rss.values()]}")
     assert growth < 0.10, rss
     # the history (trimmed a quarter at once, so up to 5/4 of its bound) and the live rows; the tombstones
-    assert stats["metadata_rows_held"] <= history_rows * 5 // 4 + 4 * 8
-    assert stats["tombstones"] <= tombstones
-    assert stats["spill_compactions"] > 0 and stats["spill_bytes"] < 3 * (2 << 20)
-    assert (tmp_path / "spill" / "store.log").stat().st_size == stats["spill_bytes"]
+    assert stats.metadata_rows_held <= history_rows * 5 // 4 + 4 * 8
+    assert stats.tombstones <= tombstones
+    assert stats.spill_compactions > 0 and stats.spill_bytes < 3 * (2 << 20)
+    assert (tmp_path / "spill" / "store.log").stat().st_size == stats.spill_bytes

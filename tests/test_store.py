@@ -221,17 +221,17 @@ def test_metadata_survives_compaction_and_release(make_group) -> None:
     meta = store.metadata(since=590)
     assert meta.column("seq").to_pylist() == list(range(590, 600))
     assert meta.column("group_id").to_pylist()[-1] == "g299"
-    assert store.stats()["memory_used"] == 0
+    assert store.stats().memory_used == 0
 
 
 def test_release_frees_payload_and_keeps_history(make_group) -> None:
     store = Store()
     store.put_group("g", [make_group("g", size=4, response_len=1000)])
-    used = store.stats()["memory_used"]
+    used = store.stats().memory_used
     assert isinstance(used, int) and used > 4 * 4000
     assert store.release(["g", "unknown"]) == 1
     assert store.release(["g"]) == 0  # already released
-    assert store.stats()["memory_used"] == 0
+    assert store.stats().memory_used == 0
     assert store.metadata().num_rows == 4
     with pytest.raises(GroupReleasedError, match="'g'") as exc:
         store.slices([("g", 0, 1)])
@@ -278,7 +278,7 @@ def test_mismatch_names_the_column_and_stores_nothing(make_group, column: str, m
         store.put_group("g", [make_group("g", size=1, start=5), mutate(good)])  # the first batch is fine
     assert exc.value.column == column
     assert store.metadata().num_rows == 0 and store.group_ids() == []
-    assert store.stats()["memory_used"] == 0
+    assert store.stats().memory_used == 0
 
 
 def test_repeated_sample_idx_across_batches_of_one_stream_is_refused(make_group) -> None:
@@ -356,7 +356,8 @@ def test_rss_guard_refuses_while_the_process_outgrows_the_budget(make_group) -> 
     assert store.put_group("a", [make_group("a", size=2)]) == 2  # counted use is tiny
     ballast = np.ones(3 * budget // 8, dtype=np.int64)  # 48 MiB resident that no count sees
     s = store.stats()
-    assert s["memory_rss"] > s["memory_rss_limit"] and s["memory_used"] < budget // 100
+    assert s.memory_rss is not None and s.memory_rss_limit is not None
+    assert s.memory_rss > s.memory_rss_limit and s.memory_used < budget // 100
     with pytest.raises(BudgetExceededError, match="resident memory") as exc:
         store.put_group("b", [make_group("b", size=2)])
     assert exc.value.retryable
@@ -367,7 +368,7 @@ def test_rss_guard_refuses_while_the_process_outgrows_the_budget(make_group) -> 
     assert store.put_group("c", [make_group("c", size=2)]) == 2  # the memory went back: writes flow again
     assert store.group_ids() == ["b", "c"]
     store.close()
-    assert Store(StoreConfig(memory_budget=budget)).stats()["memory_rss"] is None  # off unless asked for
+    assert Store(StoreConfig(memory_budget=budget)).stats().memory_rss is None  # off unless asked for
 
 
 def test_the_heap_is_trimmed_after_writes_and_releases_only_under_a_budget(make_group, monkeypatch) -> None:
@@ -403,7 +404,7 @@ def test_images_are_stored_once_and_freed_with_their_last_group(make_group) -> N
     assert store.has_image(keys[0]) and store.has_image(keys[1])  # b still references both
     store.release(["b"])
     assert not store.has_image(keys[0]) and not store.has_image(keys[1])
-    assert store.stats()["memory_used"] == 0
+    assert store.stats().memory_used == 0
     with pytest.raises(UnknownImageError, match=keys[0].hex()) as exc:
         store.images([keys[0]])
     assert exc.value.key == keys[0].hex()
@@ -426,7 +427,7 @@ def test_weights_are_checked_and_only_the_newest_versions_kept() -> None:
     assert store.weights(2)[0].column("data")[0].as_py() == bytes([2]) * 8
     table, version = store.weights()
     assert version == 3 and table.column("data")[0].as_py() == bytes([3]) * 8
-    used = store.stats()["memory_used"]
+    used = store.stats().memory_used
     assert isinstance(used, int) and used > 0
     with pytest.raises(SchemaMismatchError, match="holds no tensor"):
         store.put_weights(_weights(4).slice(0, 0), 4)  # a DoPut of zero batches is no weights table
@@ -434,7 +435,7 @@ def test_weights_are_checked_and_only_the_newest_versions_kept() -> None:
         store.put_weights(_weights(4, nbytes=4), 4)
     with pytest.raises(SchemaMismatchError, match="columns"):
         store.put_weights(pa.table({"name": ["w"], "data": [b"\x01\x02"]}), 4)
-    assert store.weights()[1] == 3 and store.stats()["memory_used"] == used  # nothing of them stored
+    assert store.weights()[1] == 3 and store.stats().memory_used == used  # nothing of them stored
     assert store.publish_version(5) == 5 and store.publish_version(3) == 5 and store.get_version() == 5
 
 

@@ -23,10 +23,11 @@ from connectors.config import RolloutConfig
 from connectors.fake_engine import FakeEngine
 from connectors.lookahead import LookaheadLimit
 from connectors.rollout import RolloutWorker
-from flight_store.client import StoreClient
 from flight_store.config import ClusterMember, ServerConfig, StoreConfig
 from flight_store.errors import NodeUnavailableError
 from flight_store.net import free_port
+from flight_store.reading import StoreReader
+from flight_store.writing import StoreWriter
 from launcher.children import Children
 from launcher.report import policy_summary, table_rows
 from launcher.stores import Stores
@@ -60,9 +61,10 @@ def test_a_killed_node_comes_back_on_its_port_with_every_acknowledged_group(  # 
         stores.start()
         assert stores.check() == [] and stores.outages == []
         node0 = stores.locations[0]
-        with StoreClient(stores.locations, retries=20, backoff=0.05, timeout=5) as client:
+        with StoreReader(stores.locations, retries=20, backoff=0.05, timeout=5) as client, \
+                StoreWriter.sharing(client) as writer:
             for gid in spread_ids(client, 8):
-                client.put_group(make_group(gid, size=4))
+                writer.put_group(make_group(gid, size=4))
             before = client.scan_new(columns=["group_id", "sample_idx"]).sort("seq")
             held = before.filter(before["node"] == node0)["group_id"].unique().to_list()
             assert held, "routing gave node0 no group"
@@ -86,10 +88,10 @@ def test_a_killed_node_comes_back_on_its_port_with_every_acknowledged_group(  # 
             after = client.scan_metadata(columns=["group_id", "sample_idx"]).sort("seq")
             assert after.sort(["node", "seq"]).equals(before.sort(["node", "seq"]))
             # the planner's cursor stays valid: only rows written after the restart are new
-            client.put_group(make_group("late", size=4))
+            writer.put_group(make_group("late", size=4))
             assert client.scan_new(columns=["group_id"])["group_id"].to_list() == ["late"] * 4
             stats = client.stats()[node0]
-            assert stats["groups"]["released"] == 1 and stats["policy_version"] == 3  # a release stays released
+            assert stats.groups.released == 1 and stats.policy_version == 3  # a release stays released
             assert client.get_version() == 3
 
             _kill(tmp_path, "store0")  # max_restarts=1: the second death ends the run, naming the node
@@ -116,9 +118,9 @@ def test_the_rollout_writes_through_a_store_restart(tmp_path: Path) -> None:
                             max_unreleased_groups=100, lookahead_poll_s=0.0, version_poll_s=0.0,
                             group_id_prefix="t-")
         result: dict[str, Any] = {}
-        with StoreClient(locs, retries=20, backoff=0.05, timeout=5) as client:
+        with StoreReader(locs, retries=20, backoff=0.05, timeout=5) as client, StoreWriter.sharing(client) as writer:
             client.publish_version(2)
-            worker = KillsAStore(cfg, client=client, engine=FakeEngine(max_steps=3))
+            worker = KillsAStore(cfg, client=writer, engine=FakeEngine(max_steps=3))
 
             def run() -> None:
                 try:

@@ -24,7 +24,8 @@ from train.planning import ConsumedLog, PlanSource
 
 def test_rank0_planning_stays_bounded_and_plans_as_a_planner_that_keeps_everything(  # type: ignore[no-untyped-def]
         store_nodes, make_group, tmp_path: Path) -> None:
-    from flight_store.client import StoreClient
+    from flight_store.reading import StoreReader
+    from flight_store.writing import StoreWriter
 
     cfg = AdmissionConfig(train_batch_groups=4, group_size=2, mini_batches=2, dp_ranks=2)
     groups, lookahead = 240, 6
@@ -34,14 +35,15 @@ def test_rank0_planning_stays_bounded_and_plans_as_a_planner_that_keeps_everythi
     reference = Planner(cfg)  # sees every row ever scanned, forgets nothing, keeps every consumed frame
     written = aborted = consumed = steps = 0
     max_pending = max_state = 0
-    with StoreClient(locations) as client, StoreClient(locations) as ref_client, \
+    with StoreReader(locations) as client, StoreWriter.sharing(client) as writer, \
+            StoreReader(locations) as ref_client, \
             ConsumedLog(str(path), rows_per_group=50) as log:
         source = PlanSource(client, Planner(cfg), consumed_log=log)
         seen = ref_client.scan_new()  # no rows yet, the metadata columns
         while consumed < groups:
             while written - aborted < min(groups, consumed + lookahead):
                 lost = written % 7 == 3
-                client.put_group(make_group(f"g{written}", size=2, response_len=1 + written % 5,
+                writer.put_group(make_group(f"g{written}", size=2, response_len=1 + written % 5,
                                             policy_version=steps, status="aborted" if lost else "completed"))
                 written, aborted = written + 1, aborted + lost
             plans = source.poll(steps)

@@ -64,14 +64,16 @@ class Stores:
     """Two real store nodes with the fixed dataset written, alive for the module."""
 
     def __init__(self) -> None:
-        from flight_store.client import StoreClient
+        from flight_store.reading import StoreReader
         from flight_store.server import StoreServer
+        from flight_store.writing import StoreWriter
 
         self.servers = [StoreServer() for _ in range(2)]
         self.locations = [s.location for s in self.servers]
-        self.client = StoreClient(self.locations)
+        self.client = StoreReader(self.locations)
         self.batches = {b.column("group_id")[0].as_py(): b for b in _fixed_dataset()}
-        self.node_of = {gid: self.client.put_group(b) for gid, b in self.batches.items()}
+        with StoreWriter.sharing(self.client) as writer:
+            self.node_of = {gid: writer.put_group(b) for gid, b in self.batches.items()}
         self.bytes_out0 = self.bytes_out()
         # every row has the same size: calibrate what one whole group costs in the stores' accounting
         gid = next(iter(self.batches))
@@ -81,7 +83,7 @@ class Stores:
         self.bytes_out0 = after
 
     def bytes_out(self) -> dict[str, int]:
-        return {n: int(s["bytes_out"]) for n, s in self.client.stats().items()}
+        return {n: s.bytes_out for n, s in self.client.stats().items()}
 
     def close(self) -> None:
         self.client.close()
@@ -166,14 +168,16 @@ def test_dp2_loss_falls_and_ranks_agree(dp_run: Any) -> None:
 
 def test_dp2_version_release_weights(dp_run: Any) -> None:
     stores, reports, _ = dp_run
+    from flight_store.writing import StoreWriter
     from train.weights import read_weights
 
     assert stores.client.get_version() == STEPS
     assert [s["version"] for s in reports[0]["steps"]] == list(range(1, STEPS + 1))
     stats = stores.client.stats()
-    assert sum(s["groups"]["released"] for s in stats.values()) == GROUPS
-    assert sum(s["groups"]["stored"] for s in stats.values()) == 0
-    weights = read_weights(stores.client.get_weights(STEPS))
+    assert sum(s.groups.released for s in stats.values()) == GROUPS
+    assert sum(s.groups.stored for s in stats.values()) == 0
+    with StoreWriter.sharing(stores.client) as rollout:
+        weights = read_weights(rollout.get_weights(STEPS))
     assert weights["model.embed_tokens.weight"].shape == (VOCAB, 64)
     assert weights["model.layers.1.self_attn.k_proj.weight"].shape == (32, 64)  # GQA: 2 groups x 16
 

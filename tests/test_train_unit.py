@@ -193,7 +193,8 @@ def test_publisher_stores_weights_then_version_then_records_then_releases_off_th
     on the publish thread the weights land on every node, then the version, then the step is recorded, then its
     groups are released (what a store released was recorded as trained); one version at a time; an error
     reaches the next call and publishes nothing."""
-    from flight_store.client import StoreClient
+    from flight_store.reading import StoreReader
+    from flight_store.writing import StoreWriter
     from train.loop import Publisher
 
     servers = store_nodes(2)
@@ -202,7 +203,7 @@ def test_publisher_stores_weights_then_version_then_records_then_releases_off_th
     calls: list[tuple[str, Any, str]] = []
 
     class Recording:  # the real client, each call noted with the thread it ran on
-        def __init__(self, client: StoreClient) -> None:
+        def __init__(self, client: StoreReader) -> None:
             self.client = client
 
         def put_weights(self, t: pa.Table, version: int) -> None:
@@ -223,11 +224,11 @@ def test_publisher_stores_weights_then_version_then_records_then_releases_off_th
     def record(step: Any) -> None:
         calls.append(("record", step[0]["step"], threading.current_thread().name))
 
-    with StoreClient([s.location for s in servers]) as client:
+    with StoreReader([s.location for s in servers]) as client, StoreWriter.sharing(client) as writer:
         def released() -> int:
-            return sum(node["groups"]["released"] for node in client.stats().values())
+            return sum(node.groups.released for node in client.stats().values())
 
-        client.put_group(make_group("g1"))
+        writer.put_group(make_group("g1"))
         publisher = Publisher(Recording(client), record)
         step0: Any = ({"step": 0}, [], None)
         publisher.submit(table, 1, ["g1"], step0, time.perf_counter())  # returns at once: nothing published yet
@@ -239,7 +240,7 @@ def test_publisher_stores_weights_then_version_then_records_then_releases_off_th
         assert all(thread.startswith("knit-publish") for _, _, thread in calls)
         assert step0[0]["publish_done_s"] >= step0[0]["publish_s"] >= 0
         assert client.get_version() == 1 and released() == 1
-        assert all(client.get_weights(node=s.location).num_rows == 1 for s in servers)
+        assert all(writer.get_weights(node=s.location).num_rows == 1 for s in servers)
 
         publisher.submit(table, 2, [], ({"step": 1}, [], None), time.perf_counter())
         publisher.submit(None, 3, [], ({"step": 2}, [], None), time.perf_counter())  # after v2 is published
@@ -255,16 +256,17 @@ def test_publisher_stores_weights_then_version_then_records_then_releases_off_th
 
 
 def test_plan_source_scans_metadata_and_plans(store_nodes, make_group) -> None:  # type: ignore[no-untyped-def]
-    from flight_store.client import StoreClient
+    from flight_store.reading import StoreReader
+    from flight_store.writing import StoreWriter
     from train.planning import PlanSource
 
     servers = store_nodes(2)
-    with StoreClient([s.location for s in servers]) as client:
+    with StoreReader([s.location for s in servers]) as client, StoreWriter.sharing(client) as writer:
         planner = Planner(AdmissionConfig(train_batch_groups=4, group_size=4, mini_batches=2, dp_ranks=2))
         source = PlanSource(client, planner)
         assert source.poll(0) == []
         for gid in "abcd":
-            client.put_group(make_group(gid))
+            writer.put_group(make_group(gid))
         plans = source.wait(0, idle_timeout_s=5, poll_interval_s=0.01)
         plans += source.wait(0, idle_timeout_s=0.2, poll_interval_s=0.01)
         assert sorted(g for p in plans for g in p.group_ids) == ["a", "b", "c", "d"]
@@ -277,18 +279,19 @@ def test_plan_source_scans_metadata_and_plans(store_nodes, make_group) -> None: 
 
 
 def test_plan_source_keeps_only_rows_of_pending_groups(store_nodes, make_group) -> None:  # type: ignore[no-untyped-def]
-    from flight_store.client import StoreClient
+    from flight_store.reading import StoreReader
+    from flight_store.writing import StoreWriter
     from train.planning import PlanSource
 
     (server,) = store_nodes(1)
-    with StoreClient([server.location]) as client:
+    with StoreReader([server.location]) as client, StoreWriter.sharing(client) as writer:
         source = PlanSource(client, Planner(AdmissionConfig(train_batch_groups=1, group_size=4)))
-        client.put_group(make_group("short", size=2))  # 2 rows for G=4: a whole group of the wrong size
-        client.put_group(make_group("lost", status="aborted"))  # dropped
+        writer.put_group(make_group("short", size=2))  # 2 rows for G=4: a whole group of the wrong size
+        writer.put_group(make_group("lost", status="aborted"))  # dropped
         assert source.poll(0) == []
         assert source.dropped == {"size": 1, "aborted": 1}
         assert source.pending_rows == 0 and source.planner.state.dropped == frozenset()  # rows and ids gone
-        client.put_group(make_group("whole"))
+        writer.put_group(make_group("whole"))
         plans = source.poll(0)
         assert [g for p in plans for g in p.group_ids] == ["whole"]
         assert source.pending_rows == 0

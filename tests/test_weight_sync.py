@@ -89,7 +89,8 @@ def _megatron(location: str, vocab: str, out: str) -> None:
 
     import torch
 
-    from flight_store.client import StoreClient
+    from flight_store.reading import StoreReader
+    from flight_store.writing import StoreWriter
     from launcher.model import trainer_model
     from train import mcore_compat, model
     from train.config import ParallelConfig
@@ -112,10 +113,10 @@ def _megatron(location: str, vocab: str, out: str) -> None:
         ce = gpt(tokens, positions, None, labels=labels)  # the trainer's loss path: -logprob of each label
     logp = (-ce[0].double()).tolist()
     response_logprobs = [logp[len(PROMPT) - 1 + i] for i in range(len(RESPONSE))]
-    with StoreClient(location) as client:
+    with StoreReader(location) as client, StoreWriter.sharing(client) as writer:
         publish_weights(types.SimpleNamespace(gpt=gpt), client, 1, env)
         client.publish_version(1)
-        tensors = client.get_weights(1).num_rows
+        tensors = writer.get_weights(1).num_rows
     Path(out).write_text(json.dumps({"logprobs": response_logprobs, "tensors": tensors}))
     mcore_compat.shutdown()
 
@@ -126,7 +127,7 @@ def _vllm(location: str, model_dir: str, out: str) -> None:
 
     from connectors.config import RolloutConfig
     from connectors.engine import VllmEngine
-    from flight_store.client import StoreClient
+    from flight_store.writing import StoreWriter
 
     cfg = RolloutConfig(model=model_dir, stores=[location], max_model_len=512, max_num_seqs=4, dtype="float32")
     engine = VllmEngine(cfg)
@@ -137,7 +138,7 @@ def _vllm(location: str, model_dir: str, out: str) -> None:
         return [float(o.prompt_logprobs[len(PROMPT) + i][t].logprob) for i, t in enumerate(RESPONSE)]
 
     before = score()
-    with StoreClient(location) as client:
+    with StoreWriter(location) as client:
         table = client.get_weights(client.get_version())
     engine.load_weights(table)
     after = score()

@@ -17,7 +17,6 @@ import subprocess
 import sys
 import textwrap
 import time
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -26,9 +25,10 @@ import pyarrow as pa
 import pyarrow.flight as flight
 import pytest
 
-from flight_store.client import StoreClient
 from flight_store.config import ClusterMember, ServerConfig, StoreConfig
+from flight_store.reading import StoreReader
 from flight_store.server import StoreServer
+from flight_store.writing import StoreWriter
 
 ROOT = Path(__file__).resolve().parents[1]
 G = 4
@@ -149,7 +149,7 @@ def test_a_stream_that_ends_early_stores_nothing(how: str, spill: bool, tmp_path
     try:
         _end_early(how, server.location, tmp_path)
         deadline = time.monotonic() + 10
-        while server.store.stats()["memory_in_flight"] and time.monotonic() < deadline:
+        while server.store.stats().memory_in_flight and time.monotonic() < deadline:
             time.sleep(0.05)  # the server notices the broken stream on its own time
         client = flight.connect(server.location)
         assert _stored(client) == []
@@ -219,10 +219,10 @@ def test_a_node_refuses_a_group_routing_gives_another_naming_it(tmp_path: Path) 
         assert info["location"] == members[2].location
         assert info["retryable"] is False and "node2" in str(err)
         assert _stored(raw) == [mine]
-        with StoreClient.from_cluster(servers[1].location) as client:  # one location is enough to find them all
+        with StoreWriter.from_cluster(servers[1].location) as client:  # one location is enough to find them all
             assert sorted(client.nodes) == sorted(m.location for m in members)
             assert client.put_group(_group(other).to_batches()[0]) == members[2].location
-        part = StoreClient([m.location for m in members[:2]])
+        part = StoreReader([m.location for m in members[:2]])
         with pytest.raises(ValueError, match="belongs to the cluster"):
             part.node_for("x")  # a client that knows only part of the cluster would route wrong
         part.close()
@@ -243,7 +243,7 @@ def test_a_write_larger_than_the_node_is_refused_for_good(tmp_path: Path) -> Non
         info = _info(_refusal(lambda: _put_group(raw, big)))
         assert info["class"] == "CapacityExceededError" and info["retryable"] is False
         assert info["capacity"] == 64 << 10 and info["needed"] > info["capacity"]
-        with StoreClient(server.location, retries=5, backoff=2.0) as client:  # one retry would wait 2 s
+        with StoreWriter(server.location, retries=5, backoff=2.0) as client:  # one retry would wait 2 s
             from flight_store.errors import CapacityExceededError
 
             t0 = time.monotonic()
@@ -345,73 +345,21 @@ def test_tickets_take_json_numbers_only_and_no_duplicate_keys(doc: bytes) -> Non
         raw.close()
 
 
-@pytest.mark.parametrize("raw", [
-    b'{"v":2,"kind":"put_group","group_id":"s0-g7","rows":8}',
-    '{"v":2,"kind":"put_group","group_id":"gr\u00fcppe","rows":3}'.encode(),  # UTF-8 in the id
-    b'{"v":2,"kind":"put_group","group_id":"x","rows":0}',  # the form, but the model refuses: rows >= 1
-    b'{"v":3,"kind":"put_group","group_id":"x","rows":1}',  # another schema version
-    b'{"v":2,"kind":"put_group","group_id":"x","rows":999999999}',
-    b'{"v":2,"kind":"put_group","group_id":"\xff\xfe","rows":1}',  # not UTF-8
-    b'{"v":2,"kind":"put_group","group_id":"' + b"x" * 513 + b'","rows":1}',
-    b'{"v":2,"kind":"put_group","group_id":"x","rows":1,"rows":2}',  # not the form: the general path refuses
-])
-def test_a_put_group_descriptor_decodes_on_its_fast_path_as_on_the_general_one(raw: bytes) -> None:
-    from schemas import wire
-
-    _same_on_both_paths(raw, wire.decode_descriptor, wire._DESCRIPTOR, "descriptor", "descriptor_bytes")
-
-
-def _same_on_both_paths(raw: bytes, decode: Callable[[bytes], object], adapter: object, what: str, limit: str) -> None:
-    """``decode`` (with its fast path) gives the general path's document, or its error (limit and message)."""
-    from schemas import wire
-
-    outcomes = []
-    for run in (decode, lambda doc: wire._validate(adapter, wire._load_json(doc, what, limit), what)):  # type: ignore[arg-type]
-        try:
-            outcomes.append(run(raw))
-        except wire.WireLimitError as exc:
-            outcomes.append(("limit", exc.limit, exc.value, str(exc)))
-        except wire.WireError as exc:
-            outcomes.append(str(exc))
-    assert outcomes[0] == outcomes[1]
-
-
-_S = b'{"group_id":"g1","start":0,"stop":4}'
-
-
-@pytest.mark.parametrize("raw", [
-    b'{"v":2,"kind":"slices","slices":[' + _S + b',{"group_id":"g2","start":2,"stop":3}],"columns":["sample_idx"]}',
-    b'{"v":2,"kind":"slices","slices":[' + _S + b']}',
-    b'{"v":2,"kind":"slices","slices":[' + _S + b'],"columns":[]}',
-    '{"v":2,"kind":"slices","slices":[{"group_id":"gr\u00fcppe","start":0,"stop":1}]}'.encode(),  # UTF-8 in the id
-    b'{"v":2,"kind":"slices","slices":[{"group_id":"g","start":3,"stop":3}]}',  # the form; the model refuses
-    b'{"v":3,"kind":"slices","slices":[' + _S + b']}',  # another schema version
-    b'{"v":2,"kind":"slices","slices":[{"group_id":"\xff","start":0,"stop":1}]}',  # not UTF-8
-    b'{"v":2,"kind":"slices","slices":[{"group_id":"' + b"x" * 513 + b'","start":0,"stop":1}]}',
-    b'{"v":2,"kind":"slices","slices":[' + b",".join([_S] * 8193) + b']}',  # over slices_per_ticket
-    b'{"v":2,"kind":"slices","slices":[{"group_id":"g","start":0,"start":1,"stop":2}]}',  # not the form
-    b'{"v":2,"kind":"slices","slices":[' + _S + b'],"columns":["a","a"],"columns":["b"]}',  # not the form
-])
-def test_a_slices_ticket_decodes_on_its_fast_path_as_on_the_general_one(raw: bytes) -> None:
-    from schemas import wire
-
-    _same_on_both_paths(raw, wire.decode_ticket, wire._TICKET, "ticket", "ticket_bytes")
-
-
-def test_the_clients_encoders_write_the_models_bytes_and_a_bad_slice_is_refused_by_the_node() -> None:
+def test_the_clients_documents_are_the_models_bytes_and_a_bad_slice_is_refused_by_the_node() -> None:
+    from flight_store import streams
     from flight_store.errors import WireDecodeError
     from schemas.plan import PlannedSlice
-    from schemas.wire import PutGroup, SliceRef, SlicesTicket, encode_put_group, encode_slices_ticket
+    from schemas.wire import SliceRef, SlicesTicket, decode_ticket
 
     odd = ['g"1\\', "gr\u00fcppe \u2028", "tab\tnew\nline\x01", "s0-g7"]  # quotes, escapes, non-ASCII, controls
-    refs = [(g, i, i + 2) for i, g in enumerate(odd)]
+    planned = [PlannedSlice(node="n", group_id=g, start=i, stop=i + 2) for i, g in enumerate(odd)]
     for cols in (None, ["group_id", "sample_idx"], []):
-        model = SlicesTicket(slices=[SliceRef(group_id=g, start=a, stop=b) for g, a, b in refs], columns=cols)
-        assert encode_slices_ticket(refs, cols) == model.to_bytes()
-    for g in odd:
-        assert encode_put_group(g, 8) == PutGroup(group_id=g, rows=8).to_bytes()
-    with StoreServer() as server, StoreClient([server.location]) as client:
-        client.put_group(_group("g"))
+        model = SlicesTicket(slices=[SliceRef(group_id=s.group_id, start=s.start, stop=s.stop) for s in planned],
+                             columns=cols)
+        assert streams.slices_ticket(planned, cols) == model.to_bytes()
+        assert decode_ticket(streams.slices_ticket(planned, cols)) == model
+    with StoreServer() as server, StoreReader([server.location]) as client, StoreWriter.sharing(client) as writer:
+        writer.put_group(_group("g"))
         with pytest.raises(WireDecodeError, match=r"empty or reversed row range \[3, 1\) for group 'g'"):
             client.fetch([PlannedSlice(node=server.location, group_id="g", start=3, stop=1)])
         assert client.fetch([PlannedSlice(node=server.location, group_id="g", start=1, stop=3)],
@@ -433,7 +381,7 @@ def test_logprob_mode_survives_the_store_and_reaches_the_trainer() -> None:
         rows = raw.do_get(flight.Ticket(json.dumps({"v": 2, "kind": "slices", "slices": [
             {"group_id": "lp", "start": 0, "stop": G}]}).encode())).read_all()
         assert rows.schema.metadata[b"knittrans.logprobs_mode"] == b"processed_logprobs"
-        with StoreClient(server.location) as client:
+        with StoreReader(server.location) as client:
             mb = MicroBatch(slices=[PlannedSlice(node=server.location, group_id="lp", start=0, stop=G)],
                             advantages=[0.0] * G)
             got = fetch_micro_batch("padded", (client.stream([mb.slices], PACK_COLUMNS), mb))
@@ -448,14 +396,14 @@ def test_images_go_to_the_groups_node_and_a_consumer_reads_admitted_micro_batche
     from schemas.images import images_to_table
 
     servers = store_nodes(2)
-    with StoreClient([s.location for s in servers]) as client:
+    with StoreReader([s.location for s in servers]) as client, StoreWriter.sharing(client) as writer:
         planner = Planner(AdmissionConfig(train_batch_groups=2, group_size=G, mini_batches=1, dp_ranks=2))
         for i in range(2):
             gid = f"mm{i}"
             table, keys = images_to_table([np.full((3, 2, 2), i, np.uint8)])
-            client.put_images(table, group_ids=[gid])
+            writer.put_images(table, group_ids=[gid])
             keyed = _group(gid, image_keys=pa.array([keys] * G, pa.list_(pa.binary(32))))
-            client.put_group(keyed)
+            writer.put_group(keyed)
             node = next(s for s in servers if s.location == client.node_for(gid))
             assert node.store.has_image(keys[0]) and node.store.has_group(gid)
         (plan,) = planner.update(client.scan_new(), inflight=0)
@@ -470,9 +418,9 @@ def test_a_child_process_client_sees_the_same_routing(store_nodes) -> None:
     """Routing is a pure function of the node ids: a second process (another client) agrees."""
     servers = store_nodes(2)
     locs = [s.location for s in servers]
-    code = ("import sys, json; from flight_store.client import StoreClient;"
-            "c = StoreClient(sys.argv[1:]); print(json.dumps([c.node_for(f'g{i}') for i in range(50)]))")
+    code = ("import sys, json; from flight_store.client import StoreNodes;"
+            "c = StoreNodes(sys.argv[1:]); print(json.dumps([c.node_for(f'g{i}') for i in range(50)]))")
     out = subprocess.run([sys.executable, "-c", code, *locs], cwd=ROOT, capture_output=True, text=True, timeout=60,
                          check=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
-    with StoreClient(list(reversed(locs))) as client:
+    with StoreReader(list(reversed(locs))) as client:
         assert json.loads(out.stdout) == [client.node_for(f"g{i}") for i in range(50)]

@@ -304,7 +304,7 @@ class TrainConfig:
     poll_interval_s: float = 0.05
     """Pause between metadata scans while waiting for admissible data."""
     supply_from_stores: bool = True
-    """Give the planner the groups in flight the rollout registered with the stores (``StoreClient.inflight``),
+    """Give the planner the groups in flight the rollout registered with the stores (``StoreReader.inflight``),
     so ``mini_batch`` runs the exact quota feasibility test; unknown supply while no rollout registers."""
     pack: PackMode = "padded"
     """Micro-batch layout: right-padded ``[rows, max_len]`` or one packed row (THD) with cu_seqlens."""

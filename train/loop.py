@@ -31,11 +31,14 @@ import os
 import time
 from collections import deque
 from collections.abc import Callable
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 from schemas.plan import MiniBatchPlan
 from train.config import TrainConfig
 from train.planning import PlannerLike, PlanSource
+
+if TYPE_CHECKING:
+    from flight_store.reading import StoreReader
 
 log = logging.getLogger(__name__)
 
@@ -73,7 +76,7 @@ def run(cfg: TrainConfig, *, planner: PlannerLike | None = None) -> int:
     of optimizer steps taken (their metrics are in the report and the log).
     """
     from admission.planner import Planner
-    from flight_store.client import StoreClient
+    from flight_store.reading import StoreReader
     from train import mcore_compat, model
     from train.planning import ConsumedLog, with_dp_ranks
 
@@ -82,7 +85,7 @@ def run(cfg: TrainConfig, *, planner: PlannerLike | None = None) -> int:
     if env["rank"] == 0 and planner is None:
         planner = Planner(admission)
     with contextlib.ExitStack() as stack:
-        client = stack.enter_context(StoreClient.from_config(cfg.stores, cfg.client))
+        client = stack.enter_context(StoreReader.from_config(cfg.stores, cfg.client))
         kind = _build_step(cfg, env, client)
         stack.callback(kind.close)
         report = stack.enter_context(RankReport(cfg.report_path, env)) if cfg.report_path else None
@@ -100,7 +103,7 @@ def run(cfg: TrainConfig, *, planner: PlannerLike | None = None) -> int:
     return steps
 
 
-def _build_step(cfg: TrainConfig, env: dict[str, int], client: Any) -> Step:
+def _build_step(cfg: TrainConfig, env: dict[str, int], client: StoreReader) -> Step:
     if cfg.vision is not None:
         from train.mm_trainer import MultimodalStep
 
@@ -110,7 +113,7 @@ def _build_step(cfg: TrainConfig, env: dict[str, int], client: Any) -> Step:
     return TextStep(cfg, env, client)
 
 
-def _train(cfg: TrainConfig, env: dict[str, int], kind: Step, client: Any, source: PlanSource | None,
+def _train(cfg: TrainConfig, env: dict[str, int], kind: Step, client: StoreReader, source: PlanSource | None,
            report: RankReport | None) -> int:
     """The loop: plan (rank 0, broadcast), submit fetches, step, publish the version, release the groups."""
 
@@ -177,7 +180,8 @@ def _steps(cfg: TrainConfig, env: dict[str, int], kind: Step, source: PlanSource
     return steps
 
 
-def publish_weights(built: Any, client: Any, version: int, env: dict[str, int], *, dtype: str = "params") -> None:
+def publish_weights(built: Any, client: StoreReader, version: int, env: dict[str, int], *,
+                    dtype: str = "params") -> None:
     """Gather the weights (all ranks) and DoPut them to every store (rank 0): :func:`encode_weights`, then
     ``put_weights``."""
     table = encode_weights(built, env, dtype=dtype)
@@ -210,7 +214,7 @@ class Publisher:
     :meth:`submit` or :meth:`drain`.
     """
 
-    def __init__(self, client: Any, record: Callable[[Done], None]) -> None:
+    def __init__(self, client: StoreReader, record: Callable[[Done], None]) -> None:
         from concurrent.futures import ThreadPoolExecutor
 
         self._client = client

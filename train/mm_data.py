@@ -1,7 +1,7 @@
 """Fetch one rank's multimodal mini-batch: its trajectory slices, then each distinct image once.
 
 A rank's share of a mini-batch is a list of micro-batches. :func:`fetch_mm_mini_batch` reads all
-their slices at once (``StoreClient.fetch``: one read per node, only the packing columns plus
+their slices at once (``StoreReader.fetch``: one read per node, only the packing columns plus
 ``image_keys``), splits the rows back into micro-batches and packs each, collects the distinct image
 keys of ALL the micro-batches (``train.multimodal.distinct_image_keys``), and DoGets each distinct image
 once, from the node that stores the group referencing it (one DoGet per node). Images are never replicated
@@ -19,6 +19,7 @@ from typing import Any
 
 import numpy as np
 
+from flight_store.reading import StoreReader
 from flight_store.streams import keys_by_node
 from schemas.images import table_to_images
 from schemas.plan import MicroBatch
@@ -59,7 +60,8 @@ class MMMiniBatch:
         return sum(len(r) for mb in self.row_keys for r in mb)
 
 
-def fetch_mm_mini_batch(client: Any, micro_batches: Sequence[MicroBatch], *, mode: PackMode = "padded") -> MMMiniBatch:
+def fetch_mm_mini_batch(client: StoreReader, micro_batches: Sequence[MicroBatch], *,
+                        mode: PackMode = "padded") -> MMMiniBatch:
     """DoGet the slices of ``micro_batches`` (with ``image_keys``), pack them, and fetch each distinct image once."""
     slices = [s for mb in micro_batches for s in mb.slices]
     t0 = time.perf_counter()

@@ -33,6 +33,7 @@ from collections.abc import Iterator, Sequence
 from functools import partial
 from typing import Any
 
+from flight_store.reading import StoreReader
 from schemas.plan import MicroBatch, MiniBatchPlan
 from train.config import PackMode, TrainConfig, VisionConfig
 
@@ -42,7 +43,7 @@ log = logging.getLogger(__name__)
 class MultimodalStep:
     """The multimodal trainer's step (``train.loop.Step``): backbone + vision encoder, images encoded once."""
 
-    def __init__(self, cfg: TrainConfig, env: dict[str, int], client: Any) -> None:
+    def __init__(self, cfg: TrainConfig, env: dict[str, int], client: StoreReader) -> None:
         import torch
         import torch.distributed as dist
         from megatron.core import parallel_state as ps
@@ -172,7 +173,7 @@ def check_images(images: dict[bytes, Any], vision: VisionConfig) -> None:
             raise ValueError(msg)
 
 
-def fetch_rank_mini_batch(client: Any, mode: PackMode, micro: Sequence[MicroBatch]) -> dict[str, Any]:
+def fetch_rank_mini_batch(client: StoreReader, mode: PackMode, micro: Sequence[MicroBatch]) -> dict[str, Any]:
     """Prefetch thread: a rank's micro-batches of one mini-batch, and each distinct image once, as torch."""
     import numpy as np
     import torch

@@ -1,6 +1,6 @@
 """Rank 0 hosts the planner; plans reach every rank over ``torch.distributed``.
 
-``PlanSource`` (rank 0 only) scans new metadata rows from every store (``StoreClient.scan_new``,
+``PlanSource`` (rank 0 only) scans new metadata rows from every store (``StoreReader.scan_new``,
 metadata columns only, never payload), keeps the rows of the groups the planner has neither
 admitted nor dropped, and asks the planner for every mini-batch admissible now. After each update
 it removes the settled groups' rows from its frame and their ids from the planner's state, releases
@@ -30,6 +30,7 @@ import polars as pl
 from admission.config import AdmissionConfig
 from admission.planner import CONSUMED_SCHEMA
 from admission.state import PlannerState
+from flight_store.reading import StoreReader
 from schemas.plan import MiniBatchPlan
 
 log = logging.getLogger(__name__)
@@ -81,11 +82,11 @@ class PlanSource:
     Example::
 
         planner = Planner(AdmissionConfig(train_batch_groups=8, group_size=4, dp_ranks=2))
-        source = PlanSource(StoreClient(locations), planner)
+        source = PlanSource(StoreReader(locations), planner)
         plans = source.wait(current_version=0, idle_timeout_s=60, poll_interval_s=0.05)
     """
 
-    def __init__(self, client: Any, planner: PlannerLike, *, inflight: Any = None,
+    def __init__(self, client: StoreReader, planner: PlannerLike, *, inflight: Any = None,
                  supply_from_stores: bool = False, consumed_log: ConsumedLog | None = None) -> None:
         self._client = client
         self._planner = planner
@@ -165,7 +166,7 @@ class PlanSource:
         if not quota_cols <= {"data_source"}:
             return self._unknown(f"quota columns {sorted(quota_cols)} are not all carried by registrations")
         seen = self._client.inflight(partial=True)
-        if getattr(self._client, "last_failed_nodes", None):
+        if self._client.last_failed_nodes:
             return self._unknown(f"stores {self._client.last_failed_nodes} did not answer")
         if seen.registered_total == 0:
             return self._unknown("no rollout registered a group with the stores")

@@ -1,6 +1,6 @@
 """Background fetch of micro-batches: while micro-batch i computes, micro-batch i+1 is being fetched.
 
-A single worker thread owns the fetches (``StoreClient.fetch``: one read per node holding the
+A single worker thread owns the fetches (``StoreReader.fetch``: one read per node holding the
 slices, over its read channels, rows in plan order) and the packing (Arrow -> numpy); the step loop only waits. The
 lookahead is bounded: at most ``depth`` micro-batches are fetched ahead of the one the step loop
 took last (``depth=0`` fetches on demand, the no-overlap reference). The time the step loop blocks

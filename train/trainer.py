@@ -20,6 +20,7 @@ from collections.abc import Iterator
 from functools import partial
 from typing import Any
 
+from flight_store.reading import StoreReader
 from schemas.plan import MicroBatch, MiniBatchPlan
 from train.config import PackMode, TrainConfig
 from train.packing import PACK_COLUMNS, pack
@@ -30,7 +31,7 @@ log = logging.getLogger(__name__)
 class TextStep:
     """The text trainer's step (``train.loop.Step``): GPT + GRPO loss over prefetched micro-batches."""
 
-    def __init__(self, cfg: TrainConfig, env: dict[str, int], client: Any) -> None:
+    def __init__(self, cfg: TrainConfig, env: dict[str, int], client: StoreReader) -> None:
         from train import model
         from train.prefetch import Prefetcher
 
@@ -102,8 +103,8 @@ def fetch_micro_batch(
 ) -> dict[str, Any]:
     """Prefetch thread: read exactly the micro-batch's slices from its mini-batch's stream and pack them.
 
-    ``item`` is the rank's :meth:`~flight_store.client.StoreClient.stream` of the mini-batch (one DoGet
-    per node, read in micro-batch order) and the micro-batch; packing is numpy, zero-copy into torch. With
+    ``item`` is the rank's :meth:`~flight_store.reading.StoreReader.stream` of the mini-batch (one read
+    per node and micro-batch, in micro-batch order) and the micro-batch; packing is numpy, zero-copy into torch. With
     ``vocab_size`` a token id outside the model's vocabulary raises ``TokenOutOfVocabularyError`` here, on the
     prefetch thread, and again in the step loop that takes the micro-batch: before the embedding sees it.
     """

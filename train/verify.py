@@ -86,10 +86,10 @@ def _store_mismatch(location: str, version: int | None, hf: dict[str, Any]) -> l
     """Names whose published tensor (at ``version``) differs from ``hf``'s, or is on one side only."""
     import torch
 
-    from flight_store.client import StoreClient
+    from flight_store.writing import StoreWriter
     from train.weights import read_weights
 
-    with StoreClient(location) as client:
+    with StoreWriter(location) as client:
         stored = read_weights(client.get_weights(version))
     return sorted(k for k in set(stored) | set(hf)
                   if k not in stored or k not in hf or not torch.equal(stored[k], hf[k]))

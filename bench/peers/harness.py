@@ -3,7 +3,7 @@
 What runs (all on loopback, in one Ray session started here):
 
 * **knittrans**: two ``knit serve`` nodes (processes of their own); ranks DoGet their own slices
-  (:mod:`bench.peers.knit`); one micro-batch's read is ``StoreClient.fetch`` (over read channels);
+  (:mod:`bench.peers.knit`); one micro-batch's read is ``StoreReader.fetch`` (over read channels);
 * **TransferQueue** 0.1.11, the package itself: its controller and two storage units; ranks read
   their rows through its client (:mod:`bench.peers.tq`);
 * **verl** 0.9.1, the package itself: ``DataProto`` dispatched by its single controller to a Ray
@@ -294,9 +294,9 @@ def _fetch_rounds(fetchers: dict[str, Callable[[list[MicroSpec]], list[float]]],
 
 def _knit_driver_bytes(knit: Any, specs: list[list[list[MicroSpec]]]) -> int:
     """Payload bytes the stores served beyond what knittrans' ranks received over one pass of every step."""
-    before = {n: s["bytes_out"] for n, s in knit.client.stats().items()}
+    before = {n: s.bytes_out for n, s in knit.client.stats().items()}
     received = sum(r["bytes"] for per_rank in specs for r in knit.step(per_rank, 0.0, 1))
-    return sum(s["bytes_out"] - before[n] for n, s in knit.client.stats().items()) - received
+    return sum(s.bytes_out - before[n] for n, s in knit.client.stats().items()) - received
 
 
 def summarize(raw: dict[str, Any], w: Workload, computes: Sequence[float]) -> tuple[dict[str, Any], dict[str, Any]]:

@@ -2,7 +2,7 @@
 
 The driver holds no payload: the groups are in two ``knit serve`` nodes (processes of their own),
 and each rank (a Ray actor) is sent only its step's micro-batch specs. A rank reads its micro-batches
-over one DoGet per node for the whole step (``StoreClient.stream``), packs each into the trainer's
+one read per node and micro-batch (``StoreReader.stream``), packs each into the trainer's
 tensors (``train.packing.pack``) on a prefetch thread while the previous one computes.
 """
 
@@ -18,13 +18,13 @@ from bench.transfer.workload import Workload
 
 
 class KnitRank:
-    """One trainer rank reading through its own :class:`~flight_store.client.StoreClient`."""
+    """One trainer rank reading through its own :class:`~flight_store.reading.StoreReader`."""
 
     def __init__(self, rank: int, stores: list[str]) -> None:
-        from flight_store.client import StoreClient
+        from flight_store.reading import StoreReader
 
         self.rank = rank
-        self.client = StoreClient(stores)
+        self.client = StoreReader(stores)
 
     def ready(self) -> int:
         import torch  # noqa: F401  (import cost outside the clock)
@@ -39,7 +39,7 @@ class KnitRank:
         from train.packing import PACK_COLUMNS, pack
 
         slices = [[PlannedSlice(node=n, group_id=g, start=a, stop=b) for n, g, a, b in m["slices"]] for m in micros]
-        tables = self.client.stream(slices, columns=PACK_COLUMNS)  # one DoGet per node for the whole step
+        tables = self.client.stream(slices, columns=PACK_COLUMNS)  # one read per node and micro-batch
 
         def get(spec: MicroSpec) -> dict[str, Any]:
             table = next(tables)
@@ -101,10 +101,12 @@ class KnitPath:
     def __init__(self, w: Workload, stores: list[str]) -> None:
         import ray
 
-        from flight_store.client import StoreClient
+        from flight_store.reading import StoreReader
+        from flight_store.writing import StoreWriter
 
         self.w = w
-        self.client = StoreClient(stores)
+        self.client = StoreReader(stores)
+        self.writer = StoreWriter.sharing(self.client)
         actor = ray.remote(num_cpus=1)(KnitRank)
         self.ranks: list[Any] = [actor.remote(r, stores) for r in range(w.ranks)]  # type: ignore[attr-defined]
         ray.get([r.ready.remote() for r in self.ranks])
@@ -113,7 +115,7 @@ class KnitPath:
         """``put_group`` each group (one DoPut each, as a rollout worker writes); wall time and payload bytes."""
         t0 = time.perf_counter()
         for g in groups:
-            self.client.put_group(g)
+            self.writer.put_group(g)
         return {"put_s": time.perf_counter() - t0, "bytes": sum(g.nbytes for g in groups)}
 
     def step(self, per_rank: list[list[MicroSpec]], ms_per_ktok: float, depth: int = 1,
@@ -127,9 +129,9 @@ class KnitPath:
         """Each group's images (once, whatever G) then the group, to the group's node; wall time and bytes."""
         t0 = time.perf_counter()
         for g, imgs in zip(groups, images, strict=True):
-            node = self.client.node_for(str(g.column("group_id")[0]))
-            self.client.put_images(imgs, node=node)
-            self.client.put_group(g, node=node)
+            node = self.writer.node_for(str(g.column("group_id")[0]))
+            self.writer.put_images(imgs, node=node)
+            self.writer.put_group(g, node=node)
         return {"put_s": time.perf_counter() - t0,
                 "bytes": sum(g.nbytes for g in groups) + sum(t.nbytes for t in images)}
 
@@ -158,4 +160,5 @@ class KnitPath:
 
         for r in self.ranks:
             ray.kill(r)
+        self.writer.close()
         self.client.close()

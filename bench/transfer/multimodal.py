@@ -98,13 +98,15 @@ def _run(stores: list[str], w: Workload) -> dict[str, Any]:
     """Store every train batch and its images, then both phases, each on both paths; the raw records."""
     import ray
 
-    from flight_store.client import StoreClient
+    from flight_store.reading import StoreReader
+    from flight_store.writing import StoreWriter
 
     total_a, total_b = w.steps + 1, w.train_steps + 1  # one warm-up step per path and phase
     rng = np.random.default_rng(w.seed)
-    client = StoreClient(stores)
+    client = StoreReader(stores)
     group_ids = [[f"s{s}-g{g}" for g in range(w.groups)] for s in range(total_a + total_b)]
-    node_of, image_bytes_stored = _store(client, group_ids, w, rng)
+    with StoreWriter.sharing(client) as writer:
+        node_of, image_bytes_stored = _store(writer, group_ids, w, rng)
     ranks = start_ranks(stores, w)
     driver = CountingImageClient(client)
     plans = admit(driver, w, total_a + total_b)
@@ -119,9 +121,9 @@ def _run(stores: list[str], w: Workload) -> dict[str, Any]:
         on-demand beyond what the ranks received (the driver's share)."""
         base = [mm_baseline_step(driver, ranks, slices_of(s), w, train=train, micro_batches=micro)
                 for s in range(first, stop)][1:]
-        before = {n: st["bytes_out"] for n, st in client.stats().items()}
+        before = {n: st.bytes_out for n, st in client.stats().items()}
         od = ray.get([r.run_mm_ondemand.remote(steps[first:stop], train) for r in ranks])
-        served = sum(st["bytes_out"] - before[n] for n, st in client.stats().items())
+        served = sum(st.bytes_out - before[n] for n, st in client.stats().items())
         return base, od, served - sum(r["traj_bytes"] + r["image_bytes"] for rank in od for r in rank)
 
     # phase A, transfer: baseline (driver, images replicated per trajectory) vs on-demand (by reference)
@@ -129,7 +131,7 @@ def _run(stores: list[str], w: Workload) -> dict[str, Any]:
     # phase B, transfer + train: baseline with dedup off vs on-demand with dedup on
     base_b, od_b, payload_b = phase(total_a, total_a + total_b, True)
     client.release([g for ids in group_ids for g in ids])
-    left = {n: int(st["images"]) for n, st in client.stats().items()}
+    left = {n: st.images for n, st in client.stats().items()}
     client.close()
     return {"base_a": base_a, "od_a": od_a, "base_b": base_b, "od_b": od_b, "micro": micro,
             "driver_payload_ondemand": payload_a + payload_b,

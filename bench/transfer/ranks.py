@@ -23,11 +23,11 @@ class RankWorker:
     """One trainer rank: loads baseline shards, or fetches its own slices with prefetch and computes."""
 
     def __init__(self, rank: int, stores: list[str], w: dict[str, Any]) -> None:
-        from flight_store.client import StoreClient
+        from flight_store.reading import StoreReader
 
         self.rank = rank
         self.w = Workload(**w)
-        self.client = StoreClient(stores)
+        self.client = StoreReader(stores)
         self.encoded = 0
         """Images that went through an encoder's forward on this rank (counted by a forward hook)."""
         self._baseline_models: tuple[Any, Any, Any] | None = None

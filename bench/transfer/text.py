@@ -16,7 +16,7 @@ on-demand (knittrans)
     the driver scans metadata only and runs the admission planner; each rank DoGets exactly its
     micro-batch slices on a prefetch thread (``train.prefetch``, ``train.packing``) while the
     compute of the previous micro-batch runs: as the trainer does, one DoGet per node streams a
-    rank's micro-batches of a mini-batch, read one micro-batch at a time (``StoreClient.stream``).
+    rank's micro-batches of a mini-batch, read one micro-batch at a time (``StoreReader.stream``).
     Transfer time per train step = the time the rank's step loop was blocked on data (exposed
     wait), max over ranks.
 
@@ -83,16 +83,18 @@ def main_text(args: argparse.Namespace, w: Workload) -> int:
 
 def _run(stores: list[str], w: Workload) -> dict[str, Any]:
     """Store every train batch, then run the baseline and the on-demand path; the raw records of both."""
-    from flight_store.client import StoreClient
+    from flight_store.reading import StoreReader
+    from flight_store.writing import StoreWriter
 
     rng = np.random.default_rng(w.seed)
-    client = StoreClient(stores)
+    client = StoreReader(stores)
     total = w.steps + 1  # one warm-up step per path
     group_ids = [[f"s{s}-g{g}" for g in range(w.groups)] for s in range(total)]
     node_of: dict[str, str] = {}
-    for ids in group_ids:
-        for gid in ids:
-            node_of[gid] = client.put_group(make_group(gid, w, rng))
+    with StoreWriter.sharing(client) as writer:
+        for ids in group_ids:
+            for gid in ids:
+                node_of[gid] = writer.put_group(make_group(gid, w, rng))
     ranks = start_ranks(stores, w)
     run = _baseline(client, ranks, group_ids, node_of, w)
     run.update(_ondemand(client, ranks, w, total))
@@ -117,12 +119,12 @@ def _ondemand(client: Any, ranks: list[Any], w: Workload, total: int) -> dict[st
     import ray
 
     driver = CountingClient(client)
-    before = {n: s["bytes_out"] for n, s in client.stats().items()}
+    before = {n: s.bytes_out for n, s in client.stats().items()}
     t_plan = time.perf_counter()
     plans = admit(driver, w, total)
     plan_s = time.perf_counter() - t_plan
     per_rank = ray.get([r.run_ondemand.remote(steps_as_json(plans, w, total)) for r in ranks])
-    served = sum(s["bytes_out"] - before[n] for n, s in client.stats().items())
+    served = sum(s.bytes_out - before[n] for n, s in client.stats().items())
     received = sum(step["bytes"] for rank in per_rank for step in rank)  # the warm-up step included
     return {"ondemand": [[rank[s] for rank in per_rank] for s in range(1, total)],  # drop the warm-up step
             "first_wait_ms": 1e3 * max(rank[0]["max_wait_s"] for rank in per_rank), "plan_s": plan_s,
