@@ -27,7 +27,8 @@ from flight_store.errors import ConflictError, GroupReleasedError, SchemaMismatc
 from flight_store.memory import Block, view
 from schemas import _kernels
 from schemas.arrow import TRAJECTORY_SCHEMA
-from schemas.trajectory import SIGNATURE, offset_lengths
+from schemas.native import SIGNATURE
+from schemas.trajectory_rules import offset_lengths
 
 _TRAJ_COLUMNS = frozenset(TRAJECTORY_SCHEMA.names)
 _NO_META: dict[str, str] = {}  # shared by every group without writer metadata; never mutated
