@@ -166,8 +166,8 @@ def check_columns(columns: Sequence[str] | None) -> None:
 
 
 COALESCE_MIN_SLICES = 4
-"""An answer of this many slices or fewer is never copied together: on loopback the copy cost more than
-the IPC messages it saved for 2 slices, about the same for 4, and less for 8 (one-off A/B, 8-row reads)."""
+"""An answer of this many slices or fewer is never copied together: on loopback, for 8-row slices, the copy
+costs more than the IPC messages it saves for 2 slices, about the same for 4, and less for 8."""
 
 
 def coalesce(out: list[pa.RecordBatch], sizes: Sequence[int], coalesce_below: int) -> Iterator[pa.RecordBatch]:

@@ -283,8 +283,8 @@ class MemoryAccount:
 
         It is for the budget and its RSS guard, which must see freed memory gone; a node without a budget
         leaves the allocators their free memory, which the next writes reuse warm: trimming glibc's heap
-        after every write made each refault its gRPC buffers (~5% of a ``put_group``'s round trip, a one-off
-        A/B of two nodes), and emptying the Arrow pool cost ~10 us a write.
+        after every write makes each refault its gRPC buffers (~5% of a ``put_group``'s round trip), and
+        emptying the Arrow pool costs ~10 us a write.
         """
         if self.budget is not None:
             return_free_memory(force=force)

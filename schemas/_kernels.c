@@ -66,7 +66,7 @@ static int append(char *buf, size_t *len, const char *punctuation) {
 
 /* A name, format or metadata a writer chose, prefixed with its length: no choice of them reads as another. */
 static int append_field(char *buf, size_t *len, const char *s, size_t n) {
-    char prefix[24];  /* n in decimal, then a quote (by hand: snprintf cost half of a whole check) */
+    char prefix[24];  /* n in decimal, then a quote (by hand: this runs for every field of every batch) */
     size_t k = sizeof prefix, rest = n;
     prefix[--k] = '\'';
     do {
