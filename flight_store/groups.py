@@ -27,11 +27,13 @@ from flight_store.errors import ConflictError, GroupReleasedError, SchemaMismatc
 from flight_store.memory import Block, view
 from schemas import _kernels
 from schemas.arrow import TRAJECTORY_SCHEMA
-from schemas.trajectory import SIGNATURE, offset_lengths
+from schemas.native import SIGNATURE
+from schemas.trajectory_rules import offset_lengths
 
 _TRAJ_COLUMNS = frozenset(TRAJECTORY_SCHEMA.names)
 _NO_META: dict[str, str] = {}  # shared by every group without writer metadata; never mutated
 _COLUMN_INDEX = {name: i for i, name in enumerate(TRAJECTORY_SCHEMA.names)}
+_SAMPLE_IDX, _IMAGE_KEYS = _COLUMN_INDEX["sample_idx"], _COLUMN_INDEX["image_keys"]  # by index: by name costs more
 
 
 @dataclass(slots=True)
@@ -148,7 +150,7 @@ def image_keys_of(batches: Sequence[pa.RecordBatch]) -> frozenset[bytes]:
     """The distinct image keys the rows of ``batches`` reference."""
     keys: set[bytes] = set()
     for b in batches:
-        column = b.column("image_keys")
+        column = b.column(_IMAGE_KEYS)
         # most groups name no image: no values at all (a slice's values may be other rows'), or none in its rows
         if len(column.values) and offset_lengths(column).any():
             keys.update(pc.unique(column.flatten()).to_pylist())
@@ -164,8 +166,8 @@ def check_columns(columns: Sequence[str] | None) -> None:
 
 
 COALESCE_MIN_SLICES = 4
-"""An answer of this many slices or fewer is never copied together: on loopback the copy cost more than
-the IPC messages it saved for 2 slices, about the same for 4, and less for 8 (one-off A/B, 8-row reads)."""
+"""An answer of this many slices or fewer is never copied together: on loopback, for 8-row slices, the copy
+costs more than the IPC messages it saves for 2 slices, about the same for 4, and less for 8."""
 
 
 def coalesce(out: list[pa.RecordBatch], sizes: Sequence[int], coalesce_below: int) -> Iterator[pa.RecordBatch]:
@@ -317,13 +319,13 @@ class GroupTable:
             group.blocks.append(block)
             sizes = row_bytes(b)
             group.row_bytes.append(sizes)
-            for off, s in enumerate(b.column("sample_idx").to_numpy().tolist()):
-                group.index[s] = (bno, off)
+            idx = b.column(_SAMPLE_IDX).to_numpy().tolist()
+            group.index.update(zip(idx, [(bno, off) for off in range(len(idx))], strict=True))
             group.nbytes += int(sizes.sum())  # = b.nbytes for a whole batch, without its ~40 us
             group.held += held
             group.rows += b.num_rows
-            self.rows += b.num_rows
-            self.rows_live += b.num_rows
+        self.rows += group.rows
+        self.rows_live += group.rows
         keys = image_keys_of(fresh) if image_keys is None else image_keys
         if keys:
             group.image_keys = keys

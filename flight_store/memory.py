@@ -28,6 +28,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import TypeAlias, cast
 
+import numpy as np
 import pyarrow as pa
 
 from flight_store.errors import BudgetExceededError, CapacityExceededError, WriteTimedOutError
@@ -147,6 +148,13 @@ chunk to the next write, where the Arrow pool, emptied after every write (:func:
 fresh pages in (a 150 KiB group: +15 us instead of +120 us)."""
 
 
+def _pool_copy(buf: pa.Buffer) -> pa.Buffer:
+    """``buf`` copied into the Arrow memory pool."""
+    out = pa.allocate_buffer(buf.size)
+    np.frombuffer(out, dtype=np.uint8)[:] = np.frombuffer(buf, dtype=np.uint8)
+    return out
+
+
 def pack(batch: pa.RecordBatch) -> tuple[Block, int]:
     """``batch`` copied into ONE block of memory of its own; returns the block and the bytes it holds.
 
@@ -169,9 +177,14 @@ def pack(batch: pa.RecordBatch) -> tuple[Block, int]:
     Bytes held: the whole pages of an mmap block (or the pool block rounded to its size class),
     plus :data:`BLOCK_OVERHEAD` and :data:`ROW_OVERHEAD` per row.
     """
-    # a block copied into pages of its own is serialized where the next write finds warm memory
-    large = pa.ipc.get_record_batch_size(batch) >= _MMAP_MIN
-    message = batch.serialize(memory_pool=_SERIALIZE_POOL if large else None)
+    # a block to be copied into pages of its own is serialized where the next write finds warm memory; its
+    # buffers' size tells which (a message is at most ~2 KiB of metadata and padding more than an unsliced
+    # batch's buffers; a slice's buffers may be larger than its message: checked below)
+    warm = batch.get_total_buffer_size() >= _MMAP_MIN // 2  # ~1 us, where the exact size costs ~10
+    message = batch.serialize(memory_pool=_SERIALIZE_POOL if warm else None)
+    large = message.size >= _MMAP_MIN
+    if warm and not large:  # a small slice of a large batch: its block belongs in the Arrow pool
+        message = _pool_copy(message)
     block, size = message, _size_class(message.size)
     if large:
         try:
@@ -270,8 +283,8 @@ class MemoryAccount:
 
         It is for the budget and its RSS guard, which must see freed memory gone; a node without a budget
         leaves the allocators their free memory, which the next writes reuse warm: trimming glibc's heap
-        after every write made each refault its gRPC buffers (~5% of a ``put_group``'s round trip, a one-off
-        A/B of two nodes), and emptying the Arrow pool cost ~10 us a write.
+        after every write makes each refault its gRPC buffers (~5% of a ``put_group``'s round trip), and
+        emptying the Arrow pool costs ~10 us a write.
         """
         if self.budget is not None:
             return_free_memory(force=force)

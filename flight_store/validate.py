@@ -33,8 +33,10 @@ def normalize_batch(batch: pa.RecordBatch, group_id: str, *, now: dt.datetime | 
 
 def normalize_group(batches: Sequence[pa.RecordBatch], group_id: str, rows: int) -> list[pa.RecordBatch]:
     """:func:`schemas.trajectory.normalize_group`, refusing with :class:`SchemaMismatchError`."""
-    with _as_schema_mismatch():
+    try:  # every DoPut of a group passes here: no context manager to build
         return trajectory.normalize_group(batches, group_id, rows)
+    except trajectory.TrajectoryError as exc:
+        raise SchemaMismatchError(str(exc), column=exc.column) from None
 
 
 def normalize_groups(table: pa.Table, groups: Sequence[tuple[str, int]]) -> pa.RecordBatch:

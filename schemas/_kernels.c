@@ -2,10 +2,10 @@
  *
  * check_group_batch: whether a batch of the trajectory schema's columns and types (its schema's signature)
  * keeps every rule of the common case (no nulls or validity bitmaps, one group_id, sample_idx 0..n-1 once
- * each, status "completed", finite rewards, loss masks 0/1, versions >= 0 and min <= max, list lengths that
+ * each, a known status, finite rewards, loss masks 0/1, versions >= 0 and min <= max, list lengths that
  * agree), filling the `bytes` column on the way. It answers only "all kept" (0, or -1 when the columns'
  * own fields differ from the schema's) or "look closer" (a reason code > 0): the Python rules in
- * schemas/trajectory.py stay the one place that names what is wrong, and run on any batch this pass does
+ * schemas/trajectory_rules.py stay the one place that names what is wrong, and run on any batch this pass does
  * not accept. It never accepts a batch they would refuse.
  *
  * row_bytes: payload bytes of each row and column (fixed width, or a 4-byte offset plus values).
@@ -16,7 +16,6 @@
 #include <Python.h>
 #include <math.h>
 #include <stdint.h>
-#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -67,9 +66,14 @@ static int append(char *buf, size_t *len, const char *punctuation) {
 
 /* A name, format or metadata a writer chose, prefixed with its length: no choice of them reads as another. */
 static int append_field(char *buf, size_t *len, const char *s, size_t n) {
-    char prefix[24];
-    const int k = snprintf(prefix, sizeof prefix, "%zu'", n);
-    return k > 0 && append_bytes(buf, len, prefix, (size_t)k) && append_bytes(buf, len, s, n);
+    char prefix[24];  /* n in decimal, then a quote (by hand: this runs for every field of every batch) */
+    size_t k = sizeof prefix, rest = n;
+    prefix[--k] = '\'';
+    do {
+        prefix[--k] = (char)('0' + rest % 10);
+        rest /= 10;
+    } while (rest > 0);
+    return append_bytes(buf, len, prefix + k, sizeof prefix - k) && append_bytes(buf, len, s, n);
 }
 
 static int type_signature(const struct ArrowSchema *t, char *buf, size_t *len) {
@@ -161,7 +165,8 @@ enum {
 /* The payload (list) columns, in role order from R_PROMPT_IDS: `bytes` counts their values. */
 #define N_LISTS 5
 
-/* Reasons a batch goes to the Python rules (never shown to a writer: the Python rules name the error). */
+/* Reasons a batch goes to the Python rules (never shown to a writer: the Python rules name the error); their
+ * numbers are schemas/native.py's STEPS_ASIDE and RULE_COLUMNS. */
 enum {
     OK, SCHEMA, NOT_A_BATCH, NULLS, GROUP_ID, SAMPLE_IDX, STATUS, REWARD, LOSS_MASK, VERSION, LENGTHS
 };
@@ -195,6 +200,26 @@ static int without_nulls(const struct ArrowArray *col, int is_list) {
     return 1;
 }
 
+/* Whether each of the `n` values of a string column is one of the NUL-separated strings of `set` (`set_len`
+ * bytes in all, the last one unterminated). */
+static int all_in(const struct ArrowArray *col, int64_t n, const char *set, Py_ssize_t set_len) {
+    const int32_t *o = offsets_of(col, 0);
+    const char *data = (const char *)col->buffers[2];
+    for (int64_t i = 0; i < n; i++) {
+        const size_t len = (size_t)(o[i + 1] - o[i]);
+        int found = 0;
+        for (const char *s = set; !found && s < set + set_len;) {
+            const char *end = memchr(s, 0, (size_t)(set + set_len - s));
+            const size_t k = end == NULL ? (size_t)(set + set_len - s) : (size_t)(end - s);
+            found = k == len && memcmp(data + o[i], s, len) == 0;
+            s += k + 1;
+        }
+        if (!found)
+            return 0;
+    }
+    return 1;
+}
+
 /* Whether each of the `n` values of a string column equals `s` (`len` bytes). */
 static int all_equal(const struct ArrowArray *col, int64_t n, const char *s, Py_ssize_t len) {
     const int32_t *o = offsets_of(col, 0);
@@ -206,7 +231,7 @@ static int all_equal(const struct ArrowArray *col, int64_t n, const char *s, Py_
 }
 
 static int check(const struct ArrowArray *batch, const int32_t *roles, const int32_t *widths, int64_t ncols,
-                 const char *gid, Py_ssize_t gid_len, const char *status, Py_ssize_t status_len, int64_t *bytes) {
+                 const char *gid, Py_ssize_t gid_len, const char *statuses, Py_ssize_t statuses_len, int64_t *bytes) {
     const int64_t n = batch->length;
     if (batch->n_children != ncols || batch->offset != 0 || n <= 0)
         return NOT_A_BATCH;
@@ -252,7 +277,7 @@ static int check(const struct ArrowArray *batch, const int32_t *roles, const int
     if (bad)
         return SAMPLE_IDX;
 
-    if (!all_equal(c[R_STATUS], n, status, status_len))
+    if (!all_in(c[R_STATUS], n, statuses, statuses_len))
         return STATUS;
 
     const float *reward = values_of(c[R_REWARD], 0, 4);
@@ -280,19 +305,25 @@ static int check(const struct ArrowArray *batch, const int32_t *roles, const int
 
     const struct ArrowArray *mask = c[R_LOSS_MASK]->children[0];
     const uint8_t *m = (const uint8_t *)mask->buffers[1] + mask->offset;
-    for (int64_t k = mo[0]; k < mo[n]; k++)
-        if (m[k] > 1)
-            return LOSS_MASK;
-    return OK;
+    /* every value 0 or 1 = no bit above the lowest in any: one OR over all, eight values at a time */
+    uint64_t bits = 0, word;
+    int64_t k = mo[0];
+    for (; k + 8 <= mo[n]; k += 8) {
+        memcpy(&word, m + k, sizeof word);
+        bits |= word;
+    }
+    for (; k < mo[n]; k++)
+        bits |= m[k];
+    return (bits & ~UINT64_C(0x0101010101010101)) ? LOSS_MASK : OK;
 }
 
 static PyObject *check_group_batch(PyObject *self, PyObject *args) {
     PyObject *schema_capsule, *capsule;
-    const char *gid, *status;
-    Py_ssize_t gid_len, status_len;
+    const char *gid, *statuses;
+    Py_ssize_t gid_len, statuses_len;
     Py_buffer sig, exact, table, out;
-    if (!PyArg_ParseTuple(args, "OOy*y*y#y#y*w*", &schema_capsule, &capsule, &sig, &exact, &gid, &gid_len, &status,
-                          &status_len, &table, &out))
+    if (!PyArg_ParseTuple(args, "OOy*y*y#y#y*w*", &schema_capsule, &capsule, &sig, &exact, &gid, &gid_len, &statuses,
+                          &statuses_len, &table, &out))
         return NULL;
     struct ArrowArray *batch = batch_of(capsule);
     const struct ArrowSchema *schema = schema_of(schema_capsule);
@@ -302,7 +333,7 @@ static PyObject *check_group_batch(PyObject *self, PyObject *args) {
         out.len == batch->length * (Py_ssize_t)sizeof(int64_t)) {
         /* the column count, one index per role, then the value width of each payload list */
         const int32_t *t = table.buf;
-        code = check(batch, t + 1, t + 1 + N_ROLES, t[0], gid, gid_len, status, status_len, out.buf);
+        code = check(batch, t + 1, t + 1 + N_ROLES, t[0], gid, gid_len, statuses, statuses_len, out.buf);
     }
     PyBuffer_Release(&sig);
     PyBuffer_Release(&exact);
@@ -356,7 +387,7 @@ static PyMethodDef methods[] = {
      "signature(schema_capsule, fields=False) -> bytes: the names and types of the schema's columns (with fields, "
      "their nullability and metadata too), as the checks compare them"},
     {"check_group_batch", check_group_batch, METH_VARARGS,
-     "check_group_batch(schema_capsule, array_capsule, signature, fields_signature, group_id, status, table, "
+     "check_group_batch(schema_capsule, array_capsule, signature, fields_signature, group_id, statuses, table, "
      "out_bytes) -> 0 when the batch has the signature and every rule of the common case holds (out_bytes filled), "
      "-1 the same with fields of another signature, else a reason > 0"},
     {"row_bytes", row_bytes, METH_VARARGS,
