@@ -7,10 +7,10 @@
 * ``connectors.writer``: ``GroupWriter``, the ordered background DoPuts of images and groups;
 * ``connectors.lookahead``: ``LookaheadLimit``, when dispatch pauses for the trainer to catch up;
 * ``connectors.weight_sync``: ``WeightSync``, follows the published version, loads its weights;
-* ``connectors.engine``: the ``Engine`` protocol and ``VllmEngine`` (vLLM's step loop, in process);
+* ``connectors.engine``: the ``RolloutEngine`` protocol and ``VllmEngine`` (vLLM's step loop, in process);
 * ``connectors.vllm``: vLLM ``RequestOutput`` -> one trajectory record batch per prompt group;
 * ``connectors.tasks``: built-in verifiable tasks, the built-in rewards (``REWARDS``), user rewards;
-* ``connectors.weights``: weight sync into a running vLLM engine;
+* ``connectors.engine_weights``: weight sync into a running vLLM engine;
 * ``connectors.tiny_model``: a tiny random Llama built offline (tests, demos);
 * ``connectors.fake_engine``: a scripted engine for tests without a model.
 

@@ -1,4 +1,4 @@
-"""Generation engines the rollout worker drives: the ``Engine`` protocol and ``VllmEngine``.
+"""Generation engines the rollout worker drives: the ``RolloutEngine`` protocol and ``VllmEngine``.
 
 ``VllmEngine`` runs vLLM's ``LLMEngine`` step by step in this process
 (``VLLM_ENABLE_V1_MULTIPROCESSING=0`` unless set): every prompt is one request with ``n = G``,
@@ -31,7 +31,7 @@ ENGINE_ENV = {
 }
 
 
-class Engine(Protocol):
+class RolloutEngine(Protocol):
     """What the worker needs of a generation engine (``VllmEngine`` wraps vLLM's ``LLMEngine``)."""
 
     logprobs_mode: str
@@ -46,7 +46,7 @@ class Engine(Protocol):
         """Drop queued or running prompts."""
 
     def load_weights(self, table: pa.Table) -> None:
-        """Load a weights table (``connectors.weights`` format) into the running engine."""
+        """Load a weights table (``connectors.engine_weights`` format) into the running engine."""
 
 
 def chat_prompt_ids(tokenizer: Any, text: str) -> list[int]:
@@ -75,7 +75,7 @@ class VllmEngine:
         from vllm import LLM, SamplingParams
         from vllm.sampling_params import RequestOutputKind
 
-        from connectors.weights import WORKER_EXTENSION
+        from connectors.engine_weights import WORKER_EXTENSION
 
         if llm is None:
             llm = LLM(
@@ -124,6 +124,6 @@ class VllmEngine:
         self.engine.abort_request(list(request_ids))
 
     def load_weights(self, table: pa.Table) -> None:
-        from connectors.weights import load_weights_into_llm
+        from connectors.engine_weights import load_weights_into_llm
 
         load_weights_into_llm(self.llm, table)

@@ -54,7 +54,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from connectors.config import RolloutConfig
-from connectors.engine import Engine, VllmEngine
+from connectors.engine import RolloutEngine, VllmEngine
 from connectors.lookahead import LookaheadHook, LookaheadLimit, StoreStats
 from connectors.report import RolloutReport
 from connectors.tasks import Prompt, RewardFn, jsonl_prompts, load_reward_fn, mixed_prompts
@@ -171,7 +171,7 @@ class RolloutWorker:
         config: RolloutConfig,
         *,
         client: Any = None,
-        engine: Engine | None = None,
+        engine: RolloutEngine | None = None,
         prompts: Iterator[Prompt] | None = None,
         lookahead: LookaheadHook | None = None,
     ) -> None:
@@ -184,7 +184,7 @@ class RolloutWorker:
         self.client = client
         self.report = RolloutReport()
         t0 = time.perf_counter()
-        self.engine: Engine = engine if engine is not None else VllmEngine(config)
+        self.engine: RolloutEngine = engine if engine is not None else VllmEngine(config)
         if engine is None:
             self.report.engine_start_s = round(time.perf_counter() - t0, 3)
         self.report.logprobs_mode = self.engine.logprobs_mode
@@ -539,7 +539,7 @@ def _stop_on_signals(worker: RolloutWorker) -> Iterator[None]:
             signal.signal(sig, handler)
 
 
-def run_rollout(config: RolloutConfig, *, engine: Engine | None = None) -> RolloutReport:
+def run_rollout(config: RolloutConfig, *, engine: RolloutEngine | None = None) -> RolloutReport:
     """Run one rollout worker start to finish: what ``python -m connectors`` and ``knit rollout`` do.
 
     Starts the engine (unless ``engine`` is given), stops cleanly on SIGTERM/SIGINT (running groups

@@ -451,7 +451,7 @@ def _weights_driver(model: str, location: str, out: str) -> None:
     from transformers import AutoModelForCausalLM
     from vllm import LLM, SamplingParams
 
-    from connectors.weights import WORKER_EXTENSION, load_weights_into_llm
+    from connectors.engine_weights import WORKER_EXTENSION, load_weights_into_llm
     from schemas.weights import from_tensors
 
     llm = LLM(model=model, dtype="float32", max_model_len=256, seed=0, enforce_eager=True, max_num_seqs=8,

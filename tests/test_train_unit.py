@@ -20,7 +20,7 @@ from admission import AdmissionConfig, GrpoConfig, Planner, Quota
 from schemas import documents
 from schemas.records import TrajectoryRecord, records_to_batch
 from train.config import ModelConfig, PackMode, TrainConfig, VisionConfig
-from train.packing import PACK_COLUMNS, list_arrays, pack
+from train.packing import PACK_COLUMNS, list_arrays, pack_tensors
 from train.prefetch import Prefetcher
 
 ADMISSION = AdmissionConfig(train_batch_groups=4, group_size=4, mini_batches=2)
@@ -69,7 +69,7 @@ def test_pack_matches_naive_reference(mode: PackMode) -> None:
     # chunked + sliced input, the way a multi-node fetch returns it
     table = pa.concat_tables([table.slice(0, 1), table.slice(1, 3)])
     adv = [0.5, -1.0, 2.0, 0.25]
-    got = pack(table, adv, mode=mode)
+    got = pack_tensors(table, adv, mode=mode)
     ref = _naive(table, adv)
     assert got.rows == 4 and got.tokens_total == sum(p + r for p, r in lengths)
     if mode == "padded":
@@ -93,7 +93,7 @@ def test_pack_matches_naive_reference(mode: PackMode) -> None:
 
 def test_pack_rejects_mismatched_advantages() -> None:
     with pytest.raises(ValueError, match="2 advantages for 4 rows"):
-        pack(_table([(2, 2)] * 4), [1.0, 2.0])
+        pack_tensors(_table([(2, 2)] * 4), [1.0, 2.0])
 
 
 def test_block_causal_mask_stays_within_sequences() -> None:
@@ -176,7 +176,7 @@ def test_policy_loss_values() -> None:
 def test_weights_table_roundtrip_including_bf16() -> None:
     torch = pytest.importorskip("torch")
     from schemas.weights import WEIGHTS_SCHEMA
-    from train.weights import read_weights, weights_table
+    from train.hf_llama import read_weights, weights_table
 
     named = {"a.weight": torch.randn(3, 4), "b.weight": torch.randn(5).to(torch.bfloat16)}
     table = weights_table(named)
@@ -385,7 +385,7 @@ def test_run_ranks_under_torchrun_runs_here(monkeypatch: pytest.MonkeyPatch) -> 
 
 def test_train_package_imports_without_torch() -> None:
     code = ("import sys, train, train.__main__, train.launch, train.loop, train.trainer, train.mm_trainer, "
-            "train.backbone, train.planning, train.weights, train.model, train.mcore_compat; "
+            "train.backbone, train.planning, train.hf_llama, train.model, train.mcore_compat; "
             "assert 'torch' not in sys.modules and 'megatron' not in sys.modules and 'vllm' not in sys.modules")
     subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
 

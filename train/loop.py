@@ -189,7 +189,7 @@ def encode_weights(built: Any, env: dict[str, int], *, dtype: str = "params") ->
     """The weights under HF Llama names as a weights table, floating tensors cast to ``dtype`` unless it is
     ``"params"`` (``TrainConfig.publish_dtype``), in record batches of ``schemas.weights.CHUNK_BYTES``: on rank 0;
     ``None`` on the others. Collective (the tensor-parallel gather): every rank calls it."""
-    from train.weights import megatron_to_hf_llama, weights_table
+    from train.hf_llama import megatron_to_hf_llama, weights_table
 
     named = megatron_to_hf_llama(built.gpt)
     return weights_table(named, dtype=None if dtype == "params" else dtype) if env["rank"] == 0 else None

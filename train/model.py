@@ -107,7 +107,7 @@ def build_gpt(cfg: ModelConfig, *, tensor_parallel: int) -> tuple[Any, Any]:
 
         gpt.cuda(torch.cuda.current_device())
     if cfg.hf_checkpoint is not None:
-        from train.weights import load_hf_checkpoint
+        from train.hf_llama import load_hf_checkpoint
 
         load_hf_checkpoint(gpt, cfg.hf_checkpoint)
     return gpt, tcfg

@@ -22,7 +22,7 @@ from typing import Any
 
 from schemas.plan import MicroBatch, MiniBatchPlan
 from train.config import PackMode, TrainConfig
-from train.packing import PACK_COLUMNS, pack
+from train.packing import PACK_COLUMNS, pack_tensors
 
 log = logging.getLogger(__name__)
 
@@ -115,7 +115,7 @@ def fetch_micro_batch(
     if table.num_rows != mb.rows:
         msg = f"fetched {table.num_rows} rows for a micro-batch of {mb.rows}"
         raise RuntimeError(msg)
-    packed = pack(table, mb.advantages, mode=mode, vocab_size=vocab_size)
+    packed = pack_tensors(table, mb.advantages, mode=mode, vocab_size=vocab_size)
     out = {"tensors": packed.to_torch(), "bytes": table.nbytes, "rows": packed.rows, "tokens": packed.tokens_total,
            "logprobs_mode": logprobs_mode(table)}
     if keep_keys:
