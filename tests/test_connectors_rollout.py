@@ -69,7 +69,7 @@ def test_worker_streams_scored_groups_to_two_nodes(store_nodes, async_writes: bo
         class Spy(RolloutWorker):
             def _write_group(self, batch: pa.RecordBatch, node: str, *, aborted: bool) -> None:
                 super()._write_group(batch, node, aborted=aborted)
-                if self.report.groups == 8 and not async_writes:  # half-way: the store has what was written
+                if self.tally.groups == 8 and not async_writes:  # half-way: the store has what was written
                     seen_during_run.append(client.scan_metadata(columns=["group_id"])["group_id"].n_unique())
 
         with Spy(_config(nodes, async_writes=async_writes), client=client, engine=engine) as worker:
