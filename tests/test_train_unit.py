@@ -194,7 +194,7 @@ def test_publisher_stores_weights_then_version_then_records_then_releases_off_th
     groups are released (what a store released was recorded as trained); one version at a time; an error
     reaches the next call and publishes nothing."""
     from flight_store.client import StoreClient
-    from train.loop import Publisher
+    from train.loop import Publisher, StepRecord
 
     servers = store_nodes(2)
     table = pa.table({"name": ["w"], "shape": [[1]], "dtype": ["int16"], "data": [b"\x01\x02"]})
@@ -220,8 +220,14 @@ def test_publisher_stores_weights_then_version_then_records_then_releases_off_th
             calls.append(("release", group_ids, threading.current_thread().name))
             self.client.release(group_ids)
 
-    def record(step: Any) -> None:
-        calls.append(("record", step[0]["step"], threading.current_thread().name))
+    recorded: list[StepRecord] = []
+
+    def record(step: StepRecord) -> None:
+        recorded.append(step)
+        calls.append(("record", step.metrics["step"], threading.current_thread().name))
+
+    def taken(step: int, version: int) -> StepRecord:
+        return StepRecord(metrics={"step": step}, version=version, plan_wait_s=0.0, t_end=0.0)
 
     with StoreClient([s.location for s in servers]) as client:
         def released() -> int:
@@ -229,25 +235,25 @@ def test_publisher_stores_weights_then_version_then_records_then_releases_off_th
 
         client.put_group(make_group("g1"))
         publisher = Publisher(Recording(client), record)
-        step0: Any = ({"step": 0}, [], None)
-        publisher.submit(table, 1, ["g1"], step0, time.perf_counter())  # returns at once: nothing published yet
+        publisher.submit(table, ["g1"], taken(0, 1), time.perf_counter())  # returns at once: nothing published yet
         assert client.get_version() < 1 and calls == [] and released() == 0
         gate.set()
         publisher.drain()
         assert [(what, arg) for what, arg, _ in calls] == [("weights", 1), ("version", 1), ("record", 0),
                                                             ("release", ["g1"])]
         assert all(thread.startswith("knit-publish") for _, _, thread in calls)
-        assert step0[0]["publish_done_s"] >= step0[0]["publish_s"] >= 0
+        assert recorded[0].publish_done_s >= recorded[0].publish_s >= 0  # type: ignore[operator]
+        assert list(recorded[0].to_json())[-2:] == ["publish_s", "publish_done_s"]
         assert client.get_version() == 1 and released() == 1
         assert all(client.get_weights(node=s.location).num_rows == 1 for s in servers)
 
-        publisher.submit(table, 2, [], ({"step": 1}, [], None), time.perf_counter())
-        publisher.submit(None, 3, [], ({"step": 2}, [], None), time.perf_counter())  # after v2 is published
+        publisher.submit(table, [], taken(1, 2), time.perf_counter())
+        publisher.submit(None, [], taken(2, 3), time.perf_counter())  # after v2 is published
         publisher.drain()
         assert [(what, arg) for what, arg, _ in calls[4:]] == [  # v3: the version alone
             ("weights", 2), ("version", 2), ("record", 1), ("release", []), ("version", 3), ("record", 2),
             ("release", [])]
-        publisher.submit(table, 4, [], ({"step": 3}, [], None), time.perf_counter())
+        publisher.submit(table, [], taken(3, 4), time.perf_counter())
         with pytest.raises(RuntimeError, match="node gone while storing v4"):
             publisher.drain()
         assert client.get_version() == 3 and calls[-1][:2] == ("release", [])  # nothing published, nor recorded

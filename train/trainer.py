@@ -18,11 +18,14 @@ import logging
 import time
 from collections.abc import Iterator
 from functools import partial
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from schemas.plan import MicroBatch, MiniBatchPlan
 from train.config import PackMode, TrainConfig
 from train.packing import PACK_COLUMNS, pack_tensors
+
+if TYPE_CHECKING:
+    from train.loop import ConsumedEntry
 
 log = logging.getLogger(__name__)
 
@@ -47,7 +50,7 @@ class TextStep:
         tables = self.client.stream([mb.slices for mb in mbs], columns=PACK_COLUMNS)
         self.fetcher.submit((tables, mb) for mb in mbs)
 
-    def step(self, plan: MiniBatchPlan, consumed: list[list[Any]]) -> dict[str, Any]:
+    def step(self, plan: MiniBatchPlan, consumed: list[ConsumedEntry]) -> dict[str, Any]:
         """One optimizer step over this rank's micro-batches of ``plan``; records the rows it received."""
         from train import backbone
         from train.loss import policy_loss
