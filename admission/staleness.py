@@ -1,4 +1,4 @@
-"""Staleness (DESIGN.md): per trajectory, per mini-batch (optimizer step) and per run, in two parts.
+"""Staleness (docs/design.md): per trajectory, per mini-batch (optimizer step) and per run, in two parts.
 
 A trajectory whose first token came from policy version ``v_start`` (``policy_version_min``) and its
 last from ``v`` (``policy_version``: the rollout loads new weights into running requests), consumed at
@@ -51,7 +51,7 @@ def summary(consumed: pl.DataFrame) -> dict[str, float]:
     if consumed.height == 0:
         return {"trajectories": 0, **{f"{n}_{a}": 0.0 for n in ("arch", "span", "total")
                                       for a in ("mean", "token_weighted", "max")}, "signed_mean": 0.0}
-    if "generation_span" not in consumed.columns:  # a consumed.parquet written before the split
+    if "generation_span" not in consumed.columns:  # a consumed frame with the architectural part only
         consumed = consumed.with_columns(pl.lit(0).alias("generation_span"),
                                          pl.col("arch_staleness").alias("total_staleness"))
     row = consumed.select(_aggs()).row(0, named=True)

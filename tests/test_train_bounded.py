@@ -1,10 +1,11 @@
-"""Rank 0's planning path and every rank's records stay bounded over a long run (issue 18, item 5).
+"""Rank 0's planning path and every rank's records stay bounded over a long run.
 
 Counts, not timings or RSS: over hundreds of groups written to real store nodes (port 0), released
 as they are consumed, the planner's state and ``PlanSource``'s frame hold only the pending work, the
 planner keeps no consumed rows, and the plans and ``consumed.parquet`` equal those of a planner that
-keeps everything (the one ``train.planning`` used before). ``ConsumedLog`` and ``train.loop.RankReport``
-write their records to disk as the run goes and end with the same files as before.
+keeps everything (a reference ``admission.Planner`` given every row). ``ConsumedLog`` and
+``train.loop.RankReport`` write their records to disk as the run goes and end with the documents a
+whole-run writer would write; the progress lines keep their JSON form.
 """
 
 from __future__ import annotations
