@@ -33,13 +33,16 @@ import time
 from collections import deque
 from collections.abc import Callable, Mapping
 from concurrent.futures import Future
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import pyarrow as pa
 
 from schemas.plan import MiniBatchPlan
 from train.config import TrainConfig
 from train.planning import PlannerLike, PlanSource, StepFigures
+
+if TYPE_CHECKING:
+    from train.model import Built
 
 log = logging.getLogger(__name__)
 
@@ -94,7 +97,7 @@ class Step(Protocol):
     Built as ``Kind(cfg, env, client)`` on every rank, after the process group exists.
     """
 
-    built: Any
+    built: Built
     """The backbone (``train.model.Built``): checkpoints and published weights are its."""
 
     def submit(self, plan: MiniBatchPlan) -> None:
@@ -224,7 +227,7 @@ def _steps(cfg: TrainConfig, env: dict[str, int], kind: Step, source: PlanSource
     return steps
 
 
-def publish_weights(built: Any, client: Any, version: int, env: dict[str, int], *, dtype: str = "params") -> None:
+def publish_weights(built: Built, client: Any, version: int, env: dict[str, int], *, dtype: str = "params") -> None:
     """Gather the weights (all ranks) and DoPut them to every store (rank 0): :func:`encode_weights`, then
     ``put_weights``."""
     table = encode_weights(built, env, dtype=dtype)
@@ -232,7 +235,7 @@ def publish_weights(built: Any, client: Any, version: int, env: dict[str, int], 
         client.put_weights(table, version)
 
 
-def encode_weights(built: Any, env: dict[str, int], *, dtype: str = "params") -> pa.Table | None:
+def encode_weights(built: Built, env: dict[str, int], *, dtype: str = "params") -> pa.Table | None:
     """The weights under HF Llama names as a weights table, floating tensors cast to ``dtype`` unless it is
     ``"params"`` (``TrainConfig.publish_dtype``), in record batches of ``schemas.weights.CHUNK_BYTES``: on rank 0;
     ``None`` on the others. Collective (the tensor-parallel gather): every rank calls it."""
