@@ -432,4 +432,4 @@ class Planner:
     def staleness_report(self) -> dict[str, Any]:
         """``{"run": summary, "per_step": [{step, trajectories, arch_mean, ...}, ...]}``."""
         c = self.consumed_frame()
-        return {"run": summary(c), "per_step": per_step(c).to_dicts() if c.height else []}
+        return {"run": summary(c).to_dict(), "per_step": per_step(c).to_dicts() if c.height else []}

@@ -296,7 +296,7 @@ def _results(sim: _Pipeline) -> dict[str, Any]:
     p, k_mb, step_end = sim.p, sim.p.mini_batches, sim.step_end
     consumed = sim.planner.consumed_frame().filter(pl.col("step") < sim.total_steps)
     rep = sim.planner.staleness_report()
-    run = summary(consumed)  # same accounting on the trimmed frame
+    run = summary(consumed).to_dict()  # same accounting on the trimmed frame
     per_tb = consumed.group_by("train_batch").agg(pl.col("arch_staleness").mean()).sort("train_batch")
     per_train_batch = [float(x) for x in per_tb["arch_staleness"]]
     if len(step_end) <= k_mb:  # the pipeline deadlocked (lookahead held by groups no quota admits)
