@@ -2,6 +2,7 @@
 
 * ``connectors.rollout``: the rollout loop (``RolloutWorker``: dispatch -> step -> score -> write) and
   ``run_rollout(config)``, one run as a process does it (``python -m connectors --config FILE``);
+* ``connectors.dispatch``: the dispatch order (``DispatchQueue``: which committed prompt goes out next);
 * ``connectors.config``: ``RolloutConfig``, pure data (travels as a JSON document);
 * ``connectors.report``: ``RolloutReport``, what a run wrote, with throughput;
 * ``connectors.writer``: ``GroupWriter``, the ordered background DoPuts of images and groups;

@@ -20,7 +20,7 @@ import pyarrow as pa
 
 from connectors.config import RolloutConfig
 from connectors.tasks import Prompt
-from connectors.vllm import require_vllm
+from connectors.vllm import FinishedRequest, require_vllm
 
 ENGINE_ENV = {
     "VLLM_CPU_KVCACHE_SPACE": "1",
@@ -39,7 +39,7 @@ class RolloutEngine(Protocol):
     def submit(self, request_id: str, prompt: Prompt, n: int) -> None:
         """Queue one prompt for n samples; raises ValueError if the engine refuses it."""
 
-    def step(self) -> list[Any]:
+    def step(self) -> Sequence[FinishedRequest]:
         """One engine step; returns the ``RequestOutput`` of every prompt whose n samples all finished."""
 
     def abort(self, request_ids: Sequence[str]) -> None:
@@ -117,7 +117,7 @@ class VllmEngine:
             inputs = {"prompt_token_ids": chat_prompt_ids(self._chat_tokenizer, prompt.text)}
         self.engine.add_request(request_id, inputs, params)
 
-    def step(self) -> list[Any]:
+    def step(self) -> list[FinishedRequest]:
         return [o for o in self.engine.step() if o.finished]
 
     def abort(self, request_ids: Sequence[str]) -> None:

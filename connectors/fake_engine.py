@@ -115,7 +115,7 @@ class FakeEngine:
         self._order[request_id] = self.submitted
         self.max_running = max(self.max_running, len(self.running))
 
-    def step(self) -> list[Any]:
+    def step(self) -> list[FakeRequestOutput]:
         self.steps += 1
         done = [rid for rid, (t, _, _) in self.running.items() if t <= self.steps]
         outs = []

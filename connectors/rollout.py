@@ -57,7 +57,7 @@ from connectors.engine import RolloutEngine, VllmEngine
 from connectors.lookahead import LookaheadHook, LookaheadLimit, StoreStats
 from connectors.report import RolloutReport, RolloutTally
 from connectors.tasks import Prompt, RewardFn, jsonl_prompts, load_reward_fn, mixed_prompts
-from connectors.vllm import RequestOutputLike, aborted_batch, dump_raw, group_to_batch
+from connectors.vllm import FinishedRequest, RequestOutputLike, aborted_batch, dump_raw, group_to_batch
 from connectors.weight_sync import WeightSync
 from connectors.writer import GroupWriter
 from schemas.images import images_to_table
@@ -315,7 +315,7 @@ class RolloutWorker:
 
     # ---- step, score, write --------------------------------------------------------------------
 
-    def _complete(self, out: Any) -> None:
+    def _complete(self, out: FinishedRequest) -> None:
         """One finished prompt group: score each sample, write the group, re-dispatch it if the engine aborted it."""
         pending = self._pending.pop(str(out.request_id), None)
         if pending is None:

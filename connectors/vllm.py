@@ -59,6 +59,13 @@ class RequestOutputLike(Protocol):
     def outputs(self) -> Sequence[Any]: ...
 
 
+class FinishedRequest(RequestOutputLike, Protocol):
+    """One prompt's output as the engine hands it back finished: the output and the request id it was given."""
+
+    @property
+    def request_id(self) -> str: ...
+
+
 def require_vllm() -> ModuleType:
     """Import vLLM, or raise an ImportError that names the extra to install."""
     try:
