@@ -15,7 +15,7 @@ from __future__ import annotations
 from admission.config import AdmissionConfig, Filters, GrpoConfig, Quota
 from admission.feasibility import solve_composition
 from admission.packing import advantage_expr, balance_groups, pack_micro_batches, trajectory_cost
-from admission.planner import CONSUMED_SCHEMA, REQUIRED_COLUMNS, Inflight, Planner, PlanResult, plan
+from admission.planner import CONSUMED_SCHEMA, REQUIRED_COLUMNS, InflightSupply, Planner, PlanResult, plan
 from admission.staleness import per_step, staleness_exprs, summary
 from admission.state import PlannerState
 
@@ -25,7 +25,7 @@ __all__ = [
     "AdmissionConfig",
     "Filters",
     "GrpoConfig",
-    "Inflight",
+    "InflightSupply",
     "PlanResult",
     "Planner",
     "PlannerState",

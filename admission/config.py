@@ -1,7 +1,7 @@
 """Admission configuration: batch geometry, quotas, filters, staleness bound, cost model, policy, GRPO.
 
 Everything the planner needs to know about *what* may be admitted is declared here, not coded per
-policy (DESIGN.md, Admission). Values are checked when the objects are built; errors name the
+policy (docs/design.md, Admission). Values are checked when the objects are built; errors name the
 offending value.
 """
 

@@ -34,7 +34,7 @@ from admission.config import AdmissionConfig
 
 log = logging.getLogger(__name__)
 
-Inflight = pl.DataFrame | Mapping[Any, int] | int | None
+InflightSupply = pl.DataFrame | Mapping[Any, int] | int | None
 """Groups dispatched but not complete, per quota class (see :mod:`admission.planner`)."""
 _MAX_CLASSES = 4096
 
@@ -48,7 +48,7 @@ def _class_key(values: Any, q: int) -> tuple[str, ...]:
     return tuple(str(v) for v in values)
 
 
-def inflight_counts(inflight: Inflight, config: AdmissionConfig) -> dict[tuple[str, ...], int]:
+def inflight_counts(inflight: InflightSupply, config: AdmissionConfig) -> dict[tuple[str, ...], int]:
     """Groups expected per quota class (a tuple of quota values; ``()`` without quotas), from any
     form of ``inflight`` (see :mod:`admission.planner`); ``{}`` for None."""
     q = len(config.quotas)
@@ -94,7 +94,7 @@ class QuotaClasses:
     """[C] groups per class expected later (in flight); B per class when the supply is unknown."""
 
 
-def quota_classes(cand_keys: list[tuple[str, ...]], config: AdmissionConfig, inflight: Inflight) -> QuotaClasses:
+def quota_classes(cand_keys: list[tuple[str, ...]], config: AdmissionConfig, inflight: InflightSupply) -> QuotaClasses:
     """Classes of every tuple of quota values seen among candidates (``cand_keys``, one per candidate group)
     or in flight, with their in-flight supply."""
     quota_counts = config.quota_counts()

@@ -82,7 +82,7 @@ import numpy as np
 import polars as pl
 
 from admission.config import AdmissionConfig
-from admission.feasibility import Inflight, QuotaClasses, quota_classes, solve_composition
+from admission.feasibility import InflightSupply, QuotaClasses, quota_classes, solve_composition
 from admission.packing import Batch, advantage_expr, build_plans
 from admission.staleness import per_step, staleness_exprs, summary
 from admission.state import PlannerState
@@ -293,7 +293,7 @@ def plan(
     state: PlannerState,
     config: AdmissionConfig,
     *,
-    inflight: Inflight = None,
+    inflight: InflightSupply = None,
     current_version: int = 0,
 ) -> PlanResult:
     """Admit what the policy allows now; pure (inputs are not modified).
@@ -394,7 +394,7 @@ class Planner:
         self._dropped: list[pl.DataFrame] = []
 
     def update(
-        self, metadata: pl.DataFrame, *, inflight: Inflight = None, current_version: int = 0
+        self, metadata: pl.DataFrame, *, inflight: InflightSupply = None, current_version: int = 0
     ) -> list[MiniBatchPlan]:
         """Plan on the latest metadata frame; returns the mini-batches admitted now (in step order)."""
         res = plan(metadata, self.state, self.config, inflight=inflight, current_version=current_version)
@@ -432,4 +432,4 @@ class Planner:
     def staleness_report(self) -> dict[str, Any]:
         """``{"run": summary, "per_step": [{step, trajectories, arch_mean, ...}, ...]}``."""
         c = self.consumed_frame()
-        return {"run": summary(c), "per_step": per_step(c).to_dicts() if c.height else []}
+        return {"run": summary(c).to_dict(), "per_step": per_step(c).to_dicts() if c.height else []}

@@ -1,4 +1,4 @@
-"""Staleness (DESIGN.md): per trajectory, per mini-batch (optimizer step) and per run, in two parts.
+"""Staleness (docs/design.md): per trajectory, per mini-batch (optimizer step) and per run, in two parts.
 
 A trajectory whose first token came from policy version ``v_start`` (``policy_version_min``) and its
 last from ``v`` (``policy_version``: the rollout loads new weights into running requests), consumed at
@@ -16,6 +16,8 @@ tokens the stale policy generated).
 """
 
 from __future__ import annotations
+
+import dataclasses
 
 import polars as pl
 
@@ -46,13 +48,35 @@ def per_step(consumed: pl.DataFrame) -> pl.DataFrame:
     return consumed.group_by("step").agg(_aggs()).sort("step")
 
 
-def summary(consumed: pl.DataFrame) -> dict[str, float]:
+@dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
+class StalenessSummary:
+    """A run's staleness (:func:`summary`), in policy versions: means, token-weighted means and maxima."""
+
+    trajectories: int
+    arch_mean: float
+    arch_token_weighted: float
+    arch_max: float
+    span_mean: float
+    span_token_weighted: float
+    span_max: float
+    total_mean: float
+    total_token_weighted: float
+    total_max: float
+    signed_mean: float
+
+    def to_dict(self) -> dict[str, float]:
+        """The summary as a JSON-ready mapping, one key per field."""
+        return dataclasses.asdict(self)
+
+
+def summary(consumed: pl.DataFrame) -> StalenessSummary:
     """Run-level metrics: trajectories; mean, token-weighted mean and max of arch, span and total; signed_mean."""
     if consumed.height == 0:
-        return {"trajectories": 0, **{f"{n}_{a}": 0.0 for n in ("arch", "span", "total")
-                                      for a in ("mean", "token_weighted", "max")}, "signed_mean": 0.0}
-    if "generation_span" not in consumed.columns:  # a consumed.parquet written before the split
+        return StalenessSummary(trajectories=0, **{f"{n}_{a}": 0.0 for n in ("arch", "span", "total")
+                                                    for a in ("mean", "token_weighted", "max")}, signed_mean=0.0)
+    if "generation_span" not in consumed.columns:  # a consumed frame with the architectural part only
         consumed = consumed.with_columns(pl.lit(0).alias("generation_span"),
                                          pl.col("arch_staleness").alias("total_staleness"))
     row = consumed.select(_aggs()).row(0, named=True)
-    return {k: (float(v) if v is not None else 0.0) for k, v in row.items()}
+    figures = {k: (float(v) if v is not None else 0.0) for k, v in row.items() if k != "trajectories"}
+    return StalenessSummary(trajectories=int(row["trajectories"]), **figures)

@@ -2,15 +2,16 @@
 
 * ``connectors.rollout``: the rollout loop (``RolloutWorker``: dispatch -> step -> score -> write) and
   ``run_rollout(config)``, one run as a process does it (``python -m connectors --config FILE``);
+* ``connectors.dispatch``: the dispatch order (``DispatchQueue``: which committed prompt goes out next);
 * ``connectors.config``: ``RolloutConfig``, pure data (travels as a JSON document);
 * ``connectors.report``: ``RolloutReport``, what a run wrote, with throughput;
 * ``connectors.writer``: ``GroupWriter``, the ordered background DoPuts of images and groups;
 * ``connectors.lookahead``: ``LookaheadLimit``, when dispatch pauses for the trainer to catch up;
 * ``connectors.weight_sync``: ``WeightSync``, follows the published version, loads its weights;
-* ``connectors.engine``: the ``Engine`` protocol and ``VllmEngine`` (vLLM's step loop, in process);
+* ``connectors.engine``: the ``RolloutEngine`` protocol and ``VllmEngine`` (vLLM's step loop, in process);
 * ``connectors.vllm``: vLLM ``RequestOutput`` -> one trajectory record batch per prompt group;
 * ``connectors.tasks``: built-in verifiable tasks, the built-in rewards (``REWARDS``), user rewards;
-* ``connectors.weights``: weight sync into a running vLLM engine;
+* ``connectors.engine_weights``: weight sync into a running vLLM engine;
 * ``connectors.tiny_model``: a tiny random Llama built offline (tests, demos);
 * ``connectors.fake_engine``: a scripted engine for tests without a model.
 

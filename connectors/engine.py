@@ -1,4 +1,4 @@
-"""Generation engines the rollout worker drives: the ``Engine`` protocol and ``VllmEngine``.
+"""Generation engines the rollout worker drives: the ``RolloutEngine`` protocol and ``VllmEngine``.
 
 ``VllmEngine`` runs vLLM's ``LLMEngine`` step by step in this process
 (``VLLM_ENABLE_V1_MULTIPROCESSING=0`` unless set): every prompt is one request with ``n = G``,
@@ -20,7 +20,7 @@ import pyarrow as pa
 
 from connectors.config import RolloutConfig
 from connectors.tasks import Prompt
-from connectors.vllm import require_vllm
+from connectors.vllm import FinishedRequest, require_vllm
 
 ENGINE_ENV = {
     "VLLM_CPU_KVCACHE_SPACE": "1",
@@ -31,7 +31,7 @@ ENGINE_ENV = {
 }
 
 
-class Engine(Protocol):
+class RolloutEngine(Protocol):
     """What the worker needs of a generation engine (``VllmEngine`` wraps vLLM's ``LLMEngine``)."""
 
     logprobs_mode: str
@@ -39,14 +39,14 @@ class Engine(Protocol):
     def submit(self, request_id: str, prompt: Prompt, n: int) -> None:
         """Queue one prompt for n samples; raises ValueError if the engine refuses it."""
 
-    def step(self) -> list[Any]:
+    def step(self) -> Sequence[FinishedRequest]:
         """One engine step; returns the ``RequestOutput`` of every prompt whose n samples all finished."""
 
     def abort(self, request_ids: Sequence[str]) -> None:
         """Drop queued or running prompts."""
 
     def load_weights(self, table: pa.Table) -> None:
-        """Load a weights table (``connectors.weights`` format) into the running engine."""
+        """Load a weights table (``connectors.engine_weights`` format) into the running engine."""
 
 
 def chat_prompt_ids(tokenizer: Any, text: str) -> list[int]:
@@ -75,7 +75,7 @@ class VllmEngine:
         from vllm import LLM, SamplingParams
         from vllm.sampling_params import RequestOutputKind
 
-        from connectors.weights import WORKER_EXTENSION
+        from connectors.engine_weights import WORKER_EXTENSION
 
         if llm is None:
             llm = LLM(
@@ -117,13 +117,13 @@ class VllmEngine:
             inputs = {"prompt_token_ids": chat_prompt_ids(self._chat_tokenizer, prompt.text)}
         self.engine.add_request(request_id, inputs, params)
 
-    def step(self) -> list[Any]:
+    def step(self) -> list[FinishedRequest]:
         return [o for o in self.engine.step() if o.finished]
 
     def abort(self, request_ids: Sequence[str]) -> None:
         self.engine.abort_request(list(request_ids))
 
     def load_weights(self, table: pa.Table) -> None:
-        from connectors.weights import load_weights_into_llm
+        from connectors.engine_weights import load_weights_into_llm
 
         load_weights_into_llm(self.llm, table)

@@ -6,7 +6,7 @@ Every fake of the connectors lives here (the real engine runs in the slow tests)
   ``end_indices``, ``token_ids``, ``logprobs``), sampled token first at each position;
 * ``FakeLogprob``: vLLM's ``Logprob`` (the ``logprob`` the adapter reads) for the dict-per-position list form;
 * ``FakeCompletion`` / ``FakeRequestOutput``: ``CompletionOutput`` / ``RequestOutput``;
-* ``FakeEngine``: the ``connectors.engine.Engine`` protocol. Each prompt finishes after a seeded random
+* ``FakeEngine``: the ``connectors.engine.RolloutEngine`` protocol. Each prompt finishes after a seeded random
   number of steps, so groups finish out of order like on a real engine; "tokens" are bytes of
   a fixed answer text, logprobs are seeded random values.
 """
@@ -115,7 +115,7 @@ class FakeEngine:
         self._order[request_id] = self.submitted
         self.max_running = max(self.max_running, len(self.running))
 
-    def step(self) -> list[Any]:
+    def step(self) -> list[FakeRequestOutput]:
         self.steps += 1
         done = [rid for rid, (t, _, _) in self.running.items() if t <= self.steps]
         outs = []

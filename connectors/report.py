@@ -1,7 +1,8 @@
 """The rollout run report: what a worker generated and wrote, with throughput (``RolloutReport``).
 
-The worker fills it while it runs (``connectors.rollout``); ``to_dict`` is its JSON form, with
-derived rates, as ``python -m connectors`` prints it and writes it to ``RolloutConfig.report_path``.
+The worker counts into a :class:`RolloutTally` while it runs (``connectors.rollout``) and builds the
+frozen :class:`RolloutReport` once, when the run ends; ``to_dict`` is its JSON form, with derived rates,
+as ``python -m connectors`` prints it and writes it to ``RolloutConfig.report_path``.
 """
 
 from __future__ import annotations
@@ -9,8 +10,11 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+import pyarrow as pa
+import pyarrow.compute as pc
 
-@dataclass(slots=True)
+
+@dataclass(frozen=True, slots=True, kw_only=True)
 class RolloutReport:
     """What a run generated and wrote, with throughput (JSON via ``to_dict``)."""
 
@@ -62,3 +66,53 @@ class RolloutReport:
         d["write_mb_per_s"] = round(self.bytes_written / max(self.write_s, 1e-9) / 1e6, 2)
         d["stream_mb_per_s"] = round(self.bytes_written / gen / 1e6, 3)
         return d
+
+
+@dataclass(slots=True)
+class RolloutTally:
+    """What the worker counts while it runs; :meth:`report` builds the run's :class:`RolloutReport` from it."""
+
+    engine_start_s: float = 0.0
+    logprobs_mode: str = ""
+    started_at: float = 0.0
+    groups: int = 0
+    aborted_groups: int = 0
+    demand_dispatches: int = 0
+    redispatched: dict[str, str] = field(default_factory=dict)
+    rows: int = 0
+    prompt_tokens: int = 0
+    response_tokens: int = 0
+    bytes_written: int = 0
+    images_written: int = 0
+    rewards: dict[str, list[float]] = field(default_factory=dict)
+    """Per data source, the reward of every completed row."""
+    versions: set[int] = field(default_factory=set)
+    """Distinct ``policy_version`` values written."""
+
+    def add_group(self, batch: pa.RecordBatch, *, aborted: bool) -> None:
+        """Count one group's record batch, written (``aborted``: it has at least one aborted row)."""
+        self.groups += 1
+        self.aborted_groups += int(aborted)
+        self.rows += batch.num_rows
+        self.prompt_tokens += int(pc.sum(batch.column("prompt_len")).as_py() or 0)
+        self.response_tokens += int(pc.sum(batch.column("response_len")).as_py() or 0)
+        self.bytes_written += batch.nbytes
+        self.versions.add(int(batch.column("policy_version")[0].as_py()))
+
+    def add_images(self, table: pa.Table) -> None:
+        """Count an images table, written."""
+        self.images_written += table.num_rows
+        self.bytes_written += table.nbytes
+
+    def report(self, *, generate_s: float, write_s: float, write_times: list[float]) -> RolloutReport:
+        """The run's report: these counts, the run's seconds, and the writer's DoPut seconds and times."""
+        return RolloutReport(
+            groups=self.groups, aborted_groups=self.aborted_groups, demand_dispatches=self.demand_dispatches,
+            redispatched=dict(self.redispatched), rows=self.rows, prompt_tokens=self.prompt_tokens,
+            response_tokens=self.response_tokens, bytes_written=self.bytes_written,
+            images_written=self.images_written, engine_start_s=self.engine_start_s, started_at=self.started_at,
+            logprobs_mode=self.logprobs_mode, generate_s=round(generate_s, 4), write_s=write_s,
+            write_times=list(write_times), first_write_at=write_times[0] if write_times else 0.0,
+            last_write_at=write_times[-1] if write_times else 0.0,
+            reward_mean={k: round(sum(v) / len(v), 4) for k, v in sorted(self.rewards.items()) if v},
+            policy_versions=sorted(self.versions))

@@ -5,8 +5,9 @@ The loop, top to bottom (``RolloutWorker.run``):
 1. **dispatch**: keep up to ``prompts_per_wave`` prompt groups in the engine; a finished group frees
    its slot at once (continuous batching, no wave barrier). Dispatch pauses while the lookahead limit
    says too many groups are written but not yet consumed (``connectors.lookahead``), except, while
-   nothing runs, for one prompt at a time of a class the trainer's quota needs (the planner's demand). Each group
-   is registered with its node as in flight (``queued`` when drawn ``commit_ahead`` prompts early,
+   nothing runs, for one prompt at a time of a class the trainer's quota needs (the planner's demand). Which
+   committed prompt goes out next is the dispatch order's choice (``connectors.dispatch``). Each group is
+   registered with its node as in flight (``queued`` when drawn ``commit_ahead`` prompts early,
    ``running`` once in the engine), so the planner counts it as supply to come.
 2. **step**: ``engine.step()``; every prompt whose n samples are all finished comes back as one output.
 3. **score**: the reward of the prompt (``connectors.tasks``), on each decoded response.
@@ -41,24 +42,22 @@ import os
 import signal
 import threading
 import time
-from collections import deque
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
-import numpy as np
 import pyarrow as pa
-import pyarrow.compute as pc
 
 from connectors.config import RolloutConfig
-from connectors.engine import Engine, VllmEngine
+from connectors.dispatch import DispatchQueue, Drawn
+from connectors.engine import RolloutEngine, VllmEngine
 from connectors.lookahead import LookaheadHook, LookaheadLimit, StoreStats
-from connectors.report import RolloutReport
+from connectors.report import RolloutReport, RolloutTally
 from connectors.tasks import Prompt, RewardFn, jsonl_prompts, load_reward_fn, mixed_prompts
-from connectors.vllm import aborted_batch, group_to_batch
+from connectors.vllm import FinishedRequest, RequestOutputLike, aborted_batch, dump_raw, group_to_batch
 from connectors.weight_sync import WeightSync
 from connectors.writer import GroupWriter
 from schemas.images import images_to_table
@@ -69,86 +68,26 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["RolloutConfig", "RolloutReport", "RolloutWorker", "measured_leads", "run_rollout", "slow_ahead_leads",
-           "source_latency"]
+__all__ = ["RolloutConfig", "RolloutReport", "RolloutWorker", "run_rollout"]
 
 
-LATENCY_WINDOW = 64
-"""Groups per data source whose dispatch-to-completion seconds the dispatch order looks at (the last ones)."""
-RATE_WINDOW = 64
-"""Completed groups (the last ones, of every source) whose completion times give the rollout's completion rate."""
-LATENCY_QUANTILE = 0.75
-"""The latency a data source is given: the upper quartile of its window (with its running groups' ages, see
-:func:`source_latency`). A quota waits for a slow class's tail, not its mean: in ``bench.staleness --quick``
-(seeds 0-2, completed groups only) the upper quartile gave an architectural staleness reduction of 0.788 /
-0.740 at math sigma 0.9 / 1.5, the mean of the window (the rule before) 0.766 / 0.691; with this constant
-changed by hand (one-off), the median 0.746 / 0.743, the 0.9 quantile 0.729 / 0.741."""
-
-
-def source_latency(window: Sequence[float], running: Sequence[float] = ()) -> float:
-    """A data source's latency: the :data:`LATENCY_QUANTILE` of its last groups' dispatch-to-completion seconds
-    together with the ages of its groups still generating (each a lower bound of that group's latency).
-
-    The ages are what a source's first groups say before any completes, so a slow source gets its lead from
-    the first seconds of a run on, not after its first groups are done (``bench.staleness --quick``: reduction
-    0.805 against 0.788 with completed groups only, mini_batch / streaming 1.85 against 2.18). Once its groups
-    complete, the young ones among those running pull the figure down a little; the Kaplan-Meier quantile,
-    which counts each age as censored instead, did worse there (2.52, one-off).
-
-    Example:
-        >>> source_latency([1.0, 2.0, 3.0, 4.0, 5.0]), source_latency([], running=[2.0, 4.0])
-        (4.0, 3.5)
-    """
-    return float(np.quantile(np.concatenate((np.asarray(window, dtype=np.float64),
-                                             np.asarray(running, dtype=np.float64))), LATENCY_QUANTILE))
-
-
-def slow_ahead_leads(rate: float, latency: Mapping[str, float]) -> dict[str, float]:
-    """The ``slow_ahead`` dispatch order's lead per data source, in places of the prompt stream: the groups
-    completed (``rate``, groups a second) while a group of the source generates beyond the fastest source's
-    ``latency`` (seconds, dispatch to completion: :func:`source_latency`), so that groups complete in about the
-    stream's order."""
-    fastest = min(latency.values())
-    return {src: rate * (lat - fastest) for src, lat in latency.items()}
-
-
-def measured_leads(completed_at: Sequence[float], windows: Mapping[str, Sequence[float]],
-                   running: Mapping[str, Sequence[float]]) -> dict[str, float]:
-    """:func:`slow_ahead_leads` from what was measured: the completion rate over ``completed_at`` (the last
-    groups' completion times, oldest first) and, per data source with groups completed or running, the
-    :func:`source_latency` of its ``windows`` entry (its last groups' latencies) and its ``running`` entry (the
-    ages of its groups still generating). Empty until two groups completed. The rule of the rollout worker's
-    ``slow_ahead`` order and of ``bench.staleness``'s simulator."""
-    if len(completed_at) < 2 or completed_at[-1] <= completed_at[0]:
-        return {}
-    latency = {src: source_latency(windows.get(src, ()), running.get(src, ()))
-               for src in {*windows, *running} if len(windows.get(src, ())) or len(running.get(src, ()))}
-    return slow_ahead_leads((len(completed_at) - 1) / (completed_at[-1] - completed_at[0]), latency)
-
-
-@dataclass(slots=True)
-class _Drawn:
-    """A prompt drawn from the stream, with the group id and node it will be written under."""
-
-    group_id: str
-    node: str
-    prompt: Prompt
-    prompt_id: str
-    """The prompt's first group id (kept when it is dispatched again after an abort)."""
-    index: int = 0
-    """Its place in the prompt stream (0 = the first prompt drawn)."""
-    attempt: int = 0
-
-
-@dataclass(slots=True)
+@dataclass(frozen=True, slots=True, kw_only=True)
 class _Pending:
-    group_id: str
-    prompt: Prompt
-    node: str
+    """A group in the engine: its drawn prompt, its images' keys, when and under which version it went out."""
+
+    drawn: Drawn
     image_keys: list[bytes]
     created_at: datetime
     version_min: int
-    drawn: _Drawn
+
+
+def _running_ages(pending: Mapping[str, _Pending]) -> dict[str, list[float]]:
+    """Per data source, the seconds each of its groups in the engine has been generating."""
+    now = datetime.now(UTC)
+    running: dict[str, list[float]] = {}
+    for p in pending.values():
+        running.setdefault(p.drawn.prompt.data_source, []).append((now - p.created_at).total_seconds())
+    return running
 
 
 class RolloutWorker:
@@ -174,7 +113,7 @@ class RolloutWorker:
         config: RolloutConfig,
         *,
         client: StoreWriter | None = None,
-        engine: Engine | None = None,
+        engine: RolloutEngine | None = None,
         prompts: Iterator[Prompt] | None = None,
         lookahead: LookaheadHook | None = None,
     ) -> None:
@@ -185,12 +124,13 @@ class RolloutWorker:
 
             client = StoreWriter.from_config(config.stores, config.client)
         self.client = client
-        self.report = RolloutReport()
+        self.tally = RolloutTally()
+        """What the run wrote so far (:meth:`run` returns the report built from it)."""
         t0 = time.perf_counter()
-        self.engine: Engine = engine if engine is not None else VllmEngine(config)
+        self.engine: RolloutEngine = engine if engine is not None else VllmEngine(config)
         if engine is None:
-            self.report.engine_start_s = round(time.perf_counter() - t0, 3)
-        self.report.logprobs_mode = self.engine.logprobs_mode
+            self.tally.engine_start_s = round(time.perf_counter() - t0, 3)
+        self.tally.logprobs_mode = self.engine.logprobs_mode
         if prompts is None:
             prompts = (
                 jsonl_prompts(config.prompts_file)
@@ -207,15 +147,11 @@ class RolloutWorker:
         self._sync = WeightSync(client, self.engine, version=config.initial_version,
                                 poll_s=config.version_poll_s, load=config.weight_sync)
         self._pending: dict[str, _Pending] = {}
-        self._committed: deque[_Drawn] = deque()  # drawn (and re-dispatched) prompts waiting for dispatch
+        self._committed = DispatchQueue(config.dispatch_order)  # drawn (and re-dispatched) prompts
         self._drawn = 0  # prompts drawn from the stream
-        self._latencies: dict[str, deque[float]] = {}  # data source -> its last groups' dispatch-to-completion seconds
-        self._completed_at: deque[float] = deque(maxlen=RATE_WINDOW)  # when the last groups completed (perf_counter)
         self._placed = 0  # group ids handed out
         self._stop = False
         self._held = False  # the last lookahead check paused dispatch
-        self._rewards: dict[str, list[float]] = {}
-        self._versions: set[int] = set()
 
     # ---- public --------------------------------------------------------------------------------
 
@@ -240,7 +176,7 @@ class RolloutWorker:
     def run(self) -> RolloutReport:
         """Run until ``max_groups`` groups are written, ``max_seconds`` pass, or ``stop()``."""
         cfg = self.config
-        self.report.started_at = time.time()
+        self.tally.started_at = time.time()
         t_start = time.perf_counter()
         deadline = t_start + cfg.max_seconds if cfg.max_seconds is not None else None
         if cfg.weight_sync and cfg.wait_initial_weights_s is not None:
@@ -256,21 +192,22 @@ class RolloutWorker:
             self._sync.poll()
             exhausted = self._fill() or exhausted  # always fill: a re-dispatch may wait after the stream ends
             if not self._pending:
-                if (exhausted and not self._committed) or self._quota_reached():
+                quota_reached = bool(cfg.max_groups) and self._drawn >= cfg.max_groups  # every prompt allowed drawn
+                if (exhausted or quota_reached) and not self._committed:
                     break
                 time.sleep(0.05)  # paused by the lookahead limit
                 continue
-            self._step()
+            try:
+                for out in self.engine.step():
+                    self._complete(out)
+            except KeyboardInterrupt:
+                logger.warning("interrupted: aborting %d running groups", len(self._pending))
+                self._stop = True
         self._writer.flush()
-        self._finish_report(time.perf_counter() - t_start)
-        return self.report
+        return self.tally.report(generate_s=time.perf_counter() - t_start, write_s=self._writer.write_s,
+                                 write_times=list(self._writer.write_times))
 
-    # ---- loop parts ----------------------------------------------------------------------------
-
-    def _quota_reached(self) -> bool:
-        """Every prompt ``max_groups`` allows was drawn, and none is waiting for dispatch."""
-        cfg = self.config
-        return bool(cfg.max_groups) and self._drawn >= cfg.max_groups and not self._committed
+    # ---- dispatch ------------------------------------------------------------------------------
 
     def _fill(self) -> bool:
         """Dispatch prompts while there is room; returns True when the prompt stream is exhausted."""
@@ -287,7 +224,7 @@ class RolloutWorker:
             if not self._committed:
                 return exhausted
             if allowed:
-                ready = self._next_committed()
+                ready = self._committed.take_next(self._on_policy, lambda: _running_ages(self._pending))
                 if ready is None:
                     return False  # synchronous: the next train batch waits for its weights
                 self._dispatch(ready)
@@ -297,9 +234,8 @@ class RolloutWorker:
                            and self._lookahead.take_demand(d.prompt.data_source)), None)
             if needed is None:
                 return False
-            self._committed.remove(needed)
-            self.report.demand_dispatches += 1
-            self._dispatch(needed)
+            self.tally.demand_dispatches += 1
+            self._dispatch(self._committed.take(needed))
         return False
 
     def _top_up(self) -> bool:
@@ -313,42 +249,13 @@ class RolloutWorker:
                 return True
             self._drawn += 1
             group_id, node = self._place()
-            drawn = _Drawn(group_id, node, prompt, prompt_id=group_id, index=self._drawn - 1)
+            drawn = Drawn(group_id=group_id, node=node, prompt=prompt, prompt_id=group_id, index=self._drawn - 1)
             self._committed.append(drawn)
             if cfg.commit_ahead:
                 self._register(drawn, "queued")
         return False
 
-    def _next_committed(self) -> _Drawn | None:
-        """The committed prompt to dispatch next (see ``RolloutConfig.dispatch_order``); ``None`` while every
-        committed prompt waits for its train batch's weights (``synchronous``)."""
-        ready = [d for d in self._committed if self._on_policy(d)]
-        if not ready:
-            return None
-        order = self.config.dispatch_order
-        if order == "loader" or len(ready) == 1 or ready[0].attempt:  # an aborted group's prompt goes out first
-            chosen = ready[0]
-        elif order == "slow_first":  # sources not yet measured count as slowest, so each is measured early
-            latency = {src: source_latency(window) for src, window in self._latencies.items()}
-            chosen = max(ready, key=lambda d: latency.get(d.prompt.data_source, float("inf")))
-        else:
-            leads = self._leads()
-            chosen = min(ready, key=lambda d: d.index - leads.get(d.prompt.data_source, 0.0))
-        self._committed.remove(chosen)
-        return chosen
-
-    def _leads(self) -> dict[str, float]:
-        """``slow_ahead``: per data source with groups completed or running, how many places ahead of its place in
-        the prompt stream a prompt goes out: the groups the engine completes (rate over the last 64) while a
-        group of it generates beyond the fastest source's latency (:func:`source_latency` of its last groups and
-        of the ages of those running), so that groups complete in about the stream's order."""
-        now = datetime.now(UTC)
-        running: dict[str, list[float]] = {}
-        for p in self._pending.values():
-            running.setdefault(p.prompt.data_source, []).append((now - p.created_at).total_seconds())
-        return measured_leads(self._completed_at, self._latencies, running)
-
-    def _on_policy(self, drawn: _Drawn) -> bool:
+    def _on_policy(self, drawn: Drawn) -> bool:
         """Whether ``drawn`` may go out now under ``synchronous`` (always without it): the engine holds the
         weights its train batch starts from, or it is an aborted group's prompt going out again."""
         sync = self.config.synchronous
@@ -356,7 +263,7 @@ class RolloutWorker:
             return True
         return self._sync.version >= (drawn.index // sync[0]) * sync[1]
 
-    def _register(self, drawn: _Drawn, state: str) -> None:
+    def _register(self, drawn: Drawn, state: str) -> None:
         if self.config.register_inflight:
             self._writer.dispatch([DispatchedGroup(group_id=drawn.group_id, data_source=drawn.prompt.data_source,
                                                    prompt_id=drawn.prompt_id, dispatch_version=self._sync.version,
@@ -380,85 +287,79 @@ class RolloutWorker:
             node = str(self.client.node_for(group_id))
         return group_id, node
 
-    def _dispatch(self, drawn: _Drawn) -> None:
-        cfg = self.config
-        prompt, node = drawn.prompt, drawn.node
+    def _dispatch(self, drawn: Drawn) -> None:
+        prompt = drawn.prompt
         keys: list[bytes] = []
         if prompt.images:
             table, keys = images_to_table(prompt.images)
-            self.report.images_written += table.num_rows
-            self.report.bytes_written += table.nbytes
-            self._writer.put_images(table, node)
-        pending = _Pending(group_id=drawn.group_id, prompt=prompt, node=node, image_keys=keys,
-                           created_at=datetime.now(UTC), version_min=self._sync.version, drawn=drawn)
+            self.tally.add_images(table)
+            self._writer.put_images(table, drawn.node)
+        pending = _Pending(drawn=drawn, image_keys=keys, created_at=datetime.now(UTC), version_min=self._sync.version)
         self._register(drawn, "running")
         try:
-            self.engine.submit(drawn.group_id, prompt, cfg.group_size)
+            self.engine.submit(drawn.group_id, prompt, self.config.group_size)
         except (ValueError, TypeError) as exc:  # refused by the engine (too long, bad input): record it
             logger.warning("engine refused group %s: %s", drawn.group_id, exc)
             self._write_aborted(pending, finish_reason="error")
             return
         self._pending[drawn.group_id] = pending
 
-    def _redispatch(self, drawn: _Drawn) -> None:
+    def _redispatch(self, drawn: Drawn) -> None:
         """The engine aborted ``drawn`` while the worker runs: its prompt goes out again first, under a new id."""
         if self._stop or drawn.attempt >= self.config.max_redispatch:
             return
         group_id, node = self._place()
-        again = _Drawn(group_id, node, drawn.prompt, prompt_id=drawn.prompt_id, index=drawn.index,
-                       attempt=drawn.attempt + 1)
-        self.report.redispatched[group_id] = drawn.prompt_id
+        again = Drawn(group_id=group_id, node=node, prompt=drawn.prompt, prompt_id=drawn.prompt_id,
+                      index=drawn.index, attempt=drawn.attempt + 1)
+        self.tally.redispatched[group_id] = drawn.prompt_id
         self._register(again, "queued")
-        self._committed.appendleft(again)
+        self._committed.put_first(again)
         logger.info("group %s aborted by the engine: its prompt goes out again as %s", drawn.group_id, group_id)
 
-    def _step(self) -> None:
-        try:
-            for out in self.engine.step():
-                self._complete(out)
-        except KeyboardInterrupt:
-            logger.warning("interrupted: aborting %d running groups", len(self._pending))
-            self._stop = True
+    # ---- step, score, write --------------------------------------------------------------------
 
-    def _complete(self, out: Any) -> None:
+    def _complete(self, out: FinishedRequest) -> None:
+        """One finished prompt group: score each sample, write the group, re-dispatch it if the engine aborted it."""
         pending = self._pending.pop(str(out.request_id), None)
         if pending is None:
             logger.warning("engine returned unknown request %r", out.request_id)
             return
-        prompt = pending.prompt
+        drawn, prompt = pending.drawn, pending.drawn.prompt
         took = (datetime.now(UTC) - pending.created_at).total_seconds()  # created when the engine took it
-        window = self._latencies.setdefault(prompt.data_source, deque(maxlen=LATENCY_WINDOW))
-        window.append(took)
-        self._completed_at.append(time.perf_counter())
-        rewards = [0.0] * self.config.group_size
-        for c in out.outputs:
-            if c.finish_reason in ("stop", "length"):
-                r = float(self._reward(prompt.text, c.text, prompt.sample))
-                rewards[int(c.index)] = r
-                self._rewards.setdefault(prompt.data_source, []).append(r)
+        self._committed.note_completed(prompt.data_source, took, time.perf_counter())
         if self.config.dump_raw:
-            self._dump_raw(pending.group_id, out)
+            dump_raw(str(self.config.dump_raw), drawn.group_id, out)
         batch = group_to_batch(
             out,
-            group_id=pending.group_id,
+            group_id=drawn.group_id,
             policy_version=self._sync.version,
             policy_version_min=pending.version_min,
             data_source=prompt.data_source,
-            rewards=rewards,
+            rewards=self._score(prompt, out),
             logprobs_mode=self.engine.logprobs_mode,
             image_keys=pending.image_keys,
             created_at=pending.created_at,
             group_size=self.config.group_size,
         )
         aborted = any(s != "completed" for s in batch.column("status").to_pylist())
-        self._write_group(batch, pending.node, aborted=aborted)
+        self._write_group(batch, drawn.node, aborted=aborted)
         if aborted:
-            self._redispatch(pending.drawn)
+            self._redispatch(drawn)
+
+    def _score(self, prompt: Prompt, out: RequestOutputLike) -> list[float]:
+        """The reward of each sample that ran to its end (0.0 for the others), in ``sample_idx`` order."""
+        rewards = [0.0] * self.config.group_size
+        for c in out.outputs:
+            if c.finish_reason in ("stop", "length"):
+                r = float(self._reward(prompt.text, c.text, prompt.sample))
+                rewards[int(c.index)] = r
+                self.tally.rewards.setdefault(prompt.data_source, []).append(r)
+        return rewards
 
     def _abort_pending(self) -> None:
-        if self._committed and self.config.register_inflight:  # drawn, never dispatched: out of flight
-            self._writer.resolve([d.group_id for d in self._committed], "cancelled")
-        self._committed.clear()
+        committed = self._committed.clear()
+        if committed and self.config.register_inflight:  # drawn, never dispatched: out of flight
+            self._writer.resolve([d.group_id for d in committed], "cancelled")
         if not self._pending:
             return
         ids = list(self._pending)
@@ -467,62 +368,24 @@ class RolloutWorker:
             self._write_aborted(self._pending.pop(gid))
         logger.info("aborted %d running groups and wrote them as 'aborted'", len(ids))
 
-    # ---- writes --------------------------------------------------------------------------------
-
     def _write_aborted(self, pending: _Pending, *, finish_reason: str = "abort") -> None:
         batch = aborted_batch(
-            group_id=pending.group_id,
+            group_id=pending.drawn.group_id,
             group_size=self.config.group_size,
             prompt_token_ids=[],
             policy_version=self._sync.version,
-            data_source=pending.prompt.data_source,
+            data_source=pending.drawn.prompt.data_source,
             logprobs_mode=self.engine.logprobs_mode,
             image_keys=pending.image_keys,
             created_at=pending.created_at,
             finish_reason=finish_reason,
         )
-        self._write_group(batch, pending.node, aborted=True)
+        self._write_group(batch, pending.drawn.node, aborted=True)
 
     def _write_group(self, batch: pa.RecordBatch, node: str, *, aborted: bool) -> None:
-        rep = self.report
-        rep.groups += 1
-        rep.aborted_groups += int(aborted)
-        rep.rows += batch.num_rows
-        rep.prompt_tokens += int(pc.sum(batch.column("prompt_len")).as_py() or 0)
-        rep.response_tokens += int(pc.sum(batch.column("response_len")).as_py() or 0)
-        rep.bytes_written += batch.nbytes
-        self._versions.add(int(batch.column("policy_version")[0].as_py()))
+        self.tally.add_group(batch, aborted=aborted)
         self._lookahead.note_written()
         self._writer.put_group(batch, node)
-
-    def _finish_report(self, generate_s: float) -> None:
-        rep = self.report
-        rep.generate_s = round(generate_s, 4)
-        rep.reward_mean = {k: round(sum(v) / len(v), 4) for k, v in sorted(self._rewards.items()) if v}
-        rep.policy_versions = sorted(self._versions)
-        rep.write_s = self._writer.write_s
-        rep.write_times = list(self._writer.write_times)
-        if rep.write_times:
-            rep.first_write_at, rep.last_write_at = rep.write_times[0], rep.write_times[-1]
-
-    def _dump_raw(self, group_id: str, out: Any) -> None:
-        samples = []
-        for c in sorted(out.outputs, key=lambda c: int(c.index)):
-            lp = c.logprobs
-            samples.append(
-                {
-                    "index": int(c.index),
-                    "token_ids": list(c.token_ids),
-                    "flat_token_ids": list(lp.token_ids),
-                    "flat_logprobs": list(lp.logprobs),
-                    "start_indices": list(lp.start_indices),
-                    "finish_reason": c.finish_reason,
-                    "text": c.text,
-                }
-            )
-        doc = {"group_id": group_id, "prompt_token_ids": list(out.prompt_token_ids), "samples": samples}
-        with Path(str(self.config.dump_raw)).open("a") as fh:
-            fh.write(json.dumps(doc) + "\n")
 
 
 # ---- one run, as a process runs it ---------------------------------------------------------------
@@ -542,7 +405,7 @@ def _stop_on_signals(worker: RolloutWorker) -> Iterator[None]:
             signal.signal(sig, handler)
 
 
-def run_rollout(config: RolloutConfig, *, engine: Engine | None = None) -> RolloutReport:
+def run_rollout(config: RolloutConfig, *, engine: RolloutEngine | None = None) -> RolloutReport:
     """Run one rollout worker start to finish: what ``python -m connectors`` and ``knit rollout`` do.
 
     Starts the engine (unless ``engine`` is given), stops cleanly on SIGTERM/SIGINT (running groups

@@ -81,7 +81,6 @@ def build_tiny_llama(
     out.mkdir(parents=True, exist_ok=True)
     hf_tok = _train_tokenizer(vocab, seed)
     hf_tok.save_pretrained(str(out))
-
     cfg = LlamaConfig(
         vocab_size=len(hf_tok),
         hidden_size=hidden,
@@ -97,14 +96,7 @@ def build_tiny_llama(
         pad_token_id=hf_tok.pad_token_id,
         tie_word_embeddings=False,
     )
-    torch.manual_seed(seed)
-    model = LlamaForCausalLM(cfg)
-    with torch.no_grad():
-        # a wider init than the default 0.02 so samples are not uniform noise over the vocabulary
-        for name, p in model.named_parameters():
-            if p.dim() == 2 and "embed" not in name:
-                p.normal_(0.0, 0.08)
-    model = model.to(getattr(torch, dtype))
+    model = _random_weights(LlamaForCausalLM, cfg, seed=seed).to(getattr(torch, dtype))
     model.save_pretrained(str(out), safe_serialization=True)
     n_params = sum(p.numel() for p in model.parameters())
     (out / "knittrans_tiny.json").write_text(
@@ -113,6 +105,20 @@ def build_tiny_llama(
     )
     logger.info("built tiny llama at %s: %d params, vocab %d", out, n_params, len(hf_tok))
     return out
+
+
+def _random_weights(model_cls: Any, cfg: Any, *, seed: int) -> Any:
+    """``model_cls(cfg)`` with seeded random weights: every matrix but the embedding drawn from N(0, 0.08), a
+    wider init than the default 0.02 so that samples are not uniform noise over the vocabulary."""
+    import torch
+
+    torch.manual_seed(seed)
+    model = model_cls(cfg)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if p.dim() == 2 and "embed" not in name:
+                p.normal_(0.0, 0.08)
+    return model
 
 
 def _check_shape(*, hidden: int, heads: int, kv_heads: int, vocab: int) -> None:

@@ -27,8 +27,10 @@ Example:
 from __future__ import annotations
 
 import importlib
+import json
 from collections.abc import Sequence
 from datetime import UTC, datetime
+from pathlib import Path
 from types import ModuleType
 from typing import Any, Protocol
 
@@ -55,6 +57,13 @@ class RequestOutputLike(Protocol):
     def prompt_token_ids(self) -> Sequence[int] | None: ...
     @property
     def outputs(self) -> Sequence[Any]: ...
+
+
+class FinishedRequest(RequestOutputLike, Protocol):
+    """One prompt's output as the engine hands it back finished: the output and the request id it was given."""
+
+    @property
+    def request_id(self) -> str: ...
 
 
 def require_vllm() -> ModuleType:
@@ -240,9 +249,6 @@ def group_to_batch(
     schema = trajectory_schema(logprobs_mode)
     g, by_idx = _samples_by_index(output, group_id, group_size, rewards, image_keys)
     ids, lps, finish, statuses = zip(*(_response(by_idx.get(i), status) for i in range(g)), strict=True)
-    resp_len = np.array([len(p) for p in ids], dtype=np.int64)
-    prompt = np.asarray(output.prompt_token_ids or [], dtype=np.int32)
-    keys = list(image_keys)
     version = int(policy_version)
     cols = {
         "group_id": pa.array([group_id] * g, pa.string()),
@@ -256,17 +262,28 @@ def group_to_batch(
         "status": pa.array(list(statuses), pa.string()),
         "created_at": pa.array([_naive_utc(created_at)] * g, pa.timestamp("us")),
         "completed_at": pa.array([_naive_utc(completed_at)] * g, pa.timestamp("us")),
-        "prompt_ids": _list_array(np.tile(prompt, g), np.full(g, len(prompt)), pa.int32()),
-        "response_ids": _list_array(np.concatenate(ids), resp_len, pa.int32()),
-        "response_logprobs": _list_array(np.concatenate(lps), resp_len, pa.float32()),
-        "loss_mask": _list_array(np.concatenate([np.full(n, s == "completed", np.uint8)
-                                                 for n, s in zip(resp_len, statuses, strict=True)]),
-                                 resp_len, pa.uint8()),
-        "image_keys": _list_array(np.array(keys * g, dtype=object), np.full(g, len(keys)),
+        **_token_columns(output.prompt_token_ids or [], ids, lps, statuses),
+        "image_keys": _list_array(np.array(list(image_keys) * g, dtype=object), np.full(g, len(image_keys)),
                                   pa.binary(IMAGE_KEY_BYTES)),
     }
     batch = trajectory.build_batch(cols, group_id, fillable=frozenset(_FILLED_BY_RULES))
     return batch.replace_schema_metadata(schema.metadata)
+
+
+def _token_columns(prompt_ids: Sequence[int], ids: Sequence[np.ndarray], lps: Sequence[np.ndarray],
+                   statuses: Sequence[str]) -> dict[str, pa.Array]:
+    """The list columns of a group's samples: the prompt (repeated per sample), each sample's response ids and
+    sampled logprobs, and its loss mask (1 at every response token of a completed sample)."""
+    g = len(ids)
+    prompt = np.asarray(prompt_ids, dtype=np.int32)
+    resp_len = np.array([len(p) for p in ids], dtype=np.int64)
+    mask = np.concatenate([np.full(n, s == "completed", np.uint8) for n, s in zip(resp_len, statuses, strict=True)])
+    return {
+        "prompt_ids": _list_array(np.tile(prompt, g), np.full(g, len(prompt)), pa.int32()),
+        "response_ids": _list_array(np.concatenate(ids), resp_len, pa.int32()),
+        "response_logprobs": _list_array(np.concatenate(lps), resp_len, pa.float32()),
+        "loss_mask": _list_array(mask, resp_len, pa.uint8()),
+    }
 
 
 _FILLED_BY_RULES = ("prompt_len", "response_len", "num_images")
@@ -310,3 +327,23 @@ def aborted_batch(
         idx = batch.schema.get_field_index("finish_reason")
         batch = batch.set_column(idx, batch.schema.field(idx), pa.array([finish_reason] * group_size, pa.string()))
     return batch
+
+
+def dump_raw(path: str, group_id: str, output: RequestOutputLike) -> None:
+    """Append one JSON line to ``path`` with the engine's raw output of a group (``RolloutConfig.dump_raw``):
+    the prompt's token ids and, per sample, its token ids, flat logprob lists, finish reason and text."""
+    samples = [
+        {
+            "index": int(c.index),
+            "token_ids": list(c.token_ids),
+            "flat_token_ids": list(c.logprobs.token_ids),
+            "flat_logprobs": list(c.logprobs.logprobs),
+            "start_indices": list(c.logprobs.start_indices),
+            "finish_reason": c.finish_reason,
+            "text": c.text,
+        }
+        for c in sorted(output.outputs, key=lambda c: int(c.index))
+    ]
+    doc = {"group_id": group_id, "prompt_token_ids": list(output.prompt_token_ids or []), "samples": samples}
+    with Path(path).open("a") as fh:
+        fh.write(json.dumps(doc) + "\n")

@@ -3,7 +3,7 @@
 The trainer publishes a version (``client.publish_version``) after it stores that version's weights
 (``client.put_weights``). ``WeightSync.poll`` reads the published version at most every ``poll_s``
 seconds; when it is newer than the engine's, and ``load`` is on, it fetches that version's weights
-and loads them into the running engine (``Engine.load_weights``) before adopting the version. Weights
+and loads them into the running engine (``RolloutEngine.load_weights``) before adopting the version. Weights
 not readable yet leave the engine on its current version (retried at the next poll), and so does a
 store that cannot be reached for the version (``NodeUnavailableError``, e.g. while ``knit run``
 restarts it): the engine keeps generating with its weights and the next poll asks again. Without
@@ -23,7 +23,7 @@ import logging
 import time
 from collections.abc import Callable
 
-from connectors.engine import Engine
+from connectors.engine import RolloutEngine
 from flight_store.errors import NodeUnavailableError
 from flight_store.writing import StoreWriter
 
@@ -41,7 +41,7 @@ class WeightSync:
         load: load published weights into the engine (else only adopt the version number).
     """
 
-    def __init__(self, client: StoreWriter, engine: Engine, *, version: int, poll_s: float, load: bool) -> None:
+    def __init__(self, client: StoreWriter, engine: RolloutEngine, *, version: int, poll_s: float, load: bool) -> None:
         self._client = client
         self._engine = engine
         self._poll_s = poll_s

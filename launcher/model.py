@@ -25,7 +25,7 @@ from connectors.checkpoint import SMOLLM2_135M_INSTRUCT, prepare_checkpoint
 from connectors.tiny_model import build_tiny_llama
 from launcher.children import ROOT
 from train.config import ModelConfig
-from train.weights import hf_llama_config
+from train.hf_llama import hf_llama_config
 
 MODEL_PRESET = "tiny-vllm"
 """The trainer's shape in ``knit run`` (its vocabulary comes from the tokenizer)."""

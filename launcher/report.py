@@ -79,7 +79,7 @@ def policy_summary(folder: Path, *, config: dict[str, Any], wall_s: float, metri
     rollout = json.loads(rollout_path.read_text()) if rollout_path.exists() else {}
     steps = ranks[0]["steps"] if ranks else []
 
-    stal = staleness_summary(consumed) if consumed.height else staleness_summary(pl.DataFrame())
+    stal = (staleness_summary(consumed) if consumed.height else staleness_summary(pl.DataFrame())).to_dict()
     rows = [(c[2], c[3]) for r in ranks for c in r["consumed"] if c[0] == "row"]
     fetch_ms = [1e3 * f for r in ranks for s in r["steps"] for f in s["fetch_s"]]
     waits = {str(r["env"]["rank"]): sum(sum(s["exposed_wait_s"]) for s in r["steps"]) for r in ranks}

@@ -72,7 +72,7 @@ def test_worker_streams_scored_groups_to_two_nodes(store_nodes, async_writes: bo
         class Spy(RolloutWorker):
             def _write_group(self, batch: pa.RecordBatch, node: str, *, aborted: bool) -> None:
                 super()._write_group(batch, node, aborted=aborted)
-                if self.report.groups == 8 and not async_writes:  # half-way: the store has what was written
+                if self.tally.groups == 8 and not async_writes:  # half-way: the store has what was written
                     seen_during_run.append(client.scan_metadata(columns=["group_id"])["group_id"].n_unique())
 
         with Spy(_config(nodes, async_writes=async_writes), client=writer, engine=engine) as worker:
@@ -455,7 +455,7 @@ def _weights_driver(model: str, location: str, out: str) -> None:
     from transformers import AutoModelForCausalLM
     from vllm import LLM, SamplingParams
 
-    from connectors.weights import WORKER_EXTENSION, load_weights_into_llm
+    from connectors.engine_weights import WORKER_EXTENSION, load_weights_into_llm
     from schemas.weights import from_tensors
 
     llm = LLM(model=model, dtype="float32", max_model_len=256, seed=0, enforce_eager=True, max_num_seqs=8,

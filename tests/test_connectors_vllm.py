@@ -1,4 +1,4 @@
-"""connectors.vllm (RequestOutput -> trajectory batch), connectors.tasks (rewards), connectors.weights (tables).
+"""connectors.vllm (RequestOutput -> trajectory batch), connectors.tasks (rewards), connectors.engine_weights (tables).
 
 Engine outputs here are the fakes of ``connectors.fake_engine``; the real engine runs in
 ``test_connectors_rollout.py``.
@@ -175,7 +175,7 @@ def test_connectors_import_neither_vllm_nor_torch() -> None:
     code = textwrap.dedent(
         """
         import sys
-        import connectors, connectors.vllm, connectors.rollout, connectors.tasks, connectors.weights
+        import connectors, connectors.vllm, connectors.rollout, connectors.tasks, connectors.engine_weights
         import connectors.tiny_model, connectors.fake_engine, connectors.config, connectors.engine
         print(sorted(m for m in ("vllm", "torch", "transformers", "megatron") if m in sys.modules))
         """
@@ -291,7 +291,7 @@ def test_jsonl_prompts_and_reward_hooks(tmp_path: Path, monkeypatch: pytest.Monk
 
 def test_weights_table_round_trip() -> None:
     torch = pytest.importorskip("torch")
-    from connectors.weights import table_to_ipc, table_to_tensors
+    from connectors.engine_weights import table_to_ipc, table_to_tensors
     from schemas.weights import WEIGHTS_SCHEMA, WeightsError, from_tensors
 
     g = torch.Generator().manual_seed(0)

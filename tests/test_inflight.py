@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from typing import Any
 
 import pytest
 
@@ -115,7 +116,8 @@ def test_groups_the_engine_aborts_go_out_again_and_every_train_batch_keeps_its_q
                                 quotas=(Quota(column="data_source", counts={"add_small": 2, "mul_large": 2}),))
     with StoreReader(locations) as client, StoreWriter.sharing(client) as writer:
         worker = RolloutWorker(cfg, client=writer, engine=engine, prompts=iter(prompts))
-        thread = threading.Thread(target=worker.run, daemon=True)
+        result: dict[str, Any] = {}
+        thread = threading.Thread(target=lambda: result.setdefault("report", worker.run()), daemon=True)
         thread.start()
         path = tmp_path / "consumed.parquet"
         with ConsumedLog(str(path)) as log:
@@ -129,7 +131,7 @@ def test_groups_the_engine_aborts_go_out_again_and_every_train_batch_keeps_its_q
         thread.join(timeout=10)
         assert not thread.is_alive()
         left = client.inflight()
-    report = worker.report
+    report = result["report"]
     consumed = pl.read_parquet(path)
     assert len(engine.killed) >= 8 and report.redispatched  # groups were lost mid-run and went out again
     assert source.exact_updates > 0
@@ -148,15 +150,22 @@ def test_committed_prompts_go_out_slow_source_ahead_by_its_lead(store_nodes) -> 
     (``slow_ahead``: completion rate x latency gap), or first whatever the distance (``slow_first``)."""
     import dataclasses
     import itertools
-    from collections import deque
     from datetime import UTC, datetime, timedelta
 
     from connectors.config import RolloutConfig
+    from connectors.dispatch import DispatchQueue, Drawn, source_latency
     from connectors.fake_engine import FakeEngine
-    from connectors.rollout import RolloutWorker, _Pending
+    from connectors.rollout import RolloutWorker, _Pending, _running_ages
     from connectors.tasks import mixed_prompts
 
     (server,) = store_nodes(1)
+
+    def measured(queue: DispatchQueue, latency: dict[str, float], completions_per_s: float) -> None:
+        """``queue`` has seen 11 groups complete at ``completions_per_s``, each source's ``latency`` seconds after
+        its dispatch (the sources in turn)."""
+        sources = list(latency)
+        for i in range(11):
+            queue.note_completed(sources[i % len(sources)], latency[sources[i % len(sources)]], i / completions_per_s)
 
     def order(dispatch_order: str, latency: dict[str, float], completions_per_s: float) -> list[tuple[str, int]]:
         cfg = RolloutConfig(model="unused", stores=[server.location], group_size=2, max_groups=0,
@@ -166,17 +175,17 @@ def test_committed_prompts_go_out_slow_source_ahead_by_its_lead(store_nodes) -> 
                 cfg, client=writer, engine=FakeEngine(max_steps=1),
                 prompts=itertools.islice(mixed_prompts(cfg.data_sources, seed=5, chunk=8), 8)) as worker:
             worker._top_up()
-            worker._latencies = {src: deque([lat]) for src, lat in latency.items()}
-            worker._completed_at.extend(i / completions_per_s for i in range(11))
+            queue = worker._committed
+            measured(queue, latency, completions_per_s)
             # a fast source's prompt from late in the stream, aborted: no order but this rule sends it first
-            late_fast = next(d for d in reversed(worker._committed) if d.prompt.data_source == "add_small")
-            worker._committed.appendleft(dataclasses.replace(late_fast, group_id="again", attempt=1))
-            assert worker._next_committed().group_id == "again"  # an aborted group's prompt, whatever the order
-            out = [worker._next_committed() for _ in range(8)]
+            late_fast = next(d for d in reversed(list(queue)) if d.prompt.data_source == "add_small")
+            queue.put_first(dataclasses.replace(late_fast, group_id="again", attempt=1))
+            assert queue.take_next(lambda d: True, dict).group_id == "again"  # an aborted group's prompt first
+            out = [queue.take_next(lambda d: True, dict) for _ in range(8)]
             worker._writer.flush()  # registrations go through the writer's queue, in order with the writes
             queued = client.inflight().groups
             assert queued.height == 8 and set(queued["state"]) == {"queued"}  # registered when drawn
-        return [(d.prompt.data_source, d.index) for d in out]
+        return [(d.prompt.data_source, d.index) for d in out if d is not None]
 
     slow = {"add_small": 0.1, "mul_large": 2.0}
     first = order("slow_first", slow, 10.0)
@@ -190,23 +199,17 @@ def test_committed_prompts_go_out_slow_source_ahead_by_its_lead(store_nodes) -> 
     assert near not in (first, stream)
     assert order("loader", slow, 10.0) == stream
     # a source's latency is the upper quartile of its last groups': its tail counts, one outlier does not
-    from connectors.rollout import source_latency
-
     assert source_latency([1.0, 2.0, 3.0, 4.0, 5.0]) == 4.0
     assert source_latency([1.0] * 63 + [100.0]) == 1.0 and source_latency([1.0] * 32 + [9.0] * 32) == 9.0
     # the ages of its groups still running count as well: before any completes, they alone give its lead
     assert source_latency([1.0] * 3, running=[9.0]) == 3.0 and source_latency([], running=[2.0, 4.0]) == 3.5
-    cfg = RolloutConfig(model="unused", stores=[server.location], group_size=2, max_groups=0)
-    with StoreWriter(server.location) as client, RolloutWorker(cfg, client=client,
-                                                               engine=FakeEngine(max_steps=1)) as worker:
-        worker._latencies = {"add_small": deque([0.1])}
-        worker._completed_at.extend(i / 10.0 for i in range(11))  # 10 groups a second
-        prompt = next(p for p in mixed_prompts(cfg.data_sources, seed=5, chunk=8) if p.data_source == "mul_large")
-        started = datetime.now(UTC) - timedelta(seconds=2.1)
-        worker._pending = {"r": _Pending("g", prompt, server.location, [], started, 0, None)}  # type: ignore[arg-type]
-        leads = worker._leads()
-        worker._pending = {}
-        assert leads["add_small"] == 0.0 and 20.0 <= leads["mul_large"] <= 21.0  # 10/s x (>= 2.1 s - 0.1 s)
+    queue = DispatchQueue("slow_ahead")
+    measured(queue, {"add_small": 0.1}, 10.0)  # 10 groups a second
+    prompt = next(p for p in mixed_prompts({"mul_large": 1.0}, seed=5))
+    started = datetime.now(UTC) - timedelta(seconds=2.1)
+    drawn = Drawn(group_id="g", node=server.location, prompt=prompt, prompt_id="g")
+    leads = queue.leads(_running_ages({"g": _Pending(drawn=drawn, image_keys=[], created_at=started, version_min=0)}))
+    assert leads["add_small"] == 0.0 and 20.0 <= leads["mul_large"] <= 21.0  # 10/s x (>= 2.1 s - 0.1 s)
 
 
 def test_a_synchronous_rollout_generates_each_train_batch_with_the_weights_it_starts_from(  # type: ignore[no-untyped-def]

@@ -27,7 +27,7 @@ from launcher.report import policy_summary, table_rows, write_summary
 from launcher.run import RunConfig, rollout_config, train_config
 from schemas import documents
 from train.config import ModelConfig, TrainConfig
-from train.weights import hf_llama_config
+from train.hf_llama import hf_llama_config
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -175,14 +175,14 @@ def test_a_missing_wheel_names_the_command_that_fetches_it(tmp_path: Path) -> No
 
 def test_a_token_outside_the_vocabulary_is_a_typed_error() -> None:
     from schemas.records import TrajectoryRecord, records_to_batch
-    from train.packing import TokenOutOfVocabularyError, pack
+    from train.packing import TokenOutOfVocabularyError, pack_tensors
 
     rows = [TrajectoryRecord(group_id="g", sample_idx=i, policy_version=0, prompt_ids=[1, 2, 300],
                              response_ids=[5, 511], response_logprobs=[-1.0, -1.0]) for i in range(2)]
     table = records_to_batch(rows)
-    pack(table, [0.0, 0.0], vocab_size=512)  # every id fits
+    pack_tensors(table, [0.0, 0.0], vocab_size=512)  # every id fits
     with pytest.raises(TokenOutOfVocabularyError, match=r"token id 511 .* vocabulary of 128 .* at least 512") as err:
-        pack(table, [0.0, 0.0], vocab_size=128)
+        pack_tensors(table, [0.0, 0.0], vocab_size=128)
     assert (err.value.token_id, err.value.vocab_size) == (511, 128)
     assert "hf-checkpoint" in str(err.value)
 

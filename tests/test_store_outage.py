@@ -110,7 +110,7 @@ def test_the_rollout_writes_through_a_store_restart(tmp_path: Path) -> None:
         class KillsAStore(RolloutWorker):
             def _write_group(self, batch: pa.RecordBatch, node: str, *, aborted: bool) -> None:
                 super()._write_group(batch, node, aborted=aborted)
-                if self.report.groups == 6:  # mid-run: writes, stats and version polls all meet the outage
+                if self.tally.groups == 6:  # mid-run: writes, stats and version polls all meet the outage
                     _kill(tmp_path, "store1")
                     killed.append(time.time())
 

@@ -1,14 +1,16 @@
-"""Rank 0's planning path and every rank's records stay bounded over a long run (issue 18, item 5).
+"""Rank 0's planning path and every rank's records stay bounded over a long run.
 
 Counts, not timings or RSS: over hundreds of groups written to real store nodes (port 0), released
 as they are consumed, the planner's state and ``PlanSource``'s frame hold only the pending work, the
 planner keeps no consumed rows, and the plans and ``consumed.parquet`` equal those of a planner that
-keeps everything (the one ``train.planning`` used before). ``ConsumedLog`` and ``train.loop.RankReport``
-write their records to disk as the run goes and end with the same files as before.
+keeps everything (a reference ``admission.Planner`` given every row). ``ConsumedLog`` and
+``train.loop.RankReport`` write their records to disk as the run goes and end with the documents a
+whole-run writer would write; the progress lines keep their JSON form.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 from typing import Any
@@ -18,8 +20,8 @@ import pyarrow.parquet as pq
 from polars.testing import assert_frame_equal
 
 from admission import CONSUMED_SCHEMA, AdmissionConfig, Planner
-from train.loop import RankReport
-from train.planning import ConsumedLog, PlanSource
+from train.loop import ConsumedEntry, ProgressLine, RankReport, StepRecord, write_progress
+from train.planning import ConsumedLog, PlanSource, StepFigures
 
 
 def test_rank0_planning_stays_bounded_and_plans_as_a_planner_that_keeps_everything(  # type: ignore[no-untyped-def]
@@ -52,8 +54,8 @@ def test_rank0_planning_stays_bounded_and_plans_as_a_planner_that_keeps_everythi
             for plan in plans:
                 client.release(plan.group_ids)
                 figures = log.take_step(plan.step)
-                assert set(figures) == {"arch_staleness_mean", "arch_staleness_max", "reward_mean"}
-                assert log.take_step(plan.step) == {}  # taken once, then forgotten
+                assert figures is not None and figures.reward_mean is not None
+                assert log.take_step(plan.step) is None  # taken once, then forgotten
                 steps, consumed = steps + 1, consumed + len(plan.group_ids)
             state = source.planner.state
             max_state = max(max_state, len(state.admitted) + len(state.dropped))
@@ -87,9 +89,9 @@ def test_consumed_log_streams_rows_to_disk_and_keeps_step_figures_until_taken(tm
         size = spool.stat().st_size
         log.append(pl.concat(frames[1:]))  # one update admitting two steps
         assert spool.stat().st_size > size and not path.exists()  # on disk as it comes, Parquet at the end
-        assert log.take_step(0) == {"arch_staleness_mean": 1.0, "arch_staleness_max": 2, "reward_mean": 0.5}
-        assert log.take_step(2) == {"arch_staleness_mean": 1.5, "arch_staleness_max": 3, "reward_mean": 0.25}
-        assert log.take_step(7) == {}
+        assert log.take_step(0) == StepFigures(arch_staleness_mean=1.0, arch_staleness_max=2, reward_mean=0.5)
+        assert log.take_step(2) == StepFigures(arch_staleness_mean=1.5, arch_staleness_max=3, reward_mean=0.25)
+        assert log.take_step(7) is None
     assert_frame_equal(pl.read_parquet(path), pl.concat(frames))
     assert [pq.ParquetFile(path).metadata.row_group(i).num_rows for i in range(2)] == [4, 2]
     assert not spool.exists()
@@ -103,20 +105,45 @@ def test_consumed_log_without_rows_writes_an_empty_file_and_without_path_none(tm
     figures_only = ConsumedLog(None)
     figures_only.append(_consumed(4, [1.0], [2]))
     figures_only.close()
-    assert figures_only.take_step(4)["arch_staleness_max"] == 2
+    assert figures_only.take_step(4) == StepFigures(arch_staleness_mean=2.0, arch_staleness_max=2, reward_mean=1.0)
     assert list(tmp_path.iterdir()) == [path]
 
 
 def test_rank_report_is_written_as_the_run_goes_into_the_same_document(tmp_path: Path) -> None:
     env = {"rank": 1, "world": 2, "dp_rank": 1, "dp_size": 2, "tp_rank": 0, "tp_size": 1}
     steps = [{"step": 0, "loss": 0.5, "fetch_s": [0.1, 0.2]}, {"step": 1, "loss": 0.25, "fetch_s": []}]
-    entries = [[["slice", 0, "grpc://n0", "a", 0, 2], ["row", 0, "a", 0], ["row", 0, "a", 1]], []]
+    entries: list[list[ConsumedEntry]] = [[["slice", 0, "grpc://n0", "a", 0, 2], ["row", 0, "a", 0],
+                                           ["row", 0, "a", 1]], []]
+    records = [StepRecord(metrics=m, version=i + 1, plan_wait_s=0.5, t_end=10.0 + i, consumed=tuple(c),
+                          publish_s=0.01) for i, (m, c) in enumerate(zip(steps, entries, strict=True))]
     with RankReport(str(tmp_path / "out" / "trainer_rank{rank}.json"), env) as report:
-        report.add(steps[0], entries[0])
+        report.add(records[0])
         side = tmp_path / "out" / "trainer_rank1.json.consumed.jsonl"
         assert [json.loads(line) for line in side.read_text().splitlines()] == entries[0]  # on disk already
-        report.add(steps[1], entries[1])
+        report.add(records[1])
+    steps = [m | {"version": i + 1, "plan_wait_s": 0.5, "t_end": 10.0 + i, "publish_s": 0.01}
+             for i, m in enumerate(steps)]
     doc = json.loads((tmp_path / "out" / "trainer_rank1.json").read_text())
     assert doc == {"env": env, "steps": steps, "consumed": entries[0]}
     assert sorted(p.name for p in (tmp_path / "out").iterdir()) == ["trainer_rank1.json"]  # side files removed
     report.close()  # twice is fine
+
+
+def test_progress_lines_keep_their_json_form_and_read_back(tmp_path: Path) -> None:
+    """Rank 0's progress line: the step's fields in a fixed order, the groups admitted so far, then the step's
+    figures (none when no trajectory was logged for it); ``ProgressLine.from_json`` reads a line back."""
+    metrics = {"step": 3, "train_batch": 1, "position": 1, "loss": 0.5, "rows": 16, "abs_logp_diff": 0.01,
+               "step_time_s": 0.2, "grad_norm": 1.0}
+    step = StepRecord(metrics=metrics, version=4, plan_wait_s=0.1, t_end=100.0,
+                      figures=StepFigures(arch_staleness_mean=1.5, arch_staleness_max=3, reward_mean=0.25))
+    path = tmp_path / "progress.jsonl"
+    write_progress(str(path), ProgressLine.of(step, admitted_groups=8))
+    write_progress(str(path), ProgressLine.of(dataclasses.replace(step, figures=None), admitted_groups=9))
+    first, second = (json.loads(line) for line in path.read_text().splitlines())
+    assert list(first.items()) == [
+        ("step", 3), ("train_batch", 1), ("position", 1), ("version", 4), ("loss", 0.5), ("rows", 16),
+        ("abs_logp_diff", 0.01), ("plan_wait_s", 0.1), ("step_time_s", 0.2), ("t_end", 100.0),
+        ("admitted_groups", 8), ("arch_staleness_mean", 1.5), ("arch_staleness_max", 3), ("reward_mean", 0.25)]
+    assert "arch_staleness_mean" not in second and second["admitted_groups"] == 9
+    assert ProgressLine.from_json(first) == ProgressLine.of(step, admitted_groups=8)
+    assert ProgressLine.from_json(second).figures is None

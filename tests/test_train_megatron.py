@@ -169,7 +169,7 @@ def test_dp2_loss_falls_and_ranks_agree(dp_run: Any) -> None:
 def test_dp2_version_release_weights(dp_run: Any) -> None:
     stores, reports, _ = dp_run
     from flight_store.writing import StoreWriter
-    from train.weights import read_weights
+    from train.hf_llama import read_weights
 
     assert stores.client.get_version() == STEPS
     assert [s["version"] for s in reports[0]["steps"]] == list(range(1, STEPS + 1))

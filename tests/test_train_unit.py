@@ -20,7 +20,7 @@ from admission import AdmissionConfig, GrpoConfig, Planner, Quota
 from schemas import documents
 from schemas.records import TrajectoryRecord, records_to_batch
 from train.config import ModelConfig, PackMode, TrainConfig, VisionConfig
-from train.packing import PACK_COLUMNS, list_arrays, pack
+from train.packing import PACK_COLUMNS, list_arrays, pack_tensors
 from train.prefetch import Prefetcher
 
 ADMISSION = AdmissionConfig(train_batch_groups=4, group_size=4, mini_batches=2)
@@ -69,7 +69,7 @@ def test_pack_matches_naive_reference(mode: PackMode) -> None:
     # chunked + sliced input, the way a multi-node fetch returns it
     table = pa.concat_tables([table.slice(0, 1), table.slice(1, 3)])
     adv = [0.5, -1.0, 2.0, 0.25]
-    got = pack(table, adv, mode=mode)
+    got = pack_tensors(table, adv, mode=mode)
     ref = _naive(table, adv)
     assert got.rows == 4 and got.tokens_total == sum(p + r for p, r in lengths)
     if mode == "padded":
@@ -93,7 +93,7 @@ def test_pack_matches_naive_reference(mode: PackMode) -> None:
 
 def test_pack_rejects_mismatched_advantages() -> None:
     with pytest.raises(ValueError, match="2 advantages for 4 rows"):
-        pack(_table([(2, 2)] * 4), [1.0, 2.0])
+        pack_tensors(_table([(2, 2)] * 4), [1.0, 2.0])
 
 
 def test_block_causal_mask_stays_within_sequences() -> None:
@@ -176,7 +176,7 @@ def test_policy_loss_values() -> None:
 def test_weights_table_roundtrip_including_bf16() -> None:
     torch = pytest.importorskip("torch")
     from schemas.weights import WEIGHTS_SCHEMA
-    from train.weights import read_weights, weights_table
+    from train.hf_llama import read_weights, weights_table
 
     named = {"a.weight": torch.randn(3, 4), "b.weight": torch.randn(5).to(torch.bfloat16)}
     table = weights_table(named)
@@ -195,7 +195,7 @@ def test_publisher_stores_weights_then_version_then_records_then_releases_off_th
     reaches the next call and publishes nothing."""
     from flight_store.reading import StoreReader
     from flight_store.writing import StoreWriter
-    from train.loop import Publisher
+    from train.loop import Publisher, StepRecord
 
     servers = store_nodes(2)
     table = pa.table({"name": ["w"], "shape": [[1]], "dtype": ["int16"], "data": [b"\x01\x02"]})
@@ -221,8 +221,14 @@ def test_publisher_stores_weights_then_version_then_records_then_releases_off_th
             calls.append(("release", group_ids, threading.current_thread().name))
             self.client.release(group_ids)
 
-    def record(step: Any) -> None:
-        calls.append(("record", step[0]["step"], threading.current_thread().name))
+    recorded: list[StepRecord] = []
+
+    def record(step: StepRecord) -> None:
+        recorded.append(step)
+        calls.append(("record", step.metrics["step"], threading.current_thread().name))
+
+    def taken(step: int, version: int) -> StepRecord:
+        return StepRecord(metrics={"step": step}, version=version, plan_wait_s=0.0, t_end=0.0)
 
     with StoreReader([s.location for s in servers]) as client, StoreWriter.sharing(client) as writer:
         def released() -> int:
@@ -230,25 +236,25 @@ def test_publisher_stores_weights_then_version_then_records_then_releases_off_th
 
         writer.put_group(make_group("g1"))
         publisher = Publisher(Recording(client), record)
-        step0: Any = ({"step": 0}, [], None)
-        publisher.submit(table, 1, ["g1"], step0, time.perf_counter())  # returns at once: nothing published yet
+        publisher.submit(table, ["g1"], taken(0, 1), time.perf_counter())  # returns at once: nothing published yet
         assert client.get_version() < 1 and calls == [] and released() == 0
         gate.set()
         publisher.drain()
         assert [(what, arg) for what, arg, _ in calls] == [("weights", 1), ("version", 1), ("record", 0),
                                                             ("release", ["g1"])]
         assert all(thread.startswith("knit-publish") for _, _, thread in calls)
-        assert step0[0]["publish_done_s"] >= step0[0]["publish_s"] >= 0
+        assert recorded[0].publish_done_s >= recorded[0].publish_s >= 0  # type: ignore[operator]
+        assert list(recorded[0].to_json())[-2:] == ["publish_s", "publish_done_s"]
         assert client.get_version() == 1 and released() == 1
         assert all(writer.get_weights(node=s.location).num_rows == 1 for s in servers)
 
-        publisher.submit(table, 2, [], ({"step": 1}, [], None), time.perf_counter())
-        publisher.submit(None, 3, [], ({"step": 2}, [], None), time.perf_counter())  # after v2 is published
+        publisher.submit(table, [], taken(1, 2), time.perf_counter())
+        publisher.submit(None, [], taken(2, 3), time.perf_counter())  # after v2 is published
         publisher.drain()
         assert [(what, arg) for what, arg, _ in calls[4:]] == [  # v3: the version alone
             ("weights", 2), ("version", 2), ("record", 1), ("release", []), ("version", 3), ("record", 2),
             ("release", [])]
-        publisher.submit(table, 4, [], ({"step": 3}, [], None), time.perf_counter())
+        publisher.submit(table, [], taken(3, 4), time.perf_counter())
         with pytest.raises(RuntimeError, match="node gone while storing v4"):
             publisher.drain()
         assert client.get_version() == 3 and calls[-1][:2] == ("release", [])  # nothing published, nor recorded
@@ -388,7 +394,7 @@ def test_run_ranks_under_torchrun_runs_here(monkeypatch: pytest.MonkeyPatch) -> 
 
 def test_train_package_imports_without_torch() -> None:
     code = ("import sys, train, train.__main__, train.launch, train.loop, train.trainer, train.mm_trainer, "
-            "train.backbone, train.planning, train.weights, train.model, train.mcore_compat; "
+            "train.backbone, train.planning, train.hf_llama, train.model, train.mcore_compat; "
             "assert 'torch' not in sys.modules and 'megatron' not in sys.modules and 'vllm' not in sys.modules")
     subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
 

@@ -10,7 +10,7 @@ use them (``pip install knittrans[train]``). The files to read first:
 * ``train/prefetch.py``, ``train/packing.py``: background fetch and Arrow -> tensors;
 * ``train/backbone.py``, ``train/loss.py``: the GPT's forward-backward, the clipped policy-gradient loss;
 * ``train/model.py``, ``train/mcore_compat.py``: the Llama-shaped GPTModel, CPU/GPU setup;
-* ``train/weights.py``: Megatron -> HF Llama names, and weights as an Arrow table.
+* ``train/hf_llama.py``: Megatron -> HF Llama names, and weights as an Arrow table.
 """
 
 from __future__ import annotations

@@ -11,10 +11,13 @@ Torch and megatron-core are imported inside the functions.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from schemas.plan import MicroBatch, MiniBatchPlan
 from train.packing import block_causal_mask
+
+if TYPE_CHECKING:
+    from train.model import Built
 
 
 def to_device(tensors: dict[str, Any], dev: Any) -> dict[str, Any]:
@@ -24,11 +27,10 @@ def to_device(tensors: dict[str, Any], dev: Any) -> dict[str, Any]:
     return {k: (v.to(dev, non_blocking=True) if torch.is_tensor(v) else v) for k, v in tensors.items()}
 
 
-def thd_attention(cu_seqlens: Any, width: int, gpt: Any) -> tuple[Any, Any]:
-    """Attention inputs of a packed (THD) row: TE's ``PackedSeqParams`` on GPU, a block mask otherwise."""
-    from train.model import uses_te
-
-    if uses_te(gpt):
+def thd_attention(cu_seqlens: Any, width: int, *, uses_te: bool) -> tuple[Any, Any]:
+    """Attention inputs of a packed (THD) row: TE's ``PackedSeqParams`` (a model of the TransformerEngine
+    spec, ``uses_te``), a block mask otherwise."""
+    if uses_te:
         from megatron.core.packed_seq_params import PackedSeqParams
 
         longest = int((cu_seqlens[1:] - cu_seqlens[:-1]).max())
@@ -37,25 +39,25 @@ def thd_attention(cu_seqlens: Any, width: int, gpt: Any) -> tuple[Any, Any]:
     return block_causal_mask(cu_seqlens.cpu(), width).to(cu_seqlens.device), None
 
 
-def forward(built: Any, gpt: Any, batch: dict[str, Any], *, decoder_input: Any = None) -> Any:
+def forward(built: Built, gpt: Any, batch: dict[str, Any], *, decoder_input: Any = None) -> Any:
     """Per-token cross entropy of ``batch``'s labels through ``gpt`` (the schedule's model chunk).
 
     ``decoder_input`` replaces the token embeddings (the multimodal step adds image features to them).
     """
     mask, packed_seq = None, None
     if batch["cu_seqlens"] is not None:
-        mask, packed_seq = thd_attention(batch["cu_seqlens"], batch["tokens"].shape[1], built.gpt)
+        mask, packed_seq = thd_attention(batch["cu_seqlens"], batch["tokens"].shape[1], uses_te=built.uses_te)
     return gpt(batch["tokens"], batch["position_ids"], mask, decoder_input=decoder_input, labels=batch["labels"],
                packed_seq_params=packed_seq)
 
 
-def zero_grads(built: Any) -> None:
+def zero_grads(built: Built) -> None:
     """Clear the DDP gradient buffers and the optimizer's gradients before a step."""
     built.model.zero_grad_buffer()
     built.optimizer.zero_grad()
 
 
-def schedule(built: Any, forward_step: Callable[[Iterator[Any], Any], tuple[Any, Any]], batches: Iterator[Any],
+def schedule(built: Built, forward_step: Callable[[Iterator[Any], Any], tuple[Any, Any]], batches: Iterator[Any],
              num_microbatches: int, seq_length: int) -> list[dict[str, Any]]:
     """Megatron's forward-backward over ``num_microbatches`` micro-batches; the loss reports of each."""
     from megatron.core.pipeline_parallel import get_forward_backward_func

@@ -3,10 +3,10 @@
 Small ``@dataclass(kw_only=True, slots=True)`` objects, one per concern, checked when built. Model
 shapes follow the Llama architecture (RMSNorm, SwiGLU, RoPE, GQA, output layer untied or tied to the
 embedding, no linear biases) so the trained weights map one to one onto a Hugging Face
-``LlamaForCausalLM`` and a vLLM engine (see ``train.weights``). ``MODEL_PRESETS`` names the shapes:
+``LlamaForCausalLM`` and a vLLM engine (see ``train.hf_llama``). ``MODEL_PRESETS`` names the shapes:
 ``tiny`` for tests and the CPU demo, real models for GPU machines. ``ModelConfig(hf_checkpoint=DIR)``
 takes the shape from the ``config.json`` of the HF checkpoint folder the rollout serves (and its
-weights, ``train.weights.load_hf_checkpoint``), so trainer and engine cannot disagree on it. What may
+weights, ``train.hf_llama.load_hf_checkpoint``), so trainer and engine cannot disagree on it. What may
 be admitted, and the GRPO settings (advantages and the clip range of the loss), are the planner's
 ``admission.AdmissionConfig``, held as ``TrainConfig.admission``.
 

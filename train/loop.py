@@ -12,35 +12,86 @@ Publishing runs beside the next step (:class:`Publisher`): the training thread o
 (a copy under HF names, cast to ``publish_dtype``); a thread of rank 0 stores them on every node, then
 publishes the version, then releases the step's groups, one version at a time.
 
-Per-step metrics (logged, and written to ``report_path`` by :class:`RankReport`): the step's own (see
-``train.backbone.step_metrics`` and each step) plus ``version``, ``publish_s`` (what publishing cost the
-training thread: encoding, and waiting for the version before), ``publish_done_s`` (rank 0: the step's end
-to its version published on every node; rank 0 records a step then, before releasing its groups),
-``plan_wait_s`` and ``t_end``.
-Rank 0 appends a progress line per step (``progress_path``) and the planner's consumed trajectories as
-they are admitted (``consumed_path``, ``train.planning.ConsumedLog``). Every record goes to disk as the
+Each step taken is one :class:`StepRecord`, built once it is published (logged, and written to
+``report_path`` by :class:`RankReport`): the step's own metrics (see ``train.backbone.step_metrics`` and
+each step) plus ``version``, ``plan_wait_s``, ``t_end``, ``publish_s`` (what publishing cost the training
+thread: encoding, and waiting for the version before) and ``publish_done_s`` (rank 0: the step's end to its
+version published on every node; rank 0 records a step then, before releasing its groups).
+Rank 0 appends a :class:`ProgressLine` per step (``progress_path``) and the planner's consumed trajectories
+as they are admitted (``consumed_path``, ``train.planning.ConsumedLog``). Every record goes to disk as the
 run goes: the loop keeps nothing per step or per group in memory.
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import logging
 import os
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
+from concurrent.futures import Future
 from typing import TYPE_CHECKING, Any, Protocol
+
+import pyarrow as pa
 
 from schemas.plan import MiniBatchPlan
 from train.config import TrainConfig
-from train.planning import PlannerLike, PlanSource
+from train.planning import PlannerLike, PlanSource, StepFigures
+
+if TYPE_CHECKING:
+    from train.model import Built
 
 if TYPE_CHECKING:
     from flight_store.reading import StoreReader
 
 log = logging.getLogger(__name__)
+
+
+ConsumedEntry = list[str | int]
+"""``["slice", step, node, group_id, start, stop]`` (a planned slice) or ``["row", step, group_id, sample_idx]``
+(a row received), as :class:`RankReport` writes them."""
+
+
+@dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
+class StepRecord:
+    """One optimizer step taken by this rank, as it is recorded (:class:`RankReport`, :class:`ProgressLine`).
+
+    The loop builds it when the step ends; rank 0's :class:`Publisher` completes it with the publishing times
+    (:meth:`published`), a new record.
+    """
+
+    metrics: Mapping[str, Any]
+    """The step's own metrics (``train.backbone.step_metrics`` and the step kind's)."""
+    version: int
+    """The policy version the step produced."""
+    plan_wait_s: float
+    """Seconds the loop waited for plans since the step before."""
+    t_end: float
+    """Unix time the step ended."""
+    consumed: tuple[ConsumedEntry, ...] = ()
+    """This rank's consumed entries (kept only with a report)."""
+    figures: StepFigures | None = None
+    """Rank 0: the staleness and reward figures of the step's trajectories."""
+    publish_s: float | None = None
+    """What publishing cost the training thread (encoding, waiting for the version before)."""
+    publish_done_s: float | None = None
+    """Rank 0: the step's end to its version published on every node."""
+
+    def published(self, publish_s: float, publish_done_s: float | None = None) -> StepRecord:
+        """This record with its publishing times."""
+        return dataclasses.replace(self, publish_s=publish_s, publish_done_s=publish_done_s)
+
+    def to_json(self) -> dict[str, Any]:
+        """The step's line in the rank report: its metrics, then the loop's fields, then the publishing times."""
+        doc = {**self.metrics, "version": self.version, "plan_wait_s": self.plan_wait_s, "t_end": self.t_end}
+        if self.publish_s is not None:
+            doc["publish_s"] = self.publish_s
+        if self.publish_done_s is not None:
+            doc["publish_done_s"] = self.publish_done_s
+        return doc
 
 
 class Step(Protocol):
@@ -49,14 +100,14 @@ class Step(Protocol):
     Built as ``Kind(cfg, env, client)`` on every rank, after the process group exists.
     """
 
-    built: Any
+    built: Built
     """The backbone (``train.model.Built``): checkpoints and published weights are its."""
 
     def submit(self, plan: MiniBatchPlan) -> None:
         """Queue this rank's fetches of ``plan`` on the prefetch thread (ahead of its step)."""
         ...
 
-    def step(self, plan: MiniBatchPlan, consumed: list[list[Any]]) -> dict[str, Any]:
+    def step(self, plan: MiniBatchPlan, consumed: list[ConsumedEntry]) -> dict[str, Any]:
         """One optimizer step over this rank's share of ``plan``; its metrics.
 
         May append ``["row", step, group_id, sample_idx]`` to ``consumed`` for every row received.
@@ -117,12 +168,11 @@ def _train(cfg: TrainConfig, env: dict[str, int], kind: Step, client: StoreReade
            report: RankReport | None) -> int:
     """The loop: plan (rank 0, broadcast), submit fetches, step, publish the version, release the groups."""
 
-    def record(step: Done) -> None:
-        metrics, consumed, figures = step
+    def record(step: StepRecord) -> None:
         if report is not None:
-            report.add(metrics, consumed)
-        if source is not None and figures is not None and cfg.progress_path:
-            write_progress(cfg.progress_path, metrics, source.admitted_groups, figures)
+            report.add(step)
+        if source is not None and cfg.progress_path:  # rank 0
+            write_progress(cfg.progress_path, ProgressLine.of(step, source.admitted_groups))
 
     publisher = Publisher(client, record)
     try:
@@ -132,7 +182,7 @@ def _train(cfg: TrainConfig, env: dict[str, int], kind: Step, client: StoreReade
 
 
 def _steps(cfg: TrainConfig, env: dict[str, int], kind: Step, source: PlanSource | None, reported: bool,
-           publisher: Publisher, record: Callable[[Done], None]) -> int:
+           publisher: Publisher, record: Callable[[StepRecord], None]) -> int:
     from train.planning import exchange_plans
 
     queue: deque[MiniBatchPlan] = deque()
@@ -152,7 +202,7 @@ def _steps(cfg: TrainConfig, env: dict[str, int], kind: Step, source: PlanSource
         if not queue:
             break  # idle for idle_timeout_s, or max_steps reached
         plan = queue.popleft()
-        consumed: list[list[Any]] = []
+        consumed: list[ConsumedEntry] = []
         if reported:
             consumed.extend(["slice", plan.step, s.node, s.group_id, s.start, s.stop]
                             for m in plan.for_rank(env["dp_rank"]).micro_batches for s in m.slices)
@@ -162,15 +212,15 @@ def _steps(cfg: TrainConfig, env: dict[str, int], kind: Step, source: PlanSource
         # the weights are encoded here (a copy the next step cannot change; a collective on every rank), then
         # rank 0's publisher stores them, publishes the version and releases the groups while the next step runs
         table = encode_weights(kind.built, env, dtype=cfg.publish_dtype) if cfg.publish_weights else None
-        metrics.update(version=version, plan_wait_s=plan_wait, t_end=time.time())
+        taken = StepRecord(metrics=metrics, version=version, plan_wait_s=plan_wait, t_end=time.time(),
+                           consumed=tuple(consumed),
+                           figures=source.consumed_log.take_step(plan.step) if source is not None else None)
         plan_wait = 0.0
         steps += 1
         if env["rank"] == 0:
-            figures = source.consumed_log.take_step(plan.step) if source is not None else None
-            publisher.submit(table, version, plan.group_ids, (metrics, consumed, figures), t_pub)
+            publisher.submit(table, plan.group_ids, taken, t_pub)
         else:
-            metrics["publish_s"] = time.perf_counter() - t_pub
-            record((metrics, consumed, None))
+            record(taken.published(time.perf_counter() - t_pub))
     publisher.drain()
     if queue:
         log.warning("rank %d stops with %d planned mini-batches unconsumed", env["rank"], len(queue))
@@ -180,7 +230,7 @@ def _steps(cfg: TrainConfig, env: dict[str, int], kind: Step, source: PlanSource
     return steps
 
 
-def publish_weights(built: Any, client: StoreReader, version: int, env: dict[str, int], *,
+def publish_weights(built: Built, client: StoreReader, version: int, env: dict[str, int], *,
                     dtype: str = "params") -> None:
     """Gather the weights (all ranks) and DoPut them to every store (rank 0): :func:`encode_weights`, then
     ``put_weights``."""
@@ -189,18 +239,14 @@ def publish_weights(built: Any, client: StoreReader, version: int, env: dict[str
         client.put_weights(table, version)
 
 
-def encode_weights(built: Any, env: dict[str, int], *, dtype: str = "params") -> Any:
+def encode_weights(built: Built, env: dict[str, int], *, dtype: str = "params") -> pa.Table | None:
     """The weights under HF Llama names as a weights table, floating tensors cast to ``dtype`` unless it is
     ``"params"`` (``TrainConfig.publish_dtype``), in record batches of ``schemas.weights.CHUNK_BYTES``: on rank 0;
     ``None`` on the others. Collective (the tensor-parallel gather): every rank calls it."""
-    from train.weights import megatron_to_hf_llama, weights_table
+    from train.hf_llama import megatron_to_hf_llama, weights_table
 
     named = megatron_to_hf_llama(built.gpt)
     return weights_table(named, dtype=None if dtype == "params" else dtype) if env["rank"] == 0 else None
-
-
-Done = tuple[dict[str, Any], list[list[Any]], dict[str, Any] | None]
-"""A step taken: its metrics, consumed entries and (rank 0) staleness figures, to record."""
 
 
 class Publisher:
@@ -209,25 +255,25 @@ class Publisher:
     store released was recorded as trained, and a rollout that refills the room a release freed finds the new
     version. One version at a time: submitting the next waits for the one before.
 
-    The step's metrics get ``publish_s`` (what publishing cost the training thread) and ``publish_done_s``
+    The recorded step carries ``publish_s`` (what publishing cost the training thread) and ``publish_done_s``
     (the step's end to its version published on every node). An error of a publish is raised at the next
     :meth:`submit` or :meth:`drain`.
     """
 
-    def __init__(self, client: StoreReader, record: Callable[[Done], None]) -> None:
+    def __init__(self, client: StoreReader, record: Callable[[StepRecord], None]) -> None:
         from concurrent.futures import ThreadPoolExecutor
 
         self._client = client
         self._record = record
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="knit-publish")
-        self._pending: Any = None
+        self._pending: Future[None] | None = None
 
-    def submit(self, table: Any, version: int, group_ids: list[str], step: Done, started: float) -> None:
-        """Publish ``version`` (with its weights ``table`` when not None), record ``step``, release ``group_ids``;
-        ``started``: the step's end (``time.perf_counter()``)."""
+    def submit(self, table: pa.Table | None, group_ids: list[str], step: StepRecord, started: float) -> None:
+        """Publish ``step.version`` (with its weights ``table`` when not None), record ``step``, release
+        ``group_ids``; ``started``: the step's end (``time.perf_counter()``)."""
         self.drain()
-        step[0]["publish_s"] = time.perf_counter() - started
-        self._pending = self._pool.submit(self._publish, table, version, group_ids, step, started)
+        publish_s = time.perf_counter() - started
+        self._pending = self._pool.submit(self._publish, table, group_ids, step, started, publish_s)
 
     def drain(self) -> None:
         """Wait for the publish in flight (raising its error)."""
@@ -235,12 +281,12 @@ class Publisher:
         if pending is not None:
             pending.result()
 
-    def _publish(self, table: Any, version: int, group_ids: list[str], step: Done, started: float) -> None:
+    def _publish(self, table: pa.Table | None, group_ids: list[str], step: StepRecord, started: float,
+                 publish_s: float) -> None:
         if table is not None:
-            self._client.put_weights(table, version)
-        self._client.publish_version(version)
-        step[0]["publish_done_s"] = time.perf_counter() - started
-        self._record(step)
+            self._client.put_weights(table, step.version)
+        self._client.publish_version(step.version)
+        self._record(step.published(publish_s, time.perf_counter() - started))
         self._client.release(group_ids)  # frees images no unreleased group references
 
     def close(self) -> None:
@@ -259,7 +305,7 @@ class RankReport:
     Example::
 
         with RankReport("run/trainer_rank{rank}.json", env) as report:
-            report.add(metrics, consumed)
+            report.add(step)
     """
 
     def __init__(self, path: str, env: dict[str, int]) -> None:
@@ -268,10 +314,10 @@ class RankReport:
         os.makedirs(os.path.dirname(os.path.abspath(self.path)), exist_ok=True)
         self._parts = {name: open(f"{self.path}.{name}.jsonl", "w") for name in ("steps", "consumed")}  # noqa: SIM115
 
-    def add(self, metrics: dict[str, Any], consumed: list[list[Any]]) -> None:
+    def add(self, step: StepRecord) -> None:
         """Append one step's metrics and consumed entries."""
-        self._parts["steps"].write(json.dumps(metrics) + "\n")
-        self._parts["consumed"].writelines(json.dumps(c) + "\n" for c in consumed)
+        self._parts["steps"].write(json.dumps(step.to_json()) + "\n")
+        self._parts["consumed"].writelines(json.dumps(c) + "\n" for c in step.consumed)
         for part in self._parts.values():
             part.flush()
 
@@ -301,12 +347,57 @@ class RankReport:
         self.close()
 
 
-def write_progress(path: str, metrics: dict[str, Any], admitted_groups: int, figures: dict[str, Any]) -> None:
-    """Rank 0: append one JSON line for the step just taken, with the groups admitted so far and the step's
-    staleness and reward figures (:meth:`train.planning.ConsumedLog.take_step`)."""
-    line = {k: metrics[k] for k in ("step", "train_batch", "position", "version", "loss", "rows", "abs_logp_diff",
-                                    "plan_wait_s", "step_time_s", "t_end")}
-    line["admitted_groups"] = admitted_groups
-    line.update(figures)
+@dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
+class ProgressLine:
+    """Rank 0's line per step in ``progress_path`` (JSON lines): where the run is, and the step's figures.
+
+    ``knit run`` follows the file as the run goes (``launcher.run``); read a line with :meth:`from_json`.
+    """
+
+    step: int
+    train_batch: int
+    position: int
+    """The step's place in its train batch (0 .. mini_batches - 1)."""
+    version: int
+    """The policy version the step produced."""
+    loss: float
+    rows: int
+    """Trajectories the step trained on (all ranks)."""
+    abs_logp_diff: float
+    """Mean absolute difference of the trainer's and the rollout's logprobs of the trained tokens."""
+    plan_wait_s: float
+    step_time_s: float
+    t_end: float
+    """Unix time the step ended."""
+    admitted_groups: int
+    """Groups the planner admitted so far."""
+    figures: StepFigures | None = None
+    """The staleness and reward figures of the step's trajectories."""
+
+    @classmethod
+    def of(cls, step: StepRecord, admitted_groups: int) -> ProgressLine:
+        """The progress line of ``step`` with the groups admitted so far."""
+        m = step.metrics
+        return cls(step=m["step"], train_batch=m["train_batch"], position=m["position"], version=step.version,
+                   loss=m["loss"], rows=m["rows"], abs_logp_diff=m["abs_logp_diff"], plan_wait_s=step.plan_wait_s,
+                   step_time_s=m["step_time_s"], t_end=step.t_end, admitted_groups=admitted_groups,
+                   figures=step.figures)
+
+    def to_json(self) -> dict[str, Any]:
+        """The line's JSON document (the figures' fields at the top level)."""
+        doc = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name != "figures"}
+        return doc | (self.figures.to_json() if self.figures is not None else {})
+
+    @classmethod
+    def from_json(cls, doc: Mapping[str, Any]) -> ProgressLine:
+        """A line read back from ``progress_path``."""
+        names = {f.name for f in dataclasses.fields(cls)} - {"figures"}
+        figures = ({k: doc.get(k) for k in ("arch_staleness_mean", "arch_staleness_max", "reward_mean")}
+                   if "arch_staleness_mean" in doc else None)
+        return cls(**{k: doc[k] for k in names}, figures=StepFigures(**figures) if figures is not None else None)
+
+
+def write_progress(path: str, line: ProgressLine) -> None:
+    """Rank 0: append one JSON line for the step just taken (:class:`ProgressLine`)."""
     with open(path, "a") as f:
-        f.write(json.dumps(line) + "\n")
+        f.write(json.dumps(line.to_json()) + "\n")

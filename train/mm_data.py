@@ -25,7 +25,7 @@ from schemas.images import table_to_images
 from schemas.plan import MicroBatch
 from train.config import PackMode
 from train.multimodal import distinct_image_keys
-from train.packing import PACK_COLUMNS, PackedBatch, pack
+from train.packing import PACK_COLUMNS, PackedBatch, pack_tensors
 
 MM_COLUMNS: tuple[str, ...] = (*PACK_COLUMNS, "image_keys")
 """Trajectory columns a multimodal trainer rank fetches (images themselves come by key)."""
@@ -77,7 +77,7 @@ def fetch_mm_mini_batch(client: StoreReader, micro_batches: Sequence[MicroBatch]
     offset = 0
     for mb in micro_batches:
         part = table.slice(offset, mb.rows)
-        packed.append(pack(part, mb.advantages, mode=mode))
+        packed.append(pack_tensors(part, mb.advantages, mode=mode))
         keys = [[bytes(k) for k in row] for row in part.column("image_keys").to_pylist()]
         row_keys.append(keys)
         row = 0

@@ -31,11 +31,14 @@ import logging
 import time
 from collections.abc import Iterator, Sequence
 from functools import partial
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from flight_store.reading import StoreReader
 from schemas.plan import MicroBatch, MiniBatchPlan
 from train.config import PackMode, TrainConfig, VisionConfig
+
+if TYPE_CHECKING:
+    from train.loop import ConsumedEntry
 
 log = logging.getLogger(__name__)
 
@@ -73,7 +76,7 @@ class MultimodalStep:
         """The rank's whole share of ``plan`` (rows and distinct images) as one prefetch item."""
         self.fetcher.submit([plan.for_rank(self.env["dp_rank"]).micro_batches])
 
-    def step(self, plan: MiniBatchPlan, consumed: list[list[Any]]) -> dict[str, Any]:
+    def step(self, plan: MiniBatchPlan, consumed: list[ConsumedEntry]) -> dict[str, Any]:
         """One optimizer step (backbone + encoder) over this rank's micro-batches of ``plan``."""
         from train import backbone
         from train.mcore_compat import device

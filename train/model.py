@@ -31,6 +31,8 @@ class Built:
     """Megatron optimizer."""
     config: Any
     """``TransformerConfig``."""
+    uses_te: bool = False
+    """Built with the TransformerEngine layer spec (packed rows then use TE's ``PackedSeqParams``)."""
 
 
 def _use_te(cfg: ModelConfig) -> bool:
@@ -88,8 +90,7 @@ def build_gpt(cfg: ModelConfig, *, tensor_parallel: int) -> tuple[Any, Any]:
         msg = f"num_query_groups={cfg.num_query_groups} must be divisible by tensor_parallel={tensor_parallel}"
         raise ValueError(msg)
     tcfg = transformer_config(cfg, tensor_parallel=tensor_parallel)
-    use_te = _use_te(cfg)
-    if use_te:
+    if _use_te(cfg):
         spec = specs.get_gpt_layer_with_transformer_engine_spec()
     else:
         spec = specs.get_gpt_layer_local_spec(normalization="RMSNorm")
@@ -99,7 +100,6 @@ def build_gpt(cfg: ModelConfig, *, tensor_parallel: int) -> tuple[Any, Any]:
         share_embeddings_and_output_weights=cfg.tie_embeddings, position_embedding_type="rope",
         rotary_base=cfg.rotary_base,
     )
-    gpt.knit_uses_te = use_te
     from train.mcore_compat import cuda_available
 
     if cuda_available():
@@ -107,15 +107,10 @@ def build_gpt(cfg: ModelConfig, *, tensor_parallel: int) -> tuple[Any, Any]:
 
         gpt.cuda(torch.cuda.current_device())
     if cfg.hf_checkpoint is not None:
-        from train.weights import load_hf_checkpoint
+        from train.hf_llama import load_hf_checkpoint
 
         load_hf_checkpoint(gpt, cfg.hf_checkpoint)
     return gpt, tcfg
-
-
-def uses_te(gpt: Any) -> bool:
-    """True when ``gpt`` was built with the TransformerEngine layer spec."""
-    return bool(getattr(gpt, "knit_uses_te", False))
 
 
 def build(cfg: ModelConfig, optim: OptimConfig, *, tensor_parallel: int) -> Built:
@@ -139,7 +134,7 @@ def build(cfg: ModelConfig, optim: OptimConfig, *, tensor_parallel: int) -> Buil
                            adam_beta2=optim.adam_beta2, clip_grad=optim.clip_grad, bf16=tcfg.bf16, fp16=False,
                            use_distributed_optimizer=False)
     optimizer = get_megatron_optimizer(ocfg, [model])
-    return Built(model=model, gpt=gpt, optimizer=optimizer, config=tcfg)
+    return Built(model=model, gpt=gpt, optimizer=optimizer, config=tcfg, uses_te=_use_te(cfg))
 
 
 def save_checkpoint(gpt: Any, path: str) -> None:

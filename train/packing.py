@@ -96,13 +96,36 @@ class PackedBatch:
         return out
 
 
-def pack(table: pa.Table, advantages: np.ndarray | list[float], *, mode: PackMode = "padded",
-         pad_to_multiple: int = 1, vocab_size: int | None = None) -> PackedBatch:
-    """Pack fetched trajectory rows (in plan order) and their advantages into one micro-batch.
+@dataclass(frozen=True, slots=True, kw_only=True)
+class _Rows:
+    """The list columns of ``n`` fetched rows as numpy: offsets (from 0) and flat values, per column."""
 
-    With ``vocab_size`` every prompt and response token id is checked against the model's vocabulary
-    (:class:`TokenOutOfVocabularyError` names both sizes and the fix).
-    """
+    n: int
+    adv: np.ndarray  # float32 [n], each row's advantage
+    p_off: np.ndarray  # prompt_ids offsets [n + 1]
+    p_val: np.ndarray  # prompt token ids, flat
+    r_off: np.ndarray  # response_ids offsets [n + 1]
+    r_val: np.ndarray  # response token ids, flat
+    logprobs: np.ndarray  # response_logprobs, flat (aligned with r_val)
+    mask: np.ndarray  # loss_mask, flat (aligned with r_val)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class _Layout:
+    """Where each token goes in the ``shape`` arrays of one pack mode (index tuples for a numpy scatter)."""
+
+    shape: tuple[int, int]
+    at_p: tuple[np.ndarray, np.ndarray]  # the prompt tokens' places
+    at_r: tuple[np.ndarray, np.ndarray]  # the response tokens' places
+    at_r_prev: tuple[np.ndarray, np.ndarray]  # the places that predict each response token
+    last: tuple[np.ndarray, np.ndarray]  # each sequence's last token (predicts nothing)
+    position_ids: np.ndarray  # int64 ``shape``, position inside its own sequence
+    cu_seqlens: np.ndarray | None  # int32 [n + 1] for thd, else None
+
+
+def _read_rows(table: pa.Table, advantages: np.ndarray | list[float], vocab_size: int | None) -> _Rows:
+    """The rows' list columns as numpy, checked: one advantage per row, at least one row, response columns of
+    equal lengths, a prompt token in every row, and (with ``vocab_size``) every token id in the vocabulary."""
     n = table.num_rows
     adv = np.asarray(advantages, dtype=np.float32)
     if adv.shape != (n,):
@@ -117,63 +140,71 @@ def pack(table: pa.Table, advantages: np.ndarray | list[float], *, mode: PackMod
     m_off, m_val = list_arrays(table.column("loss_mask"))
     if vocab_size is not None:
         check_vocabulary(vocab_size, p_val, r_val)
-    plen = np.diff(p_off)
     rlen = np.diff(r_off)
     if not (np.array_equal(np.diff(l_off), rlen) and np.array_equal(np.diff(m_off), rlen)):
         msg = "response_logprobs / loss_mask lengths differ from response_ids lengths"
         raise ValueError(msg)
-    if np.any(plen < 1):
+    if np.any(np.diff(p_off) < 1):
         msg = "every trajectory needs at least one prompt token"
         raise ValueError(msg)
+    return _Rows(n=n, adv=adv, p_off=p_off, p_val=p_val, r_off=r_off, r_val=r_val, logprobs=l_val, mask=m_val)
+
+
+def _layout(rows: _Rows, mode: PackMode, pad_to_multiple: int) -> _Layout:
+    """Where every prompt and response token of ``rows`` goes under ``mode`` (see the module docstring)."""
+    n, p_off, r_off = rows.n, rows.p_off, rows.r_off
+    plen, rlen = np.diff(p_off), np.diff(r_off)
     seqlen = plen + rlen
     row_of_p = np.repeat(np.arange(n), plen)
     row_of_r = np.repeat(np.arange(n), rlen)
-    col_p = np.arange(p_val.size) - np.repeat(p_off[:-1], plen)  # position inside the row
-    col_r = np.arange(r_val.size) - np.repeat(r_off[:-1], rlen) + plen[row_of_r]
-
+    col_p = np.arange(rows.p_val.size) - np.repeat(p_off[:-1], plen)  # position inside the row
+    col_r = np.arange(rows.r_val.size) - np.repeat(r_off[:-1], rlen) + plen[row_of_r]
     if mode == "padded":
-        width = int(seqlen.max())
-        width = -(-width // pad_to_multiple) * pad_to_multiple
-        shape: tuple[int, int] = (n, width)
-        at_p = (row_of_p, col_p)
-        at_r = (row_of_r, col_r)
-        at_r_prev = (row_of_r, col_r - 1)
-        cu = None
-        pos = np.broadcast_to(np.arange(width, dtype=np.int64), shape).copy()
-        last = (np.arange(n), seqlen - 1)
-    elif mode == "thd":
+        width = -(-int(seqlen.max()) // pad_to_multiple) * pad_to_multiple
+        shape = (n, width)
+        return _Layout(shape=shape, at_p=(row_of_p, col_p), at_r=(row_of_r, col_r), at_r_prev=(row_of_r, col_r - 1),
+                       last=(np.arange(n), seqlen - 1), cu_seqlens=None,
+                       position_ids=np.broadcast_to(np.arange(width, dtype=np.int64), shape).copy())
+    if mode == "thd":
         cu = np.zeros(n + 1, dtype=np.int32)
         np.cumsum(seqlen, out=cu[1:])
         total = int(cu[-1])
-        width = -(-total // pad_to_multiple) * pad_to_multiple
-        shape = (1, width)
-        zeros_p = np.zeros(p_val.size, dtype=np.int64)
-        zeros_r = np.zeros(r_val.size, dtype=np.int64)
-        at_p = (zeros_p, cu[:-1][row_of_p] + col_p)
+        shape = (1, -(-total // pad_to_multiple) * pad_to_multiple)
+        zeros_r = np.zeros(rows.r_val.size, dtype=np.int64)
         at_r = (zeros_r, cu[:-1][row_of_r] + col_r)
-        at_r_prev = (zeros_r, at_r[1] - 1)
         pos = np.zeros(shape, dtype=np.int64)
-        row_of_tok = np.repeat(np.arange(n), seqlen)
-        pos[0, :total] = np.arange(total) - cu[:-1][row_of_tok]
-        last = (np.zeros(n, dtype=np.int64), cu[1:] - 1)
-    else:
-        msg = f"unknown pack mode {mode!r}"
-        raise ValueError(msg)
+        pos[0, :total] = np.arange(total) - cu[:-1][np.repeat(np.arange(n), seqlen)]
+        return _Layout(shape=shape, at_p=(np.zeros(rows.p_val.size, dtype=np.int64), cu[:-1][row_of_p] + col_p),
+                       at_r=at_r, at_r_prev=(zeros_r, at_r[1] - 1), last=(np.zeros(n, dtype=np.int64), cu[1:] - 1),
+                       position_ids=pos, cu_seqlens=cu)
+    msg = f"unknown pack mode {mode!r}"
+    raise ValueError(msg)
 
-    tokens = np.zeros(shape, dtype=np.int64)
-    tokens[at_p] = p_val
-    tokens[at_r] = r_val
-    labels = np.zeros(shape, dtype=np.int64)
+
+def pack_tensors(table: pa.Table, advantages: np.ndarray | list[float], *, mode: PackMode = "padded",
+                 pad_to_multiple: int = 1, vocab_size: int | None = None) -> PackedBatch:
+    """Pack fetched trajectory rows (in plan order) and their advantages into one micro-batch's arrays.
+
+    With ``vocab_size`` every prompt and response token id is checked against the model's vocabulary
+    (:class:`TokenOutOfVocabularyError` names both sizes and the fix).
+    """
+    rows = _read_rows(table, advantages, vocab_size)
+    at = _layout(rows, mode, pad_to_multiple)
+    tokens = np.zeros(at.shape, dtype=np.int64)
+    tokens[at.at_p] = rows.p_val
+    tokens[at.at_r] = rows.r_val
+    labels = np.zeros(at.shape, dtype=np.int64)
     labels[:, :-1] = tokens[:, 1:]
-    labels[last] = 0  # the last token of a sequence predicts nothing (thd: not the next sequence)
-    rollout = np.zeros(shape, dtype=np.float32)
-    rollout[at_r_prev] = l_val
-    mask = np.zeros(shape, dtype=np.float32)
-    mask[at_r_prev] = m_val
-    advs = np.zeros(shape, dtype=np.float32)
-    advs[at_r_prev] = adv[row_of_r]
-    return PackedBatch(tokens=tokens, labels=labels, position_ids=pos, rollout_logprobs=rollout, loss_mask=mask,
-                       advantages=advs, cu_seqlens=cu, rows=n, tokens_total=int(seqlen.sum()))
+    labels[at.last] = 0  # the last token of a sequence predicts nothing (thd: not the next sequence)
+    rollout = np.zeros(at.shape, dtype=np.float32)
+    rollout[at.at_r_prev] = rows.logprobs
+    mask = np.zeros(at.shape, dtype=np.float32)
+    mask[at.at_r_prev] = rows.mask
+    advs = np.zeros(at.shape, dtype=np.float32)
+    advs[at.at_r_prev] = rows.adv[np.repeat(np.arange(rows.n), np.diff(rows.r_off))]
+    return PackedBatch(tokens=tokens, labels=labels, position_ids=at.position_ids, rollout_logprobs=rollout,
+                       loss_mask=mask, advantages=advs, cu_seqlens=at.cu_seqlens, rows=rows.n,
+                       tokens_total=int(rows.p_val.size + rows.r_val.size))
 
 
 def block_causal_mask(cu_seqlens: Any, width: int) -> Any:

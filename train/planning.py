@@ -11,8 +11,8 @@ so rank 0's memory stays proportional to the pending work, not to the groups pro
 ranks receive them.
 
 The planner is ``admission.Planner`` built from ``TrainConfig.admission`` with ``dp_ranks`` set
-from the process group (:func:`with_dp_ranks`), or any object with the same ``state``, ``update``,
-``drain`` and ``forget`` (:class:`PlannerLike`) passed to ``train.loop.run``.
+from the process group (:func:`with_dp_ranks`), or any object with the same ``config``, ``state``,
+``update``, ``drain`` and ``forget`` (:class:`PlannerLike`) passed to ``train.loop.run``.
 """
 
 from __future__ import annotations
@@ -26,9 +26,10 @@ from collections.abc import Iterable
 from typing import Any, Protocol
 
 import polars as pl
+import pyarrow as pa
 
 from admission.config import AdmissionConfig
-from admission.planner import CONSUMED_SCHEMA
+from admission.planner import CONSUMED_SCHEMA, InflightSupply
 from admission.state import PlannerState
 from flight_store.reading import StoreReader
 from schemas.plan import MiniBatchPlan
@@ -40,11 +41,16 @@ class PlannerLike(Protocol):
     """What the trainer needs from a planner (``admission.Planner`` is one)."""
 
     @property
+    def config(self) -> AdmissionConfig:
+        """The admission policy it plans by (its quotas decide the demand published to the rollout)."""
+        ...
+
+    @property
     def state(self) -> PlannerState:
         """Groups admitted and dropped since they were last forgotten (their rows are never needed again)."""
         ...
 
-    def update(self, metadata: pl.DataFrame, *, inflight: Any = None,
+    def update(self, metadata: pl.DataFrame, *, inflight: InflightSupply = None,
                current_version: int = 0) -> list[MiniBatchPlan]:
         """The mini-batches admissible now, given every pending metadata row."""
         ...
@@ -86,7 +92,7 @@ class PlanSource:
         plans = source.wait(current_version=0, idle_timeout_s=60, poll_interval_s=0.05)
     """
 
-    def __init__(self, client: StoreReader, planner: PlannerLike, *, inflight: Any = None,
+    def __init__(self, client: StoreReader, planner: PlannerLike, *, inflight: InflightSupply = None,
                  supply_from_stores: bool = False, consumed_log: ConsumedLog | None = None) -> None:
         self._client = client
         self._planner = planner
@@ -140,8 +146,8 @@ class PlanSource:
     def _publish_demand(self, inflight: pl.DataFrame) -> None:
         """Tell the rollout (through the stores) which data sources the current train batch still needs beyond
         the groups stored and running: prompts of them may go out past its lookahead limit. Sent on change."""
-        config: AdmissionConfig | None = getattr(self._planner, "config", None)
-        if config is None or [q.column for q in config.quotas] != ["data_source"]:
+        config = self._planner.config
+        if [q.column for q in config.quotas] != ["data_source"]:
             return
         used = self._planner.state.used()
         have: Counter[str] = Counter()
@@ -155,14 +161,14 @@ class PlanSource:
             self._demand = demand
             self.demand_changes += 1
 
-    def _supply(self) -> tuple[Any, bool]:
+    def _supply(self) -> tuple[pl.DataFrame | None, bool]:
         """The groups in flight on the stores, read AFTER the metadata scan (a group written in between is
         then counted in neither, never in both), minus any already in the frame; and whether any runs.
 
         ``None`` (unknown supply) when no rollout registers its groups, when a quota column is one the
         registrations do not carry, or when a store does not answer.
         """
-        quota_cols = set(getattr(getattr(self._planner, "config", None), "quota_columns", ()) or ())
+        quota_cols = set(self._planner.config.quota_columns)
         if not quota_cols <= {"data_source"}:
             return self._unknown(f"quota columns {sorted(quota_cols)} are not all carried by registrations")
         seen = self._client.inflight(partial=True)
@@ -215,6 +221,23 @@ class PlanSource:
             time.sleep(poll_interval_s)
 
 
+@dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
+class StepFigures:
+    """A step's staleness and reward figures, over the trajectories admitted into it (rank 0's progress line)."""
+
+    arch_staleness_mean: float | None
+    """Mean architectural staleness (``admission.staleness``), in policy versions."""
+    arch_staleness_max: int | None
+    """Largest architectural staleness of the step's trajectories."""
+    reward_mean: float | None
+    """Mean reward of the step's trajectories."""
+
+    def to_json(self) -> dict[str, float | int | None]:
+        """The figures as the progress line's fields."""
+        return {"arch_staleness_mean": self.arch_staleness_mean, "arch_staleness_max": self.arch_staleness_max,
+                "reward_mean": self.reward_mean}
+
+
 class ConsumedLog:
     """Rank 0's record of the trajectories the planner admitted, kept on disk rather than in memory.
 
@@ -239,8 +262,8 @@ class ConsumedLog:
             raise ValueError(msg)
         self.path = path
         self.rows_per_group = rows_per_group
-        self._stream: Any = None
-        self._steps: dict[int, dict[str, Any]] = {}
+        self._stream: pa.ipc.RecordBatchStreamWriter | None = None
+        self._steps: dict[int, StepFigures] = {}
 
     def append(self, consumed: pl.DataFrame) -> None:
         """Record one update's consumed rows (rows of whole steps, in step order)."""
@@ -251,21 +274,19 @@ class ConsumedLog:
             pl.col("arch_staleness").max().alias("arch_staleness_max"),
             pl.col("reward").mean().alias("reward_mean"))
         for row in figures.iter_rows(named=True):
-            self._steps[int(row.pop("step"))] = row
+            step = int(row.pop("step"))
+            self._steps[step] = StepFigures(**row)
         if self.path is None:
             return
         table = consumed.to_arrow()
         if self._stream is None:
-            import pyarrow as pa
-
             os.makedirs(os.path.dirname(os.path.abspath(self.path)), exist_ok=True)
             self._stream = pa.ipc.new_stream(f"{self.path}.arrows", table.schema)
         self._stream.write_table(table)
 
-    def take_step(self, step: int) -> dict[str, Any]:
-        """``arch_staleness_mean``, ``arch_staleness_max``, ``reward_mean`` of ``step``'s trajectories (``{}``
-        when none were logged); forgotten afterwards."""
-        return self._steps.pop(step, {})
+    def take_step(self, step: int) -> StepFigures | None:
+        """The figures of ``step``'s trajectories (``None`` when none were logged); forgotten afterwards."""
+        return self._steps.pop(step, None)
 
     def close(self) -> None:
         """Write the Parquet file and remove the stream (safe to call twice)."""
@@ -276,13 +297,12 @@ class ConsumedLog:
             os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
             pl.DataFrame(schema=CONSUMED_SCHEMA).write_parquet(path)
             return
-        import pyarrow as pa
         import pyarrow.parquet as pq
 
         self._stream.close()
         spool = f"{path}.arrows"
         with pa.ipc.open_stream(spool) as reader, pq.ParquetWriter(path, reader.schema) as writer:
-            chunk: list[Any] = []
+            chunk: list[pa.RecordBatch] = []
             rows = 0
             for batch in reader:
                 chunk.append(batch)

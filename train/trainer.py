@@ -18,12 +18,15 @@ import logging
 import time
 from collections.abc import Iterator
 from functools import partial
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from flight_store.reading import StoreReader
 from schemas.plan import MicroBatch, MiniBatchPlan
 from train.config import PackMode, TrainConfig
-from train.packing import PACK_COLUMNS, pack
+from train.packing import PACK_COLUMNS, pack_tensors
+
+if TYPE_CHECKING:
+    from train.loop import ConsumedEntry
 
 log = logging.getLogger(__name__)
 
@@ -48,7 +51,7 @@ class TextStep:
         tables = self.client.stream([mb.slices for mb in mbs], columns=PACK_COLUMNS)
         self.fetcher.submit((tables, mb) for mb in mbs)
 
-    def step(self, plan: MiniBatchPlan, consumed: list[list[Any]]) -> dict[str, Any]:
+    def step(self, plan: MiniBatchPlan, consumed: list[ConsumedEntry]) -> dict[str, Any]:
         """One optimizer step over this rank's micro-batches of ``plan``; records the rows it received."""
         from train import backbone
         from train.loss import policy_loss
@@ -116,7 +119,7 @@ def fetch_micro_batch(
     if table.num_rows != mb.rows:
         msg = f"fetched {table.num_rows} rows for a micro-batch of {mb.rows}"
         raise RuntimeError(msg)
-    packed = pack(table, mb.advantages, mode=mode, vocab_size=vocab_size)
+    packed = pack_tensors(table, mb.advantages, mode=mode, vocab_size=vocab_size)
     out = {"tensors": packed.to_torch(), "bytes": table.nbytes, "rows": packed.rows, "tokens": packed.tokens_total,
            "logprobs_mode": logprobs_mode(table)}
     if keep_keys:

@@ -5,7 +5,7 @@ Per run (every rank participates, started by ``train.launch.run_ranks``; rank 0 
 1. build the model at ``--tp`` and load ``--load-dir`` (a dist checkpoint, saved under any TP
    layout), or build it from ``--hf-checkpoint`` (an HF Llama folder: shape and weights), or keep a
    random init with randomised norm weights when no checkpoint is given;
-2. gather the weights under HF Llama names (``train.weights.megatron_to_hf_llama``);
+2. gather the weights under HF Llama names (``train.hf_llama.megatron_to_hf_llama``);
 3. with ``--store``: compare them bit for bit with the weights table published at ``--version``;
    with ``--hf-checkpoint``: with the checkpoint's own tensors (the load and the gather are inverses);
 4. load them into a float32 ``transformers.LlamaForCausalLM`` and compare its logits with the
@@ -32,7 +32,7 @@ def _check(args: argparse.Namespace) -> dict[str, Any]:
 
     from train import mcore_compat, model
     from train.config import ModelConfig, ParallelConfig
-    from train.weights import megatron_to_hf_llama
+    from train.hf_llama import megatron_to_hf_llama
 
     t0 = time.perf_counter()
     stages: dict[str, float] = {}
@@ -87,7 +87,7 @@ def _store_mismatch(location: str, version: int | None, hf: dict[str, Any]) -> l
     import torch
 
     from flight_store.writing import StoreWriter
-    from train.weights import read_weights
+    from train.hf_llama import read_weights
 
     with StoreWriter(location) as client:
         stored = read_weights(client.get_weights(version))
@@ -100,7 +100,7 @@ def _checkpoint_mismatch(folder: str, hf: dict[str, Any], *, tied: bool) -> list
     ``lm_head.weight`` is the embedding, not a tensor of its own)."""
     import torch
 
-    from train.weights import read_hf_weights
+    from train.hf_llama import read_hf_weights
 
     stored = {k: v for k, v in read_hf_weights(folder).items() if not (tied and k == "lm_head.weight")}
     return sorted(k for k in set(stored) | set(hf)
@@ -125,7 +125,7 @@ def _hf_logits_diff(cfg: Any, hf: dict[str, Any], tokens: Any, logits: Any) -> d
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from train.weights import hf_llama_config
+    from train.hf_llama import hf_llama_config
 
     fields = {k: v for k, v in hf_llama_config(cfg).items() if k not in ("architectures", "model_type")}
     fields["torch_dtype"] = "float32"

@@ -3,7 +3,7 @@
 The driver holds no payload: the groups are in two ``knit serve`` nodes (processes of their own),
 and each rank (a Ray actor) is sent only its step's micro-batch specs. A rank reads its micro-batches
 one read per node and micro-batch (``StoreReader.stream``), packs each into the trainer's
-tensors (``train.packing.pack``) on a prefetch thread while the previous one computes.
+tensors (``train.packing.pack_tensors``) on a prefetch thread while the previous one computes.
 """
 
 from __future__ import annotations
@@ -36,14 +36,14 @@ class KnitRank:
 
     def step(self, micros: list[MicroSpec], ms_per_ktok: float, depth: int, checksums: bool = False) -> dict[str, Any]:
         from schemas.plan import PlannedSlice
-        from train.packing import PACK_COLUMNS, pack
+        from train.packing import PACK_COLUMNS, pack_tensors
 
         slices = [[PlannedSlice(node=n, group_id=g, start=a, stop=b) for n, g, a, b in m["slices"]] for m in micros]
         tables = self.client.stream(slices, columns=PACK_COLUMNS)  # one read per node and micro-batch
 
         def get(spec: MicroSpec) -> dict[str, Any]:
             table = next(tables)
-            return {"tensors": pack(table, spec["advantages"], mode="padded").to_torch(), "bytes": table.nbytes}
+            return {"tensors": pack_tensors(table, spec["advantages"], mode="padded").to_torch(), "bytes": table.nbytes}
 
         return run_micro_batches(micros, get, ms_per_ktok=ms_per_ktok, depth=depth, checksums=checksums)
 
@@ -57,7 +57,7 @@ class KnitRank:
         from schemas.images import table_to_images
         from schemas.plan import PlannedSlice
         from train.mm_data import MM_COLUMNS
-        from train.packing import pack
+        from train.packing import pack_tensors
 
         slices = [[PlannedSlice(node=n, group_id=g, start=a, stop=b) for n, g, a, b in m["slices"]] for m in micros]
         tables = self.client.stream(slices, columns=MM_COLUMNS)
@@ -77,7 +77,7 @@ class KnitRank:
             held.update(got)
             refs = new if dedup else [k for keys in row_keys for k in keys]
             encode = torch.from_numpy(np.stack([held[k] for k in refs])) if refs else None
-            tensors = pack(table.drop_columns(["image_keys"]), spec["advantages"], mode="padded").to_torch()
+            tensors = pack_tensors(table.drop_columns(["image_keys"]), spec["advantages"], mode="padded").to_torch()
             return {"tensors": tensors, "encode": encode,
                     "bytes": table.nbytes + sum(int(a.nbytes) for a in got.values())}
 

@@ -16,7 +16,7 @@ Read: a rank reads exactly its micro-batch's rows, in plan order, with
 keys to global indexes (``kv_retrieve_meta``, ``create=False``), then the client gathers the rows
 from the storage units (``get_data``) into one ``TensorDict``; the rank turns that into the Arrow
 columns of :data:`~train.packing.PACK_COLUMNS` (numpy views of the nested tensors' values and
-offsets) and packs them with :func:`~train.packing.pack`, as every other path does.
+offsets) and packs them with :func:`~train.packing.pack_tensors`, as every other path does.
 
 TransferQueue calls used: ``tq.init``, ``tq.kv_batch_put``, ``tq.kv_batch_get``, ``tq.close``
 (and Ray's ``ray.get_actor`` / ``ray.kill``). Not used: ``get_meta`` with ``task_name`` (TQ's
@@ -151,10 +151,10 @@ class TQRank:
 
     def get(self, spec: MicroSpec) -> dict[str, Any]:
         """Read one micro-batch's rows from TransferQueue and pack them into the trainer's tensors."""
-        from train.packing import pack
+        from train.packing import pack_tensors
 
         td = read_rows(row_keys(spec["rows"]))
-        tensors = pack(to_table(td), spec["advantages"], mode="padded").to_torch()
+        tensors = pack_tensors(to_table(td), spec["advantages"], mode="padded").to_torch()
         return {"tensors": tensors, "bytes": payload_bytes(td)}
 
 

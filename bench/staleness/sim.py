@@ -52,7 +52,7 @@ import polars as pl
 
 from admission import Planner, summary
 from bench.staleness.workload import SOURCES, SimParams, admission_config, dispatch_order, make_prompts
-from connectors.rollout import LATENCY_WINDOW, RATE_WINDOW, measured_leads
+from connectors.dispatch import LATENCY_WINDOW, RATE_WINDOW, measured_leads
 
 log = logging.getLogger(__name__)
 
@@ -154,7 +154,7 @@ class _Pipeline:
 
     def _leads(self) -> dict[str, float]:
         """Per class, how many places ahead of its loader position a prompt goes out: the rollout worker's rule
-        (``connectors.rollout.measured_leads``) over latencies and a rate measured online: each class's
+        (``connectors.dispatch.measured_leads``) over latencies and a rate measured online: each class's
         ``source_latency`` (the upper quartile of its last 64 groups' latencies and its running groups' ages)
         and the rate of the last 64 completions; 0 until two groups are done."""
         running: dict[str, list[float]] = {}
@@ -296,7 +296,7 @@ def _results(sim: _Pipeline) -> dict[str, Any]:
     p, k_mb, step_end = sim.p, sim.p.mini_batches, sim.step_end
     consumed = sim.planner.consumed_frame().filter(pl.col("step") < sim.total_steps)
     rep = sim.planner.staleness_report()
-    run = summary(consumed)  # same accounting on the trimmed frame
+    run = summary(consumed).to_dict()  # same accounting on the trimmed frame
     per_tb = consumed.group_by("train_batch").agg(pl.col("arch_staleness").mean()).sort("train_batch")
     per_train_batch = [float(x) for x in per_tb["arch_staleness"]]
     if len(step_end) <= k_mb:  # the pipeline deadlocked (lookahead held by groups no quota admits)

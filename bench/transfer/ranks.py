@@ -59,7 +59,7 @@ class RankWorker:
 
     def run_ondemand(self, steps: list[list[str]]) -> list[dict[str, Any]]:
         """Every train step's mini-batches (plans as JSON): fetch own slices with prefetch, compute."""
-        from train.packing import PACK_COLUMNS, pack
+        from train.packing import PACK_COLUMNS, pack_tensors
         from train.prefetch import Prefetcher
 
         def fetch(item: Any) -> dict[str, Any]:
@@ -67,7 +67,7 @@ class RankWorker:
             t0 = time.perf_counter()
             table = next(tables)
             t1 = time.perf_counter()
-            p = pack(table, mb.advantages, mode="padded")
+            p = pack_tensors(table, mb.advantages, mode="padded")
             return {"tensors": p.to_torch(), "tokens": p.tokens_total, "bytes": table.nbytes, "doget_s": t1 - t0,
                     "pack_s": time.perf_counter() - t1}
 

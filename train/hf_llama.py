@@ -32,7 +32,9 @@ weights gather along dim 0, row-parallel ones (``linear_proj``, ``linear_fc2``) 
 
 from __future__ import annotations
 
+import dataclasses
 import re
+from collections.abc import Callable
 from typing import Any
 
 import pyarrow as pa
@@ -54,6 +56,67 @@ def _gather(t: Any, dim: int, group: Any, size: int) -> Any:
     return torch.cat(parts, dim=dim)
 
 
+_TOP: dict[str, tuple[str, bool]] = {
+    "embedding.word_embeddings.weight": ("model.embed_tokens.weight", True),
+    "output_layer.weight": ("lm_head.weight", True),
+    "decoder.final_layernorm.weight": ("model.norm.weight", False),
+}
+"""Megatron parameters outside the layers -> (HF name, split along dim 0 across tensor-parallel ranks)."""
+_INPUT_NORM = ("input_layernorm.weight", "self_attention.linear_qkv.layer_norm_weight")
+"""A layer's input norm under the local spec / the TE spec (fused into the QKV projection)."""
+_MLP_NORM = ("pre_mlp_layernorm.weight", "mlp.linear_fc1.layer_norm_weight")
+"""A layer's pre-MLP norm under the local spec / the TE spec (fused into the first MLP projection)."""
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class _Attention:
+    """A GPT's attention shape: query heads, key/value groups, channels per head."""
+
+    heads: int
+    groups: int
+    head_dim: int
+
+    @classmethod
+    def of(cls, cfg: Any) -> _Attention:
+        return cls(cfg.num_attention_heads, cfg.num_query_groups or cfg.num_attention_heads, cfg.kv_channels)
+
+    @property
+    def per_group(self) -> int:
+        """Query heads per key/value group."""
+        return self.heads // self.groups
+
+
+def _unwrap(model: Any) -> Any:
+    """The GPTModel inside DDP / Float16Module wrappers (``.module`` followed down)."""
+    while hasattr(model, "module"):
+        model = model.module
+    return model
+
+
+def _layer_to_hf(rest: str, t: Any, att: _Attention, gather: Callable[[Any, int], Any]) -> dict[str, Any] | None:
+    """HF tensors (names after ``model.layers.N.``) of one layer's Megatron parameter ``rest`` (``None``: no
+    mapping). ``gather(t, dim)`` joins the tensor-parallel shards along ``dim``."""
+    if rest in _INPUT_NORM:
+        return {"input_layernorm.weight": t}
+    if rest in _MLP_NORM:
+        return {"post_attention_layernorm.weight": t}
+    if rest == "self_attention.linear_qkv.weight":  # [q.., k, v] per query group
+        qkv = gather(t, 0).view(att.groups, (att.per_group + 2) * att.head_dim, -1)
+        hidden = qkv.shape[-1]
+        q_end, k_end = att.per_group * att.head_dim, (att.per_group + 1) * att.head_dim
+        return {"self_attn.q_proj.weight": qkv[:, :q_end].reshape(att.heads * att.head_dim, hidden),
+                "self_attn.k_proj.weight": qkv[:, q_end:k_end].reshape(att.groups * att.head_dim, hidden),
+                "self_attn.v_proj.weight": qkv[:, k_end:].reshape(att.groups * att.head_dim, hidden)}
+    if rest == "self_attention.linear_proj.weight":
+        return {"self_attn.o_proj.weight": gather(t, 1)}
+    if rest == "mlp.linear_fc1.weight":  # [gate; up] per TP rank
+        gate, up = t.chunk(2, dim=0)
+        return {"mlp.gate_proj.weight": gather(gate, 0), "mlp.up_proj.weight": gather(up, 0)}
+    if rest == "mlp.linear_fc2.weight":
+        return {"mlp.down_proj.weight": gather(t, 1)}
+    return None
+
+
 def megatron_to_hf_llama(model: Any) -> dict[str, Any]:
     """Full (TP-gathered) weights of a Megatron ``GPTModel`` under HF Llama names, on CPU.
 
@@ -62,55 +125,25 @@ def megatron_to_hf_llama(model: Any) -> dict[str, Any]:
     import torch
     from megatron.core import parallel_state as ps
 
-    gpt = model
-    while hasattr(gpt, "module"):
-        gpt = gpt.module
-    cfg = gpt.config
-    tp = ps.get_tensor_model_parallel_world_size()
-    group = ps.get_tensor_model_parallel_group()
-    heads, groups = cfg.num_attention_heads, cfg.num_query_groups or cfg.num_attention_heads
-    head_dim = cfg.kv_channels
+    gpt = _unwrap(model)
+    att = _Attention.of(gpt.config)
+    tp, group = ps.get_tensor_model_parallel_world_size(), ps.get_tensor_model_parallel_group()
+
+    def gather(t: Any, dim: int) -> Any:
+        return _gather(t, dim, group, tp)
+
     out: dict[str, Any] = {}
     with torch.no_grad():
         for name, p in sorted(gpt.state_dict().items()):
             if not torch.is_tensor(p) or name.endswith("_extra_state"):
                 continue
-            t = p.detach()
-            m = _LAYER.match(name)
-            if name == "embedding.word_embeddings.weight":
-                out["model.embed_tokens.weight"] = _gather(t, 0, group, tp)
-            elif name == "output_layer.weight":
-                out["lm_head.weight"] = _gather(t, 0, group, tp)
-            elif name == "decoder.final_layernorm.weight":
-                out["model.norm.weight"] = t
-            elif m:
-                i, rest = m.group(1), m.group(2)
-                pre = f"model.layers.{i}."
-                if rest in ("input_layernorm.weight", "self_attention.linear_qkv.layer_norm_weight"):
-                    out[pre + "input_layernorm.weight"] = t
-                elif rest in ("pre_mlp_layernorm.weight", "mlp.linear_fc1.layer_norm_weight"):
-                    out[pre + "post_attention_layernorm.weight"] = t
-                elif rest == "self_attention.linear_qkv.weight":
-                    full = _gather(t, 0, group, tp)
-                    per = heads // groups
-                    qkv = full.view(groups, (per + 2) * head_dim, -1)
-                    hidden = qkv.shape[-1]
-                    out[pre + "self_attn.q_proj.weight"] = qkv[:, : per * head_dim].reshape(heads * head_dim, hidden)
-                    out[pre + "self_attn.k_proj.weight"] = (
-                        qkv[:, per * head_dim: (per + 1) * head_dim].reshape(groups * head_dim, hidden))
-                    out[pre + "self_attn.v_proj.weight"] = qkv[:, (per + 1) * head_dim:].reshape(groups * head_dim,
-                                                                                                 hidden)
-                elif rest == "self_attention.linear_proj.weight":
-                    out[pre + "self_attn.o_proj.weight"] = _gather(t, 1, group, tp)
-                elif rest == "mlp.linear_fc1.weight":
-                    gate, up = t.chunk(2, dim=0)
-                    out[pre + "mlp.gate_proj.weight"] = _gather(gate, 0, group, tp)
-                    out[pre + "mlp.up_proj.weight"] = _gather(up, 0, group, tp)
-                elif rest == "mlp.linear_fc2.weight":
-                    out[pre + "mlp.down_proj.weight"] = _gather(t, 1, group, tp)
-                else:
-                    msg = f"no HF Llama mapping for Megatron parameter {name!r}"
-                    raise KeyError(msg)
+            t, m = p.detach(), _LAYER.match(name)
+            layer = _layer_to_hf(m.group(2), t, att, gather) if m else None
+            if name in _TOP:
+                hf_name, split = _TOP[name]
+                out[hf_name] = gather(t, 0) if split else t
+            elif m and layer is not None:
+                out.update({f"model.layers.{m.group(1)}.{k}": v for k, v in layer.items()})
             else:
                 msg = f"no HF Llama mapping for Megatron parameter {name!r}"
                 raise KeyError(msg)
@@ -121,6 +154,33 @@ class CheckpointMismatchError(ValueError):
     """An HF checkpoint whose tensors do not fit the Megatron GPT built for it (names or shapes)."""
 
 
+def _hf_to_layer(rest: str, pre: str, take: Callable[[str], Any], shard: Callable[[Any, int], Any],
+                 att: _Attention) -> Any:
+    """This TP rank's tensor of one layer's Megatron parameter ``rest`` from the HF tensors under ``pre``
+    (``model.layers.N.``), or ``None`` when there is no mapping; ``shard(t, dim)``: this rank's part."""
+    import torch
+
+    if rest in _INPUT_NORM:
+        return take(pre + "input_layernorm.weight")
+    if rest in _MLP_NORM:
+        return take(pre + "post_attention_layernorm.weight")
+    if rest == "self_attention.linear_qkv.weight":
+        q, k, v = (take(pre + f"self_attn.{x}_proj.weight") for x in "qkv")
+        hidden = q.shape[-1]
+        qkv = torch.cat([q.reshape(att.groups, att.per_group * att.head_dim, hidden),
+                         k.reshape(att.groups, att.head_dim, hidden),
+                         v.reshape(att.groups, att.head_dim, hidden)], dim=1)  # [q.., k, v] per query group
+        return shard(qkv.reshape(-1, hidden), 0)
+    if rest == "self_attention.linear_proj.weight":
+        return shard(take(pre + "self_attn.o_proj.weight"), 1)
+    if rest == "mlp.linear_fc1.weight":
+        gate, up = take(pre + "mlp.gate_proj.weight"), take(pre + "mlp.up_proj.weight")
+        return torch.cat([shard(gate, 0), shard(up, 0)])  # [gate; up] per TP rank
+    if rest == "mlp.linear_fc2.weight":
+        return shard(take(pre + "mlp.down_proj.weight"), 1)
+    return None
+
+
 def hf_llama_to_megatron(hf: dict[str, Any], gpt: Any) -> dict[str, Any]:
     """This tensor-parallel rank's Megatron tensors of the HF Llama weights ``hf`` (the inverse of
     :func:`megatron_to_hf_llama`), keyed by ``gpt``'s state-dict names.
@@ -129,14 +189,12 @@ def hf_llama_to_megatron(hf: dict[str, Any], gpt: Any) -> dict[str, Any]:
     tensor). Raises :class:`CheckpointMismatchError` naming the tensors that are missing, unused, or of another
     shape than the GPT's.
     """
+    import torch
     from megatron.core import parallel_state as ps
 
-    while hasattr(gpt, "module"):
-        gpt = gpt.module
-    cfg = gpt.config
+    gpt = _unwrap(gpt)
+    att = _Attention.of(gpt.config)
     tp, rank = ps.get_tensor_model_parallel_world_size(), ps.get_tensor_model_parallel_rank()
-    heads, groups = cfg.num_attention_heads, cfg.num_query_groups or cfg.num_attention_heads
-    head_dim, per = cfg.kv_channels, heads // groups
 
     def shard(t: Any, dim: int) -> Any:
         return t.chunk(tp, dim=dim)[rank] if tp > 1 else t
@@ -151,41 +209,16 @@ def hf_llama_to_megatron(hf: dict[str, Any], gpt: Any) -> dict[str, Any]:
         return hf[name]
 
     out: dict[str, Any] = {}
-    import torch
-
     for name, param in gpt.state_dict().items():
         if not torch.is_tensor(param) or name.endswith("_extra_state"):
             continue
         m = _LAYER.match(name)
-        if name == "embedding.word_embeddings.weight":
-            t = shard(take("model.embed_tokens.weight"), 0)
-        elif name == "output_layer.weight":
-            t = shard(take("lm_head.weight"), 0)
-        elif name == "decoder.final_layernorm.weight":
-            t = take("model.norm.weight")
-        elif m:
-            pre, rest = f"model.layers.{m.group(1)}.", m.group(2)
-            if rest in ("input_layernorm.weight", "self_attention.linear_qkv.layer_norm_weight"):
-                t = take(pre + "input_layernorm.weight")
-            elif rest in ("pre_mlp_layernorm.weight", "mlp.linear_fc1.layer_norm_weight"):
-                t = take(pre + "post_attention_layernorm.weight")
-            elif rest == "self_attention.linear_qkv.weight":
-                q, k, v = (take(pre + f"self_attn.{x}_proj.weight") for x in "qkv")
-                hidden = q.shape[-1]
-                qkv = torch.cat([q.reshape(groups, per * head_dim, hidden), k.reshape(groups, head_dim, hidden),
-                                 v.reshape(groups, head_dim, hidden)], dim=1)  # [q.., k, v] per query group
-                t = shard(qkv.reshape(-1, hidden), 0)
-            elif rest == "self_attention.linear_proj.weight":
-                t = shard(take(pre + "self_attn.o_proj.weight"), 1)
-            elif rest == "mlp.linear_fc1.weight":
-                gate, up = take(pre + "mlp.gate_proj.weight"), take(pre + "mlp.up_proj.weight")
-                t = torch.cat([shard(gate, 0), shard(up, 0)])  # [gate; up] per TP rank
-            elif rest == "mlp.linear_fc2.weight":
-                t = shard(take(pre + "mlp.down_proj.weight"), 1)
-            else:
-                msg = f"no HF Llama mapping for Megatron parameter {name!r}"
-                raise CheckpointMismatchError(msg)
+        if name in _TOP:
+            hf_name, split = _TOP[name]
+            t = shard(take(hf_name), 0) if split else take(hf_name)
         else:
+            t = _hf_to_layer(m.group(2), f"model.layers.{m.group(1)}.", take, shard, att) if m else None
+        if t is None:
             msg = f"no HF Llama mapping for Megatron parameter {name!r}"
             raise CheckpointMismatchError(msg)
         if tuple(t.shape) != tuple(param.shape):

@@ -44,7 +44,7 @@ def table_to_tensors(table: pa.Table) -> list[tuple[str, Any]]:
     return list(weights.to_tensors(table, _torch()).items())
 
 
-WORKER_EXTENSION = "connectors.weights.WeightSyncExtension"
+WORKER_EXTENSION = "connectors.engine_weights.WeightSyncExtension"
 """Pass as ``vllm.LLM(worker_extension_cls=WORKER_EXTENSION)`` so weights can travel to engine workers
 in other processes (``VllmEngine`` does)."""
 
