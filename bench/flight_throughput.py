@@ -144,28 +144,12 @@ def bench_doget(
     copy_s: list[float] = []
     got = copied = 0
     for _ in range(passes):
-        t0 = time.perf_counter()
-        tables = list(client.stream(plans))
-        stream_s.append(time.perf_counter() - t0)
-        keep: list[pa.Buffer] = []
-        t0 = time.perf_counter()
-        copied = sum(fresh_copy(table, keep) for table in tables)
-        copy_s.append(time.perf_counter() - t0)
-        got = sum(table.nbytes for table in tables)
-        del tables, keep
-
-        tables, keep = [], []
-        t_get = t_copy = 0.0
-        for p in plans:
-            t0 = time.perf_counter()
-            table = client.fetch(p)
-            t1 = time.perf_counter()
-            fresh_copy(table, keep)
-            t_get, t_copy = t_get + t1 - t0, t_copy + time.perf_counter() - t1
-            tables.append(table)
+        t_stream, t_copy, got, copied = _stream_pass(client, plans)
+        stream_s.append(t_stream)
+        copy_s.append(t_copy)
+        t_get, t_copy = _per_call_pass(client, plans)
         per_call_s.append(t_get)
         copy_s.append(t_copy)
-        del tables, keep
     best_copy = min(copy_s)
     return {
         "doget_gbps": got / min(stream_s) / 1e9,
@@ -180,6 +164,34 @@ def bench_doget(
         "copy_s": best_copy,
         "microbatches": n_groups,
     }
+
+
+def _stream_pass(client: StoreReader, plans: list[list[PlannedSlice]]) -> tuple[float, float, int, int]:
+    """One DoGet streaming every micro-batch, then a copy of all their bytes (a separate timed phase, so the
+    stream cannot run ahead during the copies): ``(stream s, copy s, bytes fetched, bytes copied)``."""
+    t0 = time.perf_counter()
+    tables = list(client.stream(plans))
+    stream_s = time.perf_counter() - t0
+    keep: list[pa.Buffer] = []
+    t0 = time.perf_counter()
+    copied = sum(fresh_copy(table, keep) for table in tables)
+    return stream_s, time.perf_counter() - t0, sum(table.nbytes for table in tables), copied
+
+
+def _per_call_pass(client: StoreReader, plans: list[list[PlannedSlice]]) -> tuple[float, float]:
+    """One DoGet per micro-batch, each followed right away by the copy of its bytes: ``(fetch s, copy s)``,
+    summed over the micro-batches (fetched tables and copies stay alive for the pass)."""
+    tables: list[pa.Table] = []
+    keep: list[pa.Buffer] = []
+    t_get = t_copy = 0.0
+    for p in plans:
+        t0 = time.perf_counter()
+        table = client.fetch(p)
+        t1 = time.perf_counter()
+        fresh_copy(table, keep)
+        t_get, t_copy = t_get + t1 - t0, t_copy + time.perf_counter() - t1
+        tables.append(table)
+    return t_get, t_copy
 
 
 def bench_meta_scan(rows: int, repeats: int, rng: np.random.Generator) -> dict:
@@ -349,34 +361,12 @@ def main(argv: list[str] | None = None) -> int:
     if args.hosts:
         return run_in_hosts("bench.flight_throughput", sys.argv[1:] if argv is None else argv, Path(args.out))
 
-    rng = np.random.default_rng(args.seed)
-    params = {
-        "quick": args.quick,
-        "network": network_mode(),
-        "doget_total_mib": 64 if args.quick else 256,
-        "doget_response_tokens": 32768,
-        "doget_passes": 3,
-        "microbatch_rows": 8,
-        "meta_rows": 1024 if args.quick else 2048,
-        "meta_repeats": 30 if args.quick else 60,
-        "latency_groups": 4096,
-        "latency_fetches": 1000 if args.quick else 3000,
-        "fresh_memory_env": FRESH_MEMORY_ENV,
-    }
+    params = _params(args.quick)
     out = Path(args.out)
     if args.part == "doget":
         out.write_text(json.dumps(run_doget(params, args.seed)))
         return 0
-
-    with tempfile.TemporaryDirectory() as tmp:
-        a = run_doget_fresh(params, args.seed, Path(tmp) / "doget.json")
-    pool = run_doget(params, args.seed)  # the same in this process: the Arrow pool recycles pages
-    a.update({f"{k.replace('_gbps', '')}_pool_gbps": v for k, v in pool.items() if k.endswith("_gbps")})
-    with start_store_process() as node, StoreReader(node.location, timeout=120) as client:
-        c = bench_latency(client, node.location, params["latency_groups"], params["latency_fetches"], rng)
-    b = bench_meta_scan(params["meta_rows"], params["meta_repeats"], rng)
-
-    latencies = c.pop("latency_samples")
+    a, b, c, latencies = _measure(params, args.seed)
     metrics = {**a, **b, **c}
     ratios = {
         "doget_vs_copy": a["doget_gbps"] / a["copy_gbps"],
@@ -397,6 +387,42 @@ def main(argv: list[str] | None = None) -> int:
     }
     write_result(out, metrics, ratios, params, targets=targets, passed=passed)
     plot(out.with_suffix(".png"), metrics, latencies)
+    _print_summary(a, b, c, ratios, params)
+    print(f"wrote {out}")
+    return 0
+
+
+def _params(quick: bool) -> dict:
+    return {
+        "quick": quick,
+        "network": network_mode(),
+        "doget_total_mib": 64 if quick else 256,
+        "doget_response_tokens": 32768,
+        "doget_passes": 3,
+        "microbatch_rows": 8,
+        "meta_rows": 1024 if quick else 2048,
+        "meta_repeats": 30 if quick else 60,
+        "latency_groups": 4096,
+        "latency_fetches": 1000 if quick else 3000,
+        "fresh_memory_env": FRESH_MEMORY_ENV,
+    }
+
+
+def _measure(params: dict, seed: int) -> tuple[dict, dict, dict, list[float]]:
+    """(a) DoGet vs copy, in a fresh process and again in this one (pooled pages); (b) metadata scans;
+    (c) micro-batch fetch latency. Returns their figures and (c)'s latency samples."""
+    rng = np.random.default_rng(seed)
+    with tempfile.TemporaryDirectory() as tmp:
+        a = run_doget_fresh(params, seed, Path(tmp) / "doget.json")
+    pool = run_doget(params, seed)  # the same in this process: the Arrow pool recycles pages
+    a.update({f"{k.replace('_gbps', '')}_pool_gbps": v for k, v in pool.items() if k.endswith("_gbps")})
+    with start_store_process() as node, StoreReader(node.location, timeout=120) as client:
+        c = bench_latency(client, node.location, params["latency_groups"], params["latency_fetches"], rng)
+    b = bench_meta_scan(params["meta_rows"], params["meta_repeats"], rng)
+    return a, b, c, c.pop("latency_samples")
+
+
+def _print_summary(a: dict, b: dict, c: dict, ratios: dict, params: dict) -> None:
     print(
         f"(a) DoGet {a['doget_gbps']:.2f} GB/s (one call streaming the micro-batches; "
         f"{a['doget_per_call_gbps']:.2f} GB/s with one call per micro-batch) vs fresh-memory copy "
@@ -411,8 +437,6 @@ def main(argv: list[str] | None = None) -> int:
         f"(c) fetch of 8 trajectories from {params['latency_groups']} groups: "
         f"p50 {c['microbatch_fetch_ms_p50']:.2f} ms, p99 {c['microbatch_fetch_ms_p99']:.2f} ms (target p50 <= 2)"
     )
-    print(f"wrote {out}")
-    return 0
 
 
 if __name__ == "__main__":

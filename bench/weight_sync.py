@@ -122,45 +122,65 @@ def _median(values: list[float]) -> float:
 
 def run(cache: Path, out: Path, *, per_dtype: int) -> dict[str, Any]:
     """Convert (or reuse) the checkpoint, run both processes around one store node, summarise."""
-    from flight_store.net import free_port
     from flight_store.server import StoreServer
 
-    res = subprocess.run([sys.executable, "-m", "connectors.checkpoint", str(cache)], cwd=ROOT, env=child_env(),
-                         capture_output=True, text=True, timeout=600)
-    if res.returncode:
-        msg = f"the checkpoint could not be prepared: {res.stderr[-2000:]}"
-        raise RuntimeError(msg)
-    model_dir = res.stdout.strip().splitlines()[-1]
+    model_dir = _prepare_checkpoint(cache)
     work = out.parent / (out.stem + "_work")
     work.mkdir(parents=True, exist_ok=True)
     done = str(work / "done")
     for stale in work.glob("done.*"):
         stale.unlink()
-    versions = per_dtype * len(DTYPES)
     with StoreServer() as server:
-        cmd = [sys.executable, "-m", "bench.weight_sync", "--role", "engine", server.location, model_dir,
-               str(work / "engine.json"), done, str(versions)]
-        engine = subprocess.Popen(cmd, cwd=ROOT, env=child_env())
-        try:
-            deadline = time.time() + 300
-            while not Path(f"{done}.ready").exists():
-                if engine.poll() is not None or time.time() > deadline:
-                    msg = f"the engine did not start (exit {engine.returncode})"
-                    raise RuntimeError(msg)
-                time.sleep(0.2)
-            env = child_env()
-            env.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", LOCAL_WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
-                       MASTER_PORT=str(free_port()))
-            subprocess.run([sys.executable, "-m", "bench.weight_sync", "--role", "trainer", server.location, model_dir,
-                            str(work / "trainer.json"), done, str(per_dtype)], cwd=ROOT, env=env, check=True,
-                           timeout=900)
-            engine.wait(timeout=120)
-        finally:
-            if engine.poll() is None:
-                engine.kill()
-                engine.wait()
-    trainer = json.loads((work / "trainer.json").read_text())
-    got = {r["version"]: r for r in json.loads((work / "engine.json").read_text())}
+        _run_engine_and_trainer(server.location, model_dir, work, done, per_dtype)
+    metrics = _summarise(json.loads((work / "trainer.json").read_text()),
+                         {r["version"]: r for r in json.loads((work / "engine.json").read_text())})
+    ratios = {"sync_bf16_vs_fp32": round(metrics["bfloat16"]["sync_s"] / metrics["float32"]["sync_s"], 3),
+              "bytes_bf16_vs_fp32": round(metrics["bfloat16"]["wire_bytes_per_leg"]
+                                          / metrics["float32"]["wire_bytes_per_leg"], 3)}
+    return write_result(out, metrics, ratios, {"per_dtype": per_dtype, "model": Path(model_dir).name,
+                                               "params": 134_515_008})
+
+
+def _prepare_checkpoint(cache: Path) -> str:
+    """The converted SmolLM2 checkpoint's folder (``connectors.checkpoint``, in a child process)."""
+    res = subprocess.run([sys.executable, "-m", "connectors.checkpoint", str(cache)], cwd=ROOT, env=child_env(),
+                         capture_output=True, text=True, timeout=600)
+    if res.returncode:
+        msg = f"the checkpoint could not be prepared: {res.stderr[-2000:]}"
+        raise RuntimeError(msg)
+    return res.stdout.strip().splitlines()[-1]
+
+
+def _run_engine_and_trainer(location: str, model_dir: str, work: Path, done: str, per_dtype: int) -> None:
+    """The engine process (started first, waited for until ready) and the trainer process, to their end."""
+    from flight_store.net import free_port
+
+    versions = per_dtype * len(DTYPES)
+    cmd = [sys.executable, "-m", "bench.weight_sync", "--role", "engine", location, model_dir,
+           str(work / "engine.json"), done, str(versions)]
+    engine = subprocess.Popen(cmd, cwd=ROOT, env=child_env())
+    try:
+        deadline = time.time() + 300
+        while not Path(f"{done}.ready").exists():
+            if engine.poll() is not None or time.time() > deadline:
+                msg = f"the engine did not start (exit {engine.returncode})"
+                raise RuntimeError(msg)
+            time.sleep(0.2)
+        env = child_env()
+        env.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", LOCAL_WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
+                   MASTER_PORT=str(free_port()))
+        subprocess.run([sys.executable, "-m", "bench.weight_sync", "--role", "trainer", location, model_dir,
+                        str(work / "trainer.json"), done, str(per_dtype)], cwd=ROOT, env=env, check=True,
+                       timeout=900)
+        engine.wait(timeout=120)
+    finally:
+        if engine.poll() is None:
+            engine.kill()
+            engine.wait()
+
+
+def _summarise(trainer: list[dict[str, Any]], got: dict[int, dict[str, Any]]) -> dict[str, Any]:
+    """Per dtype, medians over its syncs of each leg: the trainer's rows joined to the engine's by version."""
     metrics: dict[str, Any] = {}
     for dtype in DTYPES:
         rows = [(t, got[t["version"]]) for t in trainer if t["dtype"] == dtype]
@@ -180,11 +200,7 @@ def run(cache: Path, out: Path, *, per_dtype: int) -> dict[str, Any]:
             "fetch_mb_s": round(nbytes / 1e6 / statistics.median(fetch), 1),
             "syncs": len(rows),
         }
-    ratios = {"sync_bf16_vs_fp32": round(metrics["bfloat16"]["sync_s"] / metrics["float32"]["sync_s"], 3),
-              "bytes_bf16_vs_fp32": round(metrics["bfloat16"]["wire_bytes_per_leg"]
-                                          / metrics["float32"]["wire_bytes_per_leg"], 3)}
-    return write_result(out, metrics, ratios, {"per_dtype": per_dtype, "model": Path(model_dir).name,
-                                               "params": 134_515_008})
+    return metrics
 
 
 def main(argv: Sequence[str] | None = None) -> int:

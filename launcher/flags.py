@@ -30,6 +30,7 @@ import dataclasses
 import inspect
 import itertools
 import json
+import re
 import textwrap
 import types
 import typing
@@ -75,6 +76,23 @@ def field_docs(cls: type[Any]) -> dict[str, str]:
     return docs
 
 
+_ROLE = re.compile(r":(?:[a-z]+:)?[a-z]+:`(~?)([^`<]*?)\s*(?:<[^`>]*>)?`")
+"""A Sphinx role: colon, role name, colon, then the target in backticks (``~`` keeps its last part; a
+``title <target>`` shows the title)."""
+_LITERAL = re.compile(r"``(.+?)``")
+
+
+def plain_text(doc: str) -> str:
+    """A docstring's reStructuredText as a terminal shows it: roles and double-backtick literals become their
+    text (an attribute role on ``host`` -> host, a class role on ``~a.b.Name`` -> Name, a literal None -> None)."""
+
+    def role(match: re.Match[str]) -> str:
+        text = match.group(2)
+        return text.rsplit(".", 1)[-1] if match.group(1) else text
+
+    return _LITERAL.sub(r"\1", _ROLE.sub(role, doc))
+
+
 def _section_type(annotation: Any) -> type[Any] | None:
     """The dataclass a field holds (also ``X | None``), or None for a leaf."""
     args = [a for a in typing.get_args(annotation) if a is not type(None)]
@@ -114,7 +132,7 @@ def add_flags(parser: argparse.ArgumentParser, cls: type[Any], *, skip: tuple[st
         default = _default_at(cls, path)
         if owner not in docs:
             docs[owner] = field_docs(owner)
-        doc = docs[owner].get(path[-1], "").split("\n\n")[0].replace("\n", " ")
+        doc = plain_text(docs[owner].get(path[-1], "").split("\n\n")[0].replace("\n", " "))
         shown = "required" if default is dataclasses.MISSING else f"default: {show_default(default)}"
         help_text = f"{doc} ({shown})".replace("%", "%%")
         if _base(annotation) is bool:

@@ -70,27 +70,35 @@ def policy_summary(folder: Path, *, config: dict[str, Any], wall_s: float, metri
                    quotas: Sequence[tuple[str, dict[str, int]]] = ()) -> dict[str, Any]:
     """The figures of one policy's run folder (JSON-serialisable); ``quotas``: ``(column, value -> groups per
     train batch)`` each, for ``quota_violations``."""
-    from admission.staleness import summary as staleness_summary
-
     ranks = _rank_reports(folder)
     consumed_path = folder / "consumed.parquet"
     consumed = pl.read_parquet(consumed_path) if consumed_path.exists() else pl.DataFrame()
     rollout_path = folder / "rollout.json"
     rollout = json.loads(rollout_path.read_text()) if rollout_path.exists() else {}
     steps = ranks[0]["steps"] if ranks else []
+    return {
+        "policy": config.get("policy"),
+        **_staleness_figures(consumed, quotas),
+        **_delivery_figures(ranks, consumed),
+        **_time_figures(steps, consumed),
+        **_reward_figures(consumed),
+        "abs_logp_diff_first_step": round(float(steps[0]["abs_logp_diff"]), 8) if steps else None,
+        "rollout": {k: rollout.get(k) for k in ("groups", "aborted_groups", "rows", "response_tokens", "tokens_per_s",
+                                                "engine_start_s", "generate_s", "policy_versions", "bytes_written")},
+        "wall_s": round(wall_s, 2),
+        "store_outages": outages or [],
+        "store_restarts": sum(int(o["restarts"]) for o in outages or []),
+        "metrics_urls": metrics_urls or [],
+        "config": {k: (str(v) if isinstance(v, Path) else v) for k, v in config.items()},
+    }
+
+
+def _staleness_figures(consumed: pl.DataFrame, quotas: Sequence[tuple[str, dict[str, int]]]) -> dict[str, Any]:
+    """How stale the consumed trajectories were (``admission.staleness``) and how often a quota was missed."""
+    from admission.staleness import summary as staleness_summary
 
     stal = (staleness_summary(consumed) if consumed.height else staleness_summary(pl.DataFrame())).to_dict()
-    rows = [(c[2], c[3]) for r in ranks for c in r["consumed"] if c[0] == "row"]
-    fetch_ms = [1e3 * f for r in ranks for s in r["steps"] for f in s["fetch_s"]]
-    waits = {str(r["env"]["rank"]): sum(sum(s["exposed_wait_s"]) for s in r["steps"]) for r in ranks}
-    idle = [s.get("plan_wait_s", 0.0) for s in steps[1:]]  # step 0 waits for start-up
-    window = steps[-1]["t_end"] - (steps[0]["t_end"] - steps[0]["step_time_s"]) if steps else 0.0
-    tokens = int(consumed["response_len"].sum()) if consumed.height else 0
-    per_batch = (consumed.group_by("train_batch").agg(pl.col("reward").mean().alias("mean"), _ci95("reward"))
-                 .sort("train_batch") if consumed.height else pl.DataFrame({"train_batch": [], "mean": [], "ci95": []}))
-    reward, reward_batches = per_batch["mean"].to_list(), per_batch["train_batch"].to_list()
-    result: dict[str, Any] = {
-        "policy": config.get("policy"),
+    return {
         "arch_staleness_mean": round(stal["arch_mean"], 4),
         "arch_staleness_token_weighted": round(stal["arch_token_weighted"], 4),
         "arch_staleness_max": int(stal["arch_max"]),
@@ -98,6 +106,16 @@ def policy_summary(folder: Path, *, config: dict[str, Any], wall_s: float, metri
         "generation_span_mean": round(stal["span_mean"], 4),
         "quota_violations": quota_violations(consumed, quotas),
         "total_staleness_mean": round(stal["total_mean"], 4),
+    }
+
+
+def _delivery_figures(ranks: list[dict[str, Any]], consumed: pl.DataFrame) -> dict[str, Any]:
+    """What reached the trainer ranks, and how: rows (each once), steps, bytes, fetch latency, exposed wait."""
+    steps = ranks[0]["steps"] if ranks else []
+    rows = [(c[2], c[3]) for r in ranks for c in r["consumed"] if c[0] == "row"]
+    fetch_ms = [1e3 * f for r in ranks for s in r["steps"] for f in s["fetch_s"]]
+    waits = {str(r["env"]["rank"]): sum(sum(s["exposed_wait_s"]) for s in r["steps"]) for r in ranks}
+    return {
         "trajectories_consumed": int(consumed.height),
         "rows_received": len(rows),
         "duplicate_rows": len(rows) - len(set(rows)),
@@ -109,25 +127,35 @@ def policy_summary(folder: Path, *, config: dict[str, Any], wall_s: float, metri
                                 "p50": round(_quantile(fetch_ms, 0.5), 3), "p95": round(_quantile(fetch_ms, 0.95), 3),
                                 "micro_batches": len(fetch_ms)},
         "exposed_wait_s": {k: round(v, 4) for k, v in waits.items()},
+    }
+
+
+def _time_figures(steps: list[dict[str, Any]], consumed: pl.DataFrame) -> dict[str, Any]:
+    """Rank 0's time: idle for a plan, the step and its publishing (medians), the training window, throughput."""
+    idle = [s.get("plan_wait_s", 0.0) for s in steps[1:]]  # step 0 waits for start-up
+    window = steps[-1]["t_end"] - (steps[0]["t_end"] - steps[0]["step_time_s"]) if steps else 0.0
+    tokens = int(consumed["response_len"].sum()) if consumed.height else 0
+    return {
         "trainer_idle_s": round(sum(idle), 3),
-        # medians over rank 0's steps: the step, what publishing cost the training thread, and the step's end
-        # to its version published on every node (beside the next step)
+        # the step, what publishing cost the training thread, and the step's end to its version published on
+        # every node (beside the next step)
         "step_s": {name: round(_quantile([float(s.get(key, 0.0)) for s in steps], 0.5), 3)
                    for name, key in (("step", "step_time_s"), ("publish_blocking", "publish_s"),
                                      ("published_after", "publish_done_s"))},
         "training_window_s": round(window, 3),
         "throughput": {"trajectories_per_s": round(consumed.height / window, 3) if window > 0 else 0.0,
                        "tokens_per_s": round(tokens / window, 1) if window > 0 else 0.0},
+    }
+
+
+def _reward_figures(consumed: pl.DataFrame) -> dict[str, Any]:
+    """Mean reward per train batch with its 95% band; its trend and the pools of the first and last batches."""
+    per_batch = (consumed.group_by("train_batch").agg(pl.col("reward").mean().alias("mean"), _ci95("reward"))
+                 .sort("train_batch") if consumed.height else pl.DataFrame({"train_batch": [], "mean": [], "ci95": []}))
+    reward, reward_batches = per_batch["mean"].to_list(), per_batch["train_batch"].to_list()
+    result: dict[str, Any] = {
         "reward_per_train_batch": [round(float(r), 4) for r in reward],
         "reward_ci95_per_train_batch": [round(float(c), 4) for c in per_batch["ci95"].to_list()],
-        "abs_logp_diff_first_step": round(float(steps[0]["abs_logp_diff"]), 8) if steps else None,
-        "rollout": {k: rollout.get(k) for k in ("groups", "aborted_groups", "rows", "response_tokens", "tokens_per_s",
-                                                "engine_start_s", "generate_s", "policy_versions", "bytes_written")},
-        "wall_s": round(wall_s, 2),
-        "store_outages": outages or [],
-        "store_restarts": sum(int(o["restarts"]) for o in outages or []),
-        "metrics_urls": metrics_urls or [],
-        "config": {k: (str(v) if isinstance(v, Path) else v) for k, v in config.items()},
     }
     if reward:
         result["reward_trend"] = round(float(reward[-1]) - float(reward[0]), 4)

@@ -26,7 +26,7 @@ This driver never imports vLLM or torch and never reads trajectory payload: it p
 ``stats``, follows the trainer's per-step progress file, and at the end writes the run folder
 (``launcher.report``): ``summary.json``, ``metadata.parquet``, ``consumed.parquet``, plots.
 
-Lookahead defaults (a fair comparison at matched throughput, DESIGN.md): ``train_batch`` needs the
+Lookahead defaults (a fair comparison at matched throughput, docs/design.md): ``train_batch`` needs the
 rollout a whole train batch ahead, so its limit is 2B groups; ``mini_batch`` keeps the trainer busy
 with B + B/K. Both count the groups running in the engine, so the limit bounds everything
 dispatched and not yet consumed.

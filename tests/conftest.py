@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib.util
+from pathlib import Path
 
 import pytest
 
@@ -41,6 +42,41 @@ def _hosts_unavailable() -> str | None:
     return None
 
 
+SLOW: dict[str, str] = {
+    "test_bench_peers.py": "starts a Ray cluster and the peers' servers",
+    "test_soak.py": "one node writing and releasing for a minute",
+    "test_concurrency.py::test_8_writers_x_200_groups_with_a_concurrent_reader": "eight writers, 1,600 groups",
+    "test_node_failure.py::test_run_goes_on_when_one_of_three_nodes_stops": "a run over three nodes, one stopped",
+    "test_train_unit.py::test_run_ranks_spawns_ranks_with_the_torch_env": "spawns torch ranks",
+    "test_train_unit.py::test_sigterm_to_the_rank_launcher_stops_its_local_ranks": "spawns torch ranks",
+    "test_connectors_rollout.py::test_module_refuses_a_bad_document_naming_the_field": "three rollout processes",
+}
+"""Tests marked ``slow`` here (a module, or one test of it) beside those whose module marks them: processes
+that import torch or Ray, clusters, long runs. ``make test-fast`` leaves them out; ``ray`` tests are slow too."""
+
+
+def _slow_keys(item: pytest.Item) -> list[str]:
+    module = item.path.name
+    return [key for key in (module, f"{module}::{getattr(item, 'originalname', item.name)}") if key in SLOW]
+
+
+def pytest_itemcollected(item: pytest.Item) -> None:
+    """Mark the :data:`SLOW` tests and the ``ray`` tests ``slow`` as they are collected (before ``-m`` selects)."""
+    if _slow_keys(item) or "ray" in item.keywords:
+        item.add_marker(pytest.mark.slow)
+
+
+def pytest_sessionstart(session: pytest.Session) -> None:
+    """Every :data:`SLOW` entry names a test that exists: one renamed would silently join the fast set."""
+    here = Path(__file__).parent
+    stale = [key for key in SLOW if not (here / key.split("::")[0]).is_file()
+             or ("::" in key and f"def {key.split('::')[1]}(" not in (here / key.split("::")[0]).read_text())]
+    if stale:
+        msg = f"tests/conftest.py SLOW names tests that do not exist: {stale}"
+        raise pytest.UsageError(msg)
+
+
+@pytest.hookimpl(trylast=True)  # after -m deselected: a run without hosts tests probes no namespace
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     no_hosts = _hosts_unavailable() if any("hosts" in item.keywords for item in items) else None
     for item in items:

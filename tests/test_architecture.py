@@ -1,9 +1,11 @@
 """The architecture as a test: the contracts in pyproject.toml (import-linter), strings included.
 
-The contracts (``[tool.importlinter]``): ``bench`` on top, then ``launcher``, then ``train | connectors``
-(independent), then ``admission | flight_store`` (independent), then ``schemas``; the planner imports
-neither pyarrow (so no Flight), torch nor an engine; the store neither torch nor an engine; schemas
-nothing heavy; the trainer never vLLM; the rollout never Megatron. Only the benchmarks import the launcher.
+The contracts (``[tool.importlinter]``), as the README draws them: ``bench`` on top (it may import
+``launcher``), then ``launcher`` (it imports everything below it), then ``train | connectors``
+(independent), then ``admission | flight_store`` (independent), then ``schemas`` at the bottom; the
+planner imports neither pyarrow (so no Flight), torch nor an engine; the store neither torch nor an
+engine; schemas nothing heavy; the trainer never vLLM; the rollout never Megatron. A test pins the
+layers, so the drawing and the contract cannot drift apart.
 
 Import statements are not the only arrows: a ``"package.module:function"`` string resolved at run
 time, or ``[sys.executable, "-m", "package.module"]``, reaches another module just the same. Every
@@ -16,6 +18,7 @@ from __future__ import annotations
 import ast
 import itertools
 import re
+import tomllib
 from pathlib import Path
 from typing import Any
 
@@ -25,6 +28,8 @@ importlinter = pytest.importorskip("importlinter")
 
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGES = ("schemas", "flight_store", "admission", "connectors", "train", "bench", "launcher")
+LAYERS = ["bench", "launcher", "train | connectors", "admission | flight_store", "schemas"]
+"""Top to bottom; ``a | b``: side by side, importing neither each other."""
 _TARGET = re.compile(rf"^((?:{'|'.join(PACKAGES)})(?:\.\w+)*):\w+(?:\.\w+)*$")
 
 
@@ -94,10 +99,20 @@ def test_the_code_keeps_every_contract_strings_included() -> None:
     assert _lint(string_arrows()), "a contract is broken: see the report above"
 
 
+def test_the_layers_are_the_drawn_ones() -> None:
+    config = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["importlinter"]
+    assert sorted(config["root_packages"]) == sorted(PACKAGES)
+    (layers,) = [c for c in config["contracts"] if c["type"] == "layers"]
+    assert layers["layers"] == LAYERS
+    assert not {"containers", "ignore_imports", "unmatched_ignore_imports_alerting"} & set(layers)
+
+
 def test_a_forbidden_arrow_is_caught() -> None:
-    """The check can fail: the planner naming the store, or the store naming the trainer, breaks a contract."""
-    for arrow in [("admission.planner", "flight_store.client"), ("flight_store.server", "train.trainer"),
-                  ("schemas.arrow", "flight_store.errors"), ("train.trainer", "launcher.run")]:
+    """The check can fail: an arrow upwards, or between two packages side by side, breaks a contract."""
+    for arrow in [("launcher.run", "bench._hosts"), ("train.trainer", "launcher.run"),
+                  ("train.trainer", "connectors.rollout"), ("connectors.rollout", "train.trainer"),
+                  ("admission.planner", "flight_store.client"), ("flight_store.store", "admission.planner"),
+                  ("flight_store.server", "train.trainer"), ("schemas.arrow", "flight_store.errors")]:
         assert not _lint([arrow]), arrow
 
 
@@ -106,7 +121,8 @@ def test_strings_are_found() -> None:
     assert sorted(named_targets(ast.parse(code))) == ["connectors.tasks", "train"]
 
 
-def test_schemas_and_the_planner_never_name_flight() -> None:
-    for package in ("schemas", "admission"):
-        for path in (ROOT / package).rglob("*.py"):
-            assert "pyarrow.flight" not in path.read_text(), path
+def test_schemas_never_name_flight() -> None:
+    """Schemas may import pyarrow but not its Flight module; import-linter forbids only whole external packages
+    (the planner's ban on all of pyarrow is its contract's)."""
+    for path in (ROOT / "schemas").rglob("*.py"):
+        assert "pyarrow.flight" not in path.read_text(), path

@@ -204,10 +204,9 @@ def test_rollout_waits_for_and_loads_the_initial_weights(store_nodes) -> None:  
         cfg = _config([server.location], max_groups=2, weight_sync=True, wait_initial_weights_s=20.0)
         timer = threading.Timer(0.5, lambda: client.put_weights(table, 0))  # the trainer publishes v0 later
         timer.start()
-        t0 = time.monotonic()
         report = RolloutWorker(cfg, client=writer, engine=engine).run()
         timer.join()
-        assert time.monotonic() - t0 >= 0.5  # it waited for the weights before generating
+        # it waited for the weights before generating: it loaded the v0 published after it started
         assert len(engine.loaded) == 1 and engine.loaded[0].column("name").to_pylist() == ["w"]
         assert report.groups == 2 and report.policy_versions == [0]
         cfg = _config([server.location], max_groups=1, weight_sync=True, wait_initial_weights_s=0.3,

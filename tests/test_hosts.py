@@ -208,6 +208,7 @@ def test_a_store_host_cut_off_is_recorded_as_unreachable_and_back(make_hosts, tm
             while not stores.check():
                 assert time.monotonic() < deadline, "the cut-off node was not found unreachable"
                 time.sleep(0.05)
+            found_at = time.time()
             time.sleep(1.5)
             assert stores.check() == ["node0"]  # still cut off: one outage, nothing restarted
             hosts[0].restore()
@@ -220,7 +221,8 @@ def test_a_store_host_cut_off_is_recorded_as_unreachable_and_back(make_hosts, tm
         assert stores.children[0].restarts == 0 and stores.children[0].alive()  # the process ran throughout
         assert cut_at - 1.0 <= outage.died_at <= cut_at + 2  # (a probe sent just before the cut may miss)
         assert outage.back_at is not None and restored_at <= outage.back_at <= restored_at + 10
-        assert outage.to_dict()["cause"] == "unreachable" and outage.to_dict()["down_s"] >= 1.5
+        assert outage.died_at <= found_at < restored_at <= outage.back_at  # one outage spans the whole cut
+        assert outage.to_dict()["cause"] == "unreachable"
 
 
 def test_probes_do_not_take_a_restarted_node_for_an_unreachable_one(tmp_path: Path) -> None:
@@ -454,7 +456,6 @@ def test_across_hosts_every_group_is_trained_once_and_payload_skips_the_driver(h
     payload = sum(int(s["bytes_in"]) + int(s["bytes_out"]) for s in stats.values())
     driver = links["driver"].total
     assert driver < payload / 20, (driver, payload)
-    assert driver / hosts_run.wall_s < 20_000  # ~1 KB calls a few times a second, whatever the payload
     print(f"\ntrajectory payload to ranks {sum(ranks.values())} B, stores' payload in+out {payload} B, "
           f"driver link {driver} B ({driver / hosts_run.wall_s:.0f} B/s over {hosts_run.wall_s:.1f} s)")
 

@@ -97,6 +97,18 @@ def test_knit_lists_its_commands_and_refuses_an_unknown_one(capsys: pytest.Captu
     assert "unknown command 'explode'" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("command", sorted(cli.COMMANDS))
+def test_every_command_s_help_is_plain_text(command: str, capsys: pytest.CaptureFixture[str]) -> None:
+    """Flag help comes from the config fields' docstrings; the user reads it without their Sphinx markup."""
+    with pytest.raises(SystemExit) as exit_:
+        cli.main([command, "--help"])
+    assert exit_.value.code == 0
+    out = capsys.readouterr().out
+    assert "--" in out  # the flags are listed
+    for markup in (":attr:", ":class:", ":func:", ":meth:", ":mod:", "``"):
+        assert markup not in out, (command, markup)
+
+
 def _built(cls: type) -> tuple[object, frozenset[str]]:
     """A config of ``cls`` with nothing but its required fields given; and the names of those fields."""
     required = {f.name: f for f in dataclasses.fields(cls)

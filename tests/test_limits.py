@@ -110,14 +110,14 @@ def test_tickets_bodies_and_lists_are_bounded_and_the_node_keeps_serving() -> No
 
 def test_a_document_of_many_keys_is_refused_in_linear_time() -> None:
     """300,000 distinct keys in one ticket (3.6 MB, under ticket_bytes): a quadratic duplicate-key check would
-    keep a node's core busy for many minutes; the node refuses it in about a second and keeps serving."""
+    keep a node's core busy for many minutes; the node refuses it within the call's deadline and keeps serving."""
     with StoreServer() as server:
         raw = flight.connect(server.location)
         doc = ("{" + ",".join(f'"k{i}":1' for i in range(300_000)) + "}").encode()
         assert len(doc) < LIMITS["ticket_bytes"]
-        t0 = time.monotonic()
-        info = _refusal(lambda: raw.do_get(flight.Ticket(doc)).read_all())
-        assert info["class"] == "WireDecodeError" and time.monotonic() - t0 < 10
+        within = flight.FlightCallOptions(timeout=30)  # a quadratic check would time the call out instead
+        info = _refusal(lambda: raw.do_get(flight.Ticket(doc), options=within).read_all())
+        assert info["class"] == "WireDecodeError"
         assert _action(raw, "health")["ok"] is True
         raw.close()
 

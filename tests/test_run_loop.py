@@ -188,7 +188,8 @@ def test_a_store_killed_mid_run_is_restarted_and_every_trajectory_trained_once(m
     assert r["store_restarts"] == 1 and outage["restarts"] == 1
     assert outage["store"] == "store0" and outage["node"] == "node0" and outage["exit_code"] == -signal.SIGKILL
     assert killed_at - 0.1 <= outage["died_at"] <= killed_at + 5  # found dead within the driver's poll
-    assert outage["back_at"] > outage["died_at"] and outage["down_s"] < 60
+    assert outage["back_at"] > outage["died_at"]
+    assert outage["down_s"] == pytest.approx(outage["back_at"] - outage["died_at"], abs=0.01)
     assert "store node0 (store0) exited with -9" in output and "store restarts (down s)" in output
     store0 = next(c for c in json.loads((out / "logs" / "children.json").read_text()) if c["name"] == "store0")
     assert store0["pid"] != victim["pid"] and store0["restarts"] == 1

@@ -107,46 +107,56 @@ def test_block_causal_mask_stays_within_sequences() -> None:
     assert allowed[5].tolist() == [False] * 5 + [True]  # padding sees only itself
 
 
-def test_prefetcher_order_depth_and_exposed_wait() -> None:
-    started: list[int] = []
-    lock = threading.Lock()
+def test_prefetcher_fetches_one_ahead_of_the_step_in_order() -> None:
+    """Depth 1: item 0 is fetched before the step asks; item k+1 begins once the step took item k, without
+    the step asking for it (the fetch overlaps the step's compute), never further ahead; results in order."""
+    asks: list[int] = []  # the step appends k just before its k-th get()
+    asked_when_begun: dict[int, int] = {}  # item -> get() calls made when its fetch began
+    begun = {i: threading.Event() for i in range(4)}
 
     def fetch(i: int) -> int:
-        with lock:
-            started.append(i)
-        time.sleep(0.02)
+        asked_when_begun[i] = len(asks)
+        begun[i].set()
         return i * 10
 
     pf = Prefetcher(fetch, depth=1)
     try:
         pf.submit(range(4))
-        time.sleep(0.1)
-        assert started == [0]  # depth 1: only the first is fetched before anyone asks
-        first = pf.get()
-        assert first.value == 0 and first.wait_s < 0.015  # already there: no exposed wait
-        time.sleep(0.1)  # "compute" micro-batch 0 while 1 is fetched
-        assert started == [0, 1]
-        assert [pf.get().value for _ in range(3)] == [10, 20, 30]
+        assert begun[0].wait(timeout=30)  # fetched before anyone asks
+        values = []
+        for k in range(4):
+            asks.append(k)
+            values.append(pf.get(timeout=30).value)
+            if k + 1 < 4:
+                assert begun[k + 1].wait(timeout=30)  # fetched while step k computes, before step k+1 asks
+        assert values == [0, 10, 20, 30]
+        assert asked_when_begun == {0: 0, 1: 1, 2: 2, 3: 3}  # one ahead of the step, never more
     finally:
         pf.close()
 
 
 def test_prefetcher_depth0_fetches_on_demand_and_reraises() -> None:
+    asks: list[int] = []
+    asked_when_begun: dict[int, int] = {}
+
     def fetch(i: int) -> int:
+        asked_when_begun[i] = len(asks)
         if i == 1:
             msg = "node down"
             raise ConnectionError(msg)
-        time.sleep(0.03)
         return i
 
     pf = Prefetcher(fetch, depth=0)
     try:
         pf.submit([0, 1])
-        time.sleep(0.05)
-        got = pf.get()
-        assert got.value == 0 and got.wait_s >= 0.02  # nothing fetched ahead: the wait is exposed
+        asks.append(0)
+        got = pf.get(timeout=30)
+        assert got.value == 0 and asked_when_begun == {0: 1}  # nothing fetched ahead: item 0 began once asked
+        assert got.wait_s >= got.fetch_s  # so the step waited through the whole fetch (the wait is exposed)
+        asks.append(1)
         with pytest.raises(ConnectionError, match="node down"):
-            pf.get()
+            pf.get(timeout=30)
+        assert asked_when_begun == {0: 1, 1: 2}
     finally:
         pf.close()
 

@@ -40,22 +40,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         p.train_s_per_token = args.trainer_slowdown * calibrate(
             SimParams(**{**asdict(p), "train_batches": min(p.train_batches, 6)}), 0, target_busy=0.92)
         p.trainer_slowdown = args.trainer_slowdown
-        b = p.groups
-        res: dict[str, dict[str, Any]] = {
-            "train_batch": run_policy(p, "train_batch", 2 * b, seeds),
-            "colocated": run_policy(p, "colocated", b, seeds),
-        }
-        res["mini_batch"], search = match_throughput(p, seeds, res["train_batch"]["throughput"])
-        res["streaming"], search_streaming = match_throughput(p, seeds, res["train_batch"]["throughput"],
-                                                              policy="streaming")
-        tb_runs = {la: res["train_batch"] if la == 2 * b else run_policy(p, "train_batch", la, seeds)
-                   for la in (b + b // p.mini_batches, 3 * b // 2, 2 * b, 3 * b)}  # train_batch's L too
-        tb_curve = [{"lookahead": lookahead, "throughput": r["throughput"], "arch_mean": r["arch_mean"]}
-                    for lookahead, r in tb_runs.items()]
+        res, curves = _run_policies(p, seeds)
         plan_ms = plan_ms_p50_100k()
-    curves = {"train_batch": tb_curve, "mini_batch": search, "streaming": search_streaming}
     _plot_curves(Path(args.out).with_name(Path(args.out).stem + "_curves.png"), curves)
-    tb, mb = res["train_batch"], res["mini_batch"]
+    mb = res["mini_batch"]
     metrics: dict[str, Any] = {
         f"{pol}_{key}": val for pol, r in res.items() for key, val in r.items() if not isinstance(val, list)
     }
@@ -63,22 +51,13 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "mini_batch_lookahead_groups": mb["lookahead_groups"],
         "quota_violations": int(sum(r["quota_violations"] for pol, r in res.items() if pol != "streaming")),
         "streaming_lookahead_groups": res["streaming"]["lookahead_groups"],
-        "lookahead_search_streaming": search_streaming,
+        "lookahead_search_streaming": curves["streaming"],
         "curves": curves,
         "plan_ms_p50_100k": plan_ms,
         "wall_s": wall[0],
-        "lookahead_search": search,
+        "lookahead_search": curves["mini_batch"],
     })
-    ratios = {
-        "arch_staleness_reduction": 1.0 - mb["arch_mean"] / tb["arch_mean"] if tb["arch_mean"] else 0.0,
-        "arch_staleness_reduction_token_weighted":
-            1.0 - mb["arch_token_weighted"] / tb["arch_token_weighted"] if tb["arch_token_weighted"] else 0.0,
-        "throughput_mini_vs_train": mb["throughput"] / tb["throughput"],
-        "mini_vs_streaming_arch": mb["arch_mean"] / res["streaming"]["arch_mean"] if res["streaming"]["arch_mean"]
-        else float("inf"),
-        "total_staleness_reduction":
-            1.0 - mb["total_staleness_mean"] / tb["total_staleness_mean"] if tb["total_staleness_mean"] else 0.0,
-    }
+    ratios = _ratios(res)
     params = {**asdict(p), "seeds": seeds, "quick": args.quick,
               "lookahead": {"train_batch": 2 * p.groups, "colocated": p.groups, "mini_batch": mb["lookahead_groups"],
                             "streaming": res["streaming"]["lookahead_groups"]}}
@@ -86,9 +65,48 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                        per_step_arch_mean={k: v["per_step_arch_mean"] for k, v in res.items()},
                        per_train_batch_arch_mean={k: v["per_train_batch_arch_mean"] for k, v in res.items()})
     _plot(Path(args.out).with_suffix(".png"), res)
+    _print_summary(res, ratios, metrics)
+    return doc
+
+
+def _run_policies(p: SimParams, seeds: list[int]) -> tuple[dict[str, dict[str, Any]], dict[str, list[Any]]]:
+    """``train_batch`` (L = 2B) and ``colocated`` (L = B) at fixed lookaheads; ``mini_batch`` and ``streaming``
+    at the smallest lookahead matching ``train_batch``'s throughput; ``train_batch`` at more lookaheads too.
+    Returns each policy's figures and each policy's (lookahead, throughput, staleness) curve."""
+    b = p.groups
+    res: dict[str, dict[str, Any]] = {
+        "train_batch": run_policy(p, "train_batch", 2 * b, seeds),
+        "colocated": run_policy(p, "colocated", b, seeds),
+    }
+    res["mini_batch"], search = match_throughput(p, seeds, res["train_batch"]["throughput"])
+    res["streaming"], search_streaming = match_throughput(p, seeds, res["train_batch"]["throughput"],
+                                                          policy="streaming")
+    tb_runs = {la: res["train_batch"] if la == 2 * b else run_policy(p, "train_batch", la, seeds)
+               for la in (b + b // p.mini_batches, 3 * b // 2, 2 * b, 3 * b)}  # train_batch's L too
+    tb_curve = [{"lookahead": lookahead, "throughput": r["throughput"], "arch_mean": r["arch_mean"]}
+                for lookahead, r in tb_runs.items()]
+    return res, {"train_batch": tb_curve, "mini_batch": search, "streaming": search_streaming}
+
+
+def _ratios(res: dict[str, dict[str, Any]]) -> dict[str, float]:
+    """mini_batch against train_batch at matched throughput (staleness reductions, throughput ratio), and
+    against streaming (the quota-free bound)."""
+    tb, mb, st = res["train_batch"], res["mini_batch"], res["streaming"]
+    return {
+        "arch_staleness_reduction": 1.0 - mb["arch_mean"] / tb["arch_mean"] if tb["arch_mean"] else 0.0,
+        "arch_staleness_reduction_token_weighted":
+            1.0 - mb["arch_token_weighted"] / tb["arch_token_weighted"] if tb["arch_token_weighted"] else 0.0,
+        "throughput_mini_vs_train": mb["throughput"] / tb["throughput"],
+        "mini_vs_streaming_arch": mb["arch_mean"] / st["arch_mean"] if st["arch_mean"] else float("inf"),
+        "total_staleness_reduction":
+            1.0 - mb["total_staleness_mean"] / tb["total_staleness_mean"] if tb["total_staleness_mean"] else 0.0,
+    }
+
+
+def _print_summary(res: dict[str, dict[str, Any]], ratios: dict[str, float], metrics: dict[str, Any]) -> None:
+    tb, mb, st = res["train_batch"], res["mini_batch"], res["streaming"]
     print(f"arch staleness mean: train_batch {tb['arch_mean']:.3f}  mini_batch {mb['arch_mean']:.3f}  "
           f"colocated {res['colocated']['arch_mean']:.3f}")
-    st = res["streaming"]
     print(f"streaming (quota-free, L={st['lookahead_groups']}): arch {st['arch_mean']:.3f}, throughput "
           f"{st['throughput']:.2f}, quota violations {st['quota_violations']}; mini_batch / streaming arch "
           f"{ratios['mini_vs_streaming_arch']:.2f}")
@@ -100,8 +118,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
           f"(arch + span): train_batch {tb['total_staleness_mean']:.3f}  mini_batch {mb['total_staleness_mean']:.3f}")
     print(f"reduction {ratios['arch_staleness_reduction']:.3f}  throughput mini/train "
           f"{ratios['throughput_mini_vs_train']:.3f}  L={mb['lookahead_groups']}  quota violations "
-          f"{metrics['quota_violations']}  plan p50 {plan_ms:.1f} ms  wall {wall[0]:.0f}s")
-    return doc
+          f"{metrics['quota_violations']}  plan p50 {metrics['plan_ms_p50_100k']:.1f} ms  "
+          f"wall {metrics['wall_s']:.0f}s")
 
 
 def _parser() -> argparse.ArgumentParser:
