@@ -47,31 +47,56 @@ def cluster() -> Iterator[dict[str, Any]]:
 
 
 def test_every_path_gives_each_rank_the_same_micro_batches(cluster: dict[str, Any]) -> None:
+    """Same rows, tokens and advantages on every path; knittrans' ranks and TransferQueue's receive the same
+    payload bytes (the two sides of ``data_movement_vs_transferqueue`` move the same work), verl's at least those."""
     from bench.peers.harness import _knit_driver_bytes
     from bench.peers.tq import TQPath
     from bench.peers.verl_dp import VerlPath
 
     w, specs, knit = cluster["w"], cluster["specs"], cluster["knit"]
     tq = TQPath(w)
-    verl = VerlPath(w, "numpy", checksums=True)
+    verls = {mode: VerlPath(w, mode, checksums=True) for mode in ("trainer", "numpy")}
     try:
         tq.load(cluster["groups"])
-        verl.load(cluster["groups"], specs)
+        for v in verls.values():
+            v.load(cluster["groups"], specs)
         for s, per_rank in enumerate(specs):
             got = {"knittrans": knit.step(per_rank, 0.0, 1, checksums=True),
                    "transferqueue": tq.step(per_rank, 0.0, 1, checksums=True),
-                   "verl": verl.step(s, per_rank, 0.0)}
+                   **{f"verl_{m}": v.step(s, per_rank, 0.0) for m, v in verls.items()}}
             for r in range(w.ranks):
-                want = got["knittrans"][r]["checksums"]
-                assert len(want) == len(per_rank[r]) >= 1 and all(tok > 0 for tok, _ in want)
-                for name in ("transferqueue", "verl"):
-                    assert got[name][r]["checksums"] == want, (name, s, r)
-                    assert got[name][r]["tokens"] == got["knittrans"][r]["tokens"]
+                want = got["knittrans"][r]
+                assert len(want["checksums"]) == len(per_rank[r]) >= 1 and all(tok > 0 for tok, _ in want["checksums"])
+                for name in got:
+                    assert got[name][r]["checksums"] == want["checksums"], (name, s, r)
+                    assert got[name][r]["tokens"] == want["tokens"]
+                    assert got[name][r]["bytes"] >= want["bytes"] > 0, name
+                assert got["transferqueue"][r]["bytes"] == want["bytes"]
         assert len(tq.fetch_latencies(specs[0][0])) == len(specs[0][0])  # reads every micro-batch by key
     finally:
-        verl.close()
+        for v in verls.values():
+            v.close()
         tq.close()
     assert _knit_driver_bytes(knit, specs) == 0
+
+
+def test_transferqueue_tensordicts_pack_as_the_trainer_packs_arrow() -> None:
+    """``pack_tensordict`` on a group as TransferQueue holds it gives ``train.packing.pack``'s tensors exactly."""
+    import torch
+
+    from bench.peers.tq import group_fields, pack_tensordict
+    from train.packing import PACK_COLUMNS, pack
+
+    w = Workload(steps=1, groups=4, group_size=5, mini_batches=2, ranks=2, prompt_len=7, response_mean=20,
+                 response_max=64, token_budget=1024)
+    group = make_group("g0", w, np.random.default_rng(11))
+    _, td, _, _ = group_fields(group)
+    adv = [0.5, -1.0, 2.0, 0.0, 1.5]
+    want = pack(group.select(list(PACK_COLUMNS)), adv, mode="padded").to_torch()
+    got = pack_tensordict(td, adv)
+    assert set(got) == set(want)
+    for name, t in want.items():
+        assert (t is None and got[name] is None) or torch.equal(got[name], t), name
 
 
 def test_step_specs_cover_every_planned_row_once(cluster: dict[str, Any]) -> None:

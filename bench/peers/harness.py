@@ -295,7 +295,7 @@ def _fetch_rounds(fetchers: dict[str, Callable[[list[MicroSpec]], list[float]]],
 def _knit_driver_bytes(knit: Any, specs: list[list[list[MicroSpec]]]) -> int:
     """Payload bytes the stores served beyond what knittrans' ranks received over one pass of every step."""
     before = {n: s["bytes_out"] for n, s in knit.client.stats().items()}
-    received = sum(r["bytes"] for per_rank in specs for r in knit.step(per_rank, 0.0, 1))
+    received = sum(r["wire_bytes"] for per_rank in specs for r in knit.step(per_rank, 0.0, 1))
     return sum(s["bytes_out"] - before[n] for n, s in knit.client.stats().items()) - received
 
 
