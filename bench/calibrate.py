@@ -90,11 +90,11 @@ def measure(reps: int, models_dir: str | Path | None = None, seed: int = 0) -> d
     becomes a one-rank process group)."""
     from functools import partial
 
+    from admission.config import GrpoConfig
     from connectors.checkpoint import prepare_checkpoint
     from flight_store.net import free_port
     from launcher.model import MODELS_DIR
     from train import backbone, model
-    from admission.config import GrpoConfig
     from train.config import ModelConfig, OptimConfig, ParallelConfig
     from train.loss import policy_loss
     from train.mcore_compat import device, init_distributed, shutdown

@@ -145,7 +145,7 @@ def pack_tensordict(td: Any, advantages: list[float]) -> dict[str, Any]:
     labels = torch.zeros_like(tokens)
     labels[:, :-1] = tokens[:, 1:]
     labels[rows, seqlen - 1] = 0
-    out = {"tokens": tokens, "labels": labels,
+    out: dict[str, Any] = {"tokens": tokens, "labels": labels,
            "position_ids": torch.arange(width, dtype=torch.int64).expand(n, width).clone()}
     for name, values in (("rollout_logprobs", l_val.float()), ("loss_mask", m_val.float()),
                          ("advantages", torch.tensor(advantages, dtype=torch.float32)[row_r])):

@@ -1,4 +1,4 @@
-"""verl's path in the peers benchmark: the driver holds each train batch and dispatches it to the ranks.
+r"""verl's path in the peers benchmark: the driver holds each train batch and dispatches it to the ranks.
 
 This is verl 0.9.1's real single-controller data path, run on CPU. The driver builds, outside the clock,
 one :class:`verl.protocol.DataProto` per train step (``DataProto.from_dict`` of verl's right-padded
