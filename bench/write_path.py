@@ -8,9 +8,10 @@ validation, no copy, no metadata: the floor a Flight write cannot go below). The
 same groups (G trajectories of ``--tokens`` response tokens, all 19 columns, as ``StoreWriter``
 users send them) one DoPut per group to each, in interleaved repetitions, and reports throughput
 (payload GB/s) and the time per group; ``ratios.put_vs_minimal_flight`` is the node's throughput over
-the floor's (the node's validation included). Then the bulk write: other groups of the same shape in
-DoPuts of :data:`BULK` groups each (``StoreWriter.put_groups``, each group still validated and
-committed on its own) beside DoPuts of the same batches to the minimal server
+the floor's (the node's validation included; target >= 0.8 in ``bench.peers``): the same groups, one DoPut
+each, the two servers taking turns per repetition, medians over repetitions. Then the bulk write: other
+groups of the same shape in DoPuts of :data:`BULK` groups each (``StoreWriter.put_groups``, each group
+still validated and committed on its own) beside DoPuts of the same batches to the minimal server
 (``ratios.put_groups_vs_minimal_flight_bulk``; ``ratios.put_groups_vs_put_group``: the bulk write's
 gain). ``metrics.server_us_per_group`` is ``Store.put_group`` in-process on the same groups: the
 node's own time per group, without gRPC; ``metrics.server_us_per_group_bulk`` the same for

@@ -47,31 +47,98 @@ def cluster() -> Iterator[dict[str, Any]]:
 
 
 def test_every_path_gives_each_rank_the_same_micro_batches(cluster: dict[str, Any]) -> None:
+    """Same rows, tokens and advantages on every path; knittrans' ranks and TransferQueue's receive the same
+    payload bytes (the two sides of ``data_movement_vs_transferqueue`` move the same work), verl's at least those."""
     from bench.peers.harness import _knit_driver_bytes
     from bench.peers.tq import TQPath
     from bench.peers.verl_dp import VerlPath
 
     w, specs, knit = cluster["w"], cluster["specs"], cluster["knit"]
     tq = TQPath(w)
-    verl = VerlPath(w, "numpy", checksums=True)
+    verls = {mode: VerlPath(w, mode, checksums=True) for mode in ("trainer", "numpy")}
     try:
         tq.load(cluster["groups"])
-        verl.load(cluster["groups"], specs)
+        for v in verls.values():
+            v.load(cluster["groups"], specs)
         for s, per_rank in enumerate(specs):
             got = {"knittrans": knit.step(per_rank, 0.0, 1, checksums=True),
                    "transferqueue": tq.step(per_rank, 0.0, 1, checksums=True),
-                   "verl": verl.step(s, per_rank, 0.0)}
+                   **{f"verl_{m}": v.step(s, per_rank, 0.0) for m, v in verls.items()}}
             for r in range(w.ranks):
-                want = got["knittrans"][r]["checksums"]
-                assert len(want) == len(per_rank[r]) >= 1 and all(tok > 0 for tok, _ in want)
-                for name in ("transferqueue", "verl"):
-                    assert got[name][r]["checksums"] == want, (name, s, r)
-                    assert got[name][r]["tokens"] == got["knittrans"][r]["tokens"]
+                want = got["knittrans"][r]
+                assert len(want["checksums"]) == len(per_rank[r]) >= 1 and all(tok > 0 for tok, _ in want["checksums"])
+                for name in got:
+                    assert got[name][r]["checksums"] == want["checksums"], (name, s, r)
+                    assert got[name][r]["tokens"] == want["tokens"]
+                    assert got[name][r]["bytes"] >= want["bytes"] > 0, name
+                assert got["transferqueue"][r]["bytes"] == want["bytes"]
         assert len(tq.fetch_latencies(specs[0][0])) == len(specs[0][0])  # reads every micro-batch by key
+        _check_keys(w, specs, knit, tq, verls)
     finally:
-        verl.close()
+        for v in verls.values():
+            v.close()
         tq.close()
     assert _knit_driver_bytes(knit, specs) == 0
+
+
+def _check_keys(w: Workload, specs: list[Any], knit: Any, tq: Any, verls: dict[str, Any]) -> None:
+    """The result file's keys at a tiny size: data movement against every peer and the best verl path, the
+    calibrated cell's step ratios and compute."""
+    from bench.peers.harness import _calibrated, _steps, summarize
+
+    steppers = {"knittrans": lambda s, per_rank, c: knit.step(per_rank, c, 1),
+                "transferqueue": lambda s, per_rank, c: tq.step(per_rank, c, 1),
+                **{v.name: v.step for v in verls.values()}}
+    steps = _steps(steppers, specs, [0.0])
+    cal_w = Workload(steps=1, groups=2, group_size=4, mini_batches=1, ranks=2, prompt_len=8, response_mean=16,
+                     response_max=32, token_budget=1024, seed=5)
+    raw = {"specs": {}, "groups_bytes": 1, "driver_payload_bytes_knittrans": 0, "steps": steps, "put": {},
+           "groups": 1, "fetch": {"knittrans": [1.0], "minimal_flight": [1.0], "minimal_flight_exchange": [1.0]},
+           "calibrated": _calibrated(knit, tq, {f"verl_{m}": v for m, v in verls.items()}, steps, (cal_w, 2.0), 0.0)}
+    metrics, ratios = summarize(raw, w, [0.0])
+    for key in ("data_movement_vs_transferqueue", "data_movement_vs_verl_trainer", "data_movement_vs_verl_numpy",
+                "data_movement_vs_verl_best", "step_vs_verl_best_calibrated", "step_vs_transferqueue_calibrated"):
+        assert ratios[key] > 0, key
+    assert not [k for k in ratios if k.startswith("step_vs_") and not k.endswith("_calibrated")]
+    assert ratios["data_movement_vs_verl_best"] == min(ratios["data_movement_vs_verl_trainer"],
+                                                       ratios["data_movement_vs_verl_numpy"])
+    assert metrics["calibrated_compute_ms_per_ktok"] == 2.0
+    assert metrics["calibrated_verl_best"] in ("verl_trainer", "verl_dataproto_numpy")
+    assert metrics["rank_bytes_per_step_transferqueue"] == metrics["rank_bytes_per_step_knittrans"] > 0
+
+
+def test_replicated_image_groups_store_every_rows_copy_and_the_others_one() -> None:
+    from bench.peers.mm import mm_groups
+
+    w = Workload(steps=1, groups=2, group_size=4, mini_batches=1, ranks=2, prompt_len=8, response_mean=16,
+                 response_max=32, multimodal=True, image_shape=(3, 8, 8))
+    once = mm_groups(w, np.random.default_rng(2), "a", replicated=False)
+    rep = mm_groups(w, np.random.default_rng(2), "b", replicated=True)
+    for (g1, t1), (g2, t2) in zip(zip(once[0], once[1], strict=True), zip(rep[0], rep[1], strict=True), strict=True):
+        keys1, keys2 = g1.column("image_keys").to_pylist(), g2.column("image_keys").to_pylist()
+        assert len({k for ks in keys1 for k in ks}) == 1 and t1.num_rows == 1
+        assert len({k for ks in keys2 for k in ks}) == w.group_size == t2.num_rows
+        assert g1.column("response_ids").equals(g2.column("response_ids"))  # the same tokens otherwise
+    assert len(rep[2]) == w.group_size * len(once[2])
+
+
+def test_transferqueue_tensordicts_pack_as_the_trainer_packs_arrow() -> None:
+    """``pack_tensordict`` on a group as TransferQueue holds it gives ``train.packing.pack``'s tensors exactly."""
+    import torch
+
+    from bench.peers.tq import group_fields, pack_tensordict
+    from train.packing import PACK_COLUMNS, pack_tensors
+
+    w = Workload(steps=1, groups=4, group_size=5, mini_batches=2, ranks=2, prompt_len=7, response_mean=20,
+                 response_max=64, token_budget=1024)
+    group = make_group("g0", w, np.random.default_rng(11))
+    _, td, _, _ = group_fields(group)
+    adv = [0.5, -1.0, 2.0, 0.0, 1.5]
+    want = pack_tensors(group.select(list(PACK_COLUMNS)), adv, mode="padded").to_torch()
+    got = pack_tensordict(td, adv)
+    assert set(got) == set(want)
+    for name, t in want.items():
+        assert (t is None and got[name] is None) or torch.equal(got[name], t), name
 
 
 def test_step_specs_cover_every_planned_row_once(cluster: dict[str, Any]) -> None:

@@ -38,12 +38,41 @@ def step_specs(plans: Sequence[MiniBatchPlan], mini_batches: int, ranks: int) ->
     return steps
 
 
+def _flat(t: Any) -> Any:
+    """A tensor's elements as one dense tensor (a jagged nested tensor's values)."""
+    return t.values() if t.is_nested else t
+
+
+def tensor_bytes(t: Any) -> int:
+    """Payload bytes of a tensor (a nested tensor's values; its offsets are not counted)."""
+    v = _flat(t)
+    return int(v.numel() * v.element_size())
+
+
+def arrow_payload_bytes(table: Any) -> int:
+    """Payload bytes of fetched Arrow rows, counted as :func:`bench.peers.tq.payload_bytes` counts a
+    ``TensorDict``: list columns' values, fixed-width columns' values, strings' UTF-8 (no offsets, no validity)."""
+    import pyarrow as pa
+    import pyarrow.compute as pc
+
+    total = 0
+    for col in table.columns:
+        arr = col.combine_chunks() if isinstance(col, pa.ChunkedArray) else col
+        if pa.types.is_list(arr.type):
+            arr = arr.flatten()
+        if pa.types.is_string(arr.type) or pa.types.is_binary(arr.type):
+            total += int(pc.sum(pc.binary_length(arr)).as_py() or 0)
+        else:
+            total += len(arr) * arr.type.bit_width // 8
+    return total
+
+
 def compute(tensors: dict[str, Any], tokens: int, ms_per_ktok: float) -> None:
     """The same compute on every path: touch every tensor, then hold the rank ``ms_per_ktok`` per 1k tokens."""
     t0 = time.perf_counter()
     for t in tensors.values():
         if t is not None:
-            _ = float(t.float().sum())
+            _ = float(_flat(t).float().sum())
     hold = ms_per_ktok * tokens / 1e6 - (time.perf_counter() - t0)
     if hold > 0:
         time.sleep(hold)  # accelerator busy, CPU free
@@ -51,8 +80,8 @@ def compute(tensors: dict[str, Any], tokens: int, ms_per_ktok: float) -> None:
 
 def checksum(tensors: dict[str, Any]) -> list[float]:
     """``[sum of token ids, sum of advantages]`` of a micro-batch, whatever its layout (padding is 0 in
-    every path's tensors: knittrans' and TransferQueue's ``tokens``, verl's ``input_ids``)."""
-    tokens = tensors["tokens"] if "tokens" in tensors else tensors["input_ids"]
+    every path's tensors: knittrans' and TransferQueue's ``tokens``, verl's ``input_ids``, padded or nested)."""
+    tokens = _flat(tensors["tokens"] if "tokens" in tensors else tensors["input_ids"])
     return [float(tokens.sum()), round(float(tensors["advantages"].double().sum()), 3)]
 
 
@@ -127,6 +156,8 @@ def _account(rec: dict[str, Any], value: dict[str, Any], spec: MicroSpec, ms_per
              encoder: Encoder | None) -> None:
     rec["tokens"] += spec["tokens"]
     rec["bytes"] += value["bytes"]
+    if "wire_bytes" in value:
+        rec["wire_bytes"] = rec.get("wire_bytes", 0) + value["wire_bytes"]
     if "checksums" in rec:
         rec["checksums"].append(checksum(value["tensors"]))
     if encoder is not None and value.get("encode") is not None:

@@ -6,9 +6,9 @@ What runs (all on loopback, in one Ray session started here):
   (:mod:`bench.peers.knit`); one micro-batch's read is ``StoreReader.fetch`` (over read channels);
 * **TransferQueue** 0.1.11, the package itself: its controller and two storage units; ranks read
   their rows through its client (:mod:`bench.peers.tq`);
-* **verl** 0.9.1, the package itself: ``DataProto`` dispatched by its single controller to a Ray
-  worker group, with its default serialization, its numpy one, and ObjectRefs handed to the ranks
-  (:mod:`bench.peers.verl_dp`);
+* **verl** 0.9.1, the package itself: the batch dispatched by its single controller to a Ray worker
+  group as its PPO trainer does (a no-padding TensorDict chunked and ``ray.put`` per rank), and as a
+  ``DataProto`` in both of its serializations (``torch.save``, numpy) (:mod:`bench.peers.verl_dp`);
 * a **minimal Flight** server (:mod:`bench.minimal_flight`): the floor for a group's write (one DoPut) and
   for one micro-batch's read by one DoGet per node (``minimal_flight``); its reads over one long-lived
   DoExchange per node (``minimal_flight_exchange``, a diagnostic) are the floor of knittrans' own read
@@ -20,11 +20,12 @@ them; the admission planner's plans fix each rank's micro-batches, the same on e
 built before any clock starts. A train step is timed on the driver, from the call that hands the
 ranks their step to the last rank's return; plans go out one step at a time (prefetch only within a
 step); paths take turns step by step, in a rotating order, and the first step of each (path,
-compute) is a warm-up.
+compute) is a warm-up (computing nothing).
 
-With a multimodal workload (:func:`_mm`), groups of their own carry one image each and run the 2x2
-of :data:`MM_CELLS` on knittrans and verl's default path, the encoder's cost set by
-:data:`ENCODER_PER_IMAGE_KTOK`.
+The calibrated cell (:func:`_calibrated`): groups and plans of its own (``make run``'s geometry), run by
+knittrans, TransferQueue and verl's fastest path at compute 0 (``verl_best``), each rank held the
+real trainer's measured time per 1k tokens (:mod:`bench.calibrate`). The multimodal cells:
+:mod:`bench.peers.mm`.
 """
 
 from __future__ import annotations
@@ -67,9 +68,13 @@ def ray_env() -> Iterator[None]:
                 os.environ[k] = old
 
 
-def run(w: Workload, computes: Sequence[float], paths: Sequence[str], fetch_rounds: int,
-        mm: Workload | None = None, mm_computes: Sequence[float] = ()) -> dict[str, Any]:
-    """Every path on the same groups and plans; the raw records (see :func:`summarize`)."""
+def run(w: Workload, computes: Sequence[float], paths: Sequence[str], fetch_rounds: int, *,
+        mm: Workload | None = None, enc_w: Workload | None = None, encoder_ms: float = 0.0,
+        cal: tuple[Workload, float] | None = None) -> dict[str, Any]:
+    """Every path on the same groups and plans; the raw records (see :func:`summarize`).
+
+    ``mm``/``enc_w``: the multimodal cells' workloads (:mod:`bench.peers.mm`), ``encoder_ms`` the encoder's
+    cost per image; ``cal``: the calibrated cell's workload and compute (ms per 1k tokens)."""
     import ray
 
     from bench.flight_throughput import start_store_process
@@ -89,6 +94,7 @@ def run(w: Workload, computes: Sequence[float], paths: Sequence[str], fetch_roun
         specs = step_specs(_plans(knit, w, total), w.mini_batches, w.ranks)
         steppers: dict[str, StepFn] = {"knittrans": lambda s, per_rank, c: knit.step(per_rank, c, w.prefetch_depth)}
         fetchers: dict[str, Callable[[list[MicroSpec]], list[float]]] = {"knittrans": knit.fetch_latencies}
+        tq = None
         if "transferqueue" in paths:
             from bench.peers.tq import TQPath
 
@@ -97,15 +103,18 @@ def run(w: Workload, computes: Sequence[float], paths: Sequence[str], fetch_roun
             out["put"]["transferqueue"] = tq.load(groups)
             steppers["transferqueue"] = lambda s, per_rank, c: tq.step(per_rank, c, w.prefetch_depth)
             fetchers["transferqueue"] = tq.fetch_latencies
-        for mode in ("default", "numpy", "objectref"):
-            if f"verl_{mode}" in paths:
-                steppers[f"verl_dataproto_{mode}"] = _verl(w, mode, groups, specs, stack)
+        verls = {f"verl_{m}": _verl(w, m, groups, specs, stack) for m in VERL_MODES if f"verl_{m}" in paths}
+        steppers.update({v.name: v.step for v in verls.values()})
         fetchers.update(_minimal_fetchers(knit, groups, stack))
         out["steps"] = _steps(steppers, specs, computes)
         out["fetch"] = _fetch_rounds(fetchers, [m for step in specs for rank in step for m in rank], fetch_rounds)
         out["driver_payload_bytes_knittrans"] = _knit_driver_bytes(knit, specs)
-        if mm is not None:
-            out["mm"] = _mm(knit, mm, mm_computes, stack)
+        if cal is not None and verls:
+            out["calibrated"] = _calibrated(knit, tq, verls, out["steps"], cal, computes[0])
+        if mm is not None and enc_w is not None:
+            from bench.peers.mm import run_mm
+
+            out["mm"] = run_mm(knit, mm, enc_w, encoder_ms, stack)
         out["groups_bytes"] = sum(g.nbytes for g in groups)
         out["groups"] = len(groups)
         out["specs"] = {"micro_batches_per_rank_step": len(specs[0][0]),
@@ -121,66 +130,40 @@ def _plans(knit: Any, w: Workload, total: int) -> list[Any]:
     return admit(CountingClient(knit.client), w, total)
 
 
+VERL_MODES = ("trainer", "default", "numpy")
+"""verl's ways to hand a batch to the ranks (:data:`bench.peers.verl_dp.MODES`); paths ``verl_<mode>``."""
+
+
 def _verl(w: Workload, mode: str, groups: list[pa.RecordBatch], specs: list[list[list[MicroSpec]]],
-          stack: contextlib.ExitStack) -> StepFn:
+          stack: contextlib.ExitStack) -> Any:
     from bench.peers.verl_dp import VerlPath
 
     path = VerlPath(w, mode)
     stack.callback(path.close)
     path.load(groups, specs)
-    return path.step
+    return path
 
 
-ENCODER_PER_IMAGE_KTOK = 0.09
-"""Encoder cost of one image in units of the backbone's cost per 1k tokens, from a real model pair:
-Qwen2.5-VL-7B's vision tower (0.67B parameters) over one 448x448 image (1,024 patches of 14x14) takes
-2 x 0.67e9 x 1024 = 1.37 TFLOP forward; its 7.6B-parameter language model takes 2 x 7.6e9 x 1000 =
-15.2 TFLOP per 1k tokens: 1.37 / 15.2 = 0.09."""
-
-MM_CELLS = {
-    "replicated_per_ref": ("verl", False), "replicated_dedup": ("verl", True),
-    "by_ref_per_ref": ("knittrans", False), "by_ref_dedup": ("knittrans", True),
-}
-"""The multimodal 2x2: data path (each row carries its image through verl's controller, or the image is
-stored once and read by key) x encoder (every reference, or each distinct image once per mini-batch:
-by key on knittrans, by hashing the pixels on verl's path, which has no keys)."""
-
-
-def _mm(knit: Any, w: Workload, computes: Sequence[float], stack: contextlib.ExitStack) -> dict[str, Any]:
-    """The multimodal 2x2 on its own groups (one image each, shared by the group's rows); raw records."""
-    from bench.peers.verl_dp import VerlPath
-    from bench.transfer.cluster import admit
-    from bench.transfer.driver import CountingClient
-    from schemas.images import images_to_table
-
-    rng = np.random.default_rng(w.seed + 1)
-    total = w.steps + 1
-    groups: list[pa.RecordBatch] = []
-    tables: list[pa.Table] = []
-    images: dict[bytes, np.ndarray] = {}
-    for s in range(total):
-        for g in range(w.groups):
-            imgs = [rng.integers(0, 256, w.image_shape, dtype=np.uint8) for _ in range(w.images_per_group)]
-            table, keys = images_to_table(imgs)
-            images.update(zip(keys, imgs, strict=True))
-            tables.append(table)
-            groups.append(make_group(f"mm-s{s}-g{g}", w, rng, keys))
-    put = knit.load_mm(groups, tables)
-    specs = step_specs(admit(CountingClient(knit.client), w, total), w.mini_batches, w.ranks)
-    verl = VerlPath(w, "default")
-    stack.callback(verl.close)
-    verl.load(groups, specs, images=images)
-    steppers: dict[str, StepFn] = {}
-    for cell, (path, dedup) in MM_CELLS.items():
-        def stepper(s: int, per_rank: list[list[MicroSpec]], c: float, path: str = path,
-                    dedup: bool = dedup) -> list[dict[str, Any]]:
-            enc = ENCODER_PER_IMAGE_KTOK * c
-            if path == "verl":
-                return verl.step(s, per_rank, c, enc, dedup)
-            return list(knit.step_mm(per_rank, c, enc, dedup, w.prefetch_depth))
-        steppers[cell] = stepper
-    return {"steps": _steps(steppers, specs, computes), "put": put, "image_bytes": int(np.prod(w.image_shape)),
-            "distinct_images_per_step": w.groups * w.images_per_group}
+def _calibrated(knit: Any, tq: Any, verls: dict[str, Any], steps: dict[str, Any], cal: tuple[Workload, float],
+                c: float) -> dict[str, Any]:
+    """knittrans, TransferQueue and verl's fastest path at ``c`` (its median step) on the calibrated cell's own
+    groups and plans, at the calibrated compute; raw records, and which verl path ran."""
+    w, compute_ms = cal
+    best = min(verls, key=lambda name: statistics.median(r["step_s"] for r in steps[verls[name].name][f"{c:g}"]))
+    rng = np.random.default_rng(w.seed + 3)
+    groups = [make_group(f"cal-s{s}-g{g}", w, rng) for s in range(w.steps + 1) for g in range(w.groups)]
+    knit.load(groups)
+    specs = step_specs(_plans(knit, w, w.steps + 1), w.mini_batches, w.ranks)
+    verl = verls[best]
+    verl.w = w
+    verl.load(groups, specs)
+    steppers: dict[str, StepFn] = {"knittrans": lambda s, per_rank, c: knit.step(per_rank, c, w.prefetch_depth),
+                                   "verl_best": verl.step}
+    if tq is not None:
+        tq.load(groups)
+        steppers["transferqueue"] = lambda s, per_rank, c: tq.step(per_rank, c, w.prefetch_depth)
+    return {"steps": _steps(steppers, specs, [compute_ms]), "verl_best": verl.name, "compute_ms_per_ktok": compute_ms,
+            "tokens_per_step": sum(m["tokens"] for r in specs[0] for m in r)}
 
 
 def _minimal_fetchers(knit: Any, groups: list[pa.RecordBatch],
@@ -262,7 +245,7 @@ def _steps(steppers: dict[str, StepFn], specs: list[list[list[MicroSpec]]],
             for name in names[k:] + names[:k]:
                 t_wall = time.time()
                 t0 = time.perf_counter()
-                ranks = steppers[name](s, per_rank, c)
+                ranks = steppers[name](s, per_rank, c if s else 0.0)  # the warm-up step computes nothing
                 step_s = time.perf_counter() - t0
                 if s == 0:
                     continue  # warm-up
@@ -295,7 +278,7 @@ def _fetch_rounds(fetchers: dict[str, Callable[[list[MicroSpec]], list[float]]],
 def _knit_driver_bytes(knit: Any, specs: list[list[list[MicroSpec]]]) -> int:
     """Payload bytes the stores served beyond what knittrans' ranks received over one pass of every step."""
     before = {n: s.bytes_out for n, s in knit.client.stats().items()}
-    received = sum(r["bytes"] for per_rank in specs for r in knit.step(per_rank, 0.0, 1))
+    received = sum(r["wire_bytes"] for per_rank in specs for r in knit.step(per_rank, 0.0, 1))
     return sum(s.bytes_out - before[n] for n, s in knit.client.stats().items()) - received
 
 
@@ -315,15 +298,22 @@ def summarize(raw: dict[str, Any], w: Workload, computes: Sequence[float]) -> tu
         metrics[f"load_gbps_{name}"] = put["bytes"] / put["put_s"] / 1e9
         metrics[f"load_ms_per_group_{name}"] = 1e3 * put["put_s"] / raw["groups"]
     ratios: dict[str, Any] = {}
-    for c in computes:
-        knit = metrics.get(f"step_ms_knittrans_c{c:g}")
-        for peer, key in (("verl_dataproto_default", "verl_dataproto"), ("verl_dataproto_numpy", "verl_numpy"),
-                          ("verl_dataproto_objectref", "verl_objectref"), ("transferqueue", "transferqueue")):
-            other = metrics.get(f"step_ms_{peer}_c{c:g}")
-            if knit and other:
-                ratios[f"step_vs_{key}_c{c:g}"] = other / knit
+    for name, by_c in raw["steps"].items():  # payload bytes the ranks received per step (the same rows everywhere)
+        metrics[f"rank_bytes_per_step_{name}"] = statistics.median(r["bytes"] for r in by_c[f"{computes[0]:g}"])
+    if 0.0 in computes:  # data movement alone: no compute to hide it behind
+        knit = metrics["step_ms_knittrans_c0"]
+        peers = {key: metrics[f"step_ms_{peer}_c0"] for peer, key in PEER_KEYS if f"step_ms_{peer}_c0" in metrics}
+        ratios.update({f"data_movement_vs_{key}": v / knit for key, v in peers.items()})
+        verl = {k: v for k, v in peers.items() if k.startswith("verl")}
+        if verl:
+            ratios["data_movement_vs_verl_best"] = min(verl.values()) / knit
+            metrics["verl_best_c0"] = min(verl, key=lambda k: verl[k])
+    if "calibrated" in raw:
+        _summarize_calibrated(raw["calibrated"], metrics, ratios)
     if "mm" in raw:
-        _summarize_mm(raw["mm"], metrics, ratios)
+        from bench.peers.mm import summarize_mm
+
+        summarize_mm(raw["mm"], metrics, ratios)
     knit_p50 = metrics["fetch_p50_ms_knittrans"]
     if "fetch_p50_ms_transferqueue" in metrics:
         ratios["fetch_p50_vs_transferqueue"] = metrics["fetch_p50_ms_transferqueue"] / knit_p50
@@ -333,22 +323,23 @@ def summarize(raw: dict[str, Any], w: Workload, computes: Sequence[float]) -> tu
     return metrics, ratios
 
 
-def _summarize_mm(mm: dict[str, Any], metrics: dict[str, Any], ratios: dict[str, Any]) -> None:
-    """The multimodal 2x2's medians per cell and compute, and its two gains kept apart."""
-    metrics["mm_image_bytes"] = mm["image_bytes"]
-    metrics["mm_distinct_images_per_step"] = mm["distinct_images_per_step"]
-    metrics["mm_encoder_per_image_ktok"] = ENCODER_PER_IMAGE_KTOK
-    for cell, by_c in mm["steps"].items():
-        for c, recs in by_c.items():
-            metrics[f"mm_step_ms_{cell}_c{c}"] = 1e3 * statistics.median(r["step_s"] for r in recs)
-            metrics[f"mm_first_wait_ms_{cell}_c{c}"] = 1e3 * statistics.median(r["first_wait_s"] for r in recs)
-            metrics[f"mm_encoder_passes_{cell}_c{c}"] = statistics.median(r["encoder_passes"] for r in recs)
-            metrics[f"mm_rank_bytes_{cell}_c{c}"] = statistics.median(r["bytes"] for r in recs)
-    for c in mm["steps"]["by_ref_dedup"]:
-        step = {cell: metrics[f"mm_step_ms_{cell}_c{c}"] for cell in MM_CELLS}
-        ratios[f"mm_data_path_c{c}"] = step["replicated_per_ref"] / step["by_ref_per_ref"]
-        ratios[f"mm_encoder_dedup_c{c}"] = step["by_ref_per_ref"] / step["by_ref_dedup"]
-        ratios[f"mm_step_vs_verl_c{c}"] = step["replicated_per_ref"] / step["by_ref_dedup"]
+PEER_KEYS = (("verl_trainer", "verl_trainer"), ("verl_dataproto_default", "verl_dataproto"),
+             ("verl_dataproto_numpy", "verl_numpy"), ("transferqueue", "transferqueue"))
+"""Each peer path's name and its key in ``data_movement_vs_<key>``."""
+
+
+def _summarize_calibrated(cal: dict[str, Any], metrics: dict[str, Any], ratios: dict[str, Any]) -> None:
+    """The calibrated cell's medians and ``step_vs_{verl_best,transferqueue}_calibrated``."""
+    metrics["calibrated_compute_ms_per_ktok"] = cal["compute_ms_per_ktok"]
+    metrics["calibrated_verl_best"] = cal["verl_best"]
+    metrics["calibrated_tokens_per_step"] = cal["tokens_per_step"]
+    step = {}
+    for name, by_c in cal["steps"].items():
+        recs = next(iter(by_c.values()))
+        step[name] = metrics[f"calibrated_step_ms_{name}"] = 1e3 * statistics.median(r["step_s"] for r in recs)
+    ratios["step_vs_verl_best_calibrated"] = step["verl_best"] / step["knittrans"]
+    if "transferqueue" in step:
+        ratios["step_vs_transferqueue_calibrated"] = step["transferqueue"] / step["knittrans"]
 
 
 def params(w: Workload, computes: Sequence[float], paths: Sequence[str], quick: bool) -> dict[str, Any]:

@@ -13,7 +13,7 @@ from typing import Any
 
 import pyarrow as pa
 
-from bench.peers.common import Encoder, MicroSpec, run_micro_batches
+from bench.peers.common import Encoder, MicroSpec, arrow_payload_bytes, run_micro_batches
 from bench.transfer.workload import Workload
 
 
@@ -43,7 +43,8 @@ class KnitRank:
 
         def get(spec: MicroSpec) -> dict[str, Any]:
             table = next(tables)
-            return {"tensors": pack_tensors(table, spec["advantages"], mode="padded").to_torch(), "bytes": table.nbytes}
+            return {"tensors": pack_tensors(table, spec["advantages"], mode="padded").to_torch(),
+                    "bytes": arrow_payload_bytes(table), "wire_bytes": table.nbytes}
 
         return run_micro_batches(micros, get, ms_per_ktok=ms_per_ktok, depth=depth, checksums=checksums)
 

@@ -11,26 +11,29 @@ a key per trajectory (``f"{group_id}:{sample_idx}"``), the trajectory's fields a
 (list columns as jagged nested tensors of their Arrow dtypes, ``group_id`` a ``NonTensorStack``),
 length tags per key as verl's are (``status``, ``prompt_len``, ``response_len``, ``seq_len``).
 
-Read: a rank reads exactly its micro-batch's rows, in plan order, with
-``tq.kv_batch_get(keys, partition_id, select_fields=PACK_COLUMNS)``: TQ's controller resolves the
-keys to global indexes (``kv_retrieve_meta``, ``create=False``), then the client gathers the rows
-from the storage units (``get_data``) into one ``TensorDict``; the rank turns that into the Arrow
-columns of :data:`~train.packing.PACK_COLUMNS` (numpy views of the nested tensors' values and
-offsets) and packs them with :func:`~train.packing.pack_tensors`, as every other path does.
+Read, as verl drives TransferQueue in its trainer: the driver resolves the step's keys to metadata
+once (``verl/protocol.py``, ``BatchData.chunk``: "early translate KVBatchMeta -> BatchMeta to prevent
+frequent controller communication during PUT/GET in each rank", via
+``verl/utils/transferqueue_utils.py``'s ``kv_batch_meta2batch_meta``: the client's
+``kv_retrieve_meta(keys, partition_id, create=False)`` then ``select_fields``), here every rank's rows
+in plan order in one call inside the step's clock, and hands each rank its ``BatchMeta`` chunk
+(:meth:`TQPath.step`). The rank reads with its own client's ``get_data`` (``transfer_queue/client.py``;
+verl's ``tqbridge`` calls it on the worker), one call per micro-batch on the prefetch thread (the rank's
+chunk sliced by ``BatchMeta.__getitem__``), so micro-batch i+1 is read while i computes, as on every
+other path. verl uses neither ``StreamingDataLoader`` nor ``get_meta`` with a task name on this path (its
+trainer and ``tqbridge`` go through the KV metadata above). The rank packs the ``TensorDict`` it got
+into the trainer's tensors directly (:func:`pack_tensordict`: the same vectorised scatter as
+:func:`train.packing.pack_tensors`, on the nested tensors' values and offsets, no Arrow in between).
 
-TransferQueue calls used: ``tq.init``, ``tq.kv_batch_put``, ``tq.kv_batch_get``, ``tq.close``
-(and Ray's ``ray.get_actor`` / ``ray.kill``). Not used: ``get_meta`` with ``task_name`` (TQ's
-sampler-driven consumption, which cannot address given rows), ``StreamingDataLoader``.
+TransferQueue calls used: ``tq.init``, ``tq.kv_batch_put``, ``tq.get_client().kv_retrieve_meta``,
+``BatchMeta.select_fields`` / ``__getitem__``, the client's ``get_data``, ``tq.close`` (and Ray's
+``ray.get_actor`` / ``ray.kill``).
 
 Fidelity notes:
 
 * KV reads never consume: the controller builds their metadata in ``force_fetch`` mode and leaves
   every task's consumption status alone, so repeated steps and :meth:`TQPath.fetch_latencies` read
   the same rows again without resetting anything.
-* verl's driver resolves a batch's keys once (``kv_batch_meta2batch_meta``) and dispatches a
-  ``BatchMeta`` chunk per rank, whose worker calls ``get_data``; here each rank resolves its own
-  micro-batch's keys (one controller round trip per micro-batch, inside the rank's clock) because
-  the plan, not the driver, says which rows a rank reads, and micro-batches are read one by one.
 * Only the trainer's columns are written (the tiny scalar metadata columns are carried as tags).
 """
 
@@ -42,7 +45,7 @@ from typing import Any
 
 import pyarrow as pa
 
-from bench.peers.common import MicroSpec, run_micro_batches
+from bench.peers.common import MicroSpec, run_micro_batches, tensor_bytes
 from bench.transfer.workload import Workload
 
 log = logging.getLogger(__name__)
@@ -89,17 +92,19 @@ def group_fields(group: pa.RecordBatch) -> tuple[list[str], Any, list[dict[str, 
     return keys, TensorDict(fields, batch_size=[len(gids)]), tags, int(nbytes)
 
 
-def read_rows(keys: list[str]) -> Any:
-    """The trainer's columns of ``keys``, in order, through this process's TransferQueue client (a ``TensorDict``)."""
+def resolve(rows: list[list[Any]]) -> Any:
+    """The ``BatchMeta`` of ``rows`` (in order, the trainer's columns), resolved by TransferQueue's controller."""
     import transfer_queue as tq
 
     from train.packing import PACK_COLUMNS
 
-    return tq.kv_batch_get(keys=keys, partition_id=PARTITION, select_fields=list(PACK_COLUMNS))
+    meta = tq.get_client().kv_retrieve_meta(keys=row_keys(rows), partition_id=PARTITION, create=False)
+    return meta.select_fields(list(PACK_COLUMNS))
 
 
 def payload_bytes(td: Any) -> int:
-    """Payload bytes of a read ``TensorDict``: tensor data (nested tensors' values) plus the ids' UTF-8."""
+    """Payload bytes of a read ``TensorDict``: tensor data (nested tensors' values) plus the ids' UTF-8 (as
+    :func:`bench.peers.common.arrow_payload_bytes` counts knittrans' rows)."""
     from train.packing import PACK_COLUMNS
 
     total = 0
@@ -108,25 +113,47 @@ def payload_bytes(td: Any) -> int:
         if name == "group_id":
             total += sum(len(str(g).encode()) for g in v.tolist())
         else:
-            total += (v.values() if v.is_nested else v).nbytes
+            total += tensor_bytes(v)
     return int(total)
 
 
-def to_table(td: Any) -> pa.Table:
-    """A read ``TensorDict`` as the Arrow table of :data:`~train.packing.PACK_COLUMNS` (views, no copies of values)."""
-    import numpy as np
+def pack_tensordict(td: Any, advantages: list[float]) -> dict[str, Any]:
+    """A read ``TensorDict`` packed into the trainer's padded tensors: :func:`train.packing.pack_tensors`'s layout and
+    vectorised scatter, in torch on the nested tensors' values and offsets."""
+    import torch
 
-    from train.packing import PACK_COLUMNS
-
-    cols: dict[str, pa.Array] = {
-        "group_id": pa.array([str(g) for g in td["group_id"].tolist()], type=pa.string()),
-        "sample_idx": pa.array(td["sample_idx"].numpy()),
-    }
-    for name in LIST_COLUMNS:
+    def parts(name: str) -> tuple[Any, Any]:
         nt = td[name]
-        offsets = nt.offsets().numpy().astype(np.int32)
-        cols[name] = pa.ListArray.from_arrays(pa.array(offsets), pa.array(nt.values().numpy()))
-    return pa.table({name: cols[name] for name in PACK_COLUMNS})
+        off = nt.offsets()
+        return off - off[0], nt.values()[int(off[0]):int(off[-1])]
+
+    p_off, p_val = parts("prompt_ids")
+    r_off, r_val = parts("response_ids")
+    _, l_val = parts("response_logprobs")
+    _, m_val = parts("loss_mask")
+    plen, rlen = p_off.diff(), r_off.diff()
+    n = int(plen.numel())
+    seqlen = plen + rlen
+    width = int(seqlen.max())
+    rows = torch.arange(n)
+    row_p, row_r = torch.repeat_interleave(rows, plen), torch.repeat_interleave(rows, rlen)
+    col_p = torch.arange(p_val.numel()) - torch.repeat_interleave(p_off[:-1], plen)
+    col_r = torch.arange(r_val.numel()) - torch.repeat_interleave(r_off[:-1], rlen) + plen[row_r]
+    tokens = torch.zeros((n, width), dtype=torch.int64)
+    tokens[row_p, col_p] = p_val.long()
+    tokens[row_r, col_r] = r_val.long()
+    labels = torch.zeros_like(tokens)
+    labels[:, :-1] = tokens[:, 1:]
+    labels[rows, seqlen - 1] = 0
+    out: dict[str, Any] = {"tokens": tokens, "labels": labels,
+           "position_ids": torch.arange(width, dtype=torch.int64).expand(n, width).clone()}
+    for name, values in (("rollout_logprobs", l_val.float()), ("loss_mask", m_val.float()),
+                         ("advantages", torch.tensor(advantages, dtype=torch.float32)[row_r])):
+        t = torch.zeros((n, width), dtype=torch.float32)
+        t[row_r, col_r - 1] = values
+        out[name] = t
+    out["cu_seqlens"] = None
+    return out
 
 
 class TQRank:
@@ -141,21 +168,27 @@ class TQRank:
     def ready(self) -> int:
         import torch  # noqa: F401  (import cost outside the clock)
 
-        import train.packing
         import train.prefetch  # noqa: F401
 
         return self.rank
 
-    def step(self, micros: list[MicroSpec], ms_per_ktok: float, depth: int, checksums: bool = False) -> dict[str, Any]:
-        return run_micro_batches(micros, self.get, ms_per_ktok=ms_per_ktok, depth=depth, checksums=checksums)
+    def step(self, micros: list[MicroSpec], chunk: Any, ms_per_ktok: float, depth: int,
+             checksums: bool = False) -> dict[str, Any]:
+        """One train step over ``micros``, whose rows are ``chunk`` (this rank's ``BatchMeta``) in order."""
+        import transfer_queue as tq
 
-    def get(self, spec: MicroSpec) -> dict[str, Any]:
-        """Read one micro-batch's rows from TransferQueue and pack them into the trainer's tensors."""
-        from train.packing import pack_tensors
+        client = tq.get_client()
+        starts = [0]
+        for m in micros:
+            starts.append(starts[-1] + len(m["rows"]))
+        index = {id(m): i for i, m in enumerate(micros)}
 
-        td = read_rows(row_keys(spec["rows"]))
-        tensors = pack_tensors(to_table(td), spec["advantages"], mode="padded").to_torch()
-        return {"tensors": tensors, "bytes": payload_bytes(td)}
+        def get(spec: MicroSpec) -> dict[str, Any]:
+            i = index[id(spec)]
+            td = client.get_data(chunk[starts[i]:starts[i + 1]])
+            return {"tensors": pack_tensordict(td, spec["advantages"]), "bytes": payload_bytes(td)}
+
+        return run_micro_batches(micros, get, ms_per_ktok=ms_per_ktok, depth=depth, checksums=checksums)
 
 
 class TQPath:
@@ -195,18 +228,31 @@ class TQPath:
 
     def step(self, per_rank: list[list[MicroSpec]], ms_per_ktok: float, depth: int = 1,
              checksums: bool = False) -> list[dict[str, Any]]:
+        """The step's metadata resolved once (every rank's rows, one controller call), a chunk to each rank."""
         import ray
 
-        return list(ray.get([r.step.remote(m, ms_per_ktok, depth, checksums)
-                             for r, m in zip(self.ranks, per_rank, strict=True)]))
+        meta = resolve([row for micros in per_rank for m in micros for row in m["rows"]])
+        chunks, at = [], 0
+        for micros in per_rank:
+            n = sum(len(m["rows"]) for m in micros)
+            chunks.append(meta[at:at + n])
+            at += n
+        return list(ray.get([r.step.remote(m, c, ms_per_ktok, depth, checksums)
+                             for r, m, c in zip(self.ranks, per_rank, chunks, strict=True)]))
 
     def fetch_latencies(self, micros: list[MicroSpec]) -> list[float]:
-        """One ``kv_batch_get`` of each micro-batch's rows in this process (data only: no packing, no compute)."""
-        out = []
+        """One ``get_data`` of each micro-batch's rows in this process (data only: no packing, no compute), its
+        metadata resolved beforehand, once for all of ``micros`` (outside the clock, as once per step)."""
+        import transfer_queue as tq
+
+        client = tq.get_client()
+        meta = resolve([row for m in micros for row in m["rows"]])
+        out, at = [], 0
         for m in micros:
-            keys = row_keys(m["rows"])
+            part = meta[at:at + len(m["rows"])]
+            at += len(m["rows"])
             t0 = time.perf_counter()
-            read_rows(keys)
+            client.get_data(part)
             out.append(time.perf_counter() - t0)
         return out
 

@@ -1,40 +1,45 @@
-"""verl's path in the peers benchmark: the driver holds each train batch as one DataProto and dispatches it.
+r"""verl's path in the peers benchmark: the driver holds each train batch and dispatches it to the ranks.
 
-This is verl's real single-controller data path, run on CPU. The driver builds, outside the clock,
+This is verl 0.9.1's real single-controller data path, run on CPU. The driver builds, outside the clock,
 one :class:`verl.protocol.DataProto` per train step (``DataProto.from_dict`` of verl's right-padded
 batch layout, :func:`bench.transfer.workload.dataproto_shards`), as verl's driver holds the rollout
 output. The ranks are a :class:`verl.single_controller.ray.RayWorkerGroup` of
 :class:`verl.single_controller.base.Worker` subclasses (:func:`_rank_worker_class`), placed in a
 CPU-only :class:`verl.single_controller.ray.RayResourcePool` (``use_gpu=False``, one ``{"CPU": 1}``
-bundle per rank). A step calls the worker group's method as verl's trainer calls ``update_actor``:
+bundle per rank). A step hands the batch to the ranks in one of three ways (:data:`MODES`):
 
-- ``default``: ``update_actor`` is registered ``Dispatch.DP_COMPUTE_PROTO``: verl's dispatch
-  ``DataProto.chunk``\\ s the batch into ``ranks`` equal chunks and passes chunk ``r`` to rank ``r``
-  in the actor call, so Ray pickles it (``DataProto.__getstate__``: ``consolidate`` + ``torch.save``
-  into bytes) on the driver and the rank unpickles it (``__setstate__``: ``torch.load``). The ranks'
-  return values (a DataProto whose ``meta_info["metrics"]`` is the rank's record) are gathered by
-  verl's collect (``DataProto.concat``).
-- ``numpy``: the same with ``VERL_DATAPROTO_SERIALIZATION_METHOD=numpy``: ``__getstate__`` turns
-  each tensor into a uint8 numpy view (``serialize_tensordict``; pickled out of band by Ray) and
-  ``__setstate__`` copies it back into a tensor. verl reads the variable at pickling time, so it is
-  set on the driver around each step (verl's ``temp_env_var``) and in the ranks' environment
-  (``RayWorkerGroup(worker_env=...)``); ``default`` sets it to ``torch`` in both (any other value).
-- ``objectref``: the driver ``DataProto.chunk``\\ s the batch and ``ray.put``\\ s the chunks (verl's
-  ``parallel_put``, as its n-d dispatch does), and hands rank ``r`` a
-  :class:`verl.protocol.DataProtoFuture` of its one ObjectRef through ``update_actor_future``
-  (``Dispatch.DP_COMPUTE``: one argument per rank). verl's ``register`` wrapper materializes it on
-  the rank (``DataProtoFuture.get``: ``ray.get`` then ``DataProto.concat`` of the one chunk, which
-  copies it once more) before the method body runs. Default serialization.
+- ``trainer``: what verl 0.9.1's PPO trainer does (``verl/trainer/ppo/ray_trainer.py``,
+  ``RayPPOTrainer._update_actor``): ``DataProto.to_tensordict`` then ``left_right_2_no_padding``
+  (``verl/workers/utils/padding.py``: ``input_ids``/``position_ids`` become jagged nested tensors) on
+  the driver, then the worker group's ``update_actor`` registered as its engine workers register it
+  (``verl/workers/engine_workers.py``: ``make_nd_compute_dataproto_dispatch_fn(mesh_name=...)``):
+  verl's dispatch (``verl/single_controller/base/decorator.py``, ``dispatch_lazy_compute_data_proto``)
+  chunks the TensorDict per data-parallel rank (``BatchData.chunk``: ``chunk_tensordict``, then
+  ``contiguous(...).consolidate()``), ``ray.put``\ s the chunks (``parallel_put``) and passes each rank
+  its ObjectRef, which Ray resolves before the method runs. The rank splits its chunk into its
+  micro-batches with ``verl.utils.tensordict_utils.index_select_tensor_dict`` (as verl's
+  ``make_iterator`` does). TensorDicts are pickled by tensordict itself: DataProto's serialization
+  switch does not apply to this path.
+- ``default``: the DataProto itself through ``Dispatch.DP_COMPUTE_PROTO`` (verl's dispatch
+  ``DataProto.chunk``\ s it and passes chunk ``r`` to rank ``r`` in the actor call), pickled by
+  ``DataProto.__getstate__`` (``verl/protocol.py``): ``consolidate`` + ``torch.save`` into bytes, and
+  ``torch.load`` on the rank.
+- ``numpy``: the same with DataProto's other serialization: ``verl/protocol.py`` reads
+  ``os.getenv("VERL_DATAPROTO_SERIALIZATION_METHOD") == "numpy"`` in ``__getstate__``/``__setstate__``,
+  and then pickles each tensor as a uint8 numpy view (``serialize_tensordict``, out of band in Ray) and
+  copies it back into a tensor (``deserialize_tensordict``). The variable is read at pickling time, so
+  it is set on the driver around each step (verl's ``temp_env_var``) and in the ranks' environment
+  (``RayWorkerGroup(worker_env=...)``); the other modes set it to ``torch``.
 
-A rank splits its chunk into its micro-batches (row counts of its specs, in order; verl's actor
-splits its mini-batch the same way, ``DataProto`` slices) and runs :func:`~bench.peers.common.run_micro_batches`
-on them with ``depth=0``: the chunk is already all on the rank, a micro-batch is a slice of it.
+A rank splits its chunk into its micro-batches (row counts of its specs, in order) and runs
+:func:`~bench.peers.common.run_micro_batches` on them with ``depth=0``: the chunk is already all on
+the rank, a micro-batch is a slice of it. The ranks' records come back through the worker group.
 
 Layout: a step's rows are rank 0's micro-batches' rows (in order), then rank 1's, ..., every tensor
-padded to the step's longest row (verl pads the whole batch). verl's ``DataProto.chunk`` only splits
-into equal chunks, so when the ranks have different row counts each rank's rows are followed by
-all-zero padding rows up to the largest (``pad_rows`` in :meth:`VerlPath.load`; verl itself balances
-its batch to equal rows per rank); padding rows travel but are never in a micro-batch.
+padded to the step's longest row (verl pads the whole batch). verl's chunking only splits into equal
+chunks, so when the ranks have different row counts each rank's rows are followed by copies of its
+first row up to the largest (``pad_rows``; verl's ``pad_dataproto_to_divisor`` pads with copies of
+rows too); padding rows travel but are never in a micro-batch.
 """
 
 from __future__ import annotations
@@ -48,13 +53,16 @@ from typing import Any, cast
 import numpy as np
 import pyarrow as pa
 
-from bench.peers.common import Encoder, MicroSpec, run_micro_batches
+from bench.peers.common import Encoder, MicroSpec, run_micro_batches, tensor_bytes
 from bench.transfer.workload import Workload, dataproto_shards
 
 log = logging.getLogger(__name__)
 
-MODES = ("default", "numpy", "objectref")
+MODES = ("trainer", "default", "numpy")
 """How a step's DataProto reaches the ranks (see the module docstring)."""
+
+MESH = "train"
+"""The mesh name the ranks register their data-parallel ranks under (verl's engine workers use ``train``)."""
 
 SERIALIZATION_ENV = "VERL_DATAPROTO_SERIALIZATION_METHOD"
 """verl's switch between ``torch.save`` (any value but ``numpy``) and numpy DataProto pickling."""
@@ -69,12 +77,19 @@ def _rank_worker_class() -> Any:
     from verl.protocol import DataProto
     from verl.single_controller.base import Worker
     from verl.single_controller.base.decorator import Dispatch as _Dispatch
-    from verl.single_controller.base.decorator import register
+    from verl.single_controller.base.decorator import (
+        collect_all_to_all,
+        dispatch_lazy_compute_data_proto,
+        register,
+    )
 
     dispatch: Any = _Dispatch  # a DynamicEnum: its modes are registered at import time
+    # the trainer's dispatch (make_nd_compute_dataproto_dispatch_fn); its records returned as a list
+    nd_dispatch = {"dispatch_fn": functools.partial(dispatch_lazy_compute_data_proto, MESH),
+                   "collect_fn": collect_all_to_all}
 
     class VerlRankWorker(Worker):
-        """One trainer rank: receives its DataProto chunk, splits it into its micro-batches, computes."""
+        """One trainer rank: receives its chunk, splits it into its micro-batches, computes."""
 
         @register(dispatch_mode=dispatch.ONE_TO_ALL)
         def ready(self) -> int:
@@ -82,53 +97,67 @@ def _rank_worker_class() -> Any:
 
             import bench.peers.common  # noqa: F401
 
+            self._register_dispatch_collect_info(MESH, dp_rank=int(self.rank), is_collect=True)
             return int(self.rank)
 
         @register(dispatch_mode=dispatch.DP_COMPUTE_PROTO)
         def update_actor(self, data: Any) -> Any:
-            """``default``/``numpy``: ``data`` is this rank's chunk, unpickled by Ray before this runs."""
-            return self._train(data, time.time())
+            """``default``/``numpy``: ``data`` is this rank's DataProto chunk, unpickled by Ray before this runs."""
+            t_in = time.time()
+            rec = _train(data.meta_info, len(data), self.rank,
+                         lambda a, b: dict(data[a:b].batch.items()))  # DataProto.slice: views of the chunk
+            return DataProto.from_dict(meta_info={"metrics": {**rec, "recv_s": t_in - data.meta_info["t_dispatch"]}})
 
-        @register(dispatch_mode=dispatch.DP_COMPUTE)
-        def update_actor_future(self, data: Any) -> Any:
-            """``objectref``: ``data`` was a DataProtoFuture, materialized by verl's ``register`` wrapper."""
-            return self._train(data, time.time())
+        @register(dispatch_mode=nd_dispatch)
+        def update_actor_td(self, data: Any) -> dict[str, Any]:
+            """``trainer``: ``data`` is this rank's TensorDict chunk, resolved from its ObjectRef by Ray."""
+            import torch
+            from verl.utils import tensordict_utils as tu
 
-        def _train(self, data: Any, t_in: float) -> Any:
-            meta = data.meta_info
-            micros: list[MicroSpec] = meta["micros"][self.rank]
-            starts = np.concatenate([[0], np.cumsum([m["n_rows"] for m in micros])])
-            seen: set[bytes] = set()  # images this mini-batch encoded (dedup: found by hashing the pixels)
-            mini = [-1]
+            t_in = time.time()
+            meta = tu.get_non_tensor_data(data, "bench_meta", None)
 
-            def get(spec: MicroSpec) -> dict[str, Any]:
-                i = spec["index"]
-                mb = data[int(starts[i]):int(starts[i + 1])]  # DataProto.slice: views of the chunk
-                tensors = dict(mb.batch.items())
-                value = {"tensors": tensors, "bytes": sum(t.numel() * t.element_size() for t in tensors.values())}
-                pixels = tensors.pop("pixel_values", None)
-                if pixels is not None:  # every row carries its images: [rows, images per row, ...]
-                    flat = pixels.reshape(-1, *pixels.shape[2:])
-                    if meta["dedup"]:
-                        if spec["mini"] != mini[0]:
-                            mini[0] = spec["mini"]
-                            seen.clear()
-                        new = []
-                        for j in range(flat.shape[0]):
-                            digest = hashlib.blake2b(flat[j].numpy(), digest_size=16).digest()
-                            if digest not in seen:
-                                seen.add(digest)
-                                new.append(j)
-                        flat = flat[new]
-                    value["encode"] = flat
-                return value
+            def rows(a: int, b: int) -> dict[str, Any]:
+                mb = tu.index_select_tensor_dict(data, list(range(a, b)))
+                return {k: v for k, v in mb.items() if isinstance(v, torch.Tensor)}
 
-            rec = run_micro_batches(micros, get, ms_per_ktok=meta["ms_per_ktok"], depth=0,
-                                    checksums=meta["checksums"], encoder=Encoder(meta["ms_per_image"]))
-            rec.update(rank=self.rank, recv_s=t_in - meta["t_dispatch"], chunk_rows=len(data))
-            return DataProto.from_dict(meta_info={"metrics": rec})
+            return {**_train(meta, len(data), self.rank, rows), "recv_s": t_in - meta["t_dispatch"]}
 
     return VerlRankWorker
+
+
+def _train(meta: dict[str, Any], chunk_rows: int, rank: int, rows: Any) -> dict[str, Any]:
+    """A rank's step over its chunk: ``rows(a, b)`` gives rows ``[a, b)`` of the chunk as tensors."""
+    micros: list[MicroSpec] = meta["micros"][rank]
+    starts = np.concatenate([[0], np.cumsum([m["n_rows"] for m in micros])])
+    seen: set[bytes] = set()  # images this mini-batch encoded (dedup: found by hashing the pixels)
+    mini = [-1]
+
+    def get(spec: MicroSpec) -> dict[str, Any]:
+        i = spec["index"]
+        tensors = rows(int(starts[i]), int(starts[i + 1]))
+        value = {"tensors": tensors, "bytes": sum(tensor_bytes(t) for t in tensors.values())}
+        pixels = tensors.pop("pixel_values", None)
+        if pixels is not None:  # every row carries its images: [rows, images per row, ...]
+            flat = pixels.reshape(-1, *pixels.shape[2:])
+            if meta["dedup"]:
+                if spec["mini"] != mini[0]:
+                    mini[0] = spec["mini"]
+                    seen.clear()
+                new = []
+                for j in range(flat.shape[0]):
+                    digest = hashlib.blake2b(flat[j].numpy(), digest_size=16).digest()
+                    if digest not in seen:
+                        seen.add(digest)
+                        new.append(j)
+                flat = flat[new]
+            value["encode"] = flat
+        return value
+
+    rec = run_micro_batches(micros, get, ms_per_ktok=meta["ms_per_ktok"], depth=0, checksums=meta["checksums"],
+                            encoder=Encoder(meta["ms_per_image"]))
+    rec.update(rank=int(rank), chunk_rows=chunk_rows)
+    return rec
 
 
 class VerlPath:
@@ -152,7 +181,7 @@ class VerlPath:
             msg = f"verl's worker group needs {w.ranks} free Ray CPUs, the cluster has {free}"
             raise RuntimeError(msg)
         self.w, self.mode, self.checksums = w, mode, checksums
-        self.name = f"verl_dataproto_{mode}"
+        self.name = "verl_trainer" if mode == "trainer" else f"verl_dataproto_{mode}"
         self.env_value = "numpy" if mode == "numpy" else "torch"
         self.batches: list[Any] = []
         self.rank_rows: list[list[int]] = []
@@ -205,14 +234,11 @@ class VerlPath:
                 batch["pixel_values"] = torch.from_numpy(np.stack([np.stack([images[k] for k in keys])
                                                                    for keys in taken.column("image_keys").to_pylist()]))
             per = max(len(r) for r in idx)
-            if any(len(r) != per for r in idx):  # equal chunks: pad each rank's rows up to the largest
-                dest = np.concatenate([r * per + np.arange(len(x)) for r, x in enumerate(idx)])
-                padded = {}
-                for k, v in batch.items():
-                    out = torch.zeros((per * len(idx), *v.shape[1:]), dtype=v.dtype)
-                    out[torch.from_numpy(dest)] = v
-                    padded[k] = out
-                batch = padded
+            if any(len(r) != per for r in idx):  # equal chunks: each rank's rows, then copies of its first row
+                at = np.concatenate([[0], np.cumsum([len(r) for r in idx])])
+                src = torch.from_numpy(np.concatenate([np.r_[at[r]:at[r + 1], np.full(per - len(x), at[r])]
+                                                       for r, x in enumerate(idx)]).astype(np.int64))
+                batch = {k: v[src] for k, v in batch.items()}
                 self.pad_rows += per * len(idx) - len(flat)
             rows += len(flat)
             self.rank_rows.append([len(r) for r in idx])
@@ -223,17 +249,14 @@ class VerlPath:
 
     def step(self, s: int, per_rank: list[list[MicroSpec]], ms_per_ktok: float, ms_per_image: float = 0.0,
              dedup: bool = False) -> list[dict[str, Any]]:
-        """One train step: dispatch step ``s``'s DataProto to the ranks as the mode says; their records.
+        """One train step: hand step ``s``'s batch to the ranks as the mode says; their records.
 
         Each rank's record is :func:`~bench.peers.common.run_micro_batches`' plus ``rank``,
-        ``chunk_rows`` and ``recv_s``: wall time from just before the driver dispatched (chunking,
-        pickling, ``ray.put`` and the actor call included) to the rank's method starting with its
-        chunk unpickled (``objectref``: materialized from the object store); driver and ranks share one
-        host's clock.
+        ``chunk_rows`` and ``recv_s``: wall time from just before the driver started the dispatch
+        (``trainer``: the TensorDict conversion, chunking and ``ray.put`` included) to the rank's method
+        starting with its chunk deserialized; driver and ranks share one host's clock.
         """
-        from verl.protocol import DataProto, DataProtoFuture
         from verl.utils.py_functional import temp_env_var
-        from verl.utils.ray_utils import parallel_put
 
         data = self.batches[s]
         if [sum(len(m["rows"]) for m in ms) for ms in per_rank] != self.rank_rows[s]:
@@ -241,18 +264,15 @@ class VerlPath:
             raise ValueError(msg)
         micros = [[{"index": i, "mini": m["mini"], "n_rows": len(m["rows"]), "tokens": int(m["tokens"])}
                    for i, m in enumerate(ms)] for ms in per_rank]
+        meta = {"micros": micros, "ms_per_ktok": ms_per_ktok, "checksums": self.checksums,
+                "ms_per_image": ms_per_image, "dedup": dedup, "t_dispatch": time.time()}
         with temp_env_var(SERIALIZATION_ENV, self.env_value):
-            data.meta_info = {"micros": micros, "ms_per_ktok": ms_per_ktok, "checksums": self.checksums,
-                              "ms_per_image": ms_per_image, "dedup": dedup,
-                              "t_dispatch": time.time()}
-            if self.mode == "objectref":
-                refs = parallel_put(data.chunk(self.w.ranks), max_workers=self.w.ranks)
-                futures = [DataProtoFuture(collect_fn=DataProto.concat, futures=[ref]) for ref in refs]
-                out = DataProto.concat(self.group.update_actor_future(futures))
+            if self.mode == "trainer":
+                recs = list(self.group.update_actor_td(_trainer_batch(data, meta)))
             else:
-                out = self.group.update_actor(data)
-        metrics = out.meta_info["metrics"]
-        recs = [{k: v[r] for k, v in metrics.items()} for r in range(self.w.ranks)]
+                data.meta_info = meta
+                metrics = self.group.update_actor(data).meta_info["metrics"]  # verl's collect: concat, per key
+                recs = [{k: v[r] for k, v in metrics.items()} for r in range(self.w.ranks)]
         if [rec["rank"] for rec in recs] != list(range(self.w.ranks)):
             msg = f"records out of rank order: {[rec['rank'] for rec in recs]}"
             raise RuntimeError(msg)
@@ -268,3 +288,14 @@ class VerlPath:
         for pg in self.pool.pgs or []:
             remove_placement_group(pg)
         self.batches = []
+
+
+def _trainer_batch(data: Any, meta: dict[str, Any]) -> Any:
+    """What ``RayPPOTrainer._update_actor`` hands ``update_actor``: the batch as a TensorDict in verl's
+    no-padding layout, the step's settings as non-tensor data."""
+    from verl.utils import tensordict_utils as tu
+    from verl.workers.utils.padding import left_right_2_no_padding
+
+    batch_td = left_right_2_no_padding(data.to_tensordict())
+    tu.assign_non_tensor(batch_td, bench_meta=meta)
+    return batch_td
