@@ -147,8 +147,12 @@ def test_the_rollout_writes_through_a_store_restart(tmp_path: Path) -> None:
 
 
 def test_lookahead_keeps_its_last_counts_while_a_store_is_unreachable() -> None:
-    answers: list[Any] = [{"a": {"groups": {"stored": 2}}}, NodeUnavailableError("store node a is unavailable",
-                                                                                 node="a"), {"a": {"groups": {}}}]
+    from schemas.replies import GroupCounts, NodeStats
+
+    def held(stored: int) -> dict[str, NodeStats]:
+        return {"a": NodeStats.model_construct(groups=GroupCounts(stored=stored, released=0, inflight=0), demand={})}
+
+    answers: list[Any] = [held(2), NodeUnavailableError("store node a is unavailable", node="a"), held(0)]
 
     def stats() -> Any:
         answer = answers.pop(0)
