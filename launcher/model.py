@@ -56,7 +56,7 @@ RUN_MODELS: dict[str, RunModel] = {
     "tiny": RunModel(folder="tiny-llama"),
     # pretrained: exact match is reachable; short answers; bf16 halves the weight-sync bytes (the engine then
     # runs the rounded weights). The geometry of `make run`: learning visible in ~6 minutes on 2 cores
-    # (B=4 groups of 4, K=2, one trainer rank, 12 train batches = 24 steps at lr 1e-5; README)
+    # (B=4 groups of 4, K=2, one trainer rank, 12 train batches = 24 steps at lr 1e-5; docs/main-job.md)
     "smollm2-135m": RunModel(folder=SMOLLM2_135M_INSTRUCT.name, publish_dtype="bfloat16",
                              run_defaults={"reward": "exact", "max_tokens": 32, "optim": {"lr": 1e-5},
                                            "train_batches": 12,

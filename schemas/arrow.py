@@ -7,7 +7,7 @@ Three tables:
   store-assigned ``seq`` cursor;
 * the **image** table, one row per distinct image, keyed by its content hash.
 
-Column kinds (DESIGN.md, Records): keys identify a row, metadata is small and scanned by the
+Column kinds (docs/design.md, Records): keys identify a row, metadata is small and scanned by the
 planner, payload is large and fetched only by the rank that consumes it.
 """
 

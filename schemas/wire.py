@@ -1,7 +1,7 @@
 """Wire documents: Flight descriptors, tickets and action bodies, as small versioned JSON.
 
 Every document is a JSON object with ``"v"`` (the schema version) and ``"kind"``. Any Flight
-client, in any language, can build them by hand; the README's wire-protocol section shows one
+client, in any language, can build them by hand; docs/protocol.md shows one
 example of each. ``decode_descriptor``, ``decode_ticket``, ``decode_exchange`` and ``decode_action_body``
 are the only places that parse them, and raise :class:`WireError` naming what was wrong.
 """
@@ -39,7 +39,7 @@ LIMITS: dict[str, int] = {
     "groups_per_list": 1000,
     "groups_per_put": 1024,
 }
-"""The wire's limits (README, Limits): bytes of a document, entries of its lists, FlightInfos per ListFlights.
+"""The wire's limits (docs/protocol.md, Limits): bytes of a document, entries of its lists, FlightInfos per ListFlights.
 A request over one is refused (``LimitExceededError`` naming it) before it is parsed further."""
 _LIST_LIMITS = {"slices": "slices_per_ticket", "keys": "keys_per_ticket", "group_ids": "groups_per_release",
                 "groups": "groups_per_put"}

@@ -1,7 +1,7 @@
 """The client contract for any rollout engine: what a non-Python engine writes, with raw pyarrow.flight only.
 
 The write path imports nothing from the project (no ``connectors``, ``flight_store`` or ``schemas``):
-JSON documents, the Arrow schema and image keys are built by hand from the README's wire protocol, as
+JSON documents, the Arrow schema and image keys are built by hand from the wire protocol (docs/protocol.md), as
 an engine written in C++, Rust, Go or Java would. Only the server comes from the ``store_nodes``
 fixture. Complements ``test_wire_raw.py`` (scan/fetch/release) with the engine's side: read the
 published policy version, write images once by content key, write a full group (every column an
@@ -42,7 +42,7 @@ def _put(client: flight.FlightClient, doc: dict[str, object], table: pa.Table) -
 
 
 def _image_key(a: np.ndarray) -> bytes:
-    """The README's key rule: sha256 over "<dtype.str>|<shape, comma-joined>|" + C-contiguous bytes."""
+    """The protocol's key rule: sha256 over "<dtype.str>|<shape, comma-joined>|" + C-contiguous bytes."""
     a = np.ascontiguousarray(a)
     return hashlib.sha256(f"{a.dtype.str}|{','.join(map(str, a.shape))}|".encode() + a.tobytes()).digest()
 

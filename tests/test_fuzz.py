@@ -208,7 +208,7 @@ def test_fuzzed_read_channel_requests_and_descriptors(node) -> None:
     @SETTINGS
     @given(request=documents())
     def one(request: bytes) -> None:
-        assume(request)  # an empty message reads as the stream's end: it ends the channel (README)
+        assume(request)  # an empty message reads as the stream's end: it ends the channel (docs/protocol.md)
         end = answer(writer, reader, request)
         if "error" in end:
             assert end["error"]["error"] in ERROR_CLASSES and end["error"]["message"], end  # never internal

@@ -1,4 +1,4 @@
-"""The wire contract against any client and any fault, with raw pyarrow.flight where the README is the contract.
+"""The wire contract against any client and any fault, with raw pyarrow.flight where docs/protocol.md is the contract.
 
 Covers: a group write is atomic (five ways a stream can end early, with and without a spill log, and a
 restart), routing is part of the protocol (rendezvous over node ids, the ``cluster`` action, a node
@@ -35,7 +35,7 @@ ROOT = Path(__file__).resolve().parents[1]
 G = 4
 
 
-# ---- what a client in any language writes, from the README alone -----------------------------------
+# ---- what a client in any language writes, from docs/protocol.md alone -----------------------------------
 
 
 def _cmd(doc: dict[str, object]) -> flight.FlightDescriptor:
@@ -81,7 +81,7 @@ def _refusal(call: Any) -> flight.FlightError:
 
 
 def _info(err: flight.FlightError) -> dict[str, Any]:
-    """The README's error info: ``knit:<Class>`` then a JSON object (message, retryable, fields)."""
+    """The protocol's error info: ``knit:<Class>`` then a JSON object (message, retryable, fields)."""
     head, _, body = err.extra_info.partition(b"\n")
     return {"class": head.decode().removeprefix("knit:"), **json.loads(body)}
 
@@ -177,7 +177,7 @@ ROUTING_VECTORS = [("step0-p0", "node1"), ("step0-p1", "node0"), ("g1", "node2")
 
 
 def _readme_owner(group_id: str, ids: list[str]) -> str:
-    """The README's routing, written from its text alone."""
+    """The protocol's routing, written from its text alone."""
     def score(node: str) -> tuple[int, bytes]:
         digest = hashlib.sha256(node.encode() + b"\x00" + group_id.encode()).digest()
         return int.from_bytes(digest[:8], "big"), node.encode()

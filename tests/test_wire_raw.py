@@ -1,4 +1,4 @@
-"""A write and a read with raw pyarrow.flight calls that follow only the README's wire protocol.
+"""A write and a read with raw pyarrow.flight calls that follow only the wire protocol (docs/protocol.md).
 
 No import from the project here (no ``flight_store``, no ``schemas``): JSON documents and the Arrow
 schema are built by hand, as a C++/Rust/Go/Java client would. The server comes from the
@@ -132,7 +132,7 @@ def test_raw_images_roundtrip(store_nodes) -> None:
     (server,) = store_nodes(1)
     client = flight.connect(server.location)
     data = b"\1\2\3\4"
-    key = hashlib.sha256(b"|u1|2,2|" + data).digest()  # the README's content key: typestr|shape| + bytes
+    key = hashlib.sha256(b"|u1|2,2|" + data).digest()  # the protocol's content key: typestr|shape| + bytes
     schema = pa.schema(
         [
             ("image_key", pa.binary(32)),
