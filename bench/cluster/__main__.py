@@ -65,7 +65,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         shapes = [(2, 2)]
     else:
         shapes = [(n, 2) for n in (2, 4)] if args.quick else [(n, d) for n in (2, 4, 8) for d in (2, 4)]
-    runs = []
+    runs: list[dict[str, Any]] = []
     for n, d in shapes:
         wl = workloads(args.quick, d, args.tiny)
         if args.no_mm:

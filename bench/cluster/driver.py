@@ -18,7 +18,7 @@ import time
 from collections.abc import Callable
 from dataclasses import asdict
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 
@@ -63,17 +63,17 @@ class Driver:
         tq.init({"backend": {"storage_backend": "SimpleStorage", "SimpleStorage": {
             "num_data_storage_units": n, "required_node_resource": "tq_store"}}})
         self.tq = tq.get_client()
-        self.rollouts = [ray.remote(Rollout).options(num_cpus=0, resources={f"store{i}": 1}).remote(  # type: ignore[attr-defined]
+        self.rollouts: list[Any] = [ray.remote(Rollout).options(num_cpus=0, resources={f"store{i}": 1}).remote(  # type: ignore[attr-defined]
             i, store, VERL_SERIALIZATION) for i, store in enumerate(spec["stores"])]
-        self.ranks = [ray.remote(ClusterRank).options(num_cpus=0, resources={f"rank{j}": 1}).remote(  # type: ignore[attr-defined]
+        self.ranks: list[Any] = [ray.remote(ClusterRank).options(num_cpus=0, resources={f"rank{j}": 1}).remote(  # type: ignore[attr-defined]
             j, spec["stores"]) for j in range(d)]
         ray.get([r.ready.remote() for r in self.ranks])
         # One bundle of every CPU a rank host offers: only rank hosts can hold one, one rank per host.
         self.pool: Any = RayResourcePool(process_on_nodes=[1] * d, use_gpu=False,
                                          max_colocate_count=spec["rank_host_cpus"])
-        self.group: Any = RayWorkerGroup(resource_pool=self.pool,
-                                         ray_cls_with_init=RayClassWithInitArgs(cls=ray.remote(verl_rank_class())),
-                                         worker_env={SERIALIZATION_ENV: VERL_SERIALIZATION})
+        self.group: Any = cast(Any, RayWorkerGroup)(
+            resource_pool=self.pool, ray_cls_with_init=RayClassWithInitArgs(cls=ray.remote(verl_rank_class())),
+            worker_env={SERIALIZATION_ENV: VERL_SERIALIZATION})
         self.group.ready()
         from flight_store.client import StoreClient
 

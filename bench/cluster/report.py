@@ -85,19 +85,12 @@ def summarize(runs: list[dict[str, Any]], link_mbit: float, ms_per_ktok: float) 
                 predicted[f"cluster_{k}_{kind}_n{n}_d{d}"] = v
             if d != largest_d[n]:
                 continue
-            knit = nums["knittrans"]
-            ratios[f"cluster_transfer_vs_verl_{kind}_n{n}"] = (nums["verl"]["transfer_ms_per_micro_batch"]
-                                                                / knit["transfer_ms_per_micro_batch"])
-            ratios[f"cluster_transfer_vs_transferqueue_{kind}_n{n}"] = (
-                nums["transferqueue"]["transfer_ms_per_micro_batch"] / knit["transfer_ms_per_micro_batch"])
-            ratios[f"cluster_step_vs_verl_{kind}_n{n}"] = nums["verl"]["step_ms"] / knit["step_ms"]
-            ratios[f"cluster_step_vs_transferqueue_{kind}_n{n}"] = nums["transferqueue"]["step_ms"] / knit["step_ms"]
-            predicted[f"cluster_transfer_vs_verl_{kind}_n{n}"] = pred["transfer_ms_verl"] / pred["transfer_ms_knittrans"]
-            predicted[f"cluster_transfer_vs_transferqueue_{kind}_n{n}"] = (pred["transfer_ms_transferqueue"]
-                                                                           / pred["transfer_ms_knittrans"])
-            predicted[f"cluster_step_vs_verl_{kind}_n{n}"] = pred["step_ms_verl"] / pred["step_ms_knittrans"]
-            predicted[f"cluster_step_vs_transferqueue_{kind}_n{n}"] = (pred["step_ms_transferqueue"]
-                                                                       / pred["step_ms_knittrans"])
+            for what, m_key, p_key in (("transfer", "transfer_ms_per_micro_batch", "transfer_ms"),
+                                       ("step", "step_ms", "step_ms")):
+                for peer, name in (("verl", "verl"), ("transferqueue", "transferqueue")):
+                    key = f"cluster_{what}_vs_{name}_{kind}_n{n}"
+                    ratios[key] = nums[peer][m_key] / nums["knittrans"][m_key]
+                    predicted[key] = pred[f"{p_key}_{peer}"] / pred[f"{p_key}_knittrans"]
     metrics["cluster_cpu_util_max"] = cpu
     return metrics, ratios, predicted
 

@@ -31,8 +31,8 @@ from typing import Any
 
 from bench import write_path
 from bench._common import pyplot, write_result
+from bench.cluster.workload import Workload
 from bench.peers.harness import params, run, summarize
-from bench.transfer.workload import Workload
 
 PATHS = ("transferqueue", "verl_default", "verl_numpy", "verl_objectref")
 TARGETS = {"step_vs_verl_dataproto_c0": 3.0, "step_vs_transferqueue_c0": 1.5, "fetch_p50_vs_transferqueue": 4.0,
