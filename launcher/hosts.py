@@ -11,7 +11,7 @@ in its own session, so it can be stopped by its process-group id; :attr:`Host.ex
 prefix for a launcher that starts the process itself; :meth:`Host.link_bytes` reads the kernel's byte
 counters of its link (the host-side end of its veth, seen from the host: what it received and sent);
 :meth:`Host.cut` / :meth:`Host.restore` take its link down and up (a cable pulled: packets are dropped
-silently, TCP connections survive a short cut and resend).
+silently, TCP connections survive a short cut and resend); :meth:`Host.shape` caps its link's rate.
 
 Guarantees:
 
@@ -221,6 +221,17 @@ class Host:
     def restore(self) -> None:
         """Bring this host's link up again."""
         _ip("link", "set", self.link, "up")
+
+    def shape(self, mbit: float, *, burst_kb: int = 256) -> None:
+        """Cap this host's link at ``mbit`` Mbit/s each way: a token bucket (``tc ... tbf``) on both ends of its
+        veth, the host's end for what it sends and the bridge's end for what it receives."""
+        tbf = ["root", "tbf", "rate", f"{mbit:g}mbit", "burst", f"{burst_kb}kb", "latency", "50ms"]
+        for cmd in ([*self.exec_prefix, "tc", "qdisc", "replace", "dev", HOST_IFNAME, *tbf],
+                    ["tc", "qdisc", "replace", "dev", self.link, *tbf]):
+            res = subprocess.run(cmd, capture_output=True, text=True, timeout=30, check=False)
+            if res.returncode != 0:
+                msg = f"`{' '.join(cmd)}` failed (exit {res.returncode}): {res.stderr.strip()}"
+                raise HostsCommandError(msg)
 
     def pids(self) -> list[int]:
         """Every process inside this host's namespace now."""

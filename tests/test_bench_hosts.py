@@ -24,7 +24,7 @@ def test_network_mode_is_recorded_from_the_store_host(monkeypatch: pytest.Monkey
     assert network_mode() == "hosts"
 
 
-@pytest.mark.parametrize("module", ["bench.flight_throughput", "bench.transfer.__main__"])
+@pytest.mark.parametrize("module", ["bench.flight_throughput"])
 def test_hosts_flag_is_parsed_and_refused_with_the_reason(module: str, tmp_path: Path,
                                                           monkeypatch: pytest.MonkeyPatch,
                                                           capsys: pytest.CaptureFixture[str]) -> None:

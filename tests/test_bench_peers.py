@@ -15,8 +15,8 @@ from typing import Any
 import numpy as np
 import pytest
 
+from bench.cluster.workload import Workload, make_group
 from bench.peers.common import step_specs
-from bench.transfer.workload import Workload, make_group
 
 pytestmark = pytest.mark.timeout(600)
 

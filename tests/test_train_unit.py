@@ -411,7 +411,7 @@ def test_train_package_imports_without_torch() -> None:
 
 def test_bench_baseline_builds_verl_dataproto_layout() -> None:
     torch = pytest.importorskip("torch")
-    from bench.transfer import dataproto_shards, serialize
+    from bench.cluster.workload import dataproto_shards, serialize
 
     table = _table([(3, 5), (1, 1), (6, 2)])
     shards = dataproto_shards(table, np.array([1.0, -1.0, 0.5], dtype=np.float32), ranks=2)

@@ -38,8 +38,8 @@ from typing import Any
 
 from bench import write_path
 from bench._common import pyplot, write_result
+from bench.cluster.workload import Workload
 from bench.peers.harness import params, run, summarize
-from bench.transfer.workload import Workload
 
 PATHS = ("transferqueue", "verl_trainer", "verl_default", "verl_numpy")
 TARGETS = {"fetch_p50_vs_minimal_flight_exchange": 0.95, "put_vs_minimal_flight": 0.8}

@@ -14,7 +14,7 @@ What runs (all on loopback, in one Ray session started here):
   DoExchange per node (``minimal_flight_exchange``, a diagnostic) are the floor of knittrans' own read
   channels.
 
-The groups are generated once (:func:`bench.transfer.workload.make_group`) and every path is given
+The groups are generated once (:func:`bench.cluster.workload.make_group`) and every path is given
 them; the admission planner's plans fix each rank's micro-batches, the same on every path
 (:func:`bench.peers.common.step_specs`). Servers, workers and the per-step DataProto batches are
 built before any clock starts. A train step is timed on the driver, from the call that hands the
@@ -42,8 +42,8 @@ from typing import Any
 import numpy as np
 import pyarrow as pa
 
+from bench.cluster.workload import Workload, make_group
 from bench.peers.common import MicroSpec, step_specs
-from bench.transfer.workload import Workload, make_group
 
 log = logging.getLogger(__name__)
 
@@ -124,8 +124,7 @@ def run(w: Workload, computes: Sequence[float], paths: Sequence[str], fetch_roun
 
 
 def _plans(knit: Any, w: Workload, total: int) -> list[Any]:
-    from bench.transfer.cluster import admit
-    from bench.transfer.driver import CountingClient
+    from bench.cluster.workload import CountingClient, admit
 
     return admit(CountingClient(knit.client), w, total)
 

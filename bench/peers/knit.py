@@ -13,8 +13,8 @@ from typing import Any
 
 import pyarrow as pa
 
+from bench.cluster.workload import Workload
 from bench.peers.common import Encoder, MicroSpec, arrow_payload_bytes, run_micro_batches
-from bench.transfer.workload import Workload
 
 
 class KnitRank:

@@ -33,8 +33,8 @@ from typing import Any
 import numpy as np
 import pyarrow as pa
 
+from bench.cluster.workload import Workload, make_group
 from bench.peers.common import MicroSpec, step_specs
-from bench.transfer.workload import Workload, make_group
 
 DATA_CELLS = ("verl_replicated", "knit_replicated", "knit_stored_once")
 """The data path cells (module docstring)."""
@@ -81,10 +81,9 @@ def _copy(img: np.ndarray, i: int) -> np.ndarray:
 
 def run_mm(knit: Any, w: Workload, enc_w: Workload, encoder_ms: float, stack: contextlib.ExitStack) -> dict[str, Any]:
     """The data path cells on ``w`` and the encoder cells on ``enc_w``; raw records."""
+    from bench.cluster.workload import CountingClient, admit
     from bench.peers.harness import StepFn, _steps
     from bench.peers.verl_dp import VerlPath
-    from bench.transfer.cluster import admit
-    from bench.transfer.driver import CountingClient
 
     specs: dict[str, list[list[list[MicroSpec]]]] = {}
     loaded: dict[str, tuple[list[pa.RecordBatch], dict[bytes, np.ndarray]]] = {}

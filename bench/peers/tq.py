@@ -45,8 +45,8 @@ from typing import Any
 
 import pyarrow as pa
 
+from bench.cluster.workload import Workload
 from bench.peers.common import MicroSpec, run_micro_batches, tensor_bytes
-from bench.transfer.workload import Workload
 
 log = logging.getLogger(__name__)
 

@@ -2,7 +2,7 @@ r"""verl's path in the peers benchmark: the driver holds each train batch and di
 
 This is verl 0.9.1's real single-controller data path, run on CPU. The driver builds, outside the clock,
 one :class:`verl.protocol.DataProto` per train step (``DataProto.from_dict`` of verl's right-padded
-batch layout, :func:`bench.transfer.workload.dataproto_shards`), as verl's driver holds the rollout
+batch layout, :func:`bench.cluster.workload.dataproto_shards`), as verl's driver holds the rollout
 output. The ranks are a :class:`verl.single_controller.ray.RayWorkerGroup` of
 :class:`verl.single_controller.base.Worker` subclasses (:func:`_rank_worker_class`), placed in a
 CPU-only :class:`verl.single_controller.ray.RayResourcePool` (``use_gpu=False``, one ``{"CPU": 1}``
@@ -53,8 +53,8 @@ from typing import Any, cast
 import numpy as np
 import pyarrow as pa
 
+from bench.cluster.workload import Workload, dataproto_shards
 from bench.peers.common import Encoder, MicroSpec, run_micro_batches, tensor_bytes
-from bench.transfer.workload import Workload, dataproto_shards
 
 log = logging.getLogger(__name__)
 

@@ -1,9 +1,11 @@
-"""The transfer benchmark's workload: its shape (:class:`Workload`) and its data, in and out.
+"""The benchmarks' workload: its shape (:class:`Workload`), its data in and out, and its plans.
 
 In: synthetic prompt groups straight from numpy (:func:`make_group`), as the rollout would DoPut
 them. Out: verl's DataProto layout of a train batch (:func:`dataproto_shards`, with the GRPO
-advantages of :func:`group_advantages`) and DataProto's serialisation (:func:`serialize`), which
-the baseline path builds on the driver.
+advantages of :func:`group_advantages`) and DataProto's default serialisation (:func:`serialize`).
+Plans: :func:`admit` runs the admission planner over the stores' metadata, as the driver does, with the
+driver's client wrapped in :class:`CountingClient` (the payload and metadata bytes the driver received).
+Shared by :mod:`bench.cluster` and :mod:`bench.peers`.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ import numpy as np
 import pyarrow as pa
 
 from schemas.arrow import TRAJECTORY_SCHEMA
+from schemas.plan import MiniBatchPlan, PlannedSlice
 
 IMAGE_FORMATS: dict[str, tuple[tuple[int, ...], str]] = {
     "pixels-uint8": ((3, 448, 448), "uint8"),  # a raw 448x448 RGB image
@@ -112,8 +115,12 @@ def make_group(group_id: str, w: Workload, rng: np.random.Generator,
     return pa.RecordBatch.from_pydict(cols, schema=TRAJECTORY_SCHEMA)
 
 
-def dataproto_shards(table: pa.Table, advantages: np.ndarray, ranks: int) -> list[dict[str, Any]]:
-    """verl's DataProto batch layout (right-padded ``[batch, max_len]``), chunked into one dict per rank."""
+def dataproto_shards(table: pa.Table, advantages: np.ndarray, ranks: int,
+                     response_width: int | None = None) -> list[dict[str, Any]]:
+    """verl's DataProto batch layout (right-padded ``[batch, max_len]``), chunked into one dict per rank.
+
+    ``response_width``: pad every response to this many tokens (verl's rollout pads to its configured
+    ``response_length``) and every prompt to the longest prompt; default: the batch's longest row."""
     import torch
 
     from train.packing import list_arrays
@@ -125,6 +132,11 @@ def dataproto_shards(table: pa.Table, advantages: np.ndarray, ranks: int) -> lis
     n = table.num_rows
     plen, rlen = np.diff(p_off), np.diff(r_off)
     width, rwidth = int((plen + rlen).max()), int(rlen.max())
+    if response_width is not None:
+        if rwidth > response_width:
+            msg = f"a response of {rwidth} tokens does not fit response_width={response_width}"
+            raise ValueError(msg)
+        width, rwidth = int(plen.max()) + response_width, response_width
     row_p, row_r = np.repeat(np.arange(n), plen), np.repeat(np.arange(n), rlen)
     col_p = np.arange(p_val.size) - np.repeat(p_off[:-1], plen)
     col_r = np.arange(r_val.size) - np.repeat(r_off[:-1], rlen)
@@ -167,3 +179,36 @@ def group_advantages(table: pa.Table) -> np.ndarray:
     df = cast(pl.DataFrame, pl.from_arrow(table.select(["group_id", "reward"])))
     adv = df.select(advantage_expr(GrpoConfig()).alias("a"))
     return adv.get_column("a").to_numpy().astype(np.float32)
+
+
+class CountingClient:
+    """The driver's store client, counting every payload and metadata byte the driver receives."""
+
+    def __init__(self, client: Any) -> None:
+        self.client = client
+        self.payload_bytes = 0
+        self.metadata_bytes = 0
+
+    def fetch(self, slices: Sequence[PlannedSlice], columns: Sequence[str] | None = None) -> pa.Table:
+        t = self.client.fetch(slices, columns=columns)
+        self.payload_bytes += t.nbytes
+        return t
+
+    def scan_new(self) -> Any:
+        frame = self.client.scan_new()
+        self.metadata_bytes += int(frame.estimated_size())
+        return frame
+
+
+def admit(driver: CountingClient, w: Workload, train_steps: int) -> list[MiniBatchPlan]:
+    """The ``train_batch`` planner over the stores' metadata; exactly ``train_steps`` train batches' mini-batches."""
+    from admission import AdmissionConfig, Planner
+
+    planner = Planner(AdmissionConfig(train_batch_groups=w.groups, group_size=w.group_size,
+                                      mini_batches=w.mini_batches, dp_ranks=w.ranks, token_budget=w.token_budget,
+                                      policy="train_batch"))
+    plans = planner.update(driver.scan_new(), current_version=0)
+    if len(plans) != train_steps * w.mini_batches:
+        msg = f"planner admitted {len(plans)} mini-batches, expected {train_steps * w.mini_batches}"
+        raise RuntimeError(msg)
+    return plans
