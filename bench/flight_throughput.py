@@ -11,11 +11,11 @@ In one run:
 (a) DoGet of micro-batch slices (8 trajectories each) totalling >= 256 MiB (quick: 64 MiB) per
     pass, best of 3 passes, from a store node in ANOTHER PROCESS (``python -m flight_store --config``
     on a free port), against the baseline: copying the same bytes in-process into newly
-    allocated buffers, both kept alive for the pass. The headline DoGet is the trainer's path:
-    one DoGet streams all the micro-batches, read one at a time (``StoreReader.stream``);
-    ``doget_per_call_gbps`` is one DoGet per micro-batch (``StoreReader.fetch``), which pays gRPC's
-    per-call cost (~1 ms on 2 cores) once per 2.4 MB micro-batch. All of (a) runs in a child
-    process with the system allocator and a fixed mmap threshold, so every buffer on BOTH sides
+    allocated buffers, both kept alive for the pass. The headline is the trainer's path,
+    ``StoreReader.stream`` (one read per micro-batch over the node's read channel, read in order);
+    ``doget_per_call_gbps`` is one ``StoreReader.fetch`` per micro-batch, each followed by its copy.
+    All of (a) runs in a child process with the system allocator and a fixed mmap threshold, so every
+    buffer on BOTH sides
     is fresh memory (first-touch pages; the heap below that threshold is recycled normally, see
     ``FRESH_MEMORY_ENV``);
     ``*_pool_gbps`` repeats it in this process with the default Arrow pool (recycled, hot pages);
@@ -120,11 +120,11 @@ def bench_doget(
 
     Two ways of fetching the same micro-batches, each pass:
 
-    * **stream** (the headline: what the trainer does): ONE DoGet streams all the micro-batches'
-      slices and they are read one micro-batch at a time (``StoreReader.stream``); then every
+    * **stream** (the headline: what the trainer does): the micro-batches read in order
+      (``StoreReader.stream``); then every
       micro-batch's bytes are copied into new buffers (a separate timed phase, so the stream
       cannot run ahead during the copies);
-    * **per call**: one DoGet per micro-batch (``StoreReader.fetch``), each followed right away by the
+    * **per call**: one ``StoreReader.fetch`` per micro-batch, each followed right away by the
       copy of its bytes, so both sides see the same load on a shared machine.
 
     Fetched tables and copies stay alive for the pass. Each side keeps its best pass; the copy's

@@ -165,20 +165,16 @@ def _calibrated(knit: Any, tq: Any, verls: dict[str, Any], steps: dict[str, Any]
             "tokens_per_step": sum(m["tokens"] for r in specs[0] for m in r)}
 
 
-def _minimal_fetchers(knit: Any, groups: list[pa.RecordBatch],
-                      stack: contextlib.ExitStack) -> dict[str, Callable[[list[MicroSpec]], list[float]]]:
-    """The same rows from minimal Flight servers, one beside each store node holding that node's groups,
-    the rows put back in the micro-batch's order (as knittrans' client reads): ``minimal_flight``, one DoGet
-    per server a micro-batch, concurrently; ``minimal_flight_exchange``, one request per server a
-    micro-batch over a DoExchange per server kept open, every request sent before any answer is read (as
-    knittrans' read channels). The servers stop with ``stack``."""
+def _minimal_servers(knit: Any, groups: list[pa.RecordBatch], stack: contextlib.ExitStack) -> tuple[
+        dict[str, Any], dict[str, Any], Any]:
+    """A minimal Flight server beside each store node, holding that node's groups (the trainer's columns):
+    a client and a kept DoExchange channel per server, and a thread pool for concurrent DoGets; all
+    stopped with ``stack``."""
     from concurrent.futures import ThreadPoolExecutor
 
     import pyarrow.flight as flight
 
     from bench import minimal_flight
-    from flight_store import streams
-    from schemas.plan import PlannedSlice
     from train.packing import PACK_COLUMNS
 
     stores = knit.client.nodes
@@ -202,6 +198,21 @@ def _minimal_fetchers(knit: Any, groups: list[pa.RecordBatch],
     for g in groups:
         gid = str(g.column("group_id")[0])
         minimal_flight.put(clients[knit.client.node_for(gid)], gid, g.select(PACK_COLUMNS))
+    return clients, channels, pool
+
+
+def _minimal_fetchers(knit: Any, groups: list[pa.RecordBatch],
+                      stack: contextlib.ExitStack) -> dict[str, Callable[[list[MicroSpec]], list[float]]]:
+    """The same rows from minimal Flight servers, one beside each store node holding that node's groups,
+    the rows put back in the micro-batch's order (as knittrans' client reads): ``minimal_flight``, one DoGet
+    per server a micro-batch, concurrently; ``minimal_flight_exchange``, one request per server a
+    micro-batch over a DoExchange per server kept open, every request sent before any answer is read (as
+    knittrans' read channels). The servers stop with ``stack``."""
+    from bench import minimal_flight
+    from flight_store import streams
+    from schemas.plan import PlannedSlice
+
+    clients, channels, pool = _minimal_servers(knit, groups, stack)
 
     def fetch(micros: list[MicroSpec]) -> list[float]:
         out = []
