@@ -149,16 +149,18 @@ class ClusterRank:
         """TransferQueue: ``get_data`` of each micro-batch's ``BatchMeta`` (resolved by the driver), prefetched."""
         import transfer_queue as tq
 
+        from bench.peers.tq import pack_tensordict
+
         client = tq.get_client()
 
-        def get(spec: MicroSpec) -> dict[str, Any]:
+        def get(spec: MicroSpec) -> dict[str, Any]:  # packed into the trainer's tensors, as the knittrans rank does
             td = client.get_data(metas[spec["index"]])
-            tensors = {k: (v.values() if v.is_nested else v) for k, v in td.items()}
-            value: dict[str, Any] = {"tensors": tensors,
-                                     "bytes": sum(t.numel() * t.element_size() for t in tensors.values())}
-            pixels = tensors.pop("pixel_values", None)
+            read = {k: (v.values() if v.is_nested else v) for k, v in td.items()}
+            value: dict[str, Any] = {"bytes": sum(t.numel() * t.element_size() for t in read.values())}
+            pixels = read.pop("pixel_values", None)
             if pixels is not None:
                 value["encode"] = pixels.reshape(-1, *pixels.shape[2:])
+            value["tensors"] = pack_tensordict(td, spec["advantages"])
             return value
 
         return run_micro_batches(micros, get, ms_per_ktok=ms_per_ktok, depth=1, encoder=Encoder(0.0))
