@@ -83,6 +83,9 @@ class Child:
 class Children:
     """Starts subprocesses in their own process groups and stops every one of them, by group id.
 
+    Raises (when made): ``lifeline.RunFolderInUseError`` (the launcher that used ``log_dir`` still runs) or
+    ``lifeline.LeftoverProcessesError`` (processes of the run folder that cannot be stopped here, named).
+
     Example:
         >>> with Children(Path("/tmp/logs")) as kids:  # doctest: +SKIP
         ...     kids.start("trainer", [sys.executable, "-m", "train", "--config", "train.json"])
@@ -92,9 +95,7 @@ class Children:
         self.log_dir = log_dir
         self.started: list[Child] = []
         self.leftovers = lifeline.stop_leftovers(log_dir, log_dir.parent)
-        """What an earlier launcher of this log folder had left running, stopped here (see the module docstring).
-
-        Raises ``lifeline.RunFolderInUseError`` or ``lifeline.LeftoverProcessesError`` (naming the processes)."""
+        """What an earlier launcher of this log folder had left running, stopped here (see the module docstring)."""
         self._keeper: lifeline.Keeper | None = None
 
     def start(self, name: str, cmd: list[str], *, env: Mapping[str, str] | None = None) -> Child:
