@@ -200,6 +200,10 @@ class ServerConfig:
     """Logging level of a node process run by :func:`flight_store.node.serve` (``DEBUG``, ``INFO``, ...)."""
     max_writers: int = 64
     """DoPuts the node receives at once; one more is refused, retryably (``TooManyWritersError``)."""
+    max_writers_per_peer: int = 16
+    """DoPuts one peer (one client connection) may have in progress on the node; one more is refused, retryably
+    (``TooManyPeerWritersError``), so a client holding idle streams fills its own share, never the node. Take it
+    above the writes one client sends at once (the project's clients send at most a few)."""
     write_idle_timeout_s: float = 30.0
     """A DoPut whose stream delivers nothing for this long is given up: its slot and reserved memory are freed and
     it is refused when it resumes (``WriteTimedOutError``, retryable)."""
@@ -232,9 +236,9 @@ class ServerConfig:
                 f"tls_cert_file={self.tls_cert_file!r}, tls_key_file={self.tls_key_file!r}"
             )
             raise ValueError(msg)
-        if self.max_writers < 1 or self.write_idle_timeout_s <= 0:
-            msg = (f"max_writers must be >= 1 and write_idle_timeout_s > 0, got {self.max_writers} and "
-                   f"{self.write_idle_timeout_s}")
+        if self.max_writers < 1 or self.max_writers_per_peer < 1 or self.write_idle_timeout_s <= 0:
+            msg = (f"max_writers and max_writers_per_peer must be >= 1 and write_idle_timeout_s > 0, got "
+                   f"{self.max_writers}, {self.max_writers_per_peer} and {self.write_idle_timeout_s}")
             raise ValueError(msg)
         ids = [m.id for m in self.cluster]
         if len(set(ids)) != len(ids):

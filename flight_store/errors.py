@@ -136,8 +136,16 @@ class TooManyWritersError(KnitError, flight.FlightUnavailableError):
     """The node is receiving as many writes as it takes at once (``limit``); nothing stored. Retry shortly."""
 
     retryable = True
-    _attrs = ("limit",)
+    _attrs: ClassVar[tuple[str, ...]] = ("limit",)
     limit: int | None
+
+
+class TooManyPeerWritersError(TooManyWritersError):
+    """The calling connection (``peer``) has as many writes in progress on the node as one peer may (``limit``);
+    nothing stored. Retry once one of them ended."""
+
+    _attrs: ClassVar[tuple[str, ...]] = ("limit", "peer")
+    peer: str | None
 
 
 class WriteTimedOutError(KnitError, flight.FlightUnavailableError):
@@ -181,6 +189,7 @@ ERROR_CLASSES: dict[str, type[KnitError]] = {
         ConflictError,
         BudgetExceededError,
         TooManyWritersError,
+        TooManyPeerWritersError,
         WriteTimedOutError,
         LimitExceededError,
         NodeUnavailableError,

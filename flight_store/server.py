@@ -118,7 +118,8 @@ class StoreServer(flight.FlightServerBase):
         self.node_name = config.node_name or self.location
         """Name reported by health/stats and in error messages; the node's id for routing."""
         self._members = list(config.cluster) or [ClusterMember(id=self.node_name, location=self.location)]
-        self._writes = WriteSlots(max_writers=config.max_writers, idle_timeout_s=config.write_idle_timeout_s)
+        self._writes = WriteSlots(max_writers=config.max_writers, idle_timeout_s=config.write_idle_timeout_s,
+                                  max_writers_per_peer=config.max_writers_per_peer)
         self.store = Store(dataclasses.replace(config.store, node_name=self.node_name))
         self.metrics: StoreMetrics | None = None
         """The node's :class:`~flight_store.metrics.StoreMetrics` when ``metrics_port`` was given."""
@@ -221,7 +222,7 @@ class StoreServer(flight.FlightServerBase):
                   what: str, rows: int | None, group: str | None) -> Iterator[tuple[list[pa.RecordBatch], Incoming]]:
         """A DoPut's whole stream, received in a writer slot, each batch counted against the budget as it
         arrives (``rows``: the most it may carry; ``group``: a group's write, checked early against the budget)."""
-        with self._writes.slot() as write, self.store.incoming(what, new_group=group) as incoming:
+        with self._writes.slot(context.peer()) as write, self.store.incoming(what, new_group=group) as incoming:
             write.incoming = incoming
             batches = receive(reader, write, incoming, rows, what)
             rec.bytes_in += incoming.received

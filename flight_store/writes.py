@@ -1,7 +1,11 @@
-"""Admission of writers to a node: a cap on DoPuts received at once, and an idle limit per stream.
+"""Admission of writers to a node: a cap on DoPuts received at once, a cap per peer, and an idle limit per stream.
 
 Every DoPut takes a slot of :class:`WriteSlots` before it reads its stream (none free: a retryable
-:class:`TooManyWritersError`) and gives it back when it answers. A watchdog thread gives up a write
+:class:`TooManyWritersError`; its peer holding ``max_writers_per_peer`` slots already: a retryable
+:class:`TooManyPeerWritersError`) and gives it back when it answers. A peer is one client connection
+(gRPC's peer, ``ipv4:host:port``): the bearer token is shared by every part of a run and the address by
+every process of a host, so only the connection tells one writer from another; a client that holds
+many idle streams on its connection fills its own share, never the node. A watchdog thread gives up a write
 whose stream has not delivered a batch for ``idle_timeout_s``: its slot and the memory it reserved
 (:class:`~flight_store.memory.Incoming`) go back at once, so writers that stall cannot hold a node
 hostage; when its stream resumes or ends, the write is refused (retryable
@@ -21,16 +25,17 @@ import threading
 import time
 from collections.abc import Iterator
 
-from flight_store.errors import TooManyWritersError, WriteTimedOutError
+from flight_store.errors import TooManyPeerWritersError, TooManyWritersError, WriteTimedOutError
 from flight_store.memory import Incoming
 
 log = logging.getLogger(__name__)
 
 
 class Write:
-    """One DoPut holding a slot: when it last received a batch, and what it reserved."""
+    """One DoPut holding a slot: its peer, when it last received a batch, and what it reserved."""
 
-    def __init__(self) -> None:
+    def __init__(self, peer: str) -> None:
+        self.peer = peer
         self.last = time.monotonic()
         self.incoming: Incoming | None = None
         self.given_up = False
@@ -44,22 +49,25 @@ class Write:
 
 
 class WriteSlots:
-    """At most ``max_writers`` DoPuts received at once; a stream idle for ``idle_timeout_s`` loses its slot.
+    """At most ``max_writers`` DoPuts received at once, ``max_writers_per_peer`` of them from one peer; a stream
+    idle for ``idle_timeout_s`` loses its slot.
 
     Example:
-        >>> slots = WriteSlots(max_writers=1, idle_timeout_s=30.0)
-        >>> with slots.slot() as write:
+        >>> slots = WriteSlots(max_writers=4, max_writers_per_peer=1, idle_timeout_s=30.0)
+        >>> with slots.slot("ipv4:10.0.0.1:5000") as write, slots.slot("ipv4:10.0.0.1:5001"):
         ...     write.touch()
-        >>> slots.active
-        0
+        ...     slots.active
+        2
         >>> slots.close()
     """
 
-    def __init__(self, *, max_writers: int, idle_timeout_s: float) -> None:
+    def __init__(self, *, max_writers: int, idle_timeout_s: float, max_writers_per_peer: int | None = None) -> None:
         self.max_writers = max_writers
+        self.max_writers_per_peer = max_writers_per_peer if max_writers_per_peer is not None else max_writers
         self.idle_timeout_s = idle_timeout_s
         self._lock = threading.Lock()
         self._open: set[Write] = set()
+        self._per_peer: dict[str, int] = {}  # slots held, by peer (only peers holding one)
         self.given_up = 0
         """Writes given up for idling, since the node started."""
         self._stop = threading.Event()
@@ -73,20 +81,37 @@ class WriteSlots:
             return len(self._open)
 
     @contextlib.contextmanager
-    def slot(self) -> Iterator[Write]:
-        """Hold a slot for one DoPut (refused with :class:`TooManyWritersError` when none is free)."""
-        write = Write()
+    def slot(self, peer: str = "") -> Iterator[Write]:
+        """Hold a slot for one DoPut from ``peer`` (refused with :class:`TooManyPeerWritersError` when the peer
+        holds its share, with :class:`TooManyWritersError` when no slot is free)."""
+        write = Write(peer)
         with self._lock:
+            held = self._per_peer.get(peer, 0)
+            if held >= self.max_writers_per_peer:
+                msg = (f"this connection ({peer}) has {held} writes in progress on the node, the most one peer may "
+                       "have (max_writers_per_peer); end one or retry shortly (nothing was stored)")
+                raise TooManyPeerWritersError(msg, limit=self.max_writers_per_peer, peer=peer)
             if len(self._open) >= self.max_writers:
                 msg = (f"the node is receiving {len(self._open)} writes, its limit; retry shortly "
                        "(nothing was stored)")
                 raise TooManyWritersError(msg, limit=self.max_writers)
             self._open.add(write)
+            self._per_peer[peer] = held + 1
         try:
             yield write
         finally:
             with self._lock:
-                self._open.discard(write)
+                self._drop(write)
+
+    def _drop(self, write: Write) -> None:
+        """Give ``write``'s slot back (the caller holds the lock; a slot given back twice counts once)."""
+        if write in self._open:
+            self._open.discard(write)
+            left = self._per_peer[write.peer] - 1
+            if left:
+                self._per_peer[write.peer] = left
+            else:
+                del self._per_peer[write.peer]
 
     def _watch(self) -> None:
         period = min(0.25, self.idle_timeout_s / 4)
@@ -96,7 +121,7 @@ class WriteSlots:
                 idle = [w for w in self._open if now - w.last > self.idle_timeout_s]
                 for w in idle:
                     w.given_up = True
-                    self._open.discard(w)
+                    self._drop(w)
                     self.given_up += 1
             for w in idle:
                 if w.incoming is not None:

@@ -5,7 +5,15 @@ Every child the launcher starts (store nodes, trainer, rollout worker) runs with
 driver does not reach it and :meth:`Children.stop` can stop it and everything it spawned (the
 trainer's ranks) by its process group id, never by name. :meth:`Children.restart` starts a child
 that exited again, under the same name with the same command, its log continued; ``children.json``
-in the log folder always names each child's current pid and how often it was restarted.
+in the log folder always names each child's current pid, its start time and how often it was restarted,
+and ``launcher.json`` the launcher's own pid and start time.
+
+No child outlives the launcher (``launcher.lifeline``): each gets the parent-death signal (SIGKILL when
+the launcher dies, however it dies) and a keeper process kills the children's process groups (their own
+children) when the launcher dies without stopping them. A new :class:`Children` in a log folder an
+earlier launcher used stops what that one left running (by the pids and start times it recorded), and
+refuses to start while that launcher still runs or while an unrecorded process runs from the run
+folder's config documents.
 """
 
 from __future__ import annotations
@@ -21,6 +29,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO
+
+from launcher import lifeline
 
 log = logging.getLogger(__name__)
 
@@ -57,6 +67,8 @@ class Child:
     log_file: IO[bytes]
     restarts: int = 0
     """How often this child was started again after it exited (:meth:`Children.restart`)."""
+    start_time: int | None = None
+    """When its process started (``lifeline.start_time``: with the pid, what identifies it later)."""
     env: dict[str, str] = field(default_factory=dict)
     """Environment it got on top of :func:`child_env` (kept for a restart)."""
 
@@ -71,6 +83,9 @@ class Child:
 class Children:
     """Starts subprocesses in their own process groups and stops every one of them, by group id.
 
+    Raises (when made): ``lifeline.RunFolderInUseError`` (the launcher that used ``log_dir`` still runs) or
+    ``lifeline.LeftoverProcessesError`` (processes of the run folder that cannot be stopped here, named).
+
     Example:
         >>> with Children(Path("/tmp/logs")) as kids:  # doctest: +SKIP
         ...     kids.start("trainer", [sys.executable, "-m", "train", "--config", "train.json"])
@@ -79,6 +94,9 @@ class Children:
     def __init__(self, log_dir: Path) -> None:
         self.log_dir = log_dir
         self.started: list[Child] = []
+        self.leftovers = lifeline.stop_leftovers(log_dir, log_dir.parent)
+        """What an earlier launcher of this log folder had left running, stopped here (see the module docstring)."""
+        self._keeper: lifeline.Keeper | None = None
 
     def start(self, name: str, cmd: list[str], *, env: Mapping[str, str] | None = None) -> Child:
         """Start ``cmd``, its output in ``<log_dir>/<name>.log``; ``env``: variables on top of :func:`child_env`."""
@@ -99,6 +117,7 @@ class Children:
             msg = f"cannot restart {child.name} (pid {child.pid}): it is still running or was not started here"
             raise ValueError(msg)
         child.log_file.close()
+        self._forget(child)
         new = self._spawn(child.name, child.cmd, restarts=child.restarts + 1, env=child.env)
         self.started[self.started.index(child)] = new
         self._write_index()
@@ -111,13 +130,25 @@ class Children:
         if restarts:
             fh.write(f"---- {time.strftime('%H:%M:%S')} restart {restarts} of {name} ----\n".encode())
             fh.flush()
+        if self._keeper is None:
+            self._keeper = lifeline.Keeper(env=child_env(), cwd=ROOT)
+            me = {"pid": os.getpid(), "start_time": lifeline.start_time(os.getpid()), "keeper": self._keeper.pid}
+            (self.log_dir / "launcher.json").write_text(json.dumps(me))
         proc = subprocess.Popen(cmd, cwd=ROOT, env=child_env() | env, stdout=fh, stderr=subprocess.STDOUT,
-                                stdin=subprocess.DEVNULL, start_new_session=True)
+                                stdin=subprocess.DEVNULL, start_new_session=True,
+                                preexec_fn=lifeline.die_with_parent())
+        self._keeper.watch(proc.pid)
         log.info("started %s (pid %d, restart %d): %s", name, proc.pid, restarts, " ".join(cmd))
-        return Child(name=name, cmd=list(cmd), proc=proc, log_path=path, log_file=fh, restarts=restarts, env=env)
+        return Child(name=name, cmd=list(cmd), proc=proc, log_path=path, log_file=fh, restarts=restarts, env=env,
+                     start_time=lifeline.start_time(proc.pid))
+
+    def _forget(self, child: Child) -> None:
+        if self._keeper is not None:
+            self._keeper.forget(child.pid)
 
     def _write_index(self) -> None:
-        doc = [{"name": c.name, "pid": c.pid, "cmd": c.cmd, "restarts": c.restarts} for c in self.started]
+        doc = [{"name": c.name, "pid": c.pid, "cmd": c.cmd, "restarts": c.restarts, "start_time": c.start_time}
+               for c in self.started]
         (self.log_dir / "children.json").write_text(json.dumps(doc, indent=1))
 
     @staticmethod
@@ -138,12 +169,16 @@ class Children:
         with contextlib.suppress(subprocess.TimeoutExpired):
             child.proc.wait(timeout=10)
         child.log_file.close()
+        self._forget(child)
         return child.proc.returncode
 
     def stop_all(self) -> None:
-        """Stop every child, the last started first."""
+        """Stop every child, the last started first; then let the keeper go."""
         for child in reversed(self.started):
             self.stop(child)
+        if self._keeper is not None:
+            self._keeper.close()
+            self._keeper = None
 
     def tail(self, child: Child, lines: int = 30) -> str:
         """The last lines of a child's log."""

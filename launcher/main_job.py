@@ -20,6 +20,7 @@ from typing import Any, cast
 from admission.config import Policy
 from launcher import progress, report
 from launcher.flags import add_flags, build
+from launcher.lifeline import LeftoverProcessesError, RunFolderInUseError
 from launcher.model import RUN_MODELS, prepare_model
 from launcher.ray_deploy import RayNodeLostError, run_on_ray
 from launcher.run import COMPARED, RUN_POLICIES, Interrupted, RunConfig, run_policy
@@ -134,7 +135,8 @@ def _run_on_ray(cfg: RunConfig, model: Any, args: argparse.Namespace, stop: thre
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """``knit run``; returns 0 on success, 130 when interrupted, 3 when ``--ray`` lost a node
+    """``knit run``; returns 0 on success, 130 when interrupted, 2 when its run folder is in use or holds processes it
+    cannot stop (``launcher.lifeline``), 3 when ``--ray`` lost a node
     (``launcher.ray_deploy.RayNodeLostError``)."""
     configs, args = parse(list(argv) if argv is not None else [])
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
@@ -186,6 +188,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except RayNodeLostError as exc:
         display.note(f"knit run --ray: {exc}; what the other nodes held is in {out} (lost_node.json)")
         return 3
+    except (RunFolderInUseError, LeftoverProcessesError) as exc:
+        display.note(f"knit run: {exc}")
+        return 2
     finally:
         for s, h in previous.items():
             signal.signal(s, h)

@@ -15,6 +15,7 @@ import pyarrow.flight as flight
 import pytest
 
 from flight_store.config import ServerConfig, StoreConfig
+from flight_store.errors import TooManyWritersError
 from flight_store.server import StoreServer
 from flight_store.writing import StoreWriter
 from schemas.wire import LIMITS
@@ -233,6 +234,55 @@ def test_writers_beyond_the_cap_are_refused_retryably_and_the_client_retries() -
         assert sorted(server.store.group_ids()) == ["b", "slow"]
         raw.close()
         slow.close()
+
+
+def _hold_idle_streams(location: str, n: int) -> tuple[flight.FlightClient, list[Any]]:
+    """One client (one connection) opening ``n`` DoPut streams that never send a batch."""
+    hog = flight.connect(location)
+    schema = _group("x").schema
+    return hog, [hog.do_put(_cmd({"v": 2, "kind": "put_group", "group_id": f"idle{i}", "rows": G}), schema)[0]
+                 for i in range(n)]
+
+
+def _end_streams(hog: flight.FlightClient, writers: list[Any]) -> list[dict[str, Any]]:
+    """End every stream of ``hog`` (each is refused: none sent a group); the refusals' JSON."""
+    refusals = []
+    for w in writers:
+        with pytest.raises(flight.FlightError) as exc:
+            w.close()
+        refusals.append(_info(exc.value) if exc.value.extra_info.startswith(b"knit:") else {"class": "other"})
+    hog.close()
+    return refusals
+
+
+@pytest.mark.parametrize("per_peer", [16, 64])
+def test_a_client_holding_300_idle_streams_fills_its_own_share_not_the_node(per_peer: int) -> None:
+    """One connection holds 300 idle DoPuts: with the per-peer share below the node's cap, an honest writer's put
+    succeeds within a 2 s call deadline, no retry, while they are held; with a share as large as the cap (no
+    per-peer limit), the hog fills the node and the honest put is refused."""
+    config = ServerConfig(max_writers=64, max_writers_per_peer=per_peer, write_idle_timeout_s=30.0)
+    with StoreServer(config) as server:
+        hog, writers = _hold_idle_streams(server.location, 300)
+        raw = flight.connect(server.location)
+        _wait_stats(raw, lambda st: st["writers"] == per_peer)
+        with StoreWriter(server.location, timeout=2.0, retries=0) as honest:
+            if per_peer < config.max_writers:
+                honest.put_group(_group("honest"))  # a slot at once, while the 300 are held
+            else:
+                with pytest.raises(TooManyWritersError):
+                    honest.put_group(_group("honest"))
+        assert _action(raw, "stats")["writers"] == per_peer  # the hog's held streams are still open
+        refusals = _end_streams(hog, writers)
+        over = [r for r in refusals if r["class"] == "TooManyPeerWritersError"]
+        if per_peer < config.max_writers:
+            assert len(over) == 300 - per_peer
+            assert over[0]["limit"] == per_peer and over[0]["retryable"] is True
+            assert over[0]["peer"].startswith("ipv4:127.0.0.1:")
+            assert server.store.group_ids() == ["honest"]
+        else:
+            assert server.store.group_ids() == []
+        _wait_stats(raw, lambda st: st["writers"] == 0)
+        raw.close()
 
 
 # ---- 6. strict documents and quiet errors ----------------------------------------------------------

@@ -240,3 +240,65 @@ def test_a_ray_node_lost_mid_run_stops_the_run_with_a_typed_error_naming_it(
           f"({accounting['cause']}); driver exited +{ended_at - killed_at:.1f} s; {len(steps)} steps trained; "
           f"{len(trained)} rows trained once; node0 kept {unconsumed.height} untrained rows; "
           f"node1 lost {accounting['groups_lost_unconsumed']} unconsumed groups")
+
+
+OWNER = """
+import json, os, sys, time
+import ray
+from flight_store.config import ServerConfig
+from launcher import ray_deploy
+
+address, want = sys.argv[1], int(sys.argv[2])
+ray.init(address=address, log_to_driver=False, _node_ip_address=ray_deploy.local_ip_towards(address))
+deadline = time.monotonic() + 120
+while True:  # every worker node joined (a node a test before took down is listed dead)
+    nodes = [n for n in ray.nodes() if n["Alive"] and n["Resources"].get("CPU", 0) > 0]
+    if len(nodes) + sum(not n["Alive"] for n in ray.nodes()) >= want:
+        break
+    assert time.monotonic() < deadline, ray.nodes()
+    time.sleep(0.5)
+actors = [ray_deploy._pinned(ray, ray_deploy.StoreNodeActor, n["NodeID"], 0.5).remote(n["NodeManagerAddress"])
+          for n in nodes]
+locations = ray.get([a.start.remote(ServerConfig(host=n["NodeManagerAddress"], log_level="WARNING"))
+                     for a, n in zip(actors, nodes)])
+pids = ray.get([a.__ray_call__.remote(lambda self: os.getpid()) for a in actors])
+print("READY " + json.dumps({"pids": pids, "locations": locations}), flush=True)
+time.sleep(600)
+"""
+"""A driver that starts a store node actor on each alive node with CPUs (once ``argv[2]`` worker nodes joined) as
+``knit run --ray`` does, then waits."""
+
+
+def test_the_store_actors_of_a_killed_driver_end_with_it(ray_cluster: RayCluster, tmp_path: Path) -> None:
+    """SIGKILL of the driver alone: within 10 s no store node actor of it runs and their ports are closed (Ray
+    ends the actors an owner that died leaves: ``launcher.ray_deploy`` starts none detached)."""
+    from launcher.lifeline import start_time
+
+    workers = len(ray_cluster.hosts.hosts) - 1  # the head has no CPUs
+    with (tmp_path / "owner.log").open("w") as err:
+        owner = ray_cluster.hosts[0].popen([sys.executable, "-c", OWNER, ray_cluster.address, str(workers)],
+                                           env=ray_cluster.env, stdout=subprocess.PIPE, stderr=err, text=True)
+    try:
+        assert owner.stdout is not None
+        line = owner.stdout.readline()
+        assert line.startswith("READY "), (tmp_path / "owner.log").read_text()[-3000:]
+        ready = json.loads(line.removeprefix("READY "))
+        started = {pid: start_time(pid) for pid in ready["pids"]}
+        assert ready["pids"] and all(started.values())
+        os.kill(owner.pid, signal.SIGKILL)
+        owner.wait(timeout=10)
+        deadline = time.monotonic() + 10.0
+        while any(start_time(p) == s for p, s in started.items()) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert not [p for p, s in started.items() if start_time(p) == s], "store actors outlived their driver"
+        for loc in ready["locations"]:
+            host, port = loc.removeprefix("grpc://").rsplit(":", 1)
+            with socket.socket() as s:
+                s.settimeout(2.0)
+                assert s.connect_ex((host, int(port))) != 0  # nothing listens on the node's port
+    finally:
+        if owner.poll() is None:
+            owner.kill()
+        owner.wait()
+        if owner.stdout is not None:
+            owner.stdout.close()
