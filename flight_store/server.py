@@ -153,13 +153,9 @@ class StoreServer(flight.FlightServerBase):
                    f"routing {ROUTING} over the cluster's ids (see the cluster action)")
             raise WrongNodeError(msg, group_id=group_id, owner=owner, location=where)
 
-    @contextlib.contextmanager
-    def _observe(self, rpc: str) -> Iterator[Record]:
-        if self.metrics is None:
-            yield Record()
-            return
-        with self.metrics.observe(rpc) as rec:
-            yield rec
+    def _observe(self, rpc: str) -> contextlib.AbstractContextManager[Record]:
+        """The RPC's :class:`Record`, timed and counted when the node serves metrics (a plain one otherwise)."""
+        return contextlib.nullcontext(Record()) if self.metrics is None else self.metrics.observe(rpc)
 
     # ---- DoPut ---------------------------------------------------------------------------------
 
@@ -264,18 +260,11 @@ class StoreServer(flight.FlightServerBase):
 
     def _answer(self, doc: Any) -> tuple[pa.Schema, Iterable[pa.RecordBatch], int]:
         """The answer to a ticket: its schema, its batches (a list, or made as they are sent) and its payload
-        bytes (for slices summed from the rows served: ``nbytes`` of sliced columns dedups byte ranges, ~50 us
-        warm and ~0.1-0.2 ms on a busy node's cold caches)."""
+        bytes (for slices see :meth:`_slices`)."""
         if isinstance(doc, SlicesTicket):
-            refs = [(s.group_id, s.start, s.stop) for s in doc.slices]
-            batches, meta, nbytes = self.store.slices_with_meta(refs, doc.columns,
-                                                                coalesce_below=self.coalesce_below)
-            first = next(batches)  # at least one slice: its schema is the answer's
-            schema = first.schema
-            if meta:
-                schema = schema.with_metadata({**(schema.metadata or {}), **{k.encode(): v.encode()
-                                                                              for k, v in meta.items()}})
-            if len(refs) <= SMALL_ANSWER_SLICES and nbytes < SMALL_ANSWER:
+            first, batches, meta, nbytes = self._slices(doc)
+            schema = first.schema.with_metadata({k.encode(): v.encode() for k, v in meta.items()})
+            if len(doc.slices) <= SMALL_ANSWER_SLICES and nbytes < SMALL_ANSWER:
                 return schema, [first, *batches], nbytes
             return schema, itertools.chain([first], batches), nbytes
         if isinstance(doc, MetadataTicket):  # streamed in chunks of ANSWER_ROWS rows (zero-copy slices)
@@ -309,26 +298,22 @@ class StoreServer(flight.FlightServerBase):
                 return  # the client ended the channel
             try:
                 with self._observe("read") as rec:
-                    schema, batches, nbytes = guard("read", functools.partial(self._read, request, channel))
+                    first, rest, meta, nbytes = guard("read", functools.partial(self._read, request, channel))
                     rec.bytes_out += nbytes
             except (KnitError, flight.FlightError) as exc:
                 writer.write_metadata(json.dumps({"error": error_json(exc)}).encode())
                 continue
-            meta = {k.decode(): v.decode() for k, v in (schema.metadata or {}).items()}
-            last, rows = None, 0
-            for batch in self._stream(batches, nbytes):
-                if last is not None:
-                    writer.write_batch(last)
-                last, rows = batch, rows + batch.num_rows
-            end = encode_read_end(rows, meta)
-            if last is None:
-                writer.write_metadata(end)
-            else:
-                writer.write_with_metadata(last, end)
+            last, rows = first, 0
+            for batch in rest if nbytes < SMALL_ANSWER else self._stream(rest, nbytes):
+                writer.write_batch(last)
+                rows += last.num_rows
+                last = batch
+            writer.write_with_metadata(last, encode_read_end(rows + last.num_rows, meta))
 
     def _read(self, request: pa.Buffer | None,
-              channel: ReadChannelDescriptor) -> tuple[pa.Schema, Iterable[pa.RecordBatch], int]:
-        """The answer to a read channel's request: a ``slices`` ticket of the channel's columns."""
+              channel: ReadChannelDescriptor) -> tuple[pa.RecordBatch, Iterator[pa.RecordBatch], dict[str, str], int]:
+        """The answer to a read channel's request, a ``slices`` ticket of the channel's columns (see :meth:`_slices`;
+        its end message carries the metadata a DoGet's schema carries)."""
         if request is None:
             msg = "a read channel's request is a metadata-only message whose app metadata is a slices ticket"
             raise WireError(msg)
@@ -339,7 +324,17 @@ class StoreServer(flight.FlightServerBase):
         if doc.columns != channel.columns:
             msg = f"this read channel answers columns {channel.columns}, the ticket asks for {doc.columns}"
             raise SchemaMismatchError(msg, column=None)
-        return self._answer(doc)
+        return self._slices(doc)
+
+    def _slices(self, doc: SlicesTicket) -> tuple[pa.RecordBatch, Iterator[pa.RecordBatch], dict[str, str], int]:
+        """A ``slices`` ticket's rows: the first batch, the others (made as they are sent), the schema metadata of
+        the answer (the batches' own and the writer metadata all its groups share) and the payload bytes (summed
+        from the rows served: ``nbytes`` of sliced columns dedups byte ranges, ~50 us warm)."""
+        batches, meta, nbytes = self.store.slices_with_meta([(s.group_id, s.start, s.stop) for s in doc.slices],
+                                                            doc.columns, coalesce_below=self.coalesce_below)
+        first = next(batches)  # at least one slice
+        return first, batches, {**{k.decode(): v.decode() for k, v in (first.schema.metadata or {}).items()},
+                                **meta}, nbytes
 
     # ---- actions -------------------------------------------------------------------------------
 
