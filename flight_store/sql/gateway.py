@@ -29,8 +29,13 @@ Security is the store nodes': ``grpc+tls://`` with ``tls_cert_file``/``tls_key_f
 from __future__ import annotations
 
 import importlib.metadata
+import logging
 import re
+import signal
+import sys
+import threading
 from collections.abc import Callable, Iterator
+from types import FrameType
 from typing import Any
 
 import pyarrow as pa
@@ -239,12 +244,14 @@ class SqlGateway(flight.FlightServerBase):
         if kind == "CreatePreparedStatement":
             _, request = protocol.unpack(body, "the CreatePreparedStatement body")
             read_only_statement(request.query)
+            params = _parameters(request.query)
             dataset = b""
-            if not _has_parameters(request.query):
+            if not params:  # a parameterized query's result types are known once its values are
                 dataset = self.engine.schema(request.query, self.snapshots.get()).serialize().to_pybytes()
             handle = self._held.put(Prepared(query=request.query))
-            return [protocol.pack(protocol.make("ActionCreatePreparedStatementResult", prepared_statement_handle=handle,
-                                                dataset_schema=dataset))]
+            result = protocol.make("ActionCreatePreparedStatementResult", prepared_statement_handle=handle,
+                                   dataset_schema=dataset, parameter_schema=params.serialize().to_pybytes())
+            return [protocol.pack(result)]
         if kind == "ClosePreparedStatement":
             _, request = protocol.unpack(body, "the ClosePreparedStatement body")
             self._held.drop(request.prepared_statement_handle)
@@ -275,16 +282,50 @@ class SqlGateway(flight.FlightServerBase):
         self.shutdown()
 
 
+def serve(config: SqlConfig) -> int:
+    """Run the gateway as ``config`` says until SIGINT/SIGTERM (``knit sql``); returns the exit code.
+
+    Prints ``knit sql: listening on <location>`` once it serves, and ``knit sql: stopped`` after a clean stop.
+    Must run in the main thread (it installs signal handlers).
+    """
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        gateway = SqlGateway(config)
+    except (PermissionError, OSError, ValueError) as exc:
+        print(f"knit sql: cannot start: {exc}", file=sys.stderr, flush=True)
+        return 2
+    stop = threading.Event()
+
+    def on_signal(signum: int, frame: FrameType | None) -> None:
+        stop.set()
+
+    previous = {sig: signal.signal(sig, on_signal) for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        print(f"knit sql: listening on {gateway.location}", flush=True)
+        while not stop.wait(0.5):
+            pass
+    finally:
+        gateway.shutdown()
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+    print("knit sql: stopped", flush=True)
+    return 0
+
+
 def _command(descriptor: flight.FlightDescriptor) -> bytes:
     if descriptor.descriptor_type != flight.DescriptorType.CMD:
         raise UnsupportedCommandError("a Flight SQL request is a command descriptor, got a path", command=None)
     return bytes(descriptor.command)
 
 
-def _has_parameters(query: str) -> bool:
+def _parameters(query: str) -> pa.Schema:
+    """The parameters of ``query`` in binding order (``?`` or ``$1``: named by position; ``$name``: by name), of
+    type null: DuckDB takes any value a parameter's use can be cast from."""
     import duckdb
 
-    return bool(duckdb.extract_statements(query)[0].named_parameters)
+    names = duckdb.extract_statements(query)[0].named_parameters
+    ordered = sorted(names, key=lambda n: (0, int(n), "") if n.isdigit() else (1, 0, n))
+    return pa.schema([pa.field(n, pa.null()) for n in ordered])
 
 
 def _matches(cmd: Any, field: str, value: str) -> bool:
