@@ -51,6 +51,9 @@ class SqlConfig:
     """Threads DuckDB runs one query on."""
     memory_limit: str = "1GB"
     """DuckDB's memory limit (a query needing more fails with DuckDB's out-of-memory error)."""
+    nice: int = 10
+    """Niceness the ``knit sql`` process adds to itself (0 = none): on a host it shares with store nodes, queries
+    then run on the CPU the nodes' writes and reads leave."""
     max_handles: int = 256
     """Results waiting to be fetched plus open prepared statements; the oldest is dropped past this."""
     handle_ttl_s: float = 600.0
@@ -71,6 +74,9 @@ class SqlConfig:
             if getattr(self, name) < 0 or (name != "snapshot_max_age_s" and getattr(self, name) == 0):
                 msg = f"{name} must be positive seconds, got {getattr(self, name)}"
                 raise ValueError(msg)
+        if not 0 <= self.nice <= 19:
+            msg = f"nice must be in 0..19, got {self.nice}"
+            raise ValueError(msg)
         for name in ("max_result_rows", "max_result_bytes", "max_queries", "threads", "max_handles"):
             if getattr(self, name) < 1:
                 msg = f"{name} must be >= 1, got {getattr(self, name)}"

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import importlib.metadata
 import logging
+import os
 import re
 import signal
 import sys
@@ -289,6 +290,7 @@ def serve(config: SqlConfig) -> int:
     Must run in the main thread (it installs signal handlers).
     """
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    os.nice(config.nice)  # before DuckDB starts its threads: they inherit it
     try:
         gateway = SqlGateway(config)
     except (PermissionError, OSError, ValueError) as exc:
