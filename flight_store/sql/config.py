@@ -23,7 +23,7 @@ class SqlConfig:
         ValueError: stores must name at least one store node location (grpc://host:port), got []
     """
 
-    stores: list[str] = field(default_factory=list)
+    stores: list[str]
     """Locations of every store node the gateway reads (``grpc://host:port``); each is the ``node`` of its rows."""
     host: str = "127.0.0.1"
     """Interface to bind (``0.0.0.0`` = every interface)."""
