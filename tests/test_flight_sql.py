@@ -224,6 +224,21 @@ def test_other_protocols_get_a_clear_error(gateway: SqlGateway) -> None:
             list(raw.do_action(flight.Action("BeginTransaction", b"")))
 
 
+def test_cancel_flight_info_drops_a_result_not_fetched(gateway: SqlGateway) -> None:
+    """The ``CancelFlightInfo`` action (what a client sends when it gives up on a result) lets go of it."""
+    from flight_store.sql import protocol
+
+    command = protocol.pack(protocol.make("CommandStatementQuery", query="SELECT 42 AS answer"))
+    with flight.FlightClient(gateway.location) as raw:
+        info = raw.get_flight_info(flight.FlightDescriptor.for_command(command))
+        assert info.schema.names == ["answer"] and info.total_records == 1
+        request = protocol.make("CancelFlightInfoRequest", info=info.serialize())
+        (reply,) = raw.do_action(flight.Action("CancelFlightInfo", request.SerializeToString()))
+        assert protocol.parse("CancelFlightInfoResult", reply.body.to_pybytes()).status == 1  # CANCELLED
+        with pytest.raises(flight.FlightServerError, match="no result is held under this handle"):
+            raw.do_get(info.endpoints[0].ticket).read_all()
+
+
 def test_polars_reads_the_gateway_by_uri(cluster: tuple[list[str], pl.DataFrame], tmp_path: Path) -> None:
     """``polars.read_database_uri(..., engine="adbc")`` with a ``flightsql://`` URI (which the driver reads as TLS;
     the Go driver takes its roots from ``SSL_CERT_FILE`` when the process starts, hence a child process)."""

@@ -68,6 +68,14 @@ def read_only_statement(sql: str) -> str:
     return str(statements[0].query).strip().rstrip(";")
 
 
+def statement_parameters(sql: str) -> pa.Schema:
+    """The parameters of the one statement ``sql`` holds, in binding order (``?`` and ``$1``: named by position;
+    ``$name``: by name), of type null: DuckDB takes any value its use of the parameter can be cast from."""
+    names = duckdb.extract_statements(sql)[0].named_parameters
+    ordered = sorted(names, key=lambda n: (0, int(n), "") if n.isdigit() else (1, 0, n))
+    return pa.schema([pa.field(n, pa.null()) for n in ordered])
+
+
 class SqlEngine:
     """Runs read-only queries over snapshots (see the module docstring for the guarantees).
 

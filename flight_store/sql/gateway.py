@@ -47,7 +47,7 @@ from flight_store.rpc import TokenAuthFactory, guard
 from flight_store.secrets import read_public, read_secret, read_token_file
 from flight_store.sql import protocol
 from flight_store.sql.config import SqlConfig
-from flight_store.sql.engine import SqlEngine, read_only_statement
+from flight_store.sql.engine import SqlEngine, read_only_statement, statement_parameters
 from flight_store.sql.errors import QueryError, ReadOnlyError, UnsupportedCommandError
 from flight_store.sql.statements import Held, Prepared
 from flight_store.sql.tables import CATALOG, SCHEMA, VIEWS, Snapshots
@@ -245,7 +245,7 @@ class SqlGateway(flight.FlightServerBase):
         if kind == "CreatePreparedStatement":
             _, request = protocol.unpack(body, "the CreatePreparedStatement body")
             read_only_statement(request.query)
-            params = _parameters(request.query)
+            params = statement_parameters(request.query)
             dataset = b""
             if not params:  # a parameterized query's result types are known once its values are
                 dataset = self.engine.schema(request.query, self.snapshots.get()).serialize().to_pybytes()
@@ -318,16 +318,6 @@ def _command(descriptor: flight.FlightDescriptor) -> bytes:
     if descriptor.descriptor_type != flight.DescriptorType.CMD:
         raise UnsupportedCommandError("a Flight SQL request is a command descriptor, got a path", command=None)
     return bytes(descriptor.command)
-
-
-def _parameters(query: str) -> pa.Schema:
-    """The parameters of ``query`` in binding order (``?`` or ``$1``: named by position; ``$name``: by name), of
-    type null: DuckDB takes any value a parameter's use can be cast from."""
-    import duckdb
-
-    names = duckdb.extract_statements(query)[0].named_parameters
-    ordered = sorted(names, key=lambda n: (0, int(n), "") if n.isdigit() else (1, 0, n))
-    return pa.schema([pa.field(n, pa.null()) for n in ordered])
 
 
 def _matches(cmd: Any, field: str, value: str) -> bool:
