@@ -131,9 +131,10 @@ class StoreNodes:
                 self._cluster = view_from(self._cluster_answers())
             return self._cluster
 
-    def stats(self) -> dict[str, NodeStats]:
-        """The ``stats`` answer of every node."""
-        return self._fan_out(self._nodes, lambda n: self._calls.action(n, "stats", NodeStats, retry=False))
+    def stats(self, *, partial: bool = False) -> dict[str, NodeStats]:
+        """The ``stats`` answer of every node (``partial``: of every reachable node, see :attr:`last_failed_nodes`)."""
+        return self._fan_out(self._nodes, lambda n: self._calls.action(n, "stats", NodeStats, retry=False),
+                             partial=partial, what="stats")
 
     def get_version(self) -> int:
         """The newest published policy version (max over nodes)."""

@@ -10,6 +10,8 @@ train      the Megatron-core trainer, ``--nproc`` local ranks or one rank under 
 rollout    a vLLM rollout worker streaming prompt groups to the stores (flags from
            :class:`~connectors.config.RolloutConfig`)
 meta       polars SQL over the live trajectory metadata of every node
+sql        a Flight SQL gateway over that metadata for any client (ADBC, JDBC, DBeaver, Grafana; flags
+           from :class:`~flight_store.sql.config.SqlConfig`)
 demo       the data flow in miniature on two in-process store nodes
 =========  ===========================================================================================
 
@@ -109,6 +111,16 @@ def meta(argv: Sequence[str]) -> int:
     return 0
 
 
+def sql(argv: Sequence[str]) -> int:
+    """``knit sql``: a Flight SQL gateway over the live metadata of every node, until SIGINT/SIGTERM."""
+    from flight_store.sql.config import SqlConfig
+    from flight_store.sql.gateway import serve as run_gateway
+
+    config, _ = _parse_config("knit sql", "Serve Flight SQL (ADBC, JDBC, DBeaver, Grafana) over the live trajectory "
+                              "metadata of the store nodes --stores.", SqlConfig, argv)
+    return run_gateway(config)
+
+
 def demo(argv: Sequence[str]) -> int:
     """``knit demo``: two in-process nodes, a few groups, a query, a fetch."""
     from launcher.demo import run_demo
@@ -183,6 +195,7 @@ COMMANDS: dict[str, tuple[Callable[[Sequence[str]], int], str]] = {
     "train": (train, "run the Megatron-core trainer (--nproc N local ranks, or one rank under torchrun)"),
     "rollout": (rollout, "run a vLLM rollout worker that streams prompt groups to the stores"),
     "meta": (meta, "polars SQL over the live trajectory metadata of every node"),
+    "sql": (sql, "a Flight SQL gateway over the live trajectory metadata (ADBC, JDBC, DBeaver, Grafana)"),
     "demo": (demo, "the data flow in miniature on two in-process store nodes"),
 }
 """Subcommand -> (function taking the arguments after it, one-line help)."""

@@ -51,6 +51,8 @@ SLOW: dict[str, str] = {
     "test_train_unit.py::test_sigterm_to_the_rank_launcher_stops_its_local_ranks": "spawns torch ranks",
     "test_connectors_rollout.py::test_module_refuses_a_bad_document_naming_the_field": "three rollout processes",
     "test_lifeline.py": "a launcher process with store nodes, killed; a store node left running",
+    "test_flight_sql.py::test_knit_sql_serves_until_sigterm": "a knit sql process",
+    "test_flight_sql.py::test_polars_reads_the_gateway_by_uri": "a polars process reading over TLS",
 }
 """Tests marked ``slow`` here (a module, or one test of it) beside those whose module marks them: processes
 that import torch or Ray, clusters, long runs. ``make test-fast`` leaves them out; ``ray`` tests are slow too."""
