@@ -286,8 +286,9 @@ def _token_columns(prompt_ids: Sequence[int], ids: Sequence[np.ndarray], lps: Se
     }
 
 
-_FILLED_BY_RULES = ("prompt_len", "response_len", "num_images")
-"""Columns ``group_to_batch`` leaves to the shared defaults (each is the length of a list column)."""
+_FILLED_BY_RULES = ("prompt_len", "response_len", "num_images", "token_versions")
+"""Columns ``group_to_batch`` may leave to the shared defaults (the length of a list column; ``token_versions``:
+``policy_version`` for every token, when the caller gives none)."""
 
 
 def aborted_batch(
