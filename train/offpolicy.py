@@ -37,12 +37,11 @@ def with_token_staleness(metrics: dict[str, Any], version: int) -> dict[str, Any
 
 
 def summary(steps: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
-    """The run's off-policy figures from its step records: each metric's mean over the steps (``_max`` ones: their
-    maximum), ``None`` where no step had it."""
+    """The run's off-policy figures from its step records, under the steps' own keys: each metric's mean over the
+    steps (``_max`` ones: their maximum), ``None`` where no step had it."""
     out: dict[str, Any] = {}
     for key in OFFPOLICY_KEYS:
         values = [float(s[key]) for s in steps if s.get(key) is not None]
-        name = key if key.endswith("_max") else f"{key}_step_mean".replace("_mean_step_mean", "_mean")
-        out[name] = (round(max(values) if key.endswith("_max") else sum(values) / len(values), 6)
-                     if values else None)
+        out[key] = (round(max(values) if key.endswith("_max") else sum(values) / len(values), 6)
+                    if values else None)
     return out
