@@ -100,6 +100,8 @@ class RunConfig:
     """The trainer's optimizer."""
     loss: ObjectiveConfig = field(default_factory=ObjectiveConfig)
     """The trainer's policy loss (``--objective``, ``--is-cap``)."""
+    partial_rollouts: bool = False
+    """New weights interrupt the running samples, which resume under them (``RolloutConfig.partial_rollouts``)."""
     max_tokens: int = 64
     """Longest response, tokens."""
     lookahead: int | None = None
@@ -232,7 +234,7 @@ def rollout_config(cfg: RunConfig, stores: list[str]) -> RolloutConfig:
         weight_sync=True, wait_initial_weights_s=cfg.idle_timeout_s, version_poll_s=0.1, reward=cfg.reward,
         max_model_len=512, group_id_prefix=f"{cfg.policy}-", report_path=str(cfg.out / "rollout.json"),
         commit_ahead=cfg.admission.train_batch_groups, mix_chunk=cfg.admission.train_batch_groups,
-        data_sources=dict(cfg.data_sources),
+        data_sources=dict(cfg.data_sources), partial_rollouts=cfg.partial_rollouts,
         synchronous=((cfg.admission.train_batch_groups, cfg.admission.mini_batches) if cfg.policy == "colocated"
                      else None),
     )
