@@ -167,7 +167,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             runs.setdefault(arm, []).append(read_arm(folder))
             print(f"{arm} seed {seed}: reward per train batch {runs[arm][-1]['reward']}", flush=True)
     metrics, ratios = summarise(runs)
-    extra: dict[str, Any] = {"runs": {a: [str(root / f"{a}-s{s}") for s in range(seeds)] for a in arms}}
+    extra: dict[str, Any] = {"runs": {a: [f"{a}-s{s}" for s in range(seeds)] for a in arms}}  # under --runs
     if args.task_success:
         from bench import task_success
 
@@ -178,7 +178,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     return write_result(args.out, metrics, ratios,
                         {"model": "smollm2-135m", "seeds": seeds, "train_batches": batches, "arms": arms,
                          "quick": args.quick, "final_window": FINAL_WINDOW},
-                        figure=str(figure) if figure else None, **extra)
+                        figure=figure.name if figure else None, **extra)
 
 
 if __name__ == "__main__":
