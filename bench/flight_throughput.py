@@ -85,6 +85,7 @@ def make_group(group_id: str, size: int, response_tokens: int, rng: np.random.Ge
         "response_logprobs": pa.ListArray.from_arrays(offsets, pa.array(-rng.random(n_tok, dtype=np.float32))),
         "loss_mask": pa.ListArray.from_arrays(offsets, pa.array(np.ones(n_tok, dtype=np.uint8))),
         "image_keys": pa.array([[]] * size, type=pa.list_(pa.binary(32))),
+        "token_versions": pa.ListArray.from_arrays(offsets, pa.array(np.zeros(n_tok, dtype=np.int32))),
     }
     return pa.RecordBatch.from_pydict(cols, schema=TRAJECTORY_SCHEMA)
 

@@ -79,6 +79,10 @@ class RolloutConfig:
 
     Without it, groups are tagged with the published version (the weights are assumed to be synced
     some other way)."""
+    partial_rollouts: bool = False
+    """With ``weight_sync``: new weights interrupt the running samples, which resume from their generated prefix
+    under them, each token written with the version that sampled it (``token_versions``; ``connectors.partial``).
+    Off: the weights load in place and a response keeps its prefix's old KV cache."""
     initial_version: int = 0
     """Policy version of the weights in ``model``.
 
@@ -159,6 +163,9 @@ class RolloutConfig:
             raise ValueError(msg)
         if self.dispatch_order not in ("slow_ahead", "slow_first", "loader"):
             msg = f"RolloutConfig.dispatch_order={self.dispatch_order!r} is not slow_ahead/slow_first/loader"
+            raise ValueError(msg)
+        if self.partial_rollouts and not self.weight_sync:
+            msg = "RolloutConfig.partial_rollouts needs weight_sync: the engine tags tokens with the weights it loads"
             raise ValueError(msg)
         if self.logprobs_mode not in ("raw_logprobs", "processed_logprobs"):
             msg = f"RolloutConfig.logprobs_mode={self.logprobs_mode!r} is not raw_logprobs/processed_logprobs"

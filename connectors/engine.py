@@ -8,6 +8,11 @@ lists. A text prompt is wrapped in the model's chat template (``chat_prompt_ids`
 assistant's turn opened) when its tokenizer has one and ``RolloutConfig.chat_template`` is on (an
 instruct model such as SmolLM2-Instruct answers in that format; the tiny test tokenizer has none, so
 its prompts go in as they are). vLLM is imported when an engine is built, never at module import.
+
+With ``RolloutConfig.partial_rollouts`` every sample is a request of its own, streamed (``DELTA``), and new
+weights interrupt the running samples, which resume from their generated prefix under the new weights
+(``connectors.partial``); a finished group then comes back as a ``connectors.partial.ResumedOutput``, with the
+version of each token.
 """
 
 from __future__ import annotations
@@ -19,6 +24,7 @@ from typing import Any, Protocol, cast
 import pyarrow as pa
 
 from connectors.config import RolloutConfig
+from connectors.partial import PartialGroups
 from connectors.tasks import Prompt
 from connectors.vllm import FinishedRequest, require_vllm
 
@@ -45,8 +51,9 @@ class RolloutEngine(Protocol):
     def abort(self, request_ids: Sequence[str]) -> None:
         """Drop queued or running prompts."""
 
-    def load_weights(self, table: pa.Table) -> None:
-        """Load a weights table (``connectors.engine_weights`` format) into the running engine."""
+    def load_weights(self, table: pa.Table, version: int | None = None) -> None:
+        """Load a weights table (``connectors.engine_weights`` format) of policy ``version`` into the running
+        engine."""
 
 
 def chat_prompt_ids(tokenizer: Any, text: str) -> list[int]:
@@ -106,8 +113,19 @@ class VllmEngine:
             ignore_eos=config.ignore_eos,
             output_kind=RequestOutputKind.FINAL_ONLY,  # one output per prompt, with all n samples
         )
+        self.partial: PartialGroups | None = None
+        """The samples of the running groups, with ``partial_rollouts`` (each a request, streamed)."""
+        if config.partial_rollouts:
+            self.partial = PartialGroups(config.max_tokens, config.initial_version)
+            self._sample_params = self._params.clone()
+            self._sample_params.output_kind = RequestOutputKind.DELTA
 
     def submit(self, request_id: str, prompt: Prompt, n: int) -> None:
+        if self.partial is not None and not prompt.images:
+            ids = (chat_prompt_ids(self._chat_tokenizer, prompt.text) if self._chat_tokenizer is not None
+                   else list(self.llm.get_tokenizer().encode(prompt.text)))
+            self._submit_samples(self.partial.requests(request_id, ids, n))
+            return
         params = self._params.clone()
         params.n = n
         inputs: Any = prompt.text
@@ -117,13 +135,32 @@ class VllmEngine:
             inputs = {"prompt_token_ids": chat_prompt_ids(self._chat_tokenizer, prompt.text)}
         self.engine.add_request(request_id, inputs, params)
 
+    def _submit_samples(self, requests: Sequence[tuple[str, list[int], int]]) -> None:
+        for request_id, ids, max_tokens in requests:
+            params = self._sample_params.clone()
+            params.max_tokens = max_tokens
+            self.engine.add_request(request_id, {"prompt_token_ids": ids}, params)
+
     def step(self) -> list[FinishedRequest]:
-        return [o for o in self.engine.step() if o.finished]
+        outs = self.engine.step()
+        if self.partial is None:
+            return [o for o in outs if o.finished]
+        whole = [o for o in outs if o.finished and not self.partial.owns(str(o.request_id))]  # groups with images
+        return [*self.partial.take(outs), *whole]
 
     def abort(self, request_ids: Sequence[str]) -> None:
+        if self.partial is not None:
+            request_ids = [*request_ids, *self.partial.drop(request_ids)]
         self.engine.abort_request(list(request_ids))
 
-    def load_weights(self, table: pa.Table) -> None:
+    def load_weights(self, table: pa.Table, version: int | None = None) -> None:
+        """Load ``table`` into the running engine; with partial rollouts, interrupt the running samples first and
+        resume them under the new weights (their tokens from here tagged ``version``)."""
         from connectors.engine_weights import load_weights_into_llm
 
+        running = self.partial.running() if self.partial is not None and version is not None else []
+        if running:
+            self.engine.abort_request(running)
         load_weights_into_llm(self.llm, table)
+        if self.partial is not None and version is not None:
+            self._submit_samples(self.partial.continuations(running, version))

@@ -70,6 +70,8 @@ class FakeRequestOutput:
     request_id: str
     prompt_token_ids: list[int]
     outputs: list[FakeCompletion]
+    finished: bool = True
+    """Whether this is the request's last output (a ``DELTA`` stream's outputs before it are not)."""
 
 
 class FakeEngine:
@@ -142,5 +144,5 @@ class FakeEngine:
             if self.running.pop(rid, None) is not None:
                 self.aborted.append(rid)
 
-    def load_weights(self, table: pa.Table) -> None:
+    def load_weights(self, table: pa.Table, version: int | None = None) -> None:
         self.loaded.append(table)

@@ -55,6 +55,7 @@ from connectors.config import RolloutConfig
 from connectors.dispatch import DispatchQueue, Drawn
 from connectors.engine import RolloutEngine, VllmEngine
 from connectors.lookahead import LookaheadHook, LookaheadLimit, StoreStats
+from connectors.partial import ResumedOutput
 from connectors.report import RolloutReport, RolloutTally
 from connectors.tasks import Prompt, RewardFn, jsonl_prompts, load_reward_fn, mixed_prompts
 from connectors.vllm import FinishedRequest, RequestOutputLike, aborted_batch, dump_raw, group_to_batch
@@ -340,6 +341,7 @@ class RolloutWorker:
             image_keys=pending.image_keys,
             created_at=pending.created_at,
             group_size=self.config.group_size,
+            token_versions=out.token_versions if isinstance(out, ResumedOutput) else None,
         )
         aborted = any(s != "completed" for s in batch.column("status").to_pylist())
         self._write_group(batch, drawn.node, aborted=aborted)

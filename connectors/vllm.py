@@ -215,6 +215,7 @@ def group_to_batch(
     completed_at: datetime | None = None,
     status: str | None = None,
     group_size: int | None = None,
+    token_versions: Sequence[np.ndarray] | None = None,
 ) -> pa.RecordBatch:
     """One trajectory record batch (one row per sample, ordered by ``sample_idx``) for one prompt group.
 
@@ -238,6 +239,8 @@ def group_to_batch(
             finished with "stop"/"length" and "aborted" for the rest.
         group_size: the n the group was sampled with; samples missing from ``output`` are written as
             empty "aborted" rows so that nothing is dropped silently. Defaults to ``len(output.outputs)``.
+        token_versions: the version that sampled each token of each sample, in ``sample_idx`` order (partial
+            rollouts, ``connectors.partial``); ``policy_version`` for every token when ``None``.
 
     Returns:
         A batch with schema ``trajectory_schema(logprobs_mode)``.
@@ -266,6 +269,10 @@ def group_to_batch(
         "image_keys": _list_array(np.array(list(image_keys) * g, dtype=object), np.full(g, len(image_keys)),
                                   pa.binary(IMAGE_KEY_BYTES)),
     }
+    if token_versions is not None:
+        got = list(token_versions) + [np.zeros(0, np.int32)] * (g - len(token_versions))  # missing samples: empty
+        cols["token_versions"] = _list_array(np.concatenate(got).astype(np.int32), np.array([len(v) for v in got]),
+                                             pa.int32())
     batch = trajectory.build_batch(cols, group_id, fillable=frozenset(_FILLED_BY_RULES))
     return batch.replace_schema_metadata(schema.metadata)
 
@@ -286,8 +293,9 @@ def _token_columns(prompt_ids: Sequence[int], ids: Sequence[np.ndarray], lps: Se
     }
 
 
-_FILLED_BY_RULES = ("prompt_len", "response_len", "num_images")
-"""Columns ``group_to_batch`` leaves to the shared defaults (each is the length of a list column)."""
+_FILLED_BY_RULES = ("prompt_len", "response_len", "num_images", "token_versions")
+"""Columns ``group_to_batch`` may leave to the shared defaults (the length of a list column; ``token_versions``:
+``policy_version`` for every token, when the caller gives none)."""
 
 
 def aborted_batch(

@@ -67,7 +67,7 @@ class WeightSync:
                     raise TimeoutError(msg) from None
                 time.sleep(0.2)
                 continue
-            self._engine.load_weights(table)
+            self._engine.load_weights(table, self.version)
             logger.info("loaded the initial weights (version %d) into the engine", self.version)
             return
 
@@ -96,6 +96,6 @@ class WeightSync:
             except Exception as exc:  # weights not there yet: keep generating with the old ones
                 logger.warning("version %d published but its weights are not readable yet: %s", published, exc)
                 return
-            self._engine.load_weights(table)
+            self._engine.load_weights(table, published)
             logger.info("loaded weights of version %d into the engine", published)
         self.version = published

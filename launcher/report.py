@@ -18,9 +18,11 @@ Figures per policy (``policy_summary``):
   (mean reward per train batch, with its 95% band, and pooled over the first and last 5 train batches);
 * ``store_outages`` (each store node that died and was started again, or that did not answer while its
   process ran, ``cause`` ``unreachable``: ``launcher.stores.Outage``) and
-  ``store_restarts`` (processes started again, over all nodes).
+  ``store_restarts`` (processes started again, over all nodes);
+* ``offpolicy``: the objective and the steps' off-policy figures (``launcher.offpolicy_report``).
 
-Plots: ``staleness_per_step.png``, ``time_breakdown.png``, ``reward_per_train_batch.png``; with
+Plots: ``staleness_per_step.png``, ``time_breakdown.png``, ``reward_per_train_batch.png``,
+``offpolicy_per_step.png``; with
 several policies also ``reward_compare.png`` (and with train_batch and mini_batch ``staleness_compare.png``)
 in the top folder.
 """
@@ -34,6 +36,8 @@ from pathlib import Path
 from typing import Any
 
 import polars as pl
+
+from launcher import offpolicy_report
 
 log = logging.getLogger(__name__)
 
@@ -83,6 +87,7 @@ def policy_summary(folder: Path, *, config: dict[str, Any], wall_s: float, metri
         **_time_figures(steps, consumed),
         **_reward_figures(consumed),
         "abs_logp_diff_first_step": round(float(steps[0]["abs_logp_diff"]), 8) if steps else None,
+        **offpolicy_report.figures(steps, config.get("loss", {}).get("objective")),
         "rollout": {k: rollout.get(k) for k in ("groups", "aborted_groups", "rows", "response_tokens", "tokens_per_s",
                                                 "engine_start_s", "generate_s", "policy_versions", "bytes_written")},
         "wall_s": round(wall_s, 2),
@@ -257,6 +262,7 @@ def plot_policy(folder: Path, result: dict[str, Any]) -> list[Path]:
     ax.plot(range(len(reward)), reward, "o-")
     ax.set(xlabel="train batch", ylabel="mean reward", title=f"{name}: reward per train batch")
     paths.append(_save(fig, folder / "reward_per_train_batch.png"))
+    paths.append(offpolicy_report.plot(plt, _save, steps, folder / "offpolicy_per_step.png", name))
     return paths
 
 

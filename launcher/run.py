@@ -60,7 +60,7 @@ from launcher.placement import Placement
 from launcher.stores import Stores
 from schemas import documents
 from schemas.replies import NodeStats
-from train.config import ModelConfig, OptimConfig, ParallelConfig, TrainConfig
+from train.config import ModelConfig, ObjectiveConfig, OptimConfig, ParallelConfig, TrainConfig
 
 log = logging.getLogger(__name__)
 
@@ -98,6 +98,10 @@ class RunConfig:
     """Train batches to run (the trainer takes ``train_batches * mini_batches`` optimizer steps)."""
     optim: OptimConfig = field(default_factory=lambda: OptimConfig(lr=3e-3))
     """The trainer's optimizer."""
+    loss: ObjectiveConfig = field(default_factory=ObjectiveConfig)
+    """The trainer's policy loss (``--objective``, ``--is-cap``)."""
+    partial_rollouts: bool = False
+    """New weights interrupt the running samples, which resume under them (``RolloutConfig.partial_rollouts``)."""
     max_tokens: int = 64
     """Longest response, tokens."""
     lookahead: int | None = None
@@ -212,7 +216,7 @@ def store_configs(cfg: RunConfig, placement: Placement | None = None) -> list[Se
 def train_config(cfg: RunConfig, model: ModelConfig, stores: list[str]) -> TrainConfig:
     """The trainer's config: the run's admission and optimizer, publishing weights, reports in the run folder."""
     return TrainConfig(
-        stores=stores, model=model, admission=cfg.admission, optim=cfg.optim,
+        stores=stores, model=model, admission=cfg.admission, optim=cfg.optim, loss=cfg.loss,
         parallel=ParallelConfig(backend="gloo", timeout_s=max(600.0, 2 * cfg.idle_timeout_s)),
         publish_weights=True, publish_dtype=RUN_MODELS[cfg.model].publish_dtype, max_steps=cfg.steps,
         idle_timeout_s=cfg.idle_timeout_s, seed=cfg.seed,
@@ -230,7 +234,7 @@ def rollout_config(cfg: RunConfig, stores: list[str]) -> RolloutConfig:
         weight_sync=True, wait_initial_weights_s=cfg.idle_timeout_s, version_poll_s=0.1, reward=cfg.reward,
         max_model_len=512, group_id_prefix=f"{cfg.policy}-", report_path=str(cfg.out / "rollout.json"),
         commit_ahead=cfg.admission.train_batch_groups, mix_chunk=cfg.admission.train_batch_groups,
-        data_sources=dict(cfg.data_sources),
+        data_sources=dict(cfg.data_sources), partial_rollouts=cfg.partial_rollouts,
         synchronous=((cfg.admission.train_batch_groups, cfg.admission.mini_batches) if cfg.policy == "colocated"
                      else None),
     )

@@ -52,6 +52,7 @@ PAYLOAD_FIELDS: tuple[pa.Field, ...] = (
     pa.field("response_logprobs", pa.list_(pa.float32()), nullable=False),  # [response_len] sampled-token logprobs
     pa.field("loss_mask", pa.list_(pa.uint8()), nullable=False),  # [response_len] 1 = trained on
     pa.field("image_keys", pa.list_(pa.binary(IMAGE_KEY_BYTES)), nullable=False),  # [num_images] keys
+    pa.field("token_versions", pa.list_(pa.int32()), nullable=False),  # [response_len] version that made each token
 )
 
 TRAJECTORY_SCHEMA = pa.schema(
@@ -65,9 +66,17 @@ METADATA_COLUMNS: tuple[str, ...] = tuple(f.name for f in (*KEY_FIELDS, *METADAT
 
 OPTIONAL_ON_WRITE: frozenset[str] = frozenset(
     {"policy_version_min", "num_images", "created_at", "completed_at", "bytes", "image_keys", "loss_mask",
-     "finish_reason", "status", "data_source"}
+     "finish_reason", "status", "data_source", "token_versions"}
 )
-"""Columns a writer may leave out; every writer fills them the same way (``schemas.trajectory.fill_defaults``)."""
+"""Columns a writer may leave out; every writer fills them the same way (``schemas.trajectory.fill_defaults``).
+
+``token_versions`` left out means every token of a row came from its ``policy_version``: a rollout that never
+loads new weights mid-response. A partial rollout (one that goes on generating a response under newer weights)
+writes it, and ``policy_version_min``/``policy_version`` are then its smallest and largest value."""
+
+NATIVE_PAYLOAD_COLUMNS: tuple[str, ...] = PAYLOAD_COLUMNS[:-1]
+"""The payload columns the native pass counts (``schemas.native``); ``token_versions``, the last, is checked and
+counted beside it."""
 
 # ---- metadata projection -----------------------------------------------------------------------
 

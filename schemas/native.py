@@ -13,8 +13,8 @@ import numpy as np
 import pyarrow as pa
 
 from schemas import _kernels
-from schemas.arrow import PAYLOAD_COLUMNS, STATUSES, TRAJECTORY_SCHEMA
-from schemas.trajectory_rules import COLUMN_TYPES, PAYLOAD_WIDTHS
+from schemas.arrow import NATIVE_PAYLOAD_COLUMNS, STATUSES, TRAJECTORY_SCHEMA
+from schemas.trajectory_rules import COLUMN_TYPES, PAYLOAD_WIDTHS, offset_lengths, versions_per_token
 
 _NATIVE_ROLES: dict[str, pa.DataType] = {
     "group_id": pa.string(), "sample_idx": pa.int32(), "policy_version": pa.int64(),
@@ -25,46 +25,65 @@ _NATIVE_ROLES: dict[str, pa.DataType] = {
 }
 """The columns ``_kernels.check_group_batch`` reads, in the order of its roles, with the types it reads them as."""
 
+_TOKEN_VERSIONS = "token_versions"
+"""The one column the native pass leaves to this module: the last of the schema, optional on write. A batch with
+it is checked (its lengths and versions) and counted here; a batch without it gets it filled here."""
+_WITHOUT_TOKEN_VERSIONS = TRAJECTORY_SCHEMA.remove(TRAJECTORY_SCHEMA.get_field_index(_TOKEN_VERSIONS))
+_TOKEN_VERSIONS_FIELD = TRAJECTORY_SCHEMA.field(_TOKEN_VERSIONS)
 
-def _native_table() -> bytes:
-    """What ``_kernels.check_group_batch`` is told of the schema: the column count, each role's column index, and
-    the value width of each payload list (the last five roles, in :data:`PAYLOAD_COLUMNS` order)."""
+
+def _native_table(schema: pa.Schema) -> bytes:
+    """What ``_kernels.check_group_batch`` is told of ``schema``: the column count, each role's column index, and
+    the value width of each payload list it counts (the last five roles, in :data:`NATIVE_PAYLOAD_COLUMNS` order)."""
     for name, typ in _NATIVE_ROLES.items():
         if COLUMN_TYPES[name] != typ:  # the schema changed: the native pass would misread it
             msg = f"schemas/_kernels.c reads column {name!r} as {typ}; the schema has {COLUMN_TYPES[name]}"
             raise TypeError(msg)
-    if tuple(_NATIVE_ROLES)[-5:] != PAYLOAD_COLUMNS:
-        msg = f"schemas/_kernels.c counts the payload of {tuple(_NATIVE_ROLES)[-5:]}, not of {PAYLOAD_COLUMNS}"
+    if tuple(_NATIVE_ROLES)[-5:] != NATIVE_PAYLOAD_COLUMNS or TRAJECTORY_SCHEMA.names[-1] != _TOKEN_VERSIONS:
+        msg = (f"schemas/_kernels.c counts the payload of {tuple(_NATIVE_ROLES)[-5:]}, not of {NATIVE_PAYLOAD_COLUMNS},"
+               f" and {_TOKEN_VERSIONS!r} must be the schema's last column")
         raise TypeError(msg)
-    index = [TRAJECTORY_SCHEMA.get_field_index(name) for name in _NATIVE_ROLES]
-    return np.array([len(TRAJECTORY_SCHEMA), *index, *(w for _, w in PAYLOAD_WIDTHS)], dtype=np.int32).tobytes()
+    index = [schema.get_field_index(name) for name in _NATIVE_ROLES]
+    widths = dict(PAYLOAD_WIDTHS)
+    return np.array([len(schema), *index, *(widths[c] for c in NATIVE_PAYLOAD_COLUMNS)], dtype=np.int32).tobytes()
 
 
-_NATIVE_TABLE = _native_table()
-SIGNATURE: bytes = _kernels.signature(TRAJECTORY_SCHEMA.__arrow_c_schema__())
+class _Variant:
+    """What the native pass is told of one form of the schema (with ``token_versions``, or without)."""
+
+    def __init__(self, schema: pa.Schema) -> None:
+        self.table = _native_table(schema)
+        self.signature: bytes = _kernels.signature(schema.__arrow_c_schema__())
+        self.fields_signature: bytes = _kernels.signature(schema.__arrow_c_schema__(), True)
+
+
+_WITH, _WITHOUT = _Variant(TRAJECTORY_SCHEMA), _Variant(_WITHOUT_TOKEN_VERSIONS)
+SIGNATURE: bytes = _WITH.signature
 """The trajectory schema's column names and types as the native passes compare them (``_kernels.signature``)."""
-_FIELDS_SIGNATURE = _kernels.signature(TRAJECTORY_SCHEMA.__arrow_c_schema__(), True)
-"""The same with each field's nullability and metadata: a batch with it keeps its fields."""
 _STATUSES = b"\0".join(s.encode() for s in STATUSES)
 _BYTES_INDEX = TRAJECTORY_SCHEMA.get_field_index("bytes")
+_RESPONSE_IDS = TRAJECTORY_SCHEMA.get_field_index("response_ids")
+_VERSION, _VERSION_MIN = (TRAJECTORY_SCHEMA.get_field_index(c) for c in ("policy_version", "policy_version_min"))
 
 ACCEPTED, ACCEPTED_OTHER_FIELDS = 0, -1
 """The native pass's answers for a batch it proves valid: with the schema's own fields, or with a writer's
-fields of the same names and types (another nullability or field metadata)."""
+fields of the same names and types (another nullability or field metadata, or ``token_versions`` left out)."""
 STEPS_ASIDE: dict[int, str] = {1: "another schema", 2: "not a batch it reads", 3: "a null or a validity bitmap"}
 """Its answers for a batch outside the common case (which the Python rules may well accept)."""
 RULE_COLUMNS: dict[int, tuple[str, ...]] = {
     4: ("group_id",), 5: ("sample_idx",), 6: ("status",), 7: ("reward",), 8: ("loss_mask",),
     9: ("policy_version", "policy_version_min"),
     10: ("response_logprobs", "loss_mask", "response_len", "prompt_len", "num_images"),
+    11: (_TOKEN_VERSIONS, "policy_version"),
 }
-"""Its answers for a batch breaking a rule: the columns the Python rules may name for it (``_kernels.c``'s reasons)."""
+"""Its answers for a batch breaking a rule: the columns the Python rules may name for it (``_kernels.c``'s reasons,
+and 11, this module's check of ``token_versions``)."""
 
 
 def native_verdict(batch: pa.RecordBatch, group_id: str) -> tuple[int, np.ndarray]:
     """The native pass's answer for ``batch`` as the whole of group ``group_id``, and each row's payload bytes (read
-    only when accepted): :data:`ACCEPTED`, :data:`ACCEPTED_OTHER_FIELDS`, or a reason of :data:`STEPS_ASIDE` or
-    :data:`RULE_COLUMNS`."""
+    only when accepted; ``token_versions`` counted whether sent or to be filled): :data:`ACCEPTED`,
+    :data:`ACCEPTED_OTHER_FIELDS`, or a reason of :data:`STEPS_ASIDE` or :data:`RULE_COLUMNS`."""
     out = np.empty(batch.num_rows, dtype=np.int64)
     if not batch.num_rows:
         return 2, out
@@ -72,21 +91,59 @@ def native_verdict(batch: pa.RecordBatch, group_id: str) -> tuple[int, np.ndarra
         batch.validate(full=True)  # offsets in bounds and monotonic: what the native pass may read
     except pa.ArrowException:
         return 2, out
+    sent = batch.num_columns == len(TRAJECTORY_SCHEMA)  # with token_versions (a valid batch holds it last)
+    variant = _WITH if sent else _WITHOUT
     schema, array = batch.__arrow_c_array__()
-    code = _kernels.check_group_batch(schema, array, SIGNATURE, _FIELDS_SIGNATURE, group_id.encode(), _STATUSES,
-                                      _NATIVE_TABLE, out)
-    return code, out
+    code = _kernels.check_group_batch(schema, array, variant.signature, variant.fields_signature, group_id.encode(),
+                                      _STATUSES, variant.table, out)
+    if code not in (ACCEPTED, ACCEPTED_OTHER_FIELDS):
+        return code, out
+    rlen = offset_lengths(batch.column(_RESPONSE_IDS))
+    if sent and not _token_versions_kept(batch, rlen):
+        return 11, out
+    out += 4 + 4 * rlen.astype(np.int64)  # token_versions: its offset and one int32 per response token
+    return (code if sent else ACCEPTED_OTHER_FIELDS), out
+
+
+def _values(arr: pa.Array, dtype: type[np.generic], start: int, stop: int) -> np.ndarray:
+    """Values ``start:stop`` of a fixed-width array without nulls, read off its data buffer."""
+    return np.frombuffer(arr.buffers()[1], dtype=dtype)[arr.offset + start:arr.offset + stop]
+
+
+def _token_versions_kept(batch: pa.RecordBatch, rlen: np.ndarray) -> bool:
+    """Whether the batch's ``token_versions`` (its last column, the native pass found no null in it) has
+    ``len(response_ids)`` values per row, each in the row's ``[policy_version_min, policy_version]``: the rules of
+    :func:`~schemas.trajectory_rules.check_row_rules`, read off the buffers (a few microseconds)."""
+    tv, response = batch.column(len(TRAJECTORY_SCHEMA) - 1), batch.column(_RESPONSE_IDS)
+    n = batch.num_rows
+    offsets = _values(tv, np.int32, 0, n + 1)
+    same = offsets[0] == _values(response, np.int32, 0, 1)[0] and tv.offsets.equals(response.offsets)
+    if not same and not ((offsets[1:] - offsets[:-1]) == rlen).all():  # same offsets: the same lengths
+        return False
+    values = _values(tv.values, np.int32, int(offsets[0]), int(offsets[-1]))
+    if not values.size:
+        return True
+    version, version_min = batch.column(_VERSION), batch.column(_VERSION_MIN)
+    if version.equals(version_min):
+        versions = version.to_pylist()
+        if min(versions) == max(versions):  # one version for every row and token: the common case
+            return bool(values.min() == values.max() == versions[0])
+    vmax, vmin = _values(version, np.int64, 0, n), _values(version_min, np.int64, 0, n)
+    row = np.repeat(np.arange(n), rlen)
+    return not bool(((values < vmin[row]) | (values > vmax[row])).any())
 
 
 def checked_natively(batch: pa.RecordBatch, group_id: str) -> pa.RecordBatch | None:
     """``batch``, the whole of group ``group_id``, as ``TRAJECTORY_SCHEMA`` with ``bytes`` recomputed, when the
-    native pass proves it valid: the schema's columns and types, structurally valid, no null (and no validity
-    bitmap) anywhere, every rule of :func:`~schemas.trajectory_rules.check_rules` kept, ``sample_idx`` 0..rows-1;
-    ``None`` for any other batch, which the Python rules then decide on (and name what is wrong).
+    native pass proves it valid: the schema's columns and types (``token_versions`` sent or left out), structurally
+    valid, no null (and no validity bitmap) anywhere, every rule of :func:`~schemas.trajectory_rules.check_rules`
+    kept, ``sample_idx`` 0..rows-1; ``None`` for any other batch, which the Python rules then decide on (and name
+    what is wrong).
 
     ``_kernels.check_group_batch`` reads the batch through the Arrow C data interface and compares its schema's
-    column names and types with the trajectory schema's (:data:`SIGNATURE`); it accepts a subset of what the
-    Python rules accept, in ~10 us instead of ~150.
+    column names and types with the trajectory schema's (:data:`SIGNATURE`, or the same without
+    ``token_versions``); it accepts a subset of what the Python rules accept, in ~10 us instead of ~150. The
+    ``token_versions`` column is checked (sent) or filled (left out) here, by the same functions as the rules.
     """
     code, out = native_verdict(batch, group_id)
     if code == ACCEPTED:  # the schema's own fields: only `bytes` and the schema's metadata to set
@@ -95,5 +152,21 @@ def checked_natively(batch: pa.RecordBatch, group_id: str) -> pa.RecordBatch | N
     if code == ACCEPTED_OTHER_FIELDS:
         columns = batch.columns
         columns[_BYTES_INDEX] = pa.array(out)
+        if len(columns) < len(TRAJECTORY_SCHEMA):  # left out: each row's version once per response token
+            columns.append(_filled_token_versions(batch))
         return pa.RecordBatch.from_arrays(columns, schema=TRAJECTORY_SCHEMA)  # the schema itself, not the writer's
     return None
+
+
+def _filled_token_versions(batch: pa.RecordBatch) -> pa.Array:
+    """``token_versions`` of a batch that left it out: its ``policy_version`` once per response token (offsets of
+    ``response_ids``, shared)."""
+    response = batch.column(_RESPONSE_IDS)
+    values = versions_per_token(batch.column(_VERSION).to_numpy(), offset_lengths(response))
+    offsets = response.buffers()[1]
+    first = int(np.frombuffer(offsets, dtype=np.int32, count=1, offset=4 * response.offset)[0])
+    if first or response.offset:  # rebase a sliced column's offsets to 0
+        rebased = np.frombuffer(offsets, dtype=np.int32, count=len(response) + 1, offset=4 * response.offset) - first
+        return pa.ListArray.from_arrays(pa.array(rebased), pa.array(values), type=_TOKEN_VERSIONS_FIELD.type)
+    return pa.Array.from_buffers(_TOKEN_VERSIONS_FIELD.type, len(response), [None, offsets],
+                                 children=[pa.array(values, type=pa.int32())])

@@ -58,6 +58,7 @@ class TrajectoryRecord(BaseModel):
     response_logprobs: list[float]  # [response_len] sampled-token logprobs, float32
     loss_mask: list[Annotated[int, Field(ge=0, le=1)]] | None = None  # [response_len] 1 = trained on; defaults to ones
     image_keys: list[Annotated[builtins.bytes, Field(min_length=IMAGE_KEY_BYTES, max_length=IMAGE_KEY_BYTES)]] = []
+    token_versions: list[NonNeg32] | None = None  # [response_len] version that made each token; = policy_version
 
 
 def records_to_batch(records: Sequence[TrajectoryRecord]) -> pa.RecordBatch:

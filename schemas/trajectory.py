@@ -13,7 +13,8 @@ them accepts, the others accept too.
   ``large_string``/dictionary-encoded strings, ``bool`` loss masks, timestamp units, binary image
   keys of 32 bytes); a cast that would lose information is refused;
 * columns in ``OPTIONAL_ON_WRITE`` may be missing and are filled (:func:`fill_defaults`):
-  ``policy_version_min`` = ``policy_version``, ``num_images`` = ``len(image_keys)`` (or 0),
+  ``token_versions`` = ``policy_version`` once per response token, ``policy_version_min`` = the smallest
+  token version (``policy_version`` when ``token_versions`` is left out), ``num_images`` = ``len(image_keys)`` (or 0),
   ``image_keys`` = ``[]``, ``loss_mask`` = all ones of the response length,
   ``created_at``/``completed_at`` = now, ``finish_reason`` = ``"stop"``, ``status`` =
   ``"completed"``, ``data_source`` = ``"default"``, ``prompt_len``/``response_len`` = the list
@@ -25,9 +26,10 @@ them accepts, the others accept too.
 * nulls are refused in every column (and inside list values); timestamps may carry a time zone (the
   instant is stored as naive UTC);
 * the value rules of :func:`~schemas.trajectory_rules.check_rules`: every ``group_id`` equals the group's;
-  ``sample_idx >= 0`` and unique; rewards finite; ``loss_mask`` values 0 or 1; versions >= 0 and ``policy_version_min <=
-  policy_version``; ``status`` in ``STATUSES``; list lengths agree (``response_logprobs`` and
-  ``loss_mask`` have ``len(response_ids)`` values, ``prompt_len``/``response_len`` equal the list
+  ``sample_idx >= 0`` and unique; rewards finite; ``loss_mask`` values 0 or 1; versions >= 0 and
+  ``policy_version_min <= policy_version``, each token version between them; ``status`` in ``STATUSES``;
+  list lengths agree (``response_logprobs``, ``loss_mask`` and ``token_versions`` have ``len(response_ids)``
+  values, ``prompt_len``/``response_len`` equal the list
   lengths, ``num_images`` equals ``len(image_keys)``).
 
 What each column must be (types, casts, defaults, rules) is :mod:`schemas.trajectory_rules`. The common

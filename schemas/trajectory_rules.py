@@ -147,10 +147,44 @@ def utc_now() -> dt.datetime:
     return dt.datetime.now(dt.UTC).replace(tzinfo=None)
 
 
+def versions_per_token(versions: np.ndarray, lengths: np.ndarray) -> np.ndarray:
+    """Each row's version repeated once per response token (``lengths``): the flat values of a ``token_versions``
+    column whose rows each came from one version. int32; a version beyond int32 is refused, naming the column."""
+    if versions.size and int(versions.max()) > np.iinfo(np.int32).max:
+        msg = f"column 'policy_version' holds {int(versions.max())}, more than token_versions (int32) can hold"
+        raise TrajectoryError(msg, column="policy_version")
+    return np.repeat(versions.astype(np.int32), lengths)
+
+
+def token_versions_of(versions: np.ndarray, response_ids: pa.Array) -> pa.Array:
+    """The default ``token_versions`` column: each row's ``versions`` value once per token of its response."""
+    offsets = np.asarray(response_ids.offsets.to_numpy(zero_copy_only=False), dtype=np.int32)
+    offsets = offsets - offsets[0]
+    values = pa.array(versions_per_token(versions, np.diff(offsets)), type=pa.int32())
+    return pa.ListArray.from_arrays(pa.array(offsets, type=pa.int32()), values, type=pa.list_(pa.int32()))
+
+
+def _row_min(token_versions: pa.Array, fallback: np.ndarray) -> np.ndarray:
+    """Each row's smallest token version (int64), ``fallback`` for a row without tokens (or a null one)."""
+    lengths = pc.fill_null(pc.list_value_length(token_versions), 0).to_numpy().astype(np.int64)
+    values = pc.list_flatten(token_versions).to_numpy(zero_copy_only=False).astype(np.int64)
+    out = np.array(fallback, dtype=np.int64, copy=True)
+    filled = lengths > 0
+    if filled.any():
+        starts = np.concatenate(([0], np.cumsum(lengths)[:-1]))[filled]
+        out[filled] = np.minimum.reduceat(values, starts)
+    return out
+
+
 def _default(name: str, cols: dict[str, pa.Array], n: int, now: dt.datetime) -> pa.Array:
     """The default value of optional column ``name`` for ``n`` rows, from the other columns."""
-    if name == "policy_version_min":
-        return cols["policy_version"]
+    if name == "policy_version_min":  # the oldest token's version when the writer said which made each token
+        given = cols.get("token_versions")
+        if given is None:
+            return cols["policy_version"]
+        return pa.array(_row_min(given, cols["policy_version"].to_numpy(zero_copy_only=False)), type=pa.int64())
+    if name == "token_versions":
+        return token_versions_of(cols["policy_version"].to_numpy(zero_copy_only=False), cols["response_ids"])
     if name == "image_keys":
         return pa.array([[]] * n, type=COLUMN_TYPES["image_keys"])
     if name == "num_images":
@@ -165,9 +199,10 @@ def _default(name: str, cols: dict[str, pa.Array], n: int, now: dt.datetime) -> 
     return pa.repeat(pa.scalar(value, type=pa.string()), n)
 
 
-_FILL_ORDER = ("policy_version_min", "image_keys", "num_images", "loss_mask", "created_at", "completed_at",
-               "finish_reason", "status", "data_source", "prompt_len", "response_len")
-"""Optional columns in the order they are filled (``num_images`` after ``image_keys``)."""
+_FILL_ORDER = ("policy_version_min", "token_versions", "image_keys", "num_images", "loss_mask", "created_at",
+               "completed_at", "finish_reason", "status", "data_source", "prompt_len", "response_len")
+"""Optional columns in the order they are filled (``num_images`` after ``image_keys``; ``policy_version_min``
+before ``token_versions``, whose writer's values it is the smallest of)."""
 
 
 def fill_defaults(cols: dict[str, pa.Array], n: int, *, now: dt.datetime | None = None,
@@ -262,18 +297,43 @@ def check_row_rules(cols: dict[str, pa.Array]) -> dict[str, np.ndarray]:
                "(the oldest version that produced a token cannot be newer than the last)")
         raise TrajectoryError(msg, column="policy_version_min")
     lengths = {name: list_lengths(cols[name]) for name in _LIST_COLUMNS}
-    got = np.stack([lengths["response_logprobs"], lengths["loss_mask"], cols["response_len"].to_numpy(),
-                    cols["prompt_len"].to_numpy(), cols["num_images"].to_numpy()])
-    want = np.stack([lengths["response_ids"]] * 3 + [lengths["prompt_ids"], lengths["image_keys"]])
+    got = np.stack([lengths["response_logprobs"], lengths["loss_mask"], lengths["token_versions"],
+                    cols["response_len"].to_numpy(), cols["prompt_len"].to_numpy(), cols["num_images"].to_numpy()])
+    want = np.stack([lengths["response_ids"]] * 4 + [lengths["prompt_ids"], lengths["image_keys"]])
     if (got != want).any():  # name the first column that disagrees (one comparison for all of them)
         for (name, what), g, w in zip(_LENGTH_RULES, got, want, strict=True):
             _check_lengths(name, g, w, what)
+    check_token_versions(cols["token_versions"], lengths["token_versions"], vmin, vmax)
     return lengths
 
 
+def check_token_versions(token_versions: pa.Array, lengths: np.ndarray, vmin: np.ndarray, vmax: np.ndarray) -> None:
+    """Every token's version within its row's ``[policy_version_min, policy_version]`` (rows of ``lengths`` tokens).
+
+    One version for the whole batch (the common case) costs two reductions; otherwise one comparison per token.
+    """
+    values = pc.list_flatten(token_versions).to_numpy(zero_copy_only=False)
+    if not values.size:
+        return
+    if vmin.min() == vmax.max():
+        if values.min() == values.max() == vmax[0]:
+            return
+        bad_token = int(np.flatnonzero(values != vmax[0])[0])
+    else:
+        row = np.repeat(np.arange(len(lengths)), lengths)
+        outside = (values < vmin[row]) | (values > vmax[row])
+        if not outside.any():
+            return
+        bad_token = int(np.flatnonzero(outside)[0])
+    i = int(np.searchsorted(np.cumsum(lengths), bad_token, side="right"))
+    msg = (f"column 'token_versions' row {i} holds version {int(values[bad_token])}, outside the row's "
+           f"[policy_version_min, policy_version] = [{int(vmin[i])}, {int(vmax[i])}]")
+    raise TrajectoryError(msg, column="token_versions")
+
+
 _LENGTH_RULES = (("response_logprobs", "len(response_ids)"), ("loss_mask", "len(response_ids)"),
-                 ("response_len", "len(response_ids)"), ("prompt_len", "len(prompt_ids)"),
-                 ("num_images", "len(image_keys)"))
+                 ("token_versions", "len(response_ids)"), ("response_len", "len(response_ids)"),
+                 ("prompt_len", "len(prompt_ids)"), ("num_images", "len(image_keys)"))
 """The columns :func:`check_rules` compares with a list's length, in its order."""
 
 

@@ -2,7 +2,8 @@
 
 The real-engine tests run vLLM in subprocesses: ``python -m connectors --config FILE`` (exact round
 trip of token ids and logprobs, and streaming to two nodes while generation runs), and this file run as
-a script (``__main__``: weight sync into the running engine, checked against a transformers forward).
+a script (``__main__``: weight sync into the running engine, checked against a transformers forward; then, on the
+same engine, partial rollouts interrupted by new weights and resumed from their prefix).
 """
 
 from __future__ import annotations
@@ -443,6 +444,61 @@ def test_real_vllm_weight_sync_matches_a_transformers_forward(store_nodes, tiny_
     # ... and no longer with the old ones
     assert doc["after_vs_hf_old"] > 1e-2
     assert doc["tensors_loaded"] == doc["tensors_in_model"]
+    # partial rollouts: both greedy samples, interrupted mid-response by the new weights, resumed from their prefix
+    partial = doc["partial"]
+    assert partial["interrupted"] == 2
+    for sample in partial["samples"]:
+        n_old = sample["versions"].count(0)
+        assert 0 < n_old < len(sample["versions"])
+        assert sample["versions"] == [0] * n_old + [1] * (len(sample["versions"]) - n_old)
+        assert sample["resumed"] == sample["uninterrupted"]  # the new weights' own greedy continuation
+        assert sample["resumed"] != sample["old_weights"]  # not what the old weights would have said
+    assert partial["stored_token_versions"] == [s["versions"] for s in partial["samples"]]
+
+
+def _partial_rollouts(llm: Any, model: str, old: pa.Table, new: pa.Table) -> dict[str, Any]:
+    """A greedy group of 2 run as partial rollouts on ``llm`` (weights ``old``, version 0), interrupted after a few
+    tokens by ``new`` (version 1); each sample's versions, its resumed tokens, and what the new and the old
+    weights generate greedily from its prefix."""
+    from vllm import SamplingParams
+
+    from connectors.engine import VllmEngine
+    from connectors.engine_weights import load_weights_into_llm
+    from connectors.vllm import group_to_batch
+    from schemas.trajectory import normalize_group
+
+    load_weights_into_llm(llm, old)
+    cfg = RolloutConfig(model=model, stores=["grpc://127.0.0.1:1"], temperature=0.0, max_tokens=16, ignore_eos=True,
+                        weight_sync=True, partial_rollouts=True, chat_template=False)
+    engine = VllmEngine(cfg, llm=llm)
+    assert engine.partial is not None
+
+    def greedy(ids: list[int], n: int) -> list[int]:
+        sp = SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True)
+        return list(llm.generate([{"prompt_token_ids": ids}], sp, use_tqdm=False)[0].outputs[0].token_ids)
+
+    engine.submit("g", Prompt(data_source="s", text="What is 3 + 4?"), 2)
+    for _ in range(5):  # a few tokens under version 0
+        assert engine.step() == []
+    interrupted = len(engine.partial.running())
+    engine.load_weights(new, 1)
+    finished: list[Any] = []
+    while not finished:
+        finished = engine.step()
+    (group,) = finished
+    prompt, samples = list(group.prompt_token_ids), []
+    for c, versions in zip(group.outputs, group.token_versions, strict=True):
+        n_old = int((versions == 0).sum())
+        samples.append({"versions": versions.tolist(), "resumed": list(c.token_ids[n_old:]),
+                        "uninterrupted": greedy(prompt + list(c.token_ids[:n_old]), len(c.token_ids) - n_old)})
+    load_weights_into_llm(llm, old)
+    for s, c in zip(samples, group.outputs, strict=True):
+        s["old_weights"] = greedy(prompt + list(c.token_ids[:s["versions"].count(0)]), len(s["resumed"]))
+    batch = group_to_batch(group, group_id="g", policy_version=1, policy_version_min=0, data_source="s",
+                           token_versions=group.token_versions)
+    (stored,) = normalize_group([batch], "g", 2)
+    return {"interrupted": interrupted, "samples": samples,
+            "stored_token_versions": stored.column("token_versions").to_pylist()}
 
 
 def _weights_driver(model: str, location: str, out: str) -> None:
@@ -494,6 +550,7 @@ def _weights_driver(model: str, location: str, out: str) -> None:
         "after_vs_hf_old": float(np.abs(hf_logprobs(old, p2, r2) - lp2).max()),
         "tensors_loaded": loaded,
         "tensors_in_model": len(old),
+        "partial": _partial_rollouts(llm, model, from_tensors(old.items(), torch), table),
     }
     Path(out).write_text(json.dumps(doc))
 

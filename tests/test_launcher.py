@@ -347,7 +347,9 @@ def _fake_run(folder: Path, arch: list[int], rewards: list[float]) -> None:
     for rank in (0, 1):
         steps = [{"step": s, "version": s + 1, "loss": 0.1, "rows": n // 2, "abs_logp_diff": 1e-7,
                   "fetch_s": [0.01], "exposed_wait_s": [0.002], "bytes_fetched": 1000, "step_time_s": 0.5,
-                  "publish_s": 0.05, "plan_wait_s": 1.0, "t_end": 100.0 + s} for s in (0, 1)]
+                  "publish_s": 0.05, "plan_wait_s": 1.0, "t_end": 100.0 + s, "is_weight_mean": 1.0 + s,
+                  "is_weight_max": 2.0 + s, "token_staleness_mean": 0.5 * s, "token_staleness_max": s}
+                 for s in (0, 1)]
         rows = [["row", i * 2 // n, f"g{i // 2}", i % 2] for i in range(n) if (i // 2) % 2 == rank]
         (folder / f"trainer_rank{rank}.json").write_text(json.dumps({"env": {"rank": rank}, "steps": steps,
                                                                      "consumed": rows}))
@@ -358,7 +360,10 @@ def test_report_from_a_run_folder(tmp_path: Path) -> None:
     _fake_run(tmp_path / "mini_batch", [0, 0, 1, 1], [0.0, 1.0, 0.5, 0.5])
     results = {}
     for name in ("train_batch", "mini_batch"):
-        r = policy_summary(tmp_path / name, config={"policy": name}, wall_s=3.0)
+        r = policy_summary(tmp_path / name, config={"policy": name, "loss": {"objective": "tis"}}, wall_s=3.0)
+        assert r["offpolicy"] == {"objective": "tis", "is_weight_mean": 1.5, "is_weight_max": 3.0,
+                                  "is_truncated_frac": None, "clip_frac": None, "kl_behaviour_k3": None,
+                                  "token_staleness_mean": 0.25, "token_staleness_max": 1.0}
         assert r["trajectories_consumed"] == 4 and r["rows_received"] == 4 and r["duplicate_rows"] == 0
         assert r["bytes_per_rank"] == {"0": 2000, "1": 2000}
         assert r["driver_payload_bytes"] == 0
@@ -382,7 +387,8 @@ def test_report_from_a_run_folder(tmp_path: Path) -> None:
     from launcher.report import plot_policy
 
     paths = plot_policy(tmp_path / "mini_batch", results["mini_batch"])
-    assert [p.name for p in paths] == ["staleness_per_step.png", "time_breakdown.png", "reward_per_train_batch.png"]
+    assert [p.name for p in paths] == ["staleness_per_step.png", "time_breakdown.png", "reward_per_train_batch.png",
+                                       "offpolicy_per_step.png"]
     assert all(p.stat().st_size > 1000 for p in paths)
 
 

@@ -218,21 +218,41 @@ def test_a_sliced_batch_and_one_with_images_agree(make_group) -> None:
     assert sizes[2] - sizes[3] == 64
 
 
+def test_token_versions_sent_checked_and_left_out_filled(make_group) -> None:
+    """A partial rollout's per-token versions pass natively when each lies in its row's [min, version]; one
+    outside is refused naming ``token_versions``; left out, they are each row's ``policy_version``."""
+    batch = make_group(GID, size=2, response_len=3)
+    left_out = batch.drop_columns(["token_versions"])
+    code, python = _differ(left_out)
+    assert code == ACCEPTED_OTHER_FIELDS and isinstance(python, pa.RecordBatch)
+    version = python.column("policy_version").to_pylist()
+    assert python.column("token_versions").to_pylist() == [[v] * 3 for v in version]
+    spans = _with(_with(batch, "policy_version", pa.array([5, 5], pa.int64())), "policy_version_min",
+                  pa.array([3, 5], pa.int64()))
+    code, python = _differ(_with(spans, "token_versions", pa.array([[3, 4, 5], [5, 5, 5]], pa.list_(pa.int32()))))
+    assert code == ACCEPTED and isinstance(python, pa.RecordBatch)
+    code, python = _differ(_with(spans, "token_versions", pa.array([[3, 4, 5], [4, 5, 5]], pa.list_(pa.int32()))))
+    assert code == 11 and isinstance(python, TrajectoryError) and python.column == "token_versions"
+    assert "row 1 holds version 4" in str(python)
+
+
 # ---- the differential property -------------------------------------------------------------------
 
 _RULE_FAULTS = ("group_id", "sample_idx<0", "sample_idx>=n", "sample_idx repeated", "status odd", "reward nan",
                 "reward inf", "version<0", "min>version", "prompt_len", "response_len", "num_images",
-                "logprobs length", "mask length", "mask 2", "null reward", "null token")
+                "logprobs length", "mask length", "mask 2", "null reward", "null token", "token version>version",
+                "token_versions length")
 _FAULT_COLUMN = {
     "group_id": "group_id", "sample_idx<0": "sample_idx", "sample_idx>=n": "sample_idx",
     "sample_idx repeated": "sample_idx", "status odd": "status", "reward nan": "reward", "reward inf": "reward",
     "null reward": "reward", "version<0": "version", "min>version": "version", "prompt_len": "prompt_len",
     "response_len": "response_len", "num_images": "num_images", "logprobs length": "response_logprobs",
     "mask length": "loss_mask", "mask 2": "loss_mask", "null token": "prompt_ids",
+    "token version>version": "token_versions", "token_versions length": "token_versions",
 }
 """The values each fault overwrites (two faults of the same values would overwrite each other)."""
 _SHAPES = ("shuffled rows", "status aborted", "validity bitmaps", "large list", "int64 sample_idx", "column missing",
-           "columns reordered", "zoned timestamp", "writer fields", "sliced", "wire")
+           "columns reordered", "zoned timestamp", "writer fields", "sliced", "wire", "token_versions left out")
 """Ways to send a valid group outside the native pass's common case, or through the wire (all valid)."""
 
 
@@ -251,6 +271,10 @@ def _group(n: int, faults: set[str], row: int, draw: st.DataObject) -> pa.Record
     logprobs = [r + (i == row and "logprobs length" in faults) for i, r in enumerate(resp)]
     masks = [r + (i == row and "mask length" in faults) for i, r in enumerate(resp)]
     reward = at(at(at([0.5] * n, "reward nan", float("nan")), "reward inf", float("inf")), "null reward", None)
+    token_versions = [[v] * (r + (i == row and "token_versions length" in faults))
+                      for i, (v, r) in enumerate(zip(version, resp, strict=True))]
+    if "token version>version" in faults and token_versions[row]:
+        token_versions[row][0] += 1
     key = bytes(range(32))
     cols = {
         "group_id": pa.array(at([GID] * n, "group_id", "x")),
@@ -275,6 +299,7 @@ def _group(n: int, faults: set[str], row: int, draw: st.DataObject) -> pa.Record
         "loss_mask": pa.array([[2 if i == row and "mask 2" in faults else 1] * k for i, k in enumerate(masks)],
                               pa.list_(pa.uint8())),
         "image_keys": pa.array([[key] * k for k in images], pa.list_(pa.binary(32))),
+        "token_versions": pa.array(token_versions, pa.list_(pa.int32())),
     }
     return pa.RecordBatch.from_pydict(cols, schema=TRAJECTORY_SCHEMA)
 
@@ -303,6 +328,8 @@ def _reshape(batch: pa.RecordBatch, shape: str, draw: st.DataObject) -> pa.Recor
     if shape == "writer fields":
         loose = pa.schema([f.with_nullable(True) for f in batch.schema], metadata={"knittrans.note": "w"})
         return pa.RecordBatch.from_arrays(batch.columns, schema=loose)
+    if shape == "token_versions left out":  # each row's policy_version once per token (a fault in it goes too)
+        return batch.drop_columns(["token_versions"])
     if shape == "sliced":  # the group as rows 1..n of a larger batch (offsets that do not start at 0)
         return pa.concat_batches([batch.slice(0, 1), batch]).slice(1, n)
     return _wire(batch)
@@ -322,13 +349,16 @@ def test_the_native_verdict_is_the_python_verdict(n: int, faults: set[str], shap
     # a fault can be no fault at all: a mask value or a token in an empty list, a repeat in a group of one row
     real = faults - ({"mask 2"} if not len(batch.column("loss_mask")[row]) else set()) - (
         {"null token"} if not len(batch.column("prompt_ids")[row]) else set()) - (
-        {"sample_idx repeated"} if n == 1 else set())
+        {"sample_idx repeated"} if n == 1 else set()) - (
+        {"token version>version"} if not len(batch.column("token_versions")[row]) else set()) - (
+        {"token version>version", "token_versions length"} if "token_versions left out" in shapes else set())
     for shape in shapes:
         batch = _reshape(batch, shape, data)
     code, python = _differ(batch)
     if not real:
         assert isinstance(python, pa.RecordBatch), python
-        read_natively = not set(shapes) - {"shuffled rows", "status aborted", "sliced", "wire", "writer fields"}
+        read_natively = not set(shapes) - {"shuffled rows", "status aborted", "sliced", "wire", "writer fields",
+                                           "token_versions left out"}
         assert code in (ACCEPTED, ACCEPTED_OTHER_FIELDS) or not read_natively, (code, shapes)
         return
     assert isinstance(python, TrajectoryError), (faults, shapes)

@@ -9,6 +9,7 @@ import pytest
 
 from schemas import TRAJECTORY_SCHEMA, TrajectoryRecord, records_to_batch
 from schemas.arrow import METADATA_SCHEMA, SCHEMA_VERSION
+from schemas.trajectory import TrajectoryError
 from schemas.wire import (
     MetadataTicket,
     PutGroup,
@@ -154,3 +155,18 @@ def test_a_table_naming_a_column_twice_is_a_schema_error_not_a_crash() -> None:
                                    names=["name", "dtype", "dtype"])
     with pytest.raises(WeightsError, match=r"\['dtype'\] more than once"):
         check(weights)
+
+
+def test_records_token_versions_fill_row_by_row_and_set_the_oldest_version() -> None:
+    """A partial rollout's record gives each token's version, its policy_version_min is their minimum; a record
+    without them gets its policy_version for every token."""
+    rows = [TrajectoryRecord(group_id="g", sample_idx=0, policy_version=5, prompt_ids=[1], response_ids=[2, 3, 4],
+                             response_logprobs=[0.0] * 3, token_versions=[3, 4, 5]),
+            TrajectoryRecord(group_id="g", sample_idx=1, policy_version=5, prompt_ids=[1], response_ids=[2, 3],
+                             response_logprobs=[0.0] * 2)]
+    batch = records_to_batch(rows)
+    assert batch.column("token_versions").to_pylist() == [[3, 4, 5], [5, 5]]
+    assert batch.column("policy_version_min").to_pylist() == [3, 5]
+    with pytest.raises(TrajectoryError, match="token_versions' row 0 holds version 6") as exc:
+        records_to_batch([rows[0].model_copy(update={"token_versions": [3, 4, 6]})])
+    assert exc.value.column == "token_versions"

@@ -115,7 +115,7 @@ def test_unknown_group_and_image(store_nodes, make_group) -> None:
 
 
 def test_budget_exceeded_is_retryable_and_unavailable(store_nodes, make_group) -> None:
-    (server,) = store_nodes(1, ServerConfig(store=StoreConfig(memory_budget=50_000)))
+    (server,) = store_nodes(1, ServerConfig(store=StoreConfig(memory_budget=70_000)))  # one ~53 kB group fits
     with StoreReader(server.location) as client, StoreWriter.sharing(client) as writer:
         writer.put_group(make_group("a", size=4, response_len=1000))
         with pytest.raises(BudgetExceededError) as exc:

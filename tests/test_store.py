@@ -311,11 +311,12 @@ def test_optional_columns_are_filled(make_group) -> None:
     assert row["policy_version_min"] == row["policy_version"] == 0
     assert row["num_images"] == 0 and row["image_keys"] == []
     assert row["loss_mask"] == [1] * len(row["response_ids"])
+    assert row["token_versions"] == [row["policy_version"]] * len(row["response_ids"])
     assert (row["finish_reason"], row["status"], row["data_source"]) == ("stop", "completed", "default")
     assert row["created_at"] is not None and row["completed_at"] is not None
     # bytes is always recomputed: 4-byte offsets + values of every payload list
     n_resp = len(row["response_ids"])
-    assert row["bytes"] == (4 + 4 * 4) + 2 * (4 + 4 * n_resp) + (4 + n_resp) + 4
+    assert row["bytes"] == (4 + 4 * 4) + 2 * (4 + 4 * n_resp) + (4 + n_resp) + 4 + (4 + 4 * n_resp)
     lied = _replace(full, "bytes", pa.array([999, 999], pa.int64()))
     assert normalize_batch(lied, "g").column("bytes").to_pylist() == [row["bytes"]] * 2
 
@@ -338,7 +339,7 @@ def test_safe_casts_are_accepted(make_group) -> None:
 
 
 def test_budget_refuses_retryably_and_never_drops(make_group) -> None:
-    store = Store(StoreConfig(memory_budget=50_000))
+    store = Store(StoreConfig(memory_budget=70_000))  # one group of ~53 kB fits, two do not
     store.put_group("a", [make_group("a", size=4, response_len=1000)])
     with pytest.raises(BudgetExceededError, match="memory budget") as exc:
         store.put_group("b", [make_group("b", size=4, response_len=1000)])

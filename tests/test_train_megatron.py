@@ -33,7 +33,8 @@ from admission import AdmissionConfig
 from flight_store.net import free_port
 from schemas import documents
 from schemas.plan import PlannedSlice
-from train.config import OptimConfig, ParallelConfig, TrainConfig
+from train.config import ObjectiveConfig, OptimConfig, ParallelConfig, TrainConfig
+from train.packing import TRAIN_COLUMNS
 
 pytestmark = [pytest.mark.megatron, pytest.mark.slow]
 
@@ -41,7 +42,7 @@ ROOT = Path(__file__).resolve().parents[1]
 GROUPS, G, PROMPT, RESPONSE, VOCAB = 12, 4, 6, 10, 128
 STEPS = 6  # train_batch_groups=4, mini_batches=2 -> 2 groups per step
 ADMISSION = AdmissionConfig(train_batch_groups=4, group_size=G, mini_batches=2, token_budget=32)
-PACK_COLUMNS = ["group_id", "sample_idx", "prompt_ids", "response_ids", "response_logprobs", "loss_mask"]
+PACK_COLUMNS = list(TRAIN_COLUMNS)  # what a rank fetches
 
 
 def _fixed_dataset() -> list[pa.RecordBatch]:
@@ -198,6 +199,26 @@ def test_tp2_packed_matches_dp2(dp_run: Any, tmp_path: Path) -> None:
         tp_losses = [s["loss"] for s in reports[0]["steps"]]
         dp_losses = [s["loss"] for s in dp_reports[0]["steps"]]
         np.testing.assert_allclose(tp_losses, dp_losses, atol=2e-4)
+    finally:
+        stores.close()
+
+
+def test_decoupled_ppo_recomputes_the_proximal_policy_each_step_and_reports_the_staleness(tmp_path: Path) -> None:
+    """One rank, ``decoupled_ppo``: the proximal pass runs on the weights of the step (the clipped ratio is 1, no
+    clip), inside the step time; the data of version 0 is ``step`` versions stale at step ``step``, token by
+    token; the off-policy metrics are in every step record."""
+    stores = Stores()
+    try:
+        config = _config(tmp_path, stores, loss=ObjectiveConfig(objective="decoupled_ppo", is_cap=2.0))
+        _run([sys.executable, "-m", "train", "--config", config])
+        steps = json.loads((tmp_path / "rank0.json").read_text())["steps"]
+        assert len(steps) == STEPS
+        for i, s in enumerate(steps):
+            assert s["ratio"] == pytest.approx(1.0, abs=1e-6) and s["clip_frac"] == 0.0
+            assert 0.0 < s["prox_s"] < s["step_time_s"]
+            assert s["token_staleness_mean"] == s["token_staleness_max"] == i
+            assert s["is_weight_max"] >= s["is_weight_mean"] > 0 and 0.0 <= s["is_truncated_frac"] <= 1.0
+            assert s["kl_behaviour_k3"] >= 0.0
     finally:
         stores.close()
 

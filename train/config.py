@@ -264,6 +264,38 @@ class VisionConfig:
         return (self.img_h // self.patch_dim) * (self.img_w // self.patch_dim)
 
 
+Objective = Literal["ppo_rollout_old", "decoupled_ppo", "tis"]
+"""The policy losses ``train.objectives`` implements (``ObjectiveConfig.objective``)."""
+OBJECTIVES: tuple[str, ...] = ("ppo_rollout_old", "decoupled_ppo", "tis")
+
+
+@dataclass(kw_only=True, slots=True)
+class ObjectiveConfig:
+    """Which policy loss the trainer minimises, and its importance-weight cap (``train.objectives``; the PPO clip
+    range is ``admission.GrpoConfig``'s).
+
+    Example:
+        >>> ObjectiveConfig(objective="tis", is_cap=2.0).objective
+        'tis'
+    """
+
+    objective: Objective = "ppo_rollout_old"
+    """Policy loss: ``ppo_rollout_old`` (PPO clip of pi_theta / pi_rollout), ``decoupled_ppo`` (clip against a
+    recomputed proximal policy, times the truncated pi_prox / pi_rollout), ``tis`` (policy gradient times the
+    truncated pi_theta / pi_rollout)."""
+    is_cap: float = 2.0
+    """Truncation of the importance weights (``decoupled_ppo``'s behaviour weight, ``tis``'s weight); also the
+    threshold of the ``is_truncated_frac`` metric under ``ppo_rollout_old``."""
+
+    def __post_init__(self) -> None:
+        if self.objective not in OBJECTIVES:
+            msg = f"ObjectiveConfig.objective={self.objective!r} is not one of {OBJECTIVES}"
+            raise ValueError(msg)
+        if not (self.is_cap >= 1.0 and self.is_cap < float("inf")):
+            msg = f"ObjectiveConfig.is_cap={self.is_cap!r} must be finite and >= 1"
+            raise ValueError(msg)
+
+
 _TEXT_ONLY: tuple[str, ...] = ("publish_weights", "save_dir", "load_dir", "progress_path", "consumed_path")
 """TrainConfig fields only the text step supports."""
 
@@ -295,6 +327,8 @@ class TrainConfig:
     """Optimizer."""
     admission: AdmissionConfig
     """Rank 0's planner and the GRPO settings; ``dp_ranks`` is taken from the process group."""
+    loss: ObjectiveConfig = field(default_factory=ObjectiveConfig)
+    """The policy loss (``--objective``) and its importance-weight cap."""
     vision: VisionConfig | None = None
     """Vision encoder of the multimodal step; None = the text step."""
     max_steps: int = 0
@@ -351,4 +385,7 @@ class TrainConfig:
             unsupported = [name for name in _TEXT_ONLY if getattr(self, name)]
             if unsupported:
                 msg = f"the multimodal step (vision set) does not support {unsupported} yet; unset them or vision"
+                raise ValueError(msg)
+            if self.loss.objective == "decoupled_ppo":
+                msg = "the multimodal step (vision set) does not recompute proximal logprobs: objective decoupled_ppo"
                 raise ValueError(msg)

@@ -14,7 +14,8 @@ publishes the version, then releases the step's groups, one version at a time.
 
 Each step taken is one :class:`StepRecord`, built once it is published (logged, and written to
 ``report_path`` by :class:`RankReport`): the step's own metrics (see ``train.backbone.step_metrics`` and
-each step) plus ``version``, ``plan_wait_s``, ``t_end``, ``publish_s`` (what publishing cost the training
+each step; the off-policy ones and the token staleness, ``train.offpolicy``) plus ``version``,
+``plan_wait_s``, ``t_end``, ``publish_s`` (what publishing cost the training
 thread: encoding, and waiting for the version before) and ``publish_done_s`` (rank 0: the step's end to its
 version published on every node; rank 0 records a step then, before releasing its groups).
 Rank 0 appends a :class:`ProgressLine` per step (``progress_path``) and the planner's consumed trajectories
@@ -39,6 +40,7 @@ import pyarrow as pa
 
 from schemas.plan import MiniBatchPlan
 from train.config import TrainConfig
+from train.offpolicy import with_token_staleness
 from train.planning import PlannerLike, PlanSource, StepFigures
 
 if TYPE_CHECKING:
@@ -206,7 +208,7 @@ def _steps(cfg: TrainConfig, env: dict[str, int], kind: Step, source: PlanSource
         if reported:
             consumed.extend(["slice", plan.step, s.node, s.group_id, s.start, s.stop]
                             for m in plan.for_rank(env["dp_rank"]).micro_batches for s in m.slices)
-        metrics = kind.step(plan, consumed)
+        metrics = with_token_staleness(kind.step(plan, consumed), version)  # the step trained `version`
         version += 1
         t_pub = time.perf_counter()
         # the weights are encoded here (a copy the next step cannot change; a collective on every rank), then

@@ -13,7 +13,7 @@ placed with one vectorised scatter. Two layouts:
 
 Token alignment: a row is ``prompt ++ response`` of length ``L = P + R``; position ``t`` predicts
 ``tokens[t + 1]``, so response token ``j`` is scored at position ``P - 1 + j``. ``rollout_logprobs``,
-``loss_mask`` and ``advantages`` sit at those positions, zero elsewhere.
+``loss_mask``, ``advantages`` and ``token_versions`` (when fetched) sit at those positions, zero elsewhere.
 """
 
 from __future__ import annotations
@@ -28,7 +28,10 @@ from train.config import PackMode
 
 PACK_COLUMNS: tuple[str, ...] = ("group_id", "sample_idx", "prompt_ids", "response_ids", "response_logprobs",
                                  "loss_mask")
-"""Trajectory columns a trainer rank fetches."""
+"""Trajectory columns :func:`pack_tensors` needs."""
+TRAIN_COLUMNS: tuple[str, ...] = (*PACK_COLUMNS, "token_versions")
+"""Trajectory columns the text step fetches: :data:`PACK_COLUMNS` and each token's policy version (its staleness
+metrics, ``train.offpolicy``)."""
 
 
 class TokenOutOfVocabularyError(ValueError):
@@ -83,6 +86,7 @@ class PackedBatch:
     cu_seqlens: np.ndarray | None  # int32 [rows + 1] for thd, else None
     rows: int
     tokens_total: int  # prompt + response tokens of the rows (no padding)
+    token_versions: np.ndarray | None = None  # int64, policy version of the label token (fetched with the rows)
 
     def to_torch(self, device: Any = None) -> dict[str, Any]:
         """The arrays as torch tensors (zero-copy on CPU), plus the attention mask the layout needs."""
@@ -93,6 +97,8 @@ class PackedBatch:
             for name in ("tokens", "labels", "position_ids", "rollout_logprobs", "loss_mask", "advantages")
         }
         out["cu_seqlens"] = None if self.cu_seqlens is None else torch.from_numpy(self.cu_seqlens).to(device)
+        if self.token_versions is not None:
+            out["token_versions"] = torch.from_numpy(self.token_versions).to(device)
         return out
 
 
@@ -108,6 +114,7 @@ class _Rows:
     r_val: np.ndarray  # response token ids, flat
     logprobs: np.ndarray  # response_logprobs, flat (aligned with r_val)
     mask: np.ndarray  # loss_mask, flat (aligned with r_val)
+    versions: np.ndarray | None  # token_versions, flat (aligned with r_val), when the table has them
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -138,16 +145,19 @@ def _read_rows(table: pa.Table, advantages: np.ndarray | list[float], vocab_size
     r_off, r_val = list_arrays(table.column("response_ids"))
     l_off, l_val = list_arrays(table.column("response_logprobs"))
     m_off, m_val = list_arrays(table.column("loss_mask"))
+    v_off, v_val = (list_arrays(table.column("token_versions")) if "token_versions" in table.column_names
+                    else (m_off, None))
     if vocab_size is not None:
         check_vocabulary(vocab_size, p_val, r_val)
     rlen = np.diff(r_off)
-    if not (np.array_equal(np.diff(l_off), rlen) and np.array_equal(np.diff(m_off), rlen)):
-        msg = "response_logprobs / loss_mask lengths differ from response_ids lengths"
+    if not all(np.array_equal(np.diff(off), rlen) for off in (l_off, m_off, v_off)):
+        msg = "response_logprobs / loss_mask / token_versions lengths differ from response_ids lengths"
         raise ValueError(msg)
     if np.any(np.diff(p_off) < 1):
         msg = "every trajectory needs at least one prompt token"
         raise ValueError(msg)
-    return _Rows(n=n, adv=adv, p_off=p_off, p_val=p_val, r_off=r_off, r_val=r_val, logprobs=l_val, mask=m_val)
+    return _Rows(n=n, adv=adv, p_off=p_off, p_val=p_val, r_off=r_off, r_val=r_val, logprobs=l_val, mask=m_val,
+                 versions=v_val)
 
 
 def _layout(rows: _Rows, mode: PackMode, pad_to_multiple: int) -> _Layout:
@@ -202,9 +212,13 @@ def pack_tensors(table: pa.Table, advantages: np.ndarray | list[float], *, mode:
     mask[at.at_r_prev] = rows.mask
     advs = np.zeros(at.shape, dtype=np.float32)
     advs[at.at_r_prev] = rows.adv[np.repeat(np.arange(rows.n), np.diff(rows.r_off))]
+    versions = None
+    if rows.versions is not None:
+        versions = np.zeros(at.shape, dtype=np.int64)
+        versions[at.at_r_prev] = rows.versions
     return PackedBatch(tokens=tokens, labels=labels, position_ids=at.position_ids, rollout_logprobs=rollout,
                        loss_mask=mask, advantages=advs, cu_seqlens=at.cu_seqlens, rows=rows.n,
-                       tokens_total=int(rows.p_val.size + rows.r_val.size))
+                       tokens_total=int(rows.p_val.size + rows.r_val.size), token_versions=versions)
 
 
 def block_causal_mask(cu_seqlens: Any, width: int) -> Any:

@@ -5,7 +5,10 @@ and its Megatron optimizer (``train.model``, loading ``load_dir`` when set). For
 mini-batch it opens one stream of the rank's micro-batch slices (one DoGet per node holding them)
 and hands the micro-batches to the prefetch thread, which reads and packs them one at a time
 (:func:`fetch_micro_batch`), so micro-batch i+1 is fetched while micro-batch i computes. The step
-runs Megatron-core's schedule with the GRPO loss over them (``train.backbone``).
+runs Megatron-core's schedule with the configured policy loss over them (``train.backbone``,
+``train.objectives``). For ``decoupled_ppo`` it first takes every micro-batch of the mini-batch and runs one
+forward pass over each without grad (:func:`proximal_logprobs`), before the optimizer step; that pass is inside
+the step time and reported apart (``prox_s``).
 
 Metrics beyond ``train.backbone.step_metrics``: per micro-batch the exposed wait (time the step
 blocked on data) and the fetch time hidden behind compute, the bytes fetched, the step time, and the
@@ -23,7 +26,7 @@ from typing import TYPE_CHECKING, Any
 from flight_store.reading import StoreReader
 from schemas.plan import MicroBatch, MiniBatchPlan
 from train.config import PackMode, TrainConfig
-from train.packing import PACK_COLUMNS, pack_tensors
+from train.packing import TRAIN_COLUMNS, pack_tensors
 
 if TYPE_CHECKING:
     from train.loop import ConsumedEntry
@@ -48,7 +51,7 @@ class TextStep:
     def submit(self, plan: MiniBatchPlan) -> None:
         """One DoGet per node for the rank's micro-batches, read one at a time on the prefetch thread."""
         mbs = plan.for_rank(self.env["dp_rank"]).micro_batches
-        tables = self.client.stream([mb.slices for mb in mbs], columns=PACK_COLUMNS)
+        tables = self.client.stream([mb.slices for mb in mbs], columns=TRAIN_COLUMNS)
         self.fetcher.submit((tables, mb) for mb in mbs)
 
     def step(self, plan: MiniBatchPlan, consumed: list[ConsumedEntry]) -> dict[str, Any]:
@@ -56,6 +59,7 @@ class TextStep:
         from train import backbone
         from train.loss import policy_loss
         from train.mcore_compat import device
+        from train.objectives import needs_proximal
 
         t0 = time.perf_counter()
         micro = plan.for_rank(self.env["dp_rank"]).micro_batches
@@ -78,12 +82,20 @@ class TextStep:
 
         def forward_step(data_iterator: Iterator[dict[str, Any]], gpt: Any) -> tuple[Any, Any]:
             b = next(data_iterator)
-            return backbone.forward(self.built, gpt, b), partial(policy_loss, batch=b, cfg=self.cfg.admission.grpo)
+            return backbone.forward(self.built, gpt, b), partial(policy_loss, batch=b, cfg=self.cfg.admission.grpo,
+                                                                 objective=self.cfg.loss)
 
+        data: Iterator[dict[str, Any]] = batches()
+        prox_s = 0.0
+        if needs_proximal(self.cfg.loss):  # the proximal policy: these weights, before the optimizer step
+            taken = list(data)  # every micro-batch fetched (their waits counted as the schedule's would be)
+            t_prox = time.perf_counter()
+            data = iter(proximal_logprobs(self.built, taken))
+            prox_s = time.perf_counter() - t_prox
         backbone.zero_grads(self.built)
-        reports = backbone.schedule(self.built, forward_step, batches(), len(micro), self.cfg.model.max_sequence_length)
+        reports = backbone.schedule(self.built, forward_step, data, len(micro), self.cfg.model.max_sequence_length)
         metrics = backbone.step_metrics(plan, micro, reports, self.built.optimizer.step())
-        metrics.update(exposed_wait_s=waits, fetch_s=fetch_s, bytes_fetched=nbytes,
+        metrics.update(exposed_wait_s=waits, fetch_s=fetch_s, bytes_fetched=nbytes, prox_s=prox_s,
                        step_time_s=time.perf_counter() - t0, logprobs_mode=modes.pop() if len(modes) == 1 else None)
         log.info("step %d loss %.4f ratio %.4f wait %.1f ms (%d micro-batches) %.0f ms", plan.step, metrics["loss"],
                  metrics["ratio"], 1e3 * sum(waits), len(waits), 1e3 * metrics["step_time_s"])
@@ -92,6 +104,19 @@ class TextStep:
     def close(self) -> None:
         """Stop the prefetch thread."""
         self.fetcher.close()
+
+
+def proximal_logprobs(built: Any, batches: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Each micro-batch of ``batches`` with ``prox_logprobs``: the logprob of every label under the model's current
+    weights, one forward pass each without grad (``decoupled_ppo``'s pi_prox, ``train.objectives``)."""
+    import torch
+
+    from train import backbone
+
+    with torch.no_grad():
+        for b in batches:
+            b["prox_logprobs"] = -backbone.forward(built, built.model, b).float()
+    return batches
 
 
 def logprobs_mode(table: Any) -> str | None:

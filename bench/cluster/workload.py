@@ -111,6 +111,7 @@ def make_group(group_id: str, w: Workload, rng: np.random.Generator,
         "response_logprobs": pa.ListArray.from_arrays(pa.array(r_off), pa.array(-rng.random(n, dtype=np.float32))),
         "loss_mask": pa.ListArray.from_arrays(pa.array(r_off), pa.array(np.ones(n, dtype=np.uint8))),
         "image_keys": pa.array([list(image_keys)] * g, type=pa.list_(pa.binary(32))),
+        "token_versions": pa.ListArray.from_arrays(pa.array(r_off), pa.array(np.zeros(n, dtype=np.int32))),
     }
     return pa.RecordBatch.from_pydict(cols, schema=TRAJECTORY_SCHEMA)
 

@@ -1,0 +1,185 @@
+"""Learning, measured: does lower staleness, corrected, reach a given reward sooner at the same final quality?
+
+``python -m bench.learning [--quick] [--seeds 3] [--train-batches 30] [--arms A,B,...] [--model-dir DIR] --out F.json``
+
+Each arm is one ``knit run`` of SmolLM2-135M-Instruct on the arithmetic task (its run defaults: exact-match
+reward, ``add_small`` and ``add_large`` half each, B=4 groups of G=4, K=2, one trainer rank), the same seeds
+for every arm:
+
+* ``train_batch``: train-batch admission, ``ppo_rollout_old`` (the baseline);
+* ``mini_batch``: mini-batch admission, ``ppo_rollout_old``;
+* ``mini_batch_decoupled``: mini-batch admission, ``decoupled_ppo``;
+* ``mini_batch_partial``: mini-batch admission, ``decoupled_ppo``, partial rollouts.
+
+Per arm (means over the seeds): the mean reward of each train batch, against the train batch and against the
+wall-clock time its last step ended (both plotted beside the JSON), the final reward (the last five train
+batches pooled), the time each arm takes to reach train_batch's final reward (per seed, then the median; the
+ratio to train_batch's own time is two medians of the same work), and the run's off-policy figures
+(``summary.json``'s ``offpolicy``: importance weight, truncated and clipped fractions, k3 KL, token staleness)
+and architectural staleness. The held-out success of the starting checkpoint comes from ``bench.task_success``
+(``--task-success``).
+
+``--quick``: one seed, 3 train batches, the arms ``train_batch`` and ``mini_batch_decoupled``: a check that the
+bench runs end to end, far too short to answer the question.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import tempfile
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from bench._common import pyplot, write_result
+
+ROOT = Path(__file__).resolve().parents[1]
+ARMS: dict[str, tuple[str, str, bool]] = {
+    "train_batch": ("train_batch", "ppo_rollout_old", False),
+    "mini_batch": ("mini_batch", "ppo_rollout_old", False),
+    "mini_batch_decoupled": ("mini_batch", "decoupled_ppo", False),
+    "mini_batch_partial": ("mini_batch", "decoupled_ppo", True),
+}
+"""Arm -> (admission policy, objective, partial rollouts)."""
+QUICK_ARMS = ("train_batch", "mini_batch_decoupled")
+FINAL_WINDOW = 5
+"""Train batches pooled into an arm's final reward."""
+
+
+def run_arm(arm: str, seed: int, train_batches: int, out: Path, model_dir: Path | None, timeout_s: float) -> Path:
+    """One ``knit run`` of ``arm``; returns its run folder (the policy's folder holds the trainer's reports)."""
+    policy, objective, partial = ARMS[arm]
+    cmd = [sys.executable, "-m", "launcher", "run", "--plain", "--model", "smollm2-135m", "--policy", policy,
+           "--objective", objective, "--train-batches", str(train_batches), "--seed", str(seed),
+           "--timeout-s", str(timeout_s), "--out", str(out),
+           "--partial-rollouts" if partial else "--no-partial-rollouts"]
+    if model_dir is not None:
+        cmd += ["--model-dir", str(model_dir)]
+    done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=timeout_s + 120, check=False)
+    if done.returncode != 0:
+        msg = f"knit run of {arm} (seed {seed}) exited {done.returncode}:\n{done.stdout[-3000:]}{done.stderr[-3000:]}"
+        raise RuntimeError(msg)
+    return out
+
+
+def read_arm(folder: Path) -> dict[str, Any]:
+    """One run's curves and figures: reward per train batch, the wall time each train batch ended, off-policy."""
+    summary = json.loads((folder / "summary.json").read_text())
+    (result,) = summary["policies"].values()
+    steps = json.loads((folder / "trainer_rank0.json").read_text())["steps"]
+    start = min(s["t_end"] - s["step_time_s"] for s in steps)
+    ends: dict[int, float] = {}
+    for s in steps:
+        ends[s["train_batch"]] = max(ends.get(s["train_batch"], 0.0), s["t_end"] - start)
+    reward = [float(r) for r in result["reward_per_train_batch"]]
+    return {"reward": reward, "wall_s": [ends[b] for b in sorted(ends)][:len(reward)],
+            "offpolicy": result.get("offpolicy", {}), "arch_staleness_mean": result.get("arch_staleness_mean")}
+
+
+def _final(reward: Sequence[float]) -> float:
+    tail = list(reward[-FINAL_WINDOW:])
+    return sum(tail) / len(tail) if tail else float("nan")
+
+
+def time_to_reach(run: dict[str, Any], target: float) -> float | None:
+    """Seconds until the run's reward per train batch first reaches ``target`` (None: never)."""
+    return next((w for r, w in zip(run["reward"], run["wall_s"], strict=False) if r >= target), None)
+
+
+def _median(values: Sequence[float]) -> float | None:
+    v = sorted(values)
+    return None if not v else (v[len(v) // 2] if len(v) % 2 else (v[len(v) // 2 - 1] + v[len(v) // 2]) / 2)
+
+
+def summarise(runs: dict[str, list[dict[str, Any]]]) -> tuple[dict[str, Any], dict[str, Any]]:
+    """``(metrics, ratios)``: per arm its seed-mean curves, final reward, time to train_batch's final reward, and
+    the off-policy figures; ratios of each arm's median time to train_batch's."""
+    metrics: dict[str, Any] = {}
+    base = runs.get("train_batch", [])
+    for arm, seeds in runs.items():
+        n = min(len(r["reward"]) for r in seeds)
+        curve = [sum(r["reward"][b] for r in seeds) / len(seeds) for b in range(n)]
+        wall = [sum(r["wall_s"][b] for r in seeds) / len(seeds) for b in range(n)]
+        reach = [time_to_reach(r, _final(b["reward"])) for r, b in zip(seeds, base, strict=False)]
+        off = {k: [r["offpolicy"].get(k) for r in seeds] for k in seeds[0]["offpolicy"]}
+        metrics[arm] = {
+            "reward_per_train_batch": [round(x, 4) for x in curve],
+            "wall_s_per_train_batch": [round(x, 1) for x in wall],
+            "final_reward": round(_final(curve), 4),
+            "time_to_train_batch_final_s": _median([t for t in reach if t is not None]),
+            "seeds_reaching_train_batch_final": sum(t is not None for t in reach),
+            "arch_staleness_mean": [r["arch_staleness_mean"] for r in seeds],
+            "offpolicy": off,
+        }
+    ratios: dict[str, Any] = {}
+    t_base = metrics.get("train_batch", {}).get("time_to_train_batch_final_s")
+    for arm, m in metrics.items():
+        t = m["time_to_train_batch_final_s"]
+        if arm != "train_batch" and t is not None and t_base:
+            ratios[f"{arm}_time_to_reward_vs_train_batch"] = round(t / t_base, 4)
+    return metrics, ratios
+
+
+def plot(metrics: dict[str, Any], path: Path) -> Path | None:
+    """Reward per train batch against the train batch (left) and against wall-clock time (right), per arm."""
+    plt = pyplot()
+    if plt is None:
+        return None
+    fig, (left, right) = plt.subplots(1, 2, figsize=(11, 3.8))
+    for arm, m in metrics.items():
+        reward = m["reward_per_train_batch"]
+        left.plot(range(len(reward)), reward, "o-", label=arm)
+        right.plot(m["wall_s_per_train_batch"], reward, "o-", label=arm)
+    left.set(xlabel="train batch", ylabel="mean reward (seed mean)", title="reward per train batch")
+    right.set(xlabel="wall-clock time (s)", ylabel="mean reward (seed mean)", title="reward against time")
+    left.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    return path
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    ap = argparse.ArgumentParser(prog="python -m bench.learning", description=__doc__.split("\n")[0])
+    ap.add_argument("--quick", action="store_true", help=f"1 seed, 3 train batches, arms {', '.join(QUICK_ARMS)}")
+    ap.add_argument("--seeds", type=int, default=3)
+    ap.add_argument("--train-batches", type=int, default=30)
+    ap.add_argument("--arms", default=",".join(ARMS), help=f"of {', '.join(ARMS)}")
+    ap.add_argument("--model-dir", type=Path, default=None, help="the SmolLM2 checkpoint folder (knit run's default)")
+    ap.add_argument("--timeout-s", type=float, default=7200.0, help="one arm's run is stopped after this long")
+    ap.add_argument("--task-success", action="store_true", help="also the starting checkpoint's held-out success")
+    ap.add_argument("--runs", type=Path, default=None, help="where the run folders go (default: a temporary folder)")
+    ap.add_argument("--out", required=True)
+    args = ap.parse_args(argv)
+    arms = list(QUICK_ARMS) if args.quick else [a.strip() for a in args.arms.split(",")]
+    unknown = [a for a in arms if a not in ARMS]
+    if unknown:
+        ap.error(f"unknown arms {unknown}; the arms are {list(ARMS)}")
+    seeds = 1 if args.quick else args.seeds
+    batches = 3 if args.quick else args.train_batches
+    root = args.runs or Path(tempfile.mkdtemp(prefix="knit-learning-"))
+    runs: dict[str, list[dict[str, Any]]] = {}
+    for seed in range(seeds):
+        for arm in arms:  # seed-major: a machine slowing down over hours weighs on every arm alike
+            folder = run_arm(arm, seed, batches, root / f"{arm}-s{seed}", args.model_dir, args.timeout_s)
+            runs.setdefault(arm, []).append(read_arm(folder))
+            print(f"{arm} seed {seed}: reward per train batch {runs[arm][-1]['reward']}", flush=True)
+    metrics, ratios = summarise(runs)
+    extra: dict[str, Any] = {"runs": {a: [f"{a}-s{s}" for s in range(seeds)] for a in arms}}  # under --runs
+    if args.task_success:
+        from bench import task_success
+
+        model = str(args.model_dir) if args.model_dir else "smollm2-135m"
+        extra["task_success_before"] = task_success.main(["--quick", "--model", model, "--out",
+                                                          str(root / "task_success_before.json")])["metrics"]
+    figure = plot(metrics, Path(args.out).with_suffix(".png"))
+    return write_result(args.out, metrics, ratios,
+                        {"model": "smollm2-135m", "seeds": seeds, "train_batches": batches, "arms": arms,
+                         "quick": args.quick, "final_window": FINAL_WINDOW},
+                        figure=figure.name if figure else None, **extra)
+
+
+if __name__ == "__main__":
+    main()
