@@ -21,7 +21,7 @@ from flight_store.config import ClusterMember
 from flight_store.errors import WrongNodeError
 from schemas import replies, routing
 from schemas.routing import ROUTING
-from schemas.wire import SetClusterBody
+from schemas.wire import SetClusterBody, WireError
 
 
 class Membership:
@@ -53,13 +53,14 @@ class Membership:
         """Take ``body``'s view when it is newer than this node's; the view in force after it.
 
         Raises:
-            ValueError: ``down`` names an id that is not a member (naming it and the members).
+            WireError: ``down`` names an id that is not a member (naming it and the members; the client receives a
+                ``WireDecodeError``).
         """
         ids = {m.id for m in self.members}
         unknown = sorted(set(body.down) - ids)
         if unknown:
             msg = f"set_cluster: {unknown} are not members of this cluster {sorted(ids)}"
-            raise ValueError(msg)
+            raise WireError(msg)
         with self._lock:
             if body.version > self._version:
                 self._version, self._down = body.version, frozenset(body.down)
