@@ -20,7 +20,7 @@ from typing import TypeVar
 import pyarrow as pa
 
 from flight_store.client import StoreNodes
-from flight_store.errors import KnitError, NodeUnavailableError, WrongNodeError, from_error_info
+from flight_store.errors import KnitError, NodeUnavailableError, UnknownWeightsError, WrongNodeError, from_error_info
 from schemas.replies import DispatchReply, PutGroupReply, PutGroupsReply, PutImagesReply, Reply, ResolveReply
 from schemas.wire import (
     LIMITS,
@@ -247,8 +247,18 @@ class StoreWriter(StoreNodes):
         return out
 
     def get_weights(self, version: int | None = None, *, node: str | None = None) -> pa.Table:
-        """The latest weights (exactly ``version`` when given) from ``node`` (default: the first node not down)."""
-        return self._calls.get(node or self._live()[0], WeightsTicket(version=version).to_bytes())
+        """The latest weights (exactly ``version`` when given) from ``node`` (default: the first node not down that
+        holds them)."""
+        ticket = WeightsTicket(version=version).to_bytes()
+        if node is not None:
+            return self._calls.get(node, ticket)
+        live = self._live()
+        for n in live[:-1]:  # a node that was down when a version was published lacks it: the next one has it
+            try:
+                return self._calls.get(n, ticket)
+            except UnknownWeightsError:
+                log.info("store node %s lacks weights v%s; asking the next node", n, version)
+        return self._calls.get(live[-1], ticket)
 
 
 
