@@ -183,3 +183,21 @@ def test_a_node_marked_down_moves_its_groups_to_the_nodes_alive_and_back(store_n
         assert writer.cluster_view().version == 3 and writer.down_nodes == frozenset()
         stale.close()
     print(f"\nre-routed a write {rerouted_s:.2f} s after the node was marked down")
+
+
+def test_a_group_two_nodes_hold_is_planned_once(store_nodes, make_group) -> None:  # type: ignore[no-untyped-def]
+    servers = store_nodes(2)
+    locs = [s.location for s in servers]
+    with StoreReader(locs) as client, StoreWriter.sharing(client) as writer:
+        for gid in ("a", "b"):
+            writer.put_group(make_group(gid, size=4), node=locs[0])
+        writer.put_group(make_group("a", size=4), node=locs[1])  # a write routed again after its answer was lost
+        frame = client.scan_metadata()
+        assert frame.filter(frame["group_id"] == "a")["node"].n_unique() == 2
+        planner = Planner(AdmissionConfig(train_batch_groups=2, group_size=4, mini_batches=1, dp_ranks=1,
+                                          policy="streaming"))
+        (plan,) = planner.update(frame)
+        assert sorted(plan.group_ids) == ["a", "b"]
+        slices = [s for r in plan.ranks for mb in r.micro_batches for s in mb.slices]
+        assert client.fetch(slices, columns=["group_id"]).num_rows == 8
+        assert planner.update(frame) == []  # the copy is not admitted later either
