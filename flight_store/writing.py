@@ -236,12 +236,18 @@ class StoreWriter(StoreNodes):
                 by_node.setdefault(self.node_for(key(item)), []).append(item)
             answers, failed = self._calls.fan_out(by_node, functools.partial(_call_with, call, by_node), partial=True,
                                                   what=what)
-            out += answers.values()
+            refused = [n for n, a in answers.items() if a is None]  # the view changed: ask it again
+            out += [a for a in answers.values() if a is not None]
             for node in failed:
                 if attempt == MAX_REROUTES or not self._found_down(node):
                     msg = f"store node {node} is unavailable: {what} of {len(by_node[node])} group(s) failed"
                     raise NodeUnavailableError(msg, node=node)
-            items = [item for node in failed for item in by_node[node]]
+            if refused:
+                if attempt == MAX_REROUTES:
+                    msg = f"{what}: store nodes {refused} refused groups routing gave them after {attempt} re-route(s)"
+                    raise NodeUnavailableError(msg, node=refused[0])
+                self.cluster_view(refresh=True)
+            items = [item for node in [*failed, *refused] for item in by_node[node]]
             if not items:
                 break
         return out
@@ -261,7 +267,10 @@ class StoreWriter(StoreNodes):
         return self._calls.get(live[-1], ticket)
 
 
-
-def _call_with(call: Callable[[str, list[T]], R], by_node: dict[str, list[T]], node: str) -> R:
-    """``call(node, by_node[node])`` (one node's share of a routed action)."""
-    return call(node, by_node[node])
+def _call_with(call: Callable[[str, list[T]], R], by_node: dict[str, list[T]], node: str) -> R | None:
+    """``call(node, by_node[node])`` (one node's share of a routed action); ``None`` when the node refused a group
+    as another node's (the cluster's view changed since the client asked it)."""
+    try:
+        return call(node, by_node[node])
+    except WrongNodeError:
+        return None

@@ -7,7 +7,8 @@ node that answers is told (``set_cluster``), so routing moves the lost node's gr
 clients follow (``flight_store.client``). When the node is back (started again from its spill log, or its link
 restored) the next call brings it back into routing under a newer version. A node started again from its
 config document holds version 1 until it is told: every change is told to every node, the node that came back
-included, and :meth:`ClusterViews.retell` repeats the view in force for a node that missed it.
+included; a node not down that did not take the view in force (it was still starting) is told it again at the
+next call, at most every second; :meth:`ClusterViews.retell` repeats it at once.
 
 Each change is recorded (:attr:`ClusterViews.changes`: version, the ids down, when), so a run's report can say
 when routing moved and how long it took after the loss was found.
@@ -55,7 +56,9 @@ class ClusterViews:
     """
 
     def __init__(self, locations: list[str], *, version: int = 1) -> None:
-        self._admin = StoreAdmin(locations, timeout=TELL_TIMEOUT_S, retries=0)
+        self._locations = locations
+        self._nodes = len(locations)
+        self._retold = 0.0
         self._lock = threading.Lock()
         self.version = version
         """The version of the view in force."""
@@ -70,20 +73,36 @@ class ClusterViews:
         down = frozenset(ids)
         with self._lock:
             if down == self.down:
+                self._tell_missed()
                 return self.version
             self.version += 1
             self.down = down
-            told = self._admin.set_cluster(self.version, down)
+            told = self._tell(down)
             self.changes.append(ViewChange(self.version, tuple(sorted(down)), time.time(), tuple(told)))
             log.warning("cluster view v%d: nodes down %s (told %d node(s))", self.version, sorted(down) or "none",
                         len(told))
             return self.version
 
+    def _tell_missed(self) -> None:
+        """Tell the view in force again (at most every second) while a node not down has not taken it."""
+        last = self.changes[-1] if self.changes else None
+        if last is None or len(last.told) + len(self.down) >= self._nodes or time.time() - self._retold < 1.0:
+            return
+        self._retold = time.time()
+        told = self._tell(self.down)
+        self.changes[-1] = ViewChange(last.version, last.down, last.at, tuple(sorted(set(last.told) | set(told))))
+
     def retell(self) -> None:
         """Tell every node that answers the view in force again (a node that was started again holds v1)."""
         with self._lock:
             if self.version > 1:
-                self._admin.set_cluster(self.version, self.down)
+                self._tell(self.down)
+
+    def _tell(self, down: frozenset[str]) -> dict[str, object]:
+        """``set_cluster`` to every node that answers, over fresh connections (one to a node that just came back
+        may still sit in gRPC's reconnect backoff)."""
+        with StoreAdmin(self._locations, timeout=TELL_TIMEOUT_S, retries=0) as admin:
+            return dict(admin.set_cluster(self.version, down))
 
     def close(self) -> None:
-        self._admin.close()
+        """Nothing stays open between two views (kept for the callers' ``finally``)."""
