@@ -301,7 +301,7 @@ def _start(ray: Any, dep: Deployment, cfg: RunConfig, model: ModelConfig, engine
     for s in dep.stores:
         s.ref = s.actor.serve.remote()
     dep.keeper = RayStores(ray, lambda node, ip: _pinned(ray, StoreNodeActor, node, cpus).remote(ip), configs,
-                           dep.locations, max_restarts=cfg.max_store_restarts, start_timeout_s=120.0)
+                           dep.locations, max_restarts=cfg.max_store_restarts, start_timeout_s=30.0)
     log.info("store nodes on %s", dict(zip([s.node_ip for s in dep.stores], dep.locations, strict=True)))
 
     train_cfg = train_config(cfg, model, dep.locations)
