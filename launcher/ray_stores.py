@@ -53,7 +53,7 @@ class RayStores:
         self.locations = locations
         self._max_restarts = max_restarts
         self._start_timeout_s = start_timeout_s
-        self.views = ClusterViews(locations)
+        self.views = ClusterViews(locations, ids=[str(c.node_name or c.location) for c in configs])
         """The cluster view told to the nodes."""
         self.outages: list[Outage] = []
         """Every store node that died and its way back."""

@@ -144,7 +144,7 @@ class Stores:
                 msg = f"store node {who.name} did not come up:\n{self._kids.tail(who)}"
                 raise RuntimeError(msg)
             time.sleep(0.2)
-        self.views = ClusterViews(self.locations)
+        self.views = ClusterViews(self.locations, ids=[str(n.node_name or n.location) for n in self.nodes])
         if self._probe_s is not None:
             self._prober = threading.Thread(target=self._probe_loop, args=(self._probe_s,), name="knit-store-probes",
                                             daemon=True)

@@ -47,7 +47,9 @@ class ViewChange:
 
 
 class ClusterViews:
-    """The launcher's cluster view over ``locations`` (thread-safe: the driver and a prober thread both call it).
+    """The launcher's cluster view over ``locations`` (``ids``: each one's node id; default: the locations).
+
+    Thread-safe: the driver and a prober thread both call it.
 
     Example:
         >>> views = ClusterViews(["grpc://10.0.0.1:8815", "grpc://10.0.0.2:8815"])  # doctest: +SKIP
@@ -55,8 +57,9 @@ class ClusterViews:
         2
     """
 
-    def __init__(self, locations: list[str], *, version: int = 1) -> None:
+    def __init__(self, locations: list[str], *, ids: list[str] | None = None, version: int = 1) -> None:
         self._locations = locations
+        self._ids = ids if ids is not None else list(locations)
         self._nodes = len(locations)
         self._retold = 0.0
         self._lock = threading.Lock()
@@ -99,9 +102,12 @@ class ClusterViews:
                 self._tell(self.down)
 
     def _tell(self, down: frozenset[str]) -> dict[str, object]:
-        """``set_cluster`` to every node that answers, over fresh connections (one to a node that just came back
-        may still sit in gRPC's reconnect backoff)."""
-        with StoreAdmin(self._locations, timeout=TELL_TIMEOUT_S, retries=0) as admin:
+        """``set_cluster`` to every node not down that answers, over fresh connections (one to a node that just came
+        back may still sit in gRPC's reconnect backoff); a node down (cut off, say) would only hold the call."""
+        up = [loc for loc, i in zip(self._locations, self._ids, strict=True) if i not in down]
+        if not up:
+            return {}
+        with StoreAdmin(up, timeout=TELL_TIMEOUT_S, retries=0) as admin:
             return dict(admin.set_cluster(self.version, down))
 
     def close(self) -> None:
