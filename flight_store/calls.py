@@ -77,6 +77,7 @@ class NodeCalls:
         kwargs: dict[str, Any] = {} if tls_root_certs is None else {"tls_root_certs": tls_root_certs}
         self._connect = lambda loc: flight.FlightClient(loc, **kwargs)
         self._clients = {loc: self._connect(loc) for loc in self.nodes}
+        self._replaced: list[flight.FlightClient] = []  # connections a reconnect replaced, closed at close()
         self.quick = flight.FlightCallOptions(timeout=QUICK_TIMEOUT_S if timeout is None else min(QUICK_TIMEOUT_S,
                                                                                                   timeout),
                                               headers=self.headers)
@@ -140,9 +141,11 @@ class NodeCalls:
         return call()
 
     def _reconnect(self, node: str) -> None:
-        """A fresh connection to ``node`` for the calls that follow (calls in flight on the old one end)."""
-        old, self._clients[node] = self._clients[node], self._connect(node)
-        old.close()
+        """A fresh connection to ``node`` for the calls that follow; the old one closes with the others (a call
+        another thread makes on it goes on, and fails or answers as it would have)."""
+        with self._idle_lock:
+            self._replaced.append(self._clients[node])
+            self._clients[node] = self._connect(node)
 
     def fan_out(self, nodes: Iterable[K], fn: Callable[[K], T], *, partial: bool = False,
                 what: str = "call") -> tuple[dict[K, T], list[K]]:
@@ -288,7 +291,7 @@ class NodeCalls:
         for channel in channels:
             channel.close()
         self._pool.shutdown(wait=False, cancel_futures=True)
-        for c in self._clients.values():
+        for c in [*self._clients.values(), *self._replaced]:
             c.close()
 
 
