@@ -387,7 +387,8 @@ class RolloutWorker:
     def _write_group(self, batch: pa.RecordBatch, node: str, *, aborted: bool) -> None:
         self.tally.add_group(batch, aborted=aborted)
         self._lookahead.note_written()
-        self._writer.put_group(batch, node)
+        text_only = "num_images" not in batch.schema.names or not any(batch.column("num_images").to_pylist())
+        self._writer.put_group(batch, None if text_only else node)  # text follows routing when its node is lost
 
 
 # ---- one run, as a process runs it ---------------------------------------------------------------

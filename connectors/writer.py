@@ -67,8 +67,9 @@ class GroupWriter:
 
         self._submit(put)
 
-    def put_group(self, batch: pa.RecordBatch, node: str) -> None:
-        """Queue the DoPut of one group's record batch to ``node`` (after everything queued before)."""
+    def put_group(self, batch: pa.RecordBatch, node: str | None) -> None:
+        """Queue the DoPut of one group's record batch to ``node`` (``None``: the node routing gives it when written;
+        after everything queued before)."""
 
         def put() -> None:
             t0 = time.perf_counter()

@@ -37,6 +37,10 @@ CHANNEL_LIFETIME_S = 2.0
 """How long a read channel lives (its call's deadline; the client's ``timeout`` when shorter). A channel serves
 reads for the first half of it, so a read waits at most that long on it before it is made again by DoGet, and
 a node that stops waits at most this long for a client's open channel to end."""
+QUICK_TIMEOUT_S = 2.0
+"""Deadline of the calls that decide routing (the client's ``timeout`` when shorter)."""
+RECONNECT_AFTER = 3
+"""Attempts after which a call to a node still unavailable is made over a fresh connection."""
 IDLE_CHANNELS = 4
 """Read channels kept open per node and projection between reads (one per thread reading at once)."""
 
@@ -71,7 +75,16 @@ class NodeCalls:
         """The headers every call carries (the bearer token)."""
         self.options = flight.FlightCallOptions(timeout=timeout, headers=self.headers)
         kwargs: dict[str, Any] = {} if tls_root_certs is None else {"tls_root_certs": tls_root_certs}
-        self._clients = {loc: flight.FlightClient(loc, **kwargs) for loc in self.nodes}
+        self._connect = lambda loc: flight.FlightClient(loc, **kwargs)
+        self._clients = {loc: self._connect(loc) for loc in self.nodes}
+        self._replaced: list[flight.FlightClient] = []  # connections a reconnect replaced, closed at close()
+        self.quick = flight.FlightCallOptions(timeout=QUICK_TIMEOUT_S if timeout is None else min(QUICK_TIMEOUT_S,
+                                                                                                  timeout),
+                                              headers=self.headers)
+        """Call options of the short calls that decide routing (``cluster``): a node cut off must not hold them."""
+        self.down: Callable[[str], bool] | None = None
+        """Whether the cluster's newest view leaves a node out (set by the client that keeps the view): a routed
+        call stops retrying that node, and its caller routes again."""
         self._pool = ThreadPoolExecutor(max_workers=max(2, min(32, 2 * len(self.nodes))),
                                         thread_name_prefix="knit-client")
         self._channel_lifetime = CHANNEL_LIFETIME_S if timeout is None else min(CHANNEL_LIFETIME_S, timeout)
@@ -106,19 +119,33 @@ class NodeCalls:
         except (flight.FlightError, pa.ArrowException) as exc:
             raise from_flight_error(exc, node=node) from None
 
-    def retrying(self, node: str, call: Callable[[], T]) -> T:
-        """``call()`` retried with exponential backoff while it fails with a retryable error."""
+    def retrying(self, node: str, call: Callable[[], T], *, routed: bool = False) -> T:
+        """``call()`` retried with exponential backoff while it fails with a retryable error.
+
+        A node still unavailable after :data:`RECONNECT_AFTER` attempts gets a fresh connection (the old one may
+        sit in gRPC's reconnect backoff long after a long partition ended). A ``routed`` call stops as soon as
+        the cluster's view leaves the node out (:attr:`down`), raising its last error.
+        """
         delay = self.backoff
         for attempt in range(self.retries):
             try:
                 return call()
             except KnitError as exc:
-                if not exc.retryable:
+                if not exc.retryable or (routed and self.down is not None and self.down(node)):
                     raise
                 log.warning("call to %s failed (attempt %d): %s; retrying in %.2fs", node, attempt + 1, exc, delay)
                 time.sleep(delay)
                 delay = min(MAX_BACKOFF_S, delay * 2)
+                if attempt + 1 >= RECONNECT_AFTER and isinstance(exc, NodeUnavailableError):
+                    self._reconnect(node)
         return call()
+
+    def _reconnect(self, node: str) -> None:
+        """A fresh connection to ``node`` for the calls that follow; the old one closes with the others (a call
+        another thread makes on it goes on, and fails or answers as it would have)."""
+        with self._idle_lock:
+            self._replaced.append(self._clients[node])
+            self._clients[node] = self._connect(node)
 
     def fan_out(self, nodes: Iterable[K], fn: Callable[[K], T], *, partial: bool = False,
                 what: str = "call") -> tuple[dict[K, T], list[K]]:
@@ -145,17 +172,23 @@ class NodeCalls:
                 failed.append(n)
         return out, failed
 
-    def action(self, node: str, name: str, reply: type[R], body: bytes = b"", *, retry: bool = True) -> R:
+    def action(self, node: str, name: str, reply: type[R], body: bytes = b"", *, retry: bool = True,
+               routed: bool = False, quick: bool = False) -> R:
         """Flight action ``name`` on ``node``: its answer, parsed by ``reply`` (the action's model in
-        ``schemas.replies.ACTION_REPLIES``); retried unless ``retry=False``."""
+        ``schemas.replies.ACTION_REPLIES``); retried unless ``retry=False`` (``routed``: see :meth:`retrying`;
+        ``quick``: under :attr:`quick`'s deadline)."""
+        options = self.quick if quick else self.options
+
         def run(c: flight.FlightClient) -> R:
-            results = list(c.do_action(flight.Action(name, body), self.options))
+            results = list(c.do_action(flight.Action(name, body), options))
             return _parse(reply, results[0].body.to_pybytes() if results else b"{}", node)
 
-        return self.retrying(node, lambda: self.call(node, run)) if retry else self.call(node, run)
+        return self.retrying(node, lambda: self.call(node, run), routed=routed) if retry else self.call(node, run)
 
-    def put(self, node: str, descriptor: bytes, data: pa.Table | pa.RecordBatch, reply: type[R]) -> R:
-        """DoPut ``data`` under ``descriptor``, ended cleanly (the node commits only then): its answer; retried."""
+    def put(self, node: str, descriptor: bytes, data: pa.Table | pa.RecordBatch, reply: type[R], *,
+            routed: bool = False) -> R:
+        """DoPut ``data`` under ``descriptor``, ended cleanly (the node commits only then): its answer; retried
+        (``routed``: see :meth:`retrying`)."""
         def run(c: flight.FlightClient) -> R:
             writer, reader = c.do_put(flight.FlightDescriptor.for_command(descriptor), data.schema, self.options)
             try:
@@ -166,7 +199,7 @@ class NodeCalls:
                 writer.close()
             return _parse(reply, buf.to_pybytes() if buf is not None else b"{}", node)
 
-        return self.retrying(node, lambda: self.call(node, run))
+        return self.retrying(node, lambda: self.call(node, run), routed=routed)
 
     def get(self, node: str, ticket: bytes) -> pa.Table:
         """DoGet ``ticket`` from ``node``, read whole; retried."""
@@ -258,7 +291,7 @@ class NodeCalls:
         for channel in channels:
             channel.close()
         self._pool.shutdown(wait=False, cancel_futures=True)
-        for c in self._clients.values():
+        for c in [*self._clients.values(), *self._replaced]:
             c.close()
 
 

@@ -22,12 +22,18 @@ call is idempotent), any other error is raised at once.
 
 Node failure: a call made with ``partial=True`` returns the answers of the nodes that answered and
 records the others in :attr:`StoreNodes.last_failed_nodes` (the default stays strict: the first
-unreachable node raises).
+unreachable node raises). When the launcher marks a lost node down (``set_cluster``, the cluster's
+version goes up), routing moves its groups to the nodes alive: a routed write stops retrying the lost
+node at once and goes to the new owner, and the calls that ask every node (scans, releases, versions,
+weights, stats) leave the node out until a newer view brings it back. While a view has nodes down, the
+client asks for a newer one at most every :data:`VIEW_TTL_S`, and at once when a call fails.
 """
 
 from __future__ import annotations
 
+import logging
 import threading
+import time
 from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 from typing import Any, Self, TypeVar
@@ -35,11 +41,25 @@ from typing import Any, Self, TypeVar
 from flight_store.calls import NodeCalls
 from flight_store.cluster import ClusterView, view_from
 from flight_store.config import ClientConfig
+from flight_store.errors import NodeUnavailableError
 from flight_store.secrets import read_token_file
 from schemas.replies import ClusterReply, HealthReply, NodeStats, VersionReply
-from schemas.wire import EmptyBody
+from schemas.wire import EmptyBody, SetClusterBody
 
 T = TypeVar("T")
+log = logging.getLogger(__name__)
+VIEW_TTL_S = 1.0
+"""While nodes are down, how old a cluster view may be before a call asks the nodes for a newer one."""
+
+
+class ViewCache:
+    """The cluster view one set of connections routes by (shared by the clients that share them)."""
+
+    def __init__(self) -> None:
+        self.view: ClusterView | None = None
+        self.at = 0.0
+        """When :attr:`view` was asked (monotonic)."""
+        self.lock = threading.Lock()
 
 
 class StoreNodes:
@@ -68,14 +88,16 @@ class StoreNodes:
         self._setup(NodeCalls(locs, token=token, tls_root_certs=tls_root_certs, timeout=timeout, retries=retries,
                               backoff=backoff))
 
-    def _setup(self, calls: NodeCalls) -> None:
-        """State of a client over ``calls`` (a role adds its own)."""
+    def _setup(self, calls: NodeCalls, views: ViewCache | None = None) -> None:
+        """State of a client over ``calls`` (a role adds its own); ``views``: the view cache of the client it shares
+        them with."""
         self._calls = calls
         self._nodes = calls.nodes
         self.last_failed_nodes: list[str] = []
         """Nodes that did not answer the latest call made with ``partial=True``."""
-        self._cluster: ClusterView | None = None
-        self._cluster_lock = threading.Lock()
+        self._views = views if views is not None else ViewCache()
+        if views is None:
+            calls.down = self._found_down
 
     @classmethod
     def from_config(cls, locations: str | Sequence[str], config: ClientConfig) -> Self:
@@ -107,7 +129,7 @@ class StoreNodes:
             True
         """
         client = cls.__new__(cls)
-        client._setup(other._calls.share())
+        client._setup(other._calls.share(), other._views)
         return client
 
     @property
@@ -125,22 +147,67 @@ class StoreNodes:
         return self.cluster_view().owner(group_id)
 
     def cluster_view(self, *, refresh: bool = False) -> ClusterView:
-        """The nodes' ids (asked once with the ``cluster`` action, then cached; ``refresh`` asks again)."""
-        with self._cluster_lock:
-            if self._cluster is None or refresh:
-                self._cluster = view_from(self._cluster_answers())
-            return self._cluster
+        """The nodes' ids and those down (asked with the ``cluster`` action, then cached; asked again when
+        ``refresh``, or when nodes are down and the view is older than :data:`VIEW_TTL_S`). The nodes that do not
+        answer take their ids from the others' member lists.
+
+        Raises:
+            NodeUnavailableError: no node answers (the first view: after the client's retries).
+        """
+        cache = self._views
+        with cache.lock:
+            stale = cache.view is not None and cache.view.down and time.monotonic() - cache.at > VIEW_TTL_S
+            if cache.view is None or refresh or stale:
+                answers = self._calls.retrying(self._nodes[0], self._view_answers) if cache.view is None \
+                    else self._view_answers()
+                cache.view, cache.at = view_from(answers, self._nodes), time.monotonic()
+            return cache.view
+
+    def _view_answers(self) -> dict[str, ClusterReply]:
+        """The ``cluster`` answers of the nodes that answer at once (on this thread: a routed call on a pool thread
+        asks too, and must not wait for the pool)."""
+        answers = {}
+        for n in self._nodes:
+            try:
+                answers[n] = self._calls.action(n, "cluster", ClusterReply, retry=False, quick=True)
+            except NodeUnavailableError as exc:
+                log.debug("cluster view: %s does not answer (%s)", n, exc)
+        if not answers:
+            msg = f"no store node of {self._nodes} answers"
+            raise NodeUnavailableError(msg, node=self._nodes[0])
+        return answers
+
+    @property
+    def down_nodes(self) -> frozenset[str]:
+        """The nodes the cluster's newest view known here leaves out (none until a view was asked)."""
+        return self.cluster_view().down if self._views.view is not None else frozenset()
+
+    def _live(self) -> list[str]:
+        """The nodes not down, in order (every node while none is, or no view was asked yet)."""
+        down = self.down_nodes
+        return [n for n in self._nodes if n not in down]
+
+    def _found_down(self, node: str) -> bool:
+        """Whether ``node`` is down in a view asked now (at most every :data:`VIEW_TTL_S`): a routed call that
+        failed on it asks."""
+        if self._views.view is None or time.monotonic() - self._views.at > VIEW_TTL_S:
+            try:
+                self.cluster_view(refresh=True)
+            except NodeUnavailableError:
+                return False
+        return node in self.down_nodes
 
     def stats(self, *, partial: bool = False) -> dict[str, NodeStats]:
-        """The ``stats`` answer of every node (``partial``: of every reachable node, see :attr:`last_failed_nodes`)."""
-        return self._fan_out(self._nodes, lambda n: self._calls.action(n, "stats", NodeStats, retry=False),
+        """The ``stats`` answer of every node not down (``partial``: of every reachable one, see
+        :attr:`last_failed_nodes`)."""
+        return self._fan_out(self._live(), lambda n: self._calls.action(n, "stats", NodeStats, retry=False),
                              partial=partial, what="stats")
 
     def get_version(self) -> int:
-        """The newest published policy version (max over nodes)."""
+        """The newest published policy version (max over the nodes not down)."""
         body = EmptyBody().to_bytes()
-        answers = self._fan_out(self._nodes, lambda n: self._calls.action(n, "get_version", VersionReply, body,
-                                                                          retry=False))
+        answers = self._fan_out(self._live(), lambda n: self._calls.action(n, "get_version", VersionReply, body,
+                                                                           retry=False))
         return max(a.version for a in answers.values())
 
     def close(self) -> None:
@@ -159,10 +226,16 @@ class StoreNodes:
     def _fan_out(
         self, nodes: Iterable[str], fn: Callable[[str], T], *, partial: bool = False, what: str = "call"
     ) -> dict[str, T]:
-        """:meth:`NodeCalls.fan_out`; a partial call lists the nodes it left out in :attr:`last_failed_nodes`."""
-        out, failed = self._calls.fan_out(nodes, fn, partial=partial, what=what)
+        """:meth:`NodeCalls.fan_out`; a partial call lists the nodes it left out in :attr:`last_failed_nodes`, a strict
+        one leaves out only the nodes found down on the way (the cluster's view says so) and raises for any other."""
+        out, failed = self._calls.fan_out(nodes, fn, partial=True, what=what)
         if partial:
             self.last_failed_nodes = failed
+            return out
+        unreachable = [n for n in failed if not self._found_down(n)]
+        if unreachable:
+            msg = f"{what}: store node {unreachable[0]} is unavailable"
+            raise NodeUnavailableError(msg, node=unreachable[0])
         return out
 
 
@@ -191,3 +264,11 @@ class StoreAdmin(StoreNodes):
     def cluster(self) -> dict[str, ClusterReply]:
         """The ``cluster`` answer of every node (its id, and its configured membership)."""
         return self._cluster_answers()
+
+    def set_cluster(self, version: int, down: Iterable[str] = ()) -> dict[str, ClusterReply]:
+        """Tell every node that answers the view ``version`` with the member ids ``down`` left out of routing
+        (``flight_store.membership``); the view each then holds (a node that does not answer is left out)."""
+        body = SetClusterBody(version=version, down=sorted(down)).to_bytes()
+        return self._fan_out(self._nodes, lambda n: self._calls.action(n, "set_cluster", ClusterReply, body,
+                                                                       retry=False, quick=True),
+                             partial=True, what="set_cluster")

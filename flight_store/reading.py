@@ -18,7 +18,7 @@ import pyarrow as pa
 
 from flight_store import streams
 from flight_store.calls import NodeCalls
-from flight_store.client import StoreNodes
+from flight_store.client import StoreNodes, ViewCache
 from flight_store.errors import NodeUnavailableError, UnknownImageError
 from schemas.arrow import IMAGE_SCHEMA, METADATA_SCHEMA
 from schemas.plan import MicroBatch, MiniBatchPlan, PlannedSlice
@@ -60,8 +60,8 @@ class StoreReader(StoreNodes):
         (4, 2)
     """
 
-    def _setup(self, calls: NodeCalls) -> None:
-        super()._setup(calls)
+    def _setup(self, calls: NodeCalls, views: ViewCache | None = None) -> None:
+        super()._setup(calls, views)
         self._cursor: dict[str, int] = dict.fromkeys(calls.nodes, 0)
         self._cursor_lock = threading.Lock()
 
@@ -89,7 +89,7 @@ class StoreReader(StoreNodes):
             ticket = MetadataTicket(since=int(since.get(n, 0)), columns=cols).to_bytes()
             return self._calls.get(n, ticket)
 
-        tables = self._fan_out(self._nodes, scan, partial=partial, what="metadata scan")
+        tables = self._fan_out(self._live(), scan, partial=partial, what="metadata scan")
         if not partial:
             self.last_failed_nodes = []  # a strict scan that returns reached every node
         frames = [
@@ -213,26 +213,26 @@ class StoreReader(StoreNodes):
         if not ids:
             return dict.fromkeys(self._nodes, 0)
         body = ReleaseBody(group_ids=ids).to_bytes()
-        answers = self._fan_out(self._nodes, lambda n: self._calls.action(n, "release", ReleaseReply, body),
+        answers = self._fan_out(self._live(), lambda n: self._calls.action(n, "release", ReleaseReply, body),
                                 partial=partial, what="release")
         return {n: a.released for n, a in answers.items()}
 
     def put_weights(self, table: pa.Table, version: int, *, node: str | None = None) -> None:
         """DoPut a weights table (``schemas.weights``) as ``version`` to ``node`` (default: every node)."""
         desc = PutWeights(version=version).to_bytes()
-        self._fan_out([node] if node is not None else self._nodes,
-                      lambda n: self._calls.put(n, desc, table, PutWeightsReply))
+        self._fan_out([node] if node is not None else self._live(),
+                      lambda n: self._calls.put(n, desc, table, PutWeightsReply, routed=node is None))
 
     def publish_version(self, version: int) -> None:
         """Record the newest policy version on every node."""
         body = PublishVersionBody(version=version).to_bytes()
-        self._fan_out(self._nodes, lambda n: self._calls.action(n, "publish_version", VersionReply, body))
+        self._fan_out(self._live(), lambda n: self._calls.action(n, "publish_version", VersionReply, body, routed=True))
 
     def publish_demand(self, classes: Mapping[str, int]) -> None:
         """Tell the rollout, through every reachable node's ``stats``, which classes the trainer needs that
         nothing running brings (groups per data source; ``{}`` clears it)."""
         body = DemandBody(classes=dict(classes)).to_bytes()
-        self._fan_out(self._nodes, lambda n: self._calls.action(n, "demand", DemandReply, body, retry=False),
+        self._fan_out(self._live(), lambda n: self._calls.action(n, "demand", DemandReply, body, retry=False),
                       partial=True, what="demand")
 
     def inflight(self, *, partial: bool = False) -> InflightSnapshot:
@@ -241,7 +241,7 @@ class StoreReader(StoreNodes):
         With ``partial=True`` an unreachable node is skipped (listed in :attr:`last_failed_nodes`): its groups
         are then not counted, which only makes a planner more careful.
         """
-        answers = self._fan_out(self._nodes, lambda n: self._calls.action(n, "inflight", InflightReply, retry=False),
+        answers = self._fan_out(self._live(), lambda n: self._calls.action(n, "inflight", InflightReply, retry=False),
                                 partial=partial, what="inflight")
         rows = [{**g.model_dump(), "node": n} for n, a in answers.items() for g in a.groups]
         resolved: dict[str, int] = {}

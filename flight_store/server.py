@@ -29,17 +29,17 @@ import pyarrow as pa
 import pyarrow.flight as flight
 
 from flight_store.config import ClusterMember, ServerConfig
-from flight_store.errors import KnitError, SchemaMismatchError, WrongNodeError, error_info
+from flight_store.errors import KnitError, SchemaMismatchError, error_info
 from flight_store.groups import check_columns, writer_meta
+from flight_store.membership import Membership
 from flight_store.memory import Incoming
 from flight_store.metrics import Record, StoreMetrics
 from flight_store.rpc import TokenAuthFactory, descriptor_bytes, error_json, guard, receive
 from flight_store.secrets import read_public, read_secret, read_token_file
 from flight_store.store import Store
 from flight_store.writes import WriteSlots
-from schemas import replies, routing
+from schemas import replies
 from schemas.arrow import SCHEMA_VERSION, TRAJECTORY_SCHEMA
-from schemas.routing import ROUTING
 from schemas.wire import (
     LIMITS,
     DemandBody,
@@ -55,6 +55,7 @@ from schemas.wire import (
     ReadChannelDescriptor,
     ReleaseBody,
     ResolveBody,
+    SetClusterBody,
     SliceRef,
     SlicesTicket,
     WeightsTicket,
@@ -117,7 +118,9 @@ class StoreServer(flight.FlightServerBase):
         """Where clients connect (the real port when configured with port 0)."""
         self.node_name = config.node_name or self.location
         """Name reported by health/stats and in error messages; the node's id for routing."""
-        self._members = list(config.cluster) or [ClusterMember(id=self.node_name, location=self.location)]
+        self.membership = Membership(list(config.cluster) or [ClusterMember(id=self.node_name, location=self.location)],
+                                     self_id=self.node_name, version=config.cluster_version)
+        """The cluster's members, those routing leaves out, the view's version (``set_cluster`` changes them)."""
         self._writes = WriteSlots(max_writers=config.max_writers, idle_timeout_s=config.write_idle_timeout_s,
                                   max_writers_per_peer=config.max_writers_per_peer)
         self.store = Store(dataclasses.replace(config.store, node_name=self.node_name))
@@ -138,20 +141,8 @@ class StoreServer(flight.FlightServerBase):
             raise flight.FlightUnavailableError(msg)
 
     def cluster_view(self) -> replies.ClusterReply:
-        """The ``cluster`` action's answer: the routing, the view's version, the nodes (id, location), this id."""
-        return replies.ClusterReply(routing=ROUTING, version=self.config.cluster_version, self_id=self.node_name,
-                            nodes=[replies.ClusterNode(id=m.id, location=m.location) for m in self._members])
-
-    def _check_owner(self, group_id: str) -> None:
-        """Refuse a group that routing gives another node of the cluster (:class:`WrongNodeError` names it)."""
-        if len(self._members) < 2:
-            return
-        owner = routing.owner(group_id, [m.id for m in self._members])
-        if owner != self.node_name:
-            where = next(m.location for m in self._members if m.id == owner)
-            msg = (f"group {group_id!r} belongs to node {owner} ({where}), not to node {self.node_name}: "
-                   f"routing {ROUTING} over the cluster's ids (see the cluster action)")
-            raise WrongNodeError(msg, group_id=group_id, owner=owner, location=where)
+        """The ``cluster`` action's answer (:meth:`Membership.view`)."""
+        return self.membership.view()
 
     def _observe(self, rpc: str) -> contextlib.AbstractContextManager[Record]:
         """The RPC's :class:`Record`, timed and counted when the node serves metrics (a plain one otherwise)."""
@@ -181,7 +172,7 @@ class StoreServer(flight.FlightServerBase):
         if isinstance(doc, PutGroups):
             return self._put_groups(context, doc, reader, rec)
         if isinstance(doc, PutGroup):
-            self._check_owner(doc.group_id)  # before a byte of the stream is read
+            self.membership.check_owner(doc.group_id)  # before a byte of the stream is read
         what = (f"group {doc.group_id!r}" if isinstance(doc, PutGroup) else
                 f"weights v{doc.version}" if isinstance(doc, PutWeights) else "images")
         group = doc.group_id if isinstance(doc, PutGroup) else None
@@ -209,7 +200,7 @@ class StoreServer(flight.FlightServerBase):
                 raise SchemaMismatchError(msg, column="sample_idx")
             stored, refused = self.store.put_groups([(g.group_id, g.rows) for g in doc.groups], batches,
                                                     writer_meta(reader.schema), incoming=incoming,
-                                                    check=self._check_owner)
+                                                    check=self.membership.check_owner)
             why = {gid: replies.RefusedGroup.model_validate(error_info(exc)) for gid, exc in refused.items()}
             return replies.PutGroupsReply(stored=stored, refused=why)
 
@@ -354,6 +345,8 @@ class StoreServer(flight.FlightServerBase):
             return replies.HealthReply(ok=True, node=self.node_name, schema_version=SCHEMA_VERSION)
         if action.type == "cluster":
             return self.cluster_view()
+        if isinstance(body, SetClusterBody):
+            return self.membership.update(body)
         if action.type == "stats":
             return self.stats()
         if isinstance(body, ReleaseBody):
@@ -364,7 +357,7 @@ class StoreServer(flight.FlightServerBase):
             return replies.VersionReply(version=self.store.get_version())
         if isinstance(body, DispatchBody):
             for g in body.groups:
-                self._check_owner(g.group_id)
+                self.membership.check_owner(g.group_id)
             stored = self.store.supply.dispatch(body.groups)
             return replies.DispatchReply(registered=len(body.groups) - len(stored), stored=stored)
         if isinstance(body, DemandBody):

@@ -21,11 +21,12 @@ driver received from actors and stores, none of it payload).
 The run folder (``RunConfig.out``) must be on a filesystem every node sees, as for ``knit run`` across hosts:
 rank 0 writes the consumed log and progress there, the stores their spill logs.
 
-Losing a Ray node (its raylet stops, or it becomes unreachable) is not recovered: its store's groups and its
-trainer rank (whose gloo group cannot continue without it) are gone. The driver notices it (an actor there
-fails, or Ray marks the node dead), stops every other actor, saves what the surviving stores hold
-(``metadata.parquet``, ``store_stats.json``) and the accounting (``lost_node.json``: the node, what ran there,
-the groups it still held when last polled, lost unconsumed), and raises :class:`RayNodeLostError` naming the node.
+A store actor that dies while its Ray node lives is started again there from its spill log (``launcher.ray_stores``).
+Losing a Ray node (its raylet stops, or it becomes unreachable) is not recovered: its store's groups and its trainer
+rank (whose gloo group cannot continue without it) are gone. The driver notices it (an actor there fails, or Ray
+marks the node dead), stops every other actor, saves what the surviving stores hold (``metadata.parquet``,
+``store_stats.json``) and the accounting (``lost_node.json``: the node, what ran there, the groups it still held when
+last polled, lost unconsumed), and raises :class:`RayNodeLostError` naming the node.
 
 Ray is optional (``pip install knittrans[bench]`` ships it) and imported only here, only when called.
 
@@ -53,6 +54,7 @@ from flight_store.net import free_port, free_ports
 from flight_store.reading import StoreReader
 from launcher import report
 from launcher.placement import Placement, Site
+from launcher.ray_stores import RayStoreRestartError, RayStores
 from launcher.run import Interrupted, LiveState, RunConfig, rollout_config, store_configs, train_config
 from schemas import documents
 from schemas.replies import NodeStats
@@ -115,6 +117,10 @@ class StoreNodeActor:
 
         self.server = StoreServer(replace(config, store=replace(config.store, rss_guard=True)))
         return str(self.server.location)
+
+    def serve(self) -> None:
+        """Return when the node stops (the driver holds this call: the actor's death is its error)."""
+        self.server.wait()
 
     def stop(self) -> bool:
         """Stop serving; whether it stopped cleanly."""
@@ -203,6 +209,7 @@ class Deployment:
     rollout: Component | None = None
     ranks: list[Component] = field(default_factory=list)
     locations: list[str] = field(default_factory=list)
+    keeper: RayStores | None = None  # keeps the store actors up
     driver_bytes: dict[str, int] = field(default_factory=lambda: {"actor_returns": 0, "metadata": 0, "stats": 0})
 
     @property
@@ -263,7 +270,8 @@ def run_on_ray(cfg: RunConfig, model: ModelConfig, *, address: str = "auto", eng
     finally:
         _stop_all(ray, dep)
     result = report.policy_summary(cfg.out, config=json.loads(documents.dump(cfg)) | {
-        "lookahead_groups": cfg.lookahead_groups}, wall_s=time.time() - t0, metrics_urls=[], outages=[])
+        "lookahead_groups": cfg.lookahead_groups}, wall_s=time.time() - t0, metrics_urls=[],
+        outages=[o.to_dict() for o in dep.keeper.outages] if dep.keeper else [])
     result["ray"] = {"nodes": dep.nodes, "placement": {c.name: c.node_ip for c in dep.components},
                      "driver_bytes": dep.driver_bytes}
     (cfg.out / "policy_summary.json").write_text(json.dumps(result, indent=1, default=str))
@@ -272,8 +280,7 @@ def run_on_ray(cfg: RunConfig, model: ModelConfig, *, address: str = "auto", eng
 
 def _pinned(ray: Any, cls: type, node_id: str, cpus: float) -> Any:
     from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
-
-    return ray.remote(cls).options(num_cpus=cpus, max_restarts=0, max_concurrency=1,
+    return ray.remote(cls).options(num_cpus=cpus, max_restarts=0, max_concurrency=2 if cls is StoreNodeActor else 1,
                                    scheduling_strategy=NodeAffinitySchedulingStrategy(node_id, soft=False))
 
 
@@ -291,6 +298,10 @@ def _start(ray: Any, dep: Deployment, cfg: RunConfig, model: ModelConfig, engine
     configs = [replace(c, port=p, metrics_port=m if c.metrics_port is not None else None, cluster=cluster)
                for c, (p, m) in zip(configs, ports, strict=True)]
     dep.locations = ray.get([s.actor.start.remote(c) for s, c in zip(dep.stores, configs, strict=True)], timeout=120)
+    for s in dep.stores:
+        s.ref = s.actor.serve.remote()
+    dep.keeper = RayStores(ray, lambda node, ip: _pinned(ray, StoreNodeActor, node, cpus).remote(ip), configs,
+                           dep.locations, max_restarts=cfg.max_store_restarts, start_timeout_s=30.0)
     log.info("store nodes on %s", dict(zip([s.node_ip for s in dep.stores], dep.locations, strict=True)))
 
     train_cfg = train_config(cfg, model, dep.locations)
@@ -319,7 +330,7 @@ def _supervise(ray: Any, dep: Deployment, cfg: RunConfig, client: StoreReader, s
     """Follow the run until every trainer rank returned; on a failure, tell a lost node from a failed component."""
     deadline = time.monotonic() + cfg.timeout_s
     last_stats: dict[str, NodeStats] = {}
-    pending = {c.ref: c for c in [*dep.ranks, dep.rollout] if c is not None}
+    pending = {c.ref: c for c in [*dep.ranks, dep.rollout, *dep.stores] if c is not None}
     next_check = 0.0
     while any(c.ref in pending for c in dep.ranks):
         ready, _ = ray.wait(list(pending), num_returns=1, timeout=0.5)
@@ -329,7 +340,8 @@ def _supervise(ray: Any, dep: Deployment, cfg: RunConfig, client: StoreReader, s
                 value = ray.get(ref)
                 dep.driver_bytes["actor_returns"] += len(pickle.dumps(value))
             except Exception as exc:
-                _failed(ray, dep, cfg, comp, exc, last_stats, grace_s)
+                if not _restarted(dep, comp, exc, pending):
+                    _failed(ray, dep, cfg, comp, exc, last_stats, grace_s)
         if stop.is_set():
             raise Interrupted
         if time.monotonic() > deadline:
@@ -351,6 +363,18 @@ def _supervise(ray: Any, dep: Deployment, cfg: RunConfig, client: StoreReader, s
     if dep.rollout is not None and dep.rollout.ref in pending:  # it wrote every group: it ends on its own
         with contextlib.suppress(Exception):
             dep.driver_bytes["actor_returns"] += len(pickle.dumps(ray.get(dep.rollout.ref, timeout=60)))
+
+
+def _restarted(dep: Deployment, comp: Component, exc: Exception, pending: dict[Any, Component]) -> bool:
+    """A store actor that died is started again on its node (``launcher.ray_stores``); whether it was."""
+    if comp not in dep.stores or dep.keeper is None or _lost_node(_ray(), dep) is not None:
+        return False
+    with contextlib.suppress(RayStoreRestartError):  # not started again: the caller tells a lost node from a failure
+        comp.actor = dep.keeper.restart(dep.stores.index(comp), comp.node_id, comp.node_ip, exc)
+        comp.ref = comp.actor.serve.remote()
+        pending[comp.ref] = comp
+        return True
+    return False
 
 
 def _lost_node(ray: Any, dep: Deployment) -> dict[str, Any] | None:
@@ -421,4 +445,6 @@ def _stop_all(ray: Any, dep: Deployment) -> None:
     for s in dep.stores:
         with contextlib.suppress(Exception):
             ray.kill(s.actor)
+    if dep.keeper is not None:
+        dep.keeper.close()
 

@@ -20,7 +20,10 @@ Guarantees of :class:`Stores`:
   from the network) is recorded too, as an outage of cause ``unreachable``, from the first probe it
   missed to the first it answered again; nothing is restarted for it (the clients' calls wait or retry).
   The probes run on a thread of their own from :meth:`Stores.start` to :meth:`Stores.close`, so a caller
-  blocked in a call to that node does not delay them.
+  blocked in a call to that node does not delay them;
+* every node down (either cause) is left out of routing from the moment it is found down until it answers
+  again (:attr:`Stores.views`, ``launcher.supervise``): the cluster's version goes up and the nodes alive take
+  its new groups.
 """
 
 from __future__ import annotations
@@ -38,6 +41,7 @@ from flight_store.client import StoreAdmin
 from flight_store.config import ServerConfig
 from launcher.children import Child, Children
 from launcher.placement import Site
+from launcher.supervise import ClusterViews
 from schemas import documents
 
 log = logging.getLogger(__name__)
@@ -114,6 +118,8 @@ class Stores:
         """Each node's current process."""
         self.outages: list[Outage] = []
         """Every outage so far, in the order they began."""
+        self.views: ClusterViews | None = None
+        """The cluster view told to the nodes (from :meth:`start` on): which nodes routing leaves out."""
 
     @property
     def locations(self) -> list[str]:
@@ -138,6 +144,7 @@ class Stores:
                 msg = f"store node {who.name} did not come up:\n{self._kids.tail(who)}"
                 raise RuntimeError(msg)
             time.sleep(0.2)
+        self.views = ClusterViews(self.locations, ids=[str(n.node_name or n.location) for n in self.nodes])
         if self._probe_s is not None:
             self._prober = threading.Thread(target=self._probe_loop, args=(self._probe_s,), name="knit-store-probes",
                                             daemon=True)
@@ -167,13 +174,22 @@ class Stores:
                 msg = (f"store node {outage.node} ({outage.store}) did not answer within {self._start_timeout_s} s "
                        f"of its restart:\n{self._kids.tail(child)}")
                 raise RuntimeError(msg)
+        self._tell_down()
         return [o.node for o in outages if o.back_at is None]
+
+    def _tell_down(self) -> None:
+        """Routing leaves out exactly the nodes down now (a new view told to the nodes when that changed)."""
+        with self._lock:
+            down = [o.node for o in self.outages if o.back_at is None]
+        if self.views is not None:
+            self.views.set_down(down)
 
     def _probe_loop(self, every_s: float) -> None:
         """The prober thread: every ``every_s``, a node whose process runs but does not answer starts an
         ``unreachable`` outage, and one of those that answers again (a fresh connection) ends it."""
         while not self._stop_probing.wait(every_s):
             self.probe_once()
+            self._tell_down()
 
     def probe_once(self) -> None:
         """One round of probes over every node (what the prober thread does every ``probe_s``)."""
@@ -224,6 +240,8 @@ class Stores:
         for probe in self._probes.values():
             probe.close()
         self._probes.clear()
+        if self.views is not None:
+            self.views.close()
 
     def wait_up(self) -> None:
         """Return once no node is down (starting again those that exit); raises as :meth:`check` does, and when a

@@ -66,6 +66,9 @@ class ClusterReply(Reply):
     self_id: str = Field(validation_alias=AliasChoices("self", "self_id"), serialization_alias="self")
     """This node's id (``self`` on the wire)."""
     nodes: list[ClusterNode]
+    down: list[str] = []
+    """Ids of members routing leaves out now (found down by whoever watches the nodes): their groups go to the
+    others until a newer view brings them back."""
 
 
 class GroupCounts(Reply):
@@ -224,13 +227,14 @@ ACTION_REPLIES: dict[str, type[Reply]] = {
     "resolve": ResolveReply,
     "demand": DemandReply,
     "inflight": InflightReply,
+    "set_cluster": ClusterReply,
 }
 """Action type -> the model of its answer (the same keys as ``schemas.wire.ACTION_BODIES``)."""
 
 ACTION_DESCRIPTIONS: dict[str, str] = {
     "health": 'liveness; answers {"ok": true, "node": ..., "schema_version": ...}',
     "cluster": 'the cluster view: {"routing": "rendezvous-sha256", "version": N, "nodes": [{"id", "location"}], '
-               '"self": id}; a group belongs to the node routing picks from "nodes"',
+               '"self": id, "down": [ids]}; a group belongs to the node routing picks from "nodes" not "down"',
     "stats": "rows, bytes, groups by state, images, memory budget and use, bytes in/out",
     "release": 'free the payload of consumed groups; body {"v":2,"group_ids":[...]}',
     "publish_version": 'record the newest policy version; body {"v":2,"version":N}',
@@ -240,6 +244,8 @@ ACTION_DESCRIPTIONS: dict[str, str] = {
     "resolve": 'take groups out of flight without rows; body {"v":2,"group_ids":[...],"reason":"aborted"}',
     "demand": 'groups per data_source the trainer needs and nothing running brings (shown in stats); '
               'body {"v":2,"classes":{"math":2}}',
+    "set_cluster": 'a newer cluster view: body {"v":2,"version":N,"down":[ids]}; routing leaves the down ids out; '
+                   'a version not above the node\'s changes nothing; answers as cluster',
     "inflight": 'the groups in flight here: {"groups": [{"group_id", "data_source", "prompt_id", '
                 '"dispatch_version", "state", "dispatched_at"}], "registered_total": N, "resolved": {reason: N}}',
 }

@@ -313,6 +313,15 @@ class DemandBody(_Doc):
         Field(max_length=1024)
 
 
+class SetClusterBody(_Doc):
+    """A new cluster view for this node: routing runs over the members not ``down`` (ids), from ``version`` on.
+    A node keeps the highest version it was told (an older view changes nothing), so the launcher that watches
+    the nodes can tell every node, in any order. Example: ``{"v": 2, "version": 2, "down": ["node1"]}``"""
+
+    version: Annotated[int, Field(ge=1, lt=2**31)]
+    down: list[Annotated[str, Field(min_length=1, max_length=512)]] = Field(default_factory=list, max_length=1024)
+
+
 class EmptyBody(_Doc):
     """Body of ``health`` and ``stats`` (may also be sent empty). Example: ``{"v": 2}``"""
 
@@ -346,6 +355,7 @@ ACTION_BODIES: dict[str, type[_Doc]] = {
     "resolve": ResolveBody,
     "demand": DemandBody,
     "inflight": EmptyBody,
+    "set_cluster": SetClusterBody,
 }
 """Action type -> body model; ``schemas.replies.ACTION_DESCRIPTIONS`` describes the same set."""
 

@@ -47,6 +47,7 @@ SLOW: dict[str, str] = {
     "test_soak.py": "one node writing and releasing for a minute",
     "test_concurrency.py::test_8_writers_x_200_groups_with_a_concurrent_reader": "eight writers, 1,600 groups",
     "test_node_failure.py::test_run_goes_on_when_one_of_three_nodes_stops": "a run over three nodes, one stopped",
+    "test_node_loss.py": "store nodes on hosts, one killed and one cut off for three call timeouts",
     "test_train_unit.py::test_run_ranks_spawns_ranks_with_the_torch_env": "spawns torch ranks",
     "test_train_unit.py::test_sigterm_to_the_rank_launcher_stops_its_local_ranks": "spawns torch ranks",
     "test_connectors_rollout.py::test_module_refuses_a_bad_document_naming_the_field": "three rollout processes",

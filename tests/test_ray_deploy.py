@@ -6,7 +6,10 @@ the ``r``-th, the rollout (the fake engine: no model) on the last. The driver ru
 host 1's link counters bound what it sent and received.
 
 1. A whole run: every acknowledged group trained exactly once, the payload never through host 1.
-2. Host 3's raylet killed (SIGKILL, by its pid) mid-run: the driver stops the run with
+2. Host 3's store actor killed (SIGKILL, by its pid) mid-run, its Ray node alive: the driver leaves the node out
+   of routing, starts it again there from its spill log, and the run ends with status 0, every prompt trained
+   once (``ledger_check``).
+3. Host 3's raylet killed (SIGKILL, by its pid) mid-run: the driver stops the run with
    ``RayNodeLostError`` naming host 3's address and what ran there; the groups trained before were
    trained once, and what was not trained is accounted for (``lost_node.json``).
 
@@ -197,6 +200,35 @@ def test_a_run_on_a_3_node_ray_cluster_trains_every_group_once_and_no_payload_re
     assert head < payload / 5, (head, payload)
     print(f"\nray run: {wall:.1f} s; stores' payload in+out {payload} B; host links (B): "
           f"{ {k: (v.rx, v.tx) for k, v in links.items()} }; driver's own bytes {r['ray']['driver_bytes']}")
+
+
+def test_a_store_actor_killed_mid_run_is_started_again_and_every_prompt_trained_once(
+        ray_cluster: RayCluster, tmp_path: Path) -> None:
+    from ledger_check import each_prompt_trained_once
+
+    h = ray_cluster.hosts.hosts
+    out, batches = tmp_path / "run", 3
+    driver = ray_cluster.driver(out, batches)
+    deadline = time.monotonic() + 150
+    while not ((out / "progress.jsonl").exists() and (out / "progress.jsonl").read_text().strip()):
+        assert driver.poll() is None, (tmp_path / "run.log").read_text()[-3000:]
+        assert time.monotonic() < deadline, "the run did not start training"
+        time.sleep(0.1)
+    store = [p for p in h[2].pids() if b"StoreNodeActor" in Path(f"/proc/{p}/cmdline").read_bytes()]
+    assert len(store) == 1, h[2].pids()
+    killed_at = time.time()
+    os.kill(store[0], signal.SIGKILL)  # the store node1 actor's process; its Ray node lives on
+    code, kind, r = _driver_result(driver, 200)
+    assert (code, kind) == (0, "RESULT"), (tmp_path / "run.log").read_text()[-3000:]
+    (outage,) = r["store_outages"]
+    assert outage["node"] == "node1" and outage["back_at"] > outage["died_at"] >= killed_at - 0.1
+    assert r["steps"] == batches * K and r["trajectories_consumed"] == batches * B * G
+    ledger = each_prompt_trained_once(out, group_size=G)
+    assert ledger["prompts"] == batches * B
+    log = (tmp_path / "run.log").read_text()
+    assert "cluster view v2: nodes down ['node1']" in log and "cluster view v3: nodes down none" in log
+    print(f"\nstore actor killed at 0: found +{outage['died_at'] - killed_at:.2f} s, back "
+          f"+{outage['back_at'] - killed_at:.2f} s; {ledger}")
 
 
 def test_a_ray_node_lost_mid_run_stops_the_run_with_a_typed_error_naming_it(

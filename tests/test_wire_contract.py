@@ -209,7 +209,7 @@ def test_a_node_refuses_a_group_routing_gives_another_naming_it(tmp_path: Path) 
         raw = flight.connect(servers[0].location)
         view = _action(raw, "cluster")
         assert view == {"routing": "rendezvous-sha256", "version": 3, "self": "node0",
-                        "nodes": [{"id": m.id, "location": m.location} for m in members]}
+                        "nodes": [{"id": m.id, "location": m.location} for m in members], "down": []}
         ids = [n["id"] for n in view["nodes"]]
         mine = next(f"g{i}" for i in range(99) if _readme_owner(f"g{i}", ids) == "node0")
         other = next(f"g{i}" for i in range(99) if _readme_owner(f"g{i}", ids) == "node2")

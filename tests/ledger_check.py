@@ -1,0 +1,37 @@
+"""One check, shared by the node-loss tests: every prompt the rollout wrote was trained exactly once.
+
+Read from a run folder: ``metadata.parquet`` (every group the stores hold, with its rows' ``status``),
+``consumed.parquet`` (the rows the trainer's planner consumed) and ``rollout.json`` (``redispatched``: each
+group id of a prompt dispatched again -> the prompt's first group id). The prompt ledger (``ledger.parquet``)
+says the same in one table; this function is the one place to read it instead once every run writes it.
+"""
+
+from __future__ import annotations
+
+import json
+from collections import Counter
+from pathlib import Path
+
+import polars as pl
+
+
+def each_prompt_trained_once(out: Path, *, group_size: int) -> dict[str, int]:
+    """Assert that each prompt trained was trained as exactly one whole group, each row once, and that every group
+    trained was written; returns ``prompts`` (trained), ``groups_written`` and ``regenerated`` (prompts trained
+    under a later attempt's group id)."""
+    meta = pl.read_parquet(out / "metadata.parquet")
+    consumed = pl.read_parquet(out / "consumed.parquet")
+    first_id = json.loads((out / "rollout.json").read_text()).get("redispatched", {})
+    trained = consumed.group_by("group_id").agg(rows=pl.len(), distinct=pl.col("sample_idx").n_unique())
+    twice = trained.filter(pl.col("rows") != pl.col("distinct"))
+    assert twice.is_empty(), f"rows trained twice: {twice}"
+    partial = trained.filter(pl.col("rows") != group_size)
+    assert partial.is_empty(), f"groups not trained whole: {partial}"
+    per_prompt = Counter(first_id.get(g, g) for g in trained["group_id"])
+    repeated = {p: n for p, n in per_prompt.items() if n > 1}
+    assert not repeated, f"prompts trained more than once: {repeated}"
+    written = set(meta["group_id"].unique())
+    unknown = set(trained["group_id"]) - written
+    assert not unknown, f"groups trained that no store holds: {sorted(unknown)}"
+    return {"prompts": len(per_prompt), "groups_written": len(written),
+            "regenerated": sum(1 for g in trained["group_id"] if g in first_id)}
