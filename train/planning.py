@@ -22,7 +22,7 @@ import logging
 import os
 import time
 from collections import Counter
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Any, Protocol
 
 import polars as pl
@@ -114,6 +114,8 @@ class PlanSource:
         """Groups admitted so far."""
         self.dropped: Counter[str] = Counter()
         """Groups dropped so far, per reason."""
+        self.on_settled: Callable[[pl.DataFrame, pl.DataFrame], None] | None = None
+        """Called with each update's consumed rows and dropped groups, before the dropped ones are released."""
 
     @property
     def planner(self) -> PlannerLike:
@@ -195,6 +197,8 @@ class PlanSource:
         cursor returns each row once, so those rows never come back.
         """
         consumed, dropped = self._planner.drain()
+        if self.on_settled is not None:
+            self.on_settled(consumed, dropped)
         self.consumed_log.append(consumed)
         self.admitted_groups += consumed["group_id"].n_unique()
         if dropped.height:
