@@ -50,6 +50,7 @@ SLOW: dict[str, str] = {
     "test_train_unit.py::test_run_ranks_spawns_ranks_with_the_torch_env": "spawns torch ranks",
     "test_train_unit.py::test_sigterm_to_the_rank_launcher_stops_its_local_ranks": "spawns torch ranks",
     "test_connectors_rollout.py::test_module_refuses_a_bad_document_naming_the_field": "three rollout processes",
+    "test_resume.py::test_a_run_killed_at_three_points_resumes_and_trains_each_prompt_once": "four starts of knit run",
 }
 """Tests marked ``slow`` here (a module, or one test of it) beside those whose module marks them: processes
 that import torch or Ray, clusters, long runs. ``make test-fast`` leaves them out; ``ray`` tests are slow too."""

@@ -194,10 +194,10 @@ def resume_planner_state(cfg: TrainConfig) -> PlannerState | None:
     if cfg.resume_path is None:
         return None
     from admission.state import PlannerState
+    from schemas.ledger import TrainerResume
 
-    doc = json.loads(Path(cfg.resume_path).read_text())
-    if int(doc["step"]) != cfg.initial_version:
-        msg = (f"resume document {cfg.resume_path} is for step {doc['step']}, the trainer starts at "
-               f"{cfg.initial_version}")
+    doc = TrainerResume.model_validate_json(Path(cfg.resume_path).read_text())
+    if doc.step != cfg.initial_version:
+        msg = f"resume document {cfg.resume_path} is for step {doc.step}, the trainer starts at {cfg.initial_version}"
         raise CheckpointError(msg)
-    return PlannerState.from_dict(doc["planner"])
+    return PlannerState.from_dict(doc.planner)

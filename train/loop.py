@@ -141,7 +141,7 @@ def run(cfg: TrainConfig, *, planner: PlannerLike | None = None) -> int:
         client = stack.enter_context(StoreReader.from_config(cfg.stores, cfg.client))
         kind = _build_step(cfg, env, client)
         stack.callback(kind.close)
-        if cfg.resume_path and cfg.checkpoint_dir:
+        if cfg.resume_path and cfg.checkpoint_dir and cfg.initial_version > 0:  # 0: no checkpoint, the seeded init
             checkpointing.load(kind.built, cfg.checkpoint_dir, cfg.initial_version)
         trained = (stack.enter_context(contextlib.closing(TrainedLog(cfg.trained_path,
                                                                      quota_columns=admission.quota_columns)))

@@ -6,21 +6,22 @@ One JSON line per event in ``TrainConfig.trained_path`` (``events/trained.jsonl`
   optimizer step ``s`` (producing version ``v``), written as soon as the step is taken, before its checkpoint
   and before its groups are released, so every group a checkpoint (or a store's release) covers is named here
   first;
+* ``{"kind": "admitted", "steps": [s, ...]}``: the planner admitted the mini-batches of these steps (not yet
+  taken);
 * ``{"kind": "dropped", "groups": {group_id: reason}}``: groups the planner dropped (never trained), written
   before they are released;
 * ``{"kind": "checkpoint", "step": v, "seconds": s}``: a checkpoint of the weights after ``v`` steps completed.
 
 The launcher appends ``{"kind": "resume", "life": n, "step": S}`` when it resumes the run from the checkpoint
 of step ``S``: step lines before it with a step ``>= S`` are steps the restored weights never saw
-(``launcher.ledger`` reads the file that way). A line cut short by a kill is ignored by readers.
+(``launcher.ledger`` reads the file that way; ``schemas.ledger.read_events`` reads it).
 """
 
 from __future__ import annotations
 
 import json
 import os
-from collections.abc import Iterator, Sequence
-from pathlib import Path
+from collections.abc import Sequence
 from typing import Any
 
 import polars as pl
@@ -49,6 +50,7 @@ class TrainedLog:
             for row in consumed.select(cols).unique("group_id", maintain_order=True).iter_rows(named=True):
                 gid = str(row.pop("group_id"))
                 self._pending[gid] = {k: str(v) for k, v in row.items()}
+            self._write({"kind": "admitted", "steps": sorted(set(consumed["step"].to_list()))})
         if dropped.height:
             self._write({"kind": "dropped", "groups": dict(zip(dropped["group_id"].to_list(),
                                                                dropped["reason"].to_list(), strict=True))})
@@ -73,14 +75,3 @@ class TrainedLog:
     def close(self) -> None:
         self._file.close()
 
-
-def read_events(path: str | Path) -> Iterator[dict[str, Any]]:
-    """The events of a JSON-lines log (``TrainedLog``'s or the rollout's), a last line cut short left out."""
-    p = Path(path)
-    if not p.exists():
-        return
-    with p.open() as f:
-        for line in f:
-            if not line.endswith("\n"):
-                return  # a write a kill interrupted
-            yield json.loads(line)
