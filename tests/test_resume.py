@@ -179,6 +179,6 @@ def test_a_run_killed_at_three_points_resumes_and_trains_each_prompt_once(model_
     r = json.loads((out / "summary.json").read_text())["policies"]["mini_batch"]
     assert r["steps"] == BATCHES * K and r["trajectories_consumed"] == BATCHES * B * G and r["duplicate_rows"] == 0
     assert [x["life"] for x in r["resumes"]] == [1, 2, 3]
-    assert all(x["first_step_s"] is not None for x in r["resumes"])
+    assert r["resumes"][-1]["first_step_s"] > 0 and r["resumes"][-1]["rolled_back"] >= 0
     print("resumes:", json.dumps(r["resumes"]), "checkpoints:", r["checkpoint_s"],
           "attempts again:", r["ledger"]["attempts_again_by_reason"])
