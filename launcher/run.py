@@ -406,6 +406,6 @@ def _supervise(cfg: RunConfig, kids: Children, stores: Stores, workers: tuple[li
     except Interrupted:
         state.phase = "interrupted"
         for t in trainers:
-            kids.stop(t, grace_s=5.0)
+            kids.stop(t, grace_s=30.0)  # it ends the step being taken and checkpoints it
         kids.stop(rollout, grace_s=15.0)  # aborts the groups still running and writes them
         return True

@@ -139,7 +139,10 @@ def _in_life(out: Path, name: str, kind: str) -> list[dict[str, object]]:
     """The events of ``kind`` since the last resume line."""
     found: list[dict[str, object]] = []
     for e in _events(out, name):
-        found = [] if e["kind"] == "resume" else found + [e] if e["kind"] == kind else found
+        if e["kind"] == "resume":
+            found = []
+        elif e["kind"] == kind:
+            found.append(e)
     return found
 
 

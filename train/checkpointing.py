@@ -24,6 +24,8 @@ import json
 import logging
 import os
 import shutil
+import signal
+import threading
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -157,7 +159,9 @@ class Checkpointer:
 
     After each step (:meth:`after_step`): rank 0 logs the step's groups (``train.trained_log``), then every rank
     writes the checkpoint when one is due, its seconds added to the step's metrics as ``checkpoint_s``. When
-    the run ends (:meth:`finish`), the last weights are checkpointed unless they already are.
+    the run ends (:meth:`finish`), the last weights are checkpointed unless they already are. A clean stop:
+    SIGTERM to the ranks (``knit run``'s Ctrl-C) ends the loop after the step being taken (:meth:`stopping`,
+    agreed by every rank), and :meth:`finish` checkpoints it.
     """
 
     def __init__(self, cfg: TrainConfig, built: Built, trained: TrainedLog | None) -> None:
@@ -165,7 +169,31 @@ class Checkpointer:
         self._every = cfg.checkpoint_every
         self._built = built
         self._trained = trained
-        self._saved = cfg.initial_version if cfg.resume_path else None
+        self._saved = cfg.initial_version  # what the trainer started from needs no checkpoint
+        self._stop = False
+        if self._root and threading.current_thread() is threading.main_thread():  # SIGTERM: a clean stop
+            signal.signal(signal.SIGTERM, self._on_sigterm)
+
+    def _on_sigterm(self, signum: int, _frame: object) -> None:
+        log.warning("SIGTERM: stopping after the step being taken, with a checkpoint")
+        self._stop = True
+
+    def stop_requested(self) -> bool:
+        """Whether this rank was asked to stop (SIGTERM): the planner's wait for data ends at once."""
+        return self._stop
+
+    def stopping(self) -> bool:
+        """Whether any rank was asked to stop (collective: every rank calls it after each step)."""
+        if not self._root:
+            return False
+        import torch
+        import torch.distributed as dist
+
+        from train.mcore_compat import device
+
+        flag = torch.tensor([int(self._stop)], device=device())
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        return bool(flag.item())
 
     def after_step(self, step: int, version: int, group_ids: Sequence[str], metrics: dict[str, Any]) -> None:
         """Log step ``step``'s groups (rank 0) and checkpoint the weights of ``version`` when due (collective)."""

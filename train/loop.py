@@ -152,10 +152,13 @@ def run(cfg: TrainConfig, *, planner: PlannerLike | None = None) -> int:
             source = PlanSource(client, planner, supply_from_stores=cfg.supply_from_stores,
                                 consumed_log=stack.enter_context(ConsumedLog(cfg.consumed_path)))
             source.on_settled = trained.settled if trained is not None else None
+        durable = checkpointing.Checkpointer(cfg, kind.built, trained)
+        if source is not None:
+            source.stop_requested = durable.stop_requested
         log.info("rank %d ready: %s", env["rank"], env)
         if cfg.publish_weights:  # the rollout starts from the trainer's weights (version initial_version)
             publish_weights(kind.built, client, cfg.initial_version, env, dtype=cfg.publish_dtype)
-        steps = _train(cfg, env, kind, client, source, report, checkpointing.Checkpointer(cfg, kind.built, trained))
+        steps = _train(cfg, env, kind, client, source, report, durable)
         if cfg.save_dir:
             model.save_checkpoint(kind.built.gpt, cfg.save_dir)
     mcore_compat.shutdown()
@@ -217,6 +220,7 @@ def _steps(cfg: TrainConfig, env: dict[str, int], kind: Step, source: PlanSource
         metrics = kind.step(plan, consumed)
         version += 1
         durable.after_step(plan.step, version, plan.group_ids, metrics)  # what it trained, then the checkpoint if due
+        stop = durable.stopping()  # SIGTERM: a clean stop after this step (finish() checkpoints it)
         t_pub = time.perf_counter()
         # the weights are encoded here (a copy the next step cannot change; a collective on every rank), then
         # rank 0's publisher stores them, publishes the version and releases the groups while the next step runs
@@ -230,6 +234,8 @@ def _steps(cfg: TrainConfig, env: dict[str, int], kind: Step, source: PlanSource
             publisher.submit(table, plan.group_ids, taken, t_pub)
         else:
             record(taken.published(time.perf_counter() - t_pub))
+        if stop:
+            break
     publisher.drain()
     durable.finish(version)
     if queue:

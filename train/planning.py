@@ -116,6 +116,8 @@ class PlanSource:
         """Groups dropped so far, per reason."""
         self.on_settled: Callable[[pl.DataFrame, pl.DataFrame], None] | None = None
         """Called with each update's consumed rows and dropped groups, before the dropped ones are released."""
+        self.stop_requested: Callable[[], bool] = lambda: False
+        """Whether the trainer was asked to stop: :meth:`wait` returns at once then."""
 
     @property
     def planner(self) -> PlannerLike:
@@ -220,7 +222,7 @@ class PlanSource:
         deadline = time.monotonic() + idle_timeout_s
         while True:
             plans = self.poll(current_version)
-            if plans or time.monotonic() >= deadline:
+            if plans or time.monotonic() >= deadline or self.stop_requested():
                 return plans
             time.sleep(poll_interval_s)
 
