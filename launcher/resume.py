@@ -279,8 +279,8 @@ def resumes(out: Path) -> list[dict[str, Any]]:
     lines = list(read_events(out / RESUMES))
     progress = out / "progress.jsonl"
     steps = [json.loads(ln) for ln in progress.read_text().splitlines()] if progress.exists() else []
-    ends = [r["launched_at"] for r in lines[1:]] + [float("inf")]
-    for r, end in zip(lines, ends, strict=True):  # a life's first step: before the next resume was launched
+    for i, r in enumerate(lines):  # a life's first step: before the next resume was launched
+        end = lines[i + 1]["launched_at"] if i + 1 < len(lines) else float("inf")
         first = next((s for s in steps if r["launched_at"] < s["t_end"] < end), None)
         r["first_step_s"] = round(first["t_end"] - r["launched_at"], 2) if first else None
     return lines

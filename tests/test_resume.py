@@ -4,9 +4,10 @@ One run (real stores, vLLM rollout, 2-rank Megatron trainer; tiny model) is kill
 kill it: SIGKILL of the driver and of every process it started, at once. The points are found by following the
 run's own event logs (``events/``), never by sleeping: mid-generation (groups dispatched, before any step of
 that life), between admission and the step (the planner admitted a step not yet taken), and during the weight
-publish (a step taken, its version being published and checkpointed). After each kill ``knit run --resume``
-takes it up; the last one runs to the end: rc 0, every train batch trained, ``ledger.parquet`` exact (one
-polars query: each prompt has one attempt trained), the steps continuous, no process left.
+publish (a checkpoint written, then the next step taken, its weights being checkpointed and published). After
+each kill ``knit run --resume`` takes it up; the last one runs to the end: rc 0, every train batch trained,
+``ledger.parquet`` exact (one polars query: each prompt has one attempt trained), the steps continuous, no
+process left.
 
 The pure parts (the ledger's rules, the settling of prompts at a resume) are checked without processes below.
 """
@@ -60,6 +61,7 @@ def test_settling_and_the_ledger_follow_the_surviving_steps(tmp_path: Path) -> N
         {"kind": "resume", "life": 1, "step": 1}])
     meta = pl.DataFrame({"group_id": ["p0", "p1", "p2", "p3"], "status": ["completed", "completed", "completed",
                                                                           "aborted"]})
+    assert resume.resumes(tmp_path) == []  # a run never resumed
     h = ledger.read_history(tmp_path)
     assert h.trained == {"p0": 0} and h.rolled_back == {"p1"}
     reissue, kept = resume.settle(h, ledger.group_status(meta))
@@ -162,9 +164,11 @@ def test_a_run_killed_at_three_points_resumes_and_trains_each_prompt_once(model_
         s not in {e["step"] for e in _in_life(out, ledger.TRAINED_EVENTS, "step")}
         for a in _in_life(out, ledger.TRAINED_EVENTS, "admitted") for s in a["steps"]))  # type: ignore[attr-defined]
     _kill_everything(proc, out)
-    # 3. during the weight publish: a step taken, its weights being published and checkpointed
+    # 3. during the weight publish: a checkpoint written, then the next step taken, its weights being checkpointed
+    # and published (so the last resume restores a checkpoint and rolls that step back)
     proc = _start("--resume", str(out))
-    _wait_for(proc, "a step", lambda: bool(_in_life(out, ledger.TRAINED_EVENTS, "step")))
+    _wait_for(proc, "a step after a checkpoint", lambda: any(
+        e["kind"] == "step" and e["step"] >= 1 for e in _in_life(out, ledger.TRAINED_EVENTS, "step")))
     _kill_everything(proc, out)
     # the last resume runs to the end
     proc = _start("--resume", str(out))
@@ -182,6 +186,10 @@ def test_a_run_killed_at_three_points_resumes_and_trains_each_prompt_once(model_
     r = json.loads((out / "summary.json").read_text())["policies"]["mini_batch"]
     assert r["steps"] == BATCHES * K and r["trajectories_consumed"] == BATCHES * B * G and r["duplicate_rows"] == 0
     assert [x["life"] for x in r["resumes"]] == [1, 2, 3]
-    assert r["resumes"][-1]["first_step_s"] > 0 and r["resumes"][-1]["rolled_back"] >= 0
+    for c in json.loads((out / "logs" / "children.json").read_text()):  # nothing of the last start is left
+        with contextlib.suppress(OSError):
+            assert Path(f"/proc/{c['pid']}/stat").read_text().split()[2] == "Z", f"{c['name']} still runs"
+    last = r["resumes"][-1]
+    assert last["first_step_s"] > 0 and last["step"] >= 1  # restored from a checkpoint the third kill left
     print("resumes:", json.dumps(r["resumes"]), "checkpoints:", r["checkpoint_s"],
           "attempts again:", r["ledger"]["attempts_again_by_reason"])
