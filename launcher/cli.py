@@ -192,8 +192,11 @@ def report(argv: Sequence[str]) -> int:
         exact = exact and ledger.exceptions(table).height == 0
         print(f"{out}: {ledger.summary_line(table)}")
         for r in resume.resumes(out):
-            print(f"  resume {r['life']}: from the checkpoint of step {r['step']}, first step {r['first_step_s']} s "
-                  f"after launch; re-issued {r['reissued']}, kept {r['groups_kept']} stored groups")
+            start = f"the checkpoint of step {r['step']}" if r["step"] else "the initial weights (no checkpoint)"
+            first = (f"first step published {r['first_step_s']} s after launch" if r["first_step_s"] is not None
+                     else "stopped before it published a step")
+            print(f"  resume {r['life']}: from {start}, {first}; re-issued {r['reissued'] or 'none'}, kept "
+                  f"{r['groups_kept']} stored groups, rolled back {r['rolled_back']} trained groups")
         cost = [s for _, s in ledger.read_history(out).checkpoints]
         if cost:
             print(f"  checkpoints: {len(cost)}, median {sorted(cost)[len(cost) // 2]:.3f} s, max {max(cost):.3f} s")

@@ -91,6 +91,19 @@ def test_settling_and_the_ledger_follow_the_surviving_steps(tmp_path: Path) -> N
                                                                                   "interrupted"]
 
 
+def test_knit_report_says_the_ledger_in_one_line(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from launcher.cli import main
+
+    _write(tmp_path, ledger.ROLLOUT_EVENTS, [_dispatch(0), _dispatch(1)])
+    _write(tmp_path, ledger.TRAINED_EVENTS, [{"kind": "step", "step": 0, "version": 1, "groups": {"p0": {}}}])
+    assert main(["report", str(tmp_path)]) == 1  # p1 was never trained: named, with why
+    assert "ledger: 2 prompts, 1 trained once; never trained 1 (interrupted: 1): p1" in capsys.readouterr().out
+    _write(tmp_path, ledger.TRAINED_EVENTS, [{"kind": "step", "step": 1, "version": 2, "groups": {"p1": {}}}])
+    assert main(["report", str(tmp_path)]) == 0
+    assert "ledger: 2 prompts, each trained once" in capsys.readouterr().out
+    assert pl.read_parquet(tmp_path / "ledger.parquet").height == 2
+
+
 # ---- a real run killed three times ----------------------------------------------------------------------------
 
 
