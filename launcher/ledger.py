@@ -65,6 +65,8 @@ class History:
     """Groups trained by steps a resume rolled back."""
     dropped: dict[str, str] = field(default_factory=dict)
     """group_id -> why the planner dropped it."""
+    steps: dict[int, dict[str, Any]] = field(default_factory=dict)
+    """step -> its surviving step event (rank 0's ``metrics``, ``t_end``, ``version``)."""
     checkpoints: list[tuple[int, float]] = field(default_factory=list)
     """(step, seconds) of each checkpoint written."""
     lives: int = 1
@@ -89,6 +91,7 @@ def read_history(out: Path) -> History:
             h.dispatches.append(e | {"life": life})
     for e in read_events(out / EVENTS / TRAINED_EVENTS):
         if e["kind"] == "step":
+            h.steps[int(e["step"])] = e
             for gid, quotas in e["groups"].items():
                 h.trained[gid] = int(e["step"])
                 h.quotas[gid] = quotas
@@ -102,6 +105,7 @@ def read_history(out: Path) -> History:
             h.rolled_back.update(gone)
             for g in gone:
                 del h.trained[g]
+            h.steps = {s: ev for s, ev in h.steps.items() if s < int(e["step"])}
     return h
 
 

@@ -171,29 +171,64 @@ def planner_state(h: History, step: int, admission: AdmissionConfig, dropped: li
 
 def salvage(out: Path, step: int) -> None:
     """Move the earlier lives' per-step records of the steps ``< step`` to ``history/`` (and cut
-    ``progress.jsonl`` back to them): trainer rank reports (whole or the side files a kill left), consumed
-    trajectories (the Parquet file or the stream a kill left)."""
+    ``progress.jsonl`` back to them): consumed trajectories (the Parquet file or the stream a kill left),
+    trainer rank reports (whole or the side files a kill left). A surviving step whose publish a kill cut short
+    has no progress line and no rank 0 record (both are written once it is published): they are rebuilt from
+    the trained log's step event and the consumed trajectories (:func:`_recover`)."""
     hist = out / HISTORY
     hist.mkdir(exist_ok=True)
+    frames = [f for f in (_read_parquet(hist / "consumed.parquet"), _read_parquet(out / "consumed.parquet"),
+                          _read_stream(out / "consumed.parquet.arrows")) if f is not None]
+    consumed = pl.concat(frames, how="diagonal_relaxed").filter(pl.col("step") < step) if frames else None
+    if consumed is not None:
+        consumed.write_parquet(hist / "consumed.parquet")
+    events = {s: e for s, e in read_history(out).steps.items() if s < step}
     progress = out / "progress.jsonl"
-    if progress.exists():
-        lines = [ln for ln in progress.read_text().splitlines(keepends=True)
-                 if ln.endswith("\n") and json.loads(ln)["step"] < step]
-        progress.write_text("".join(lines))
+    kept = [json.loads(ln) for ln in progress.read_text().splitlines(keepends=True)
+            if ln.endswith("\n")] if progress.exists() else []
+    kept = [ln for ln in kept if ln["step"] < step]
+    have = {ln["step"] for ln in kept}
+    kept += [_recover(e, consumed)[0] for s, e in events.items() if s not in have]
+    progress.write_text("".join(json.dumps(ln) + "\n" for ln in sorted(kept, key=lambda ln: ln["step"])))
     for rank_doc in sorted({p.name.split(".json")[0] for p in out.glob("trainer_rank*.json*")}):
         doc = _rank_doc(out, rank_doc, hist)
         doc["steps"] = [s for s in doc["steps"] if s["step"] < step]
         doc["consumed"] = [c for c in doc["consumed"] if c[1] < step]
+        if rank_doc == "trainer_rank0":
+            have = {s["step"] for s in doc["steps"]}
+            for s, e in events.items():
+                if s not in have:
+                    _, record, rows = _recover(e, consumed)
+                    doc["steps"].append(record)
+                    doc["consumed"] += rows
+            doc["steps"].sort(key=lambda s: s["step"])
         (hist / f"{rank_doc}.json").write_text(json.dumps(doc))
         for p in out.glob(f"{rank_doc}.json*"):
             p.unlink()
-    frames = [f for f in (_read_parquet(hist / "consumed.parquet"), _read_parquet(out / "consumed.parquet"),
-                          _read_stream(out / "consumed.parquet.arrows")) if f is not None]
-    if frames:
-        pl.concat(frames, how="diagonal_relaxed").filter(pl.col("step") < step).write_parquet(
-            hist / "consumed.parquet")
     for p in (out / "consumed.parquet", out / "consumed.parquet.arrows", out / "rollout.json"):
         p.unlink(missing_ok=True)
+
+
+def _recover(event: dict[str, Any], consumed: pl.DataFrame | None) -> tuple[dict[str, Any], dict[str, Any],
+                                                                             list[list[Any]]]:
+    """A step's progress line, rank 0's record and rank 0's received rows, from its trained-log event and the
+    consumed trajectories (what the planner admitted into it; the step trained exactly those)."""
+    m, step = event["metrics"], int(event["step"])
+    rows = consumed.filter(pl.col("step") == step) if consumed is not None else pl.DataFrame()
+    record = {**m, "version": event["version"], "plan_wait_s": 0.0, "t_end": event["t_end"]}
+    line = {"step": step, "train_batch": m["train_batch"], "position": m["position"], "version": event["version"],
+            "loss": m["loss"], "rows": m["rows"], "abs_logp_diff": m["abs_logp_diff"], "plan_wait_s": 0.0,
+            "step_time_s": m["step_time_s"], "t_end": event["t_end"],
+            "admitted_groups": consumed.filter(pl.col("step") <= step)["group_id"].n_unique()
+            if consumed is not None else 0}
+    if rows.height:
+        line |= {"arch_staleness_mean": rows["arch_staleness"].mean(),
+                 "arch_staleness_max": rows["arch_staleness"].max(), "reward_mean": rows["reward"].mean()}
+        rank0 = rows.filter(pl.col("dp_rank") == 0)
+        received = [["row", step, g, i] for g, i in zip(rank0["group_id"], rank0["sample_idx"], strict=True)]
+    else:
+        received = []
+    return line, record, received
 
 
 def _rank_doc(out: Path, name: str, hist: Path) -> dict[str, Any]:

@@ -206,3 +206,29 @@ def test_a_run_killed_at_three_points_resumes_and_trains_each_prompt_once(model_
     assert last["first_step_s"] > 0 and last["step"] >= 1  # restored from a checkpoint the third kill left
     print("resumes:", json.dumps(r["resumes"]), "checkpoints:", r["checkpoint_s"],
           "attempts again:", r["ledger"]["attempts_again_by_reason"])
+
+
+def test_salvage_rebuilds_a_surviving_step_whose_publish_a_kill_cut_short(tmp_path: Path) -> None:
+    """Step 0 was checkpointed but killed while publishing: no progress line, no rank 0 record. The resume from
+    the checkpoint of step 2 rebuilds both from the trained log and the consumed trajectories; step 2 (taken
+    after the checkpoint) is cut."""
+    metrics = {"train_batch": 0, "loss": 0.5, "rows": 4, "abs_logp_diff": 0.0, "step_time_s": 0.1}
+    _write(tmp_path, ledger.TRAINED_EVENTS, [
+        {"kind": "step", "step": s, "version": s + 1, "groups": {f"g{s}": {}}, "t_end": 100.0 + s,
+         "metrics": metrics | {"step": s, "position": s % 2}} for s in range(3)])
+    progress = [{"step": 1, "train_batch": 0, "position": 1, "version": 2, "loss": 0.4, "rows": 4,
+                 "abs_logp_diff": 0.0, "plan_wait_s": 0.0, "step_time_s": 0.1, "t_end": 101.0, "admitted_groups": 2}]
+    (tmp_path / "progress.jsonl").write_text("".join(json.dumps(p) + "\n" for p in progress))
+    (tmp_path / "trainer_rank0.json.steps.jsonl").write_text(json.dumps(metrics | {"step": 1, "version": 2}) + "\n")
+    (tmp_path / "trainer_rank0.json.consumed.jsonl").write_text(json.dumps(["row", 1, "g1", 0]) + "\n")
+    pl.DataFrame({"step": [0, 0, 1, 2], "group_id": ["g0", "g0", "g1", "g2"], "sample_idx": [0, 1, 0, 0],
+                  "dp_rank": [0, 1, 0, 0], "arch_staleness": [0, 0, 1, 0], "reward": [1.0, 0.0, 1.0, 1.0]}
+                 ).write_parquet(tmp_path / "consumed.parquet")
+    resume.salvage(tmp_path, 2)
+    lines = [json.loads(ln) for ln in (tmp_path / "progress.jsonl").read_text().splitlines()]
+    assert [(ln["step"], ln["version"]) for ln in lines] == [(0, 1), (1, 2)] and lines[0]["reward_mean"] == 0.5
+    doc = json.loads((tmp_path / resume.HISTORY / "trainer_rank0.json").read_text())
+    assert [s["step"] for s in doc["steps"]] == [0, 1]
+    assert sorted(doc["consumed"]) == [["row", 0, "g0", 0], ["row", 1, "g1", 0]]  # rank 0's rows of step 0 rebuilt
+    assert pl.read_parquet(tmp_path / resume.HISTORY / "consumed.parquet")["step"].to_list() == [0, 0, 1]
+    assert not (tmp_path / "consumed.parquet").exists() and not list(tmp_path.glob("trainer_rank0.json*"))

@@ -202,7 +202,7 @@ class Checkpointer:
     def after_step(self, step: int, version: int, group_ids: Sequence[str], metrics: dict[str, Any]) -> None:
         """Log step ``step``'s groups (rank 0) and checkpoint the weights of ``version`` when due (collective)."""
         if self._trained is not None:
-            self._trained.step(step, version, group_ids)
+            self._trained.step(step, version, group_ids, metrics)
         if self._root and self._every and version % self._every == 0:
             metrics["checkpoint_s"] = self._save(version)
 

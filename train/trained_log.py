@@ -2,10 +2,11 @@
 
 One JSON line per event in ``TrainConfig.trained_path`` (``events/trained.jsonl`` of a ``knit run``):
 
-* ``{"kind": "step", "step": s, "version": v, "groups": {group_id: {quota column: value}}}``: the groups of the
-  optimizer step ``s`` (producing version ``v``), written as soon as the step is taken, before its checkpoint
-  and before its groups are released, so every group a checkpoint (or a store's release) covers is named here
-  first;
+* ``{"kind": "step", "step": s, "version": v, "groups": {group_id: {quota column: value}}, "metrics": {...},
+  "t_end": unix time}``: the groups of the optimizer step ``s`` (producing version ``v``) and rank 0's metrics
+  of it, written as soon as the step is taken, before its checkpoint and before its groups are released, so
+  every group a checkpoint (or a store's release) covers is named here first (and a step whose publish a kill
+  cut short keeps its figures: its progress line is written only once published);
 * ``{"kind": "admitted", "steps": [s, ...]}``: the planner admitted the mini-batches of these steps (not yet
   taken);
 * ``{"kind": "dropped", "groups": {group_id: reason}}``: groups the planner dropped (never trained), written
@@ -21,7 +22,8 @@ from __future__ import annotations
 
 import json
 import os
-from collections.abc import Sequence
+import time
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import polars as pl
@@ -55,10 +57,11 @@ class TrainedLog:
             self._write({"kind": "dropped", "groups": dict(zip(dropped["group_id"].to_list(),
                                                                dropped["reason"].to_list(), strict=True))})
 
-    def step(self, step: int, version: int, group_ids: Sequence[str]) -> None:
-        """Log the groups optimizer step ``step`` trained (producing ``version``)."""
+    def step(self, step: int, version: int, group_ids: Sequence[str], metrics: Mapping[str, Any]) -> None:
+        """Log the groups optimizer step ``step`` trained (producing ``version``), with rank 0's metrics of it."""
         groups = {g: self._pending.pop(g, {}) for g in group_ids}
-        self._write({"kind": "step", "step": step, "version": version, "groups": groups})
+        self._write({"kind": "step", "step": step, "version": version, "groups": groups, "metrics": dict(metrics),
+                     "t_end": time.time()})
 
     def checkpoint(self, step: int, seconds: float) -> None:
         """Log a completed checkpoint of the weights after ``step`` steps."""
