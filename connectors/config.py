@@ -143,6 +143,12 @@ class RolloutConfig:
     """Debug: append vLLM's raw token ids and logprobs per group to this JSONL file (exactness tests)."""
     report_path: str | None = None
     """Write the run report (JSON, with every group's write time) to this file at the end."""
+    events_path: str | None = None
+    """Append the prompt ledger's rollout events (each prompt drawn, each attempt dispatched) to this JSON-lines
+    file (``schemas.ledger``)."""
+    resume_path: str | None = None
+    """A ``schemas.ledger.RolloutResume`` document: the prompt stream goes on after the prompts drawn before, and
+    the prompts it names are dispatched again first."""
 
     def __post_init__(self) -> None:
         if not self.stores:

@@ -98,7 +98,9 @@ class Drawn:
     index: int = 0
     """Its place in the prompt stream (0 = the first prompt drawn)."""
     attempt: int = 0
-    """0 for the prompt's first dispatch, n for its n-th dispatch again after the engine aborted it."""
+    """0 for the prompt's first dispatch, n for its n-th dispatch again (after the engine aborted it, or a resume)."""
+    reason: str | None = None
+    """Why this attempt goes out again (``aborted``, ``interrupted``, ``rolled_back``, ...); None for the first."""
 
 
 RunningAges = Callable[[], Mapping[str, Sequence[float]]]

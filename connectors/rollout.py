@@ -54,6 +54,7 @@ import pyarrow as pa
 from connectors.config import RolloutConfig
 from connectors.dispatch import DispatchQueue, Drawn
 from connectors.engine import RolloutEngine, VllmEngine
+from connectors.ledger_events import RolloutEvents, resume_stream
 from connectors.lookahead import LookaheadHook, LookaheadLimit, StoreStats
 from connectors.partial import ResumedOutput
 from connectors.report import RolloutReport, RolloutTally
@@ -62,6 +63,7 @@ from connectors.vllm import FinishedRequest, RequestOutputLike, aborted_batch, d
 from connectors.weight_sync import WeightSync
 from connectors.writer import GroupWriter
 from schemas.images import images_to_table
+from schemas.ledger import Reissue, RolloutResume
 from schemas.wire import DispatchedGroup
 
 if TYPE_CHECKING:
@@ -138,6 +140,12 @@ class RolloutWorker:
                 if config.prompts_file
                 else mixed_prompts(config.data_sources, seed=config.seed, chunk=config.mix_chunk)
             )
+        self._events = RolloutEvents(config.events_path)
+        resume = (RolloutResume.model_validate_json(Path(config.resume_path).read_text()) if config.resume_path
+                  else None)
+        again: list[tuple[Reissue, Prompt]] = []
+        if resume is not None:  # the stream goes on after the prompts drawn before; some go out again first
+            prompts, again = resume_stream(prompts, resume)
         self._prompts = prompts
         self._reward: RewardFn = load_reward_fn(config.reward)
         self._prefix = config.group_id_prefix or f"r{os.getpid()}-"
@@ -149,10 +157,14 @@ class RolloutWorker:
                                 poll_s=config.version_poll_s, load=config.weight_sync)
         self._pending: dict[str, _Pending] = {}
         self._committed = DispatchQueue(config.dispatch_order)  # drawn (and re-dispatched) prompts
-        self._drawn = 0  # prompts drawn from the stream
+        self._drawn = resume.drawn if resume is not None else 0  # prompts drawn from the stream
         self._placed = 0  # group ids handed out
         self._stop = False
         self._held = False  # the last lookahead check paused dispatch
+        for r, prompt in again:
+            group_id, node = self._place()
+            self._committed.append(Drawn(group_id=group_id, node=node, prompt=prompt, prompt_id=r.prompt_id,
+                                         index=r.index, attempt=r.attempt, reason=r.reason))
 
     # ---- public --------------------------------------------------------------------------------
 
@@ -160,6 +172,7 @@ class RolloutWorker:
         """Flush the queued writes, stop the writer, and close the store client if this worker opened it."""
         try:
             self._writer.close()
+            self._events.close()
         finally:
             if self._owns_client:
                 self.client.close()
@@ -252,6 +265,7 @@ class RolloutWorker:
             group_id, node = self._place()
             drawn = Drawn(group_id=group_id, node=node, prompt=prompt, prompt_id=group_id, index=self._drawn - 1)
             self._committed.append(drawn)
+            self._events.drawn(drawn)
             if cfg.commit_ahead:
                 self._register(drawn, "queued")
         return False
@@ -297,6 +311,7 @@ class RolloutWorker:
             self._writer.put_images(table, drawn.node)
         pending = _Pending(drawn=drawn, image_keys=keys, created_at=datetime.now(UTC), version_min=self._sync.version)
         self._register(drawn, "running")
+        self._events.dispatched(drawn, self._sync.version)  # before the engine has it: a stored group has its line
         try:
             self.engine.submit(drawn.group_id, prompt, self.config.group_size)
         except (ValueError, TypeError) as exc:  # refused by the engine (too long, bad input): record it
@@ -311,7 +326,7 @@ class RolloutWorker:
             return
         group_id, node = self._place()
         again = Drawn(group_id=group_id, node=node, prompt=drawn.prompt, prompt_id=drawn.prompt_id,
-                      index=drawn.index, attempt=drawn.attempt + 1)
+                      index=drawn.index, attempt=drawn.attempt + 1, reason="aborted")
         self.tally.redispatched[group_id] = drawn.prompt_id
         self._register(again, "queued")
         self._committed.put_first(again)

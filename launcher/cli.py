@@ -9,6 +9,7 @@ train      the Megatron-core trainer, ``--nproc`` local ranks or one rank under 
            (flags from :class:`~train.config.TrainConfig`)
 rollout    a vLLM rollout worker streaming prompt groups to the stores (flags from
            :class:`~connectors.config.RolloutConfig`)
+report     a run folder's prompt ledger in one line (each prompt trained once?), its resumes, checkpoint cost
 meta       polars SQL over the live trajectory metadata of every node
 sql        a Flight SQL gateway over that metadata for any client (ADBC, JDBC, DBeaver, Grafana; flags
            from :class:`~flight_store.sql.config.SqlConfig`)
@@ -182,6 +183,38 @@ def rollout(argv: Sequence[str]) -> int:
     return 0
 
 
+def report(argv: Sequence[str]) -> int:
+    """``knit report RUN_DIR``: the prompt ledger in one line, the resumes, the checkpoints' cost."""
+    from launcher import ledger, resume
+
+    parser = argparse.ArgumentParser(prog="knit report", description="Say whether a knit run trained each prompt "
+                                     "once (its ledger.parquet, built from the run's event logs), how each resume "
+                                     "went and what checkpointing cost. Exit 1 when the ledger has exceptions.")
+    parser.add_argument("run_dir", type=Path, metavar="RUN_DIR", help="a knit run folder (or a --compare folder)")
+    args = parser.parse_args(list(argv))
+    folders = [args.run_dir] if (args.run_dir / ledger.EVENTS).is_dir() else sorted(
+        p.parent.parent for p in args.run_dir.glob(f"*/{ledger.EVENTS}/{ledger.TRAINED_EVENTS}"))
+    if not folders:
+        print(f"knit report: {args.run_dir} holds no knit run with event logs", file=sys.stderr)
+        return 2
+    exact = True
+    for out in folders:
+        table = ledger.build(out)
+        table.write_parquet(out / "ledger.parquet")
+        exact = exact and ledger.exceptions(table).height == 0
+        print(f"{out}: {ledger.summary_line(table)}")
+        for r in resume.resumes(out):
+            start = f"the checkpoint of step {r['step']}" if r["step"] else "the initial weights (no checkpoint)"
+            first = (f"first step published {r['first_step_s']} s after launch" if r["first_step_s"] is not None
+                     else "stopped before it published a step")
+            print(f"  resume {r['life']}: from {start}, {first}; re-issued {r['reissued'] or 'none'}, kept "
+                  f"{r['groups_kept']} stored groups, rolled back {r['rolled_back']} trained groups")
+        cost = [s for _, s in ledger.read_history(out).checkpoints]
+        if cost:
+            print(f"  checkpoints: {len(cost)}, median {sorted(cost)[len(cost) // 2]:.3f} s, max {max(cost):.3f} s")
+    return 0 if exact else 1
+
+
 def run(argv: Sequence[str]) -> int:
     """``knit run``: the main job (see :mod:`launcher.main_job`)."""
     from launcher.main_job import main
@@ -194,6 +227,7 @@ COMMANDS: dict[str, tuple[Callable[[Sequence[str]], int], str]] = {
     "run": (run, "run the RL loop: store nodes, a vLLM rollout worker, a Megatron trainer"),
     "train": (train, "run the Megatron-core trainer (--nproc N local ranks, or one rank under torchrun)"),
     "rollout": (rollout, "run a vLLM rollout worker that streams prompt groups to the stores"),
+    "report": (report, "the prompt ledger of a run folder in one line, its resumes and checkpoint cost"),
     "meta": (meta, "polars SQL over the live trajectory metadata of every node"),
     "sql": (sql, "a Flight SQL gateway over the live trajectory metadata (ADBC, JDBC, DBeaver, Grafana)"),
     "demo": (demo, "the data flow in miniature on two in-process store nodes"),

@@ -18,12 +18,13 @@ from types import FrameType
 from typing import Any, cast
 
 from admission.config import Policy
-from launcher import progress, report
+from launcher import progress, report, resume
 from launcher.flags import add_flags, build
 from launcher.lifeline import LeftoverProcessesError, RunFolderInUseError
 from launcher.model import RUN_MODELS, prepare_model
 from launcher.ray_deploy import RayNodeLostError, run_on_ray
 from launcher.run import COMPARED, RUN_POLICIES, Interrupted, RunConfig, run_policy
+from schemas import documents
 
 MATCH = 0.95
 """``--match-throughput``: the share of train_batch's trainer-busy time (:func:`trainer_busy`) another policy's
@@ -58,8 +59,19 @@ def parse(argv: Sequence[str]) -> tuple[list[RunConfig], argparse.Namespace]:
                         "nodes (launcher.ray_deploy)")
     parser.add_argument("--engine", choices=("vllm", "fake"), default="vllm",
                         help="with --ray: the rollout's engine (fake: connectors.fake_engine, no model)")
+    parser.add_argument("--resume", type=Path, default=None, metavar="RUN_DIR",
+                        help="take up the run stopped in RUN_DIR (Ctrl-C or killed) from its last checkpoint, its "
+                        "stores' spill logs and its event logs, with the config it was started with "
+                        "(launcher.resume); no other flag is taken")
     flags = add_flags(parser, RunConfig)
     args = parser.parse_args(list(argv))
+    if args.resume is not None:
+        if args.ray is not None or args.compare or args.policies:
+            parser.error("--resume takes up one local run: no --ray, --compare or --policies")
+        try:
+            return [documents.read(RunConfig, args.resume.resolve() / "run_config.json")], args
+        except (OSError, ValueError) as exc:
+            parser.error(f"--resume {args.resume}: {exc}")
     model = RUN_MODELS.get(getattr(args, "cfg__model", "tiny"))  # its defaults, under the flags given
     base = dict(model.run_defaults if model else {}) | ({"train_batches": QUICK_TRAIN_BATCHES} if args.quick else {})
     try:
@@ -162,8 +174,11 @@ def main(argv: Sequence[str] | None = None) -> int:
                 raise Interrupted
             display.note(f"[{cfg.policy}] lookahead {cfg.lookahead_groups} groups; logs in {cfg.out / 'logs'}")
             with display.live(cfg.policy, cfg.total_groups, cfg.steps) as update:
-                result = (run_policy(cfg, model, stop=stop, on_update=update) if args.ray is None
+                result = (run_policy(cfg, model, stop=stop, on_update=update,
+                                     resumed=resume.begin(cfg.out) if args.resume else None) if args.ray is None
                           else _run_on_ray(cfg, model, args, stop, update))
+            if "ledger" in result:
+                display.note(f"[{cfg.policy}] {result['ledger']['summary']}")
             for o in result["store_outages"]:
                 if o.get("cause") == "unreachable":
                     display.note(f"[{cfg.policy}] store {o['node']} ({o['store']}) did not answer for {o['down_s']} s "

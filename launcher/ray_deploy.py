@@ -52,7 +52,7 @@ from typing import Any, Literal
 from flight_store.config import ClusterMember, ServerConfig
 from flight_store.net import free_port, free_ports
 from flight_store.reading import StoreReader
-from launcher import report
+from launcher import report, resume
 from launcher.placement import Placement, Site
 from launcher.ray_stores import RayStoreRestartError, RayStores
 from launcher.run import Interrupted, LiveState, RunConfig, rollout_config, store_configs, train_config
@@ -257,8 +257,8 @@ def run_on_ray(cfg: RunConfig, model: ModelConfig, *, address: str = "auto", eng
         time.sleep(0.5)
     cfg = replace(cfg, num_stores=len(nodes))
     cfg.out.mkdir(parents=True, exist_ok=True)
-    for stale in ("progress.jsonl", "consumed.parquet", "rollout.json", "lost_node.json"):
-        (cfg.out / stale).unlink(missing_ok=True)
+    (cfg.out / "lost_node.json").unlink(missing_ok=True)
+    resume.fresh(cfg.out)  # an earlier run's progress, event logs and checkpoints
     dep = Deployment(nodes=[{"id": n["NodeID"], "ip": n["NodeManagerAddress"]} for n in nodes])
     state = LiveState()
     t0 = time.time()

@@ -236,6 +236,7 @@ def plot_policy(folder: Path, result: dict[str, Any]) -> list[Path]:
         ax.bar(per["step"].to_list(), per["mean"].to_list(), color="tab:blue", label="mean")
         ax.plot(per["step"].to_list(), per["max"].to_list(), "o--", color="tab:red", label="max")
         ax.legend()
+    _seams(folder, ax)
     ax.set(xlabel="optimizer step", ylabel="architectural staleness (versions)",
            title=f"{name}: architectural staleness per step")
     paths.append(_save(fig, folder / "staleness_per_step.png"))
@@ -254,6 +255,7 @@ def plot_policy(folder: Path, result: dict[str, Any]) -> list[Path]:
             ax.bar(x, vals, bottom=bottom, label=label, color=color)
             bottom = [b + v for b, v in zip(bottom, vals, strict=True)]
         ax.legend(fontsize=8)
+    _seams(folder, ax)
     ax.set(xlabel="optimizer step", ylabel="seconds (rank 0)", title=f"{name}: time per step")
     paths.append(_save(fig, folder / "time_breakdown.png"))
 
@@ -264,6 +266,14 @@ def plot_policy(folder: Path, result: dict[str, Any]) -> list[Path]:
     paths.append(_save(fig, folder / "reward_per_train_batch.png"))
     paths.append(offpolicy_report.plot(plt, _save, steps, folder / "offpolicy_per_step.png", name))
     return paths
+
+
+def _seams(folder: Path, ax: Any) -> None:
+    """A dotted line before the first step of each resume (``resumes.jsonl``): the run's curve goes on across it."""
+    path = folder / "resumes.jsonl"
+    lines = [json.loads(ln) for ln in path.read_text().splitlines() if ln.strip()] if path.exists() else []
+    for i, r in enumerate(lines):
+        ax.axvline(r["step"] - 0.5, linestyle=":", color="black", label="resumed" if i == 0 else None)
 
 
 def plot_rewards(out: Path, results: dict[str, dict[str, Any]]) -> Path:

@@ -53,7 +53,7 @@ from connectors.config import DEFAULT_DATA_SOURCES, RolloutConfig
 from flight_store.config import ClusterMember, ServerConfig, StoreConfig
 from flight_store.net import free_ports
 from flight_store.reading import StoreReader
-from launcher import report
+from launcher import ledger, report, resume
 from launcher.children import ROOT, Child, Children
 from launcher.model import MODELS_DIR, RUN_MODELS, RunModelName
 from launcher.placement import Placement
@@ -133,6 +133,9 @@ class RunConfig:
     """Times one store node that dies is started again (same port and spill log) before the run fails."""
     store_start_timeout_s: float = 60.0
     """Seconds a store node may take to answer ``health`` after it was started (or restarted)."""
+    checkpoint_every: int = 1
+    """Checkpoint the trainer (model and optimizer) after every this many optimizer steps (0: only at the end);
+    ``--resume`` takes the run up from the last one (``launcher.resume``)."""
 
     def __post_init__(self) -> None:
         quotas = self.admission.quotas
@@ -141,9 +144,9 @@ class RunConfig:
             self.admission = dataclasses.replace(
                 self.admission, quotas=(Quota(column="data_source", shares=dict(self.data_sources)),))
             self.admission.quota_counts()  # B times each share must be a whole number of groups
-        if self.max_store_restarts < 0 or self.store_start_timeout_s <= 0:
-            msg = (f"RunConfig: max_store_restarts={self.max_store_restarts} must be >= 0 and "
-                   f"store_start_timeout_s={self.store_start_timeout_s} > 0")
+        if self.max_store_restarts < 0 or self.store_start_timeout_s <= 0 or self.checkpoint_every < 0:
+            msg = (f"RunConfig: max_store_restarts={self.max_store_restarts} and checkpoint_every="
+                   f"{self.checkpoint_every} must be >= 0, store_start_timeout_s={self.store_start_timeout_s} > 0")
             raise ValueError(msg)
         for name in ("train_batches", "max_tokens", "num_stores"):
             if getattr(self, name) < 1:
@@ -221,7 +224,8 @@ def train_config(cfg: RunConfig, model: ModelConfig, stores: list[str]) -> Train
         publish_weights=True, publish_dtype=RUN_MODELS[cfg.model].publish_dtype, max_steps=cfg.steps,
         idle_timeout_s=cfg.idle_timeout_s, seed=cfg.seed,
         report_path=str(cfg.out / "trainer_rank{rank}.json"), progress_path=str(cfg.out / "progress.jsonl"),
-        consumed_path=str(cfg.out / "consumed.parquet"),
+        consumed_path=str(cfg.out / "consumed.parquet"), checkpoint_dir=str(cfg.out / resume.CHECKPOINTS),
+        checkpoint_every=cfg.checkpoint_every, trained_path=str(cfg.out / ledger.EVENTS / ledger.TRAINED_EVENTS),
     )
 
 
@@ -235,6 +239,7 @@ def rollout_config(cfg: RunConfig, stores: list[str]) -> RolloutConfig:
         max_model_len=512, group_id_prefix=f"{cfg.policy}-", report_path=str(cfg.out / "rollout.json"),
         commit_ahead=cfg.admission.train_batch_groups, mix_chunk=cfg.admission.train_batch_groups,
         data_sources=dict(cfg.data_sources), partial_rollouts=cfg.partial_rollouts,
+        events_path=str(cfg.out / ledger.EVENTS / ledger.ROLLOUT_EVENTS),
         synchronous=((cfg.admission.train_batch_groups, cfg.admission.mini_batches) if cfg.policy == "colocated"
                      else None),
     )
@@ -289,31 +294,39 @@ class LiveState:
 
 def run_policy(cfg: RunConfig, model: ModelConfig, *, stop: threading.Event,
                on_update: Callable[[LiveState], None] | None = None,
-               placement: Placement | None = None) -> dict[str, Any]:
+               placement: Placement | None = None, resumed: resume.Resumption | None = None) -> dict[str, Any]:
     """Run one policy end to end; returns the run's results (``launcher.report.policy_summary``).
 
-    ``placement`` says where each process runs (default: :meth:`Placement.local`)."""
+    ``placement`` says where each process runs (default: :meth:`Placement.local`); ``resumed``: take a stopped
+    run in ``cfg.out`` up again (:func:`launcher.resume.begin`)."""
     placement = placement or Placement.local(cfg.num_stores)
     placement.check(num_stores=cfg.num_stores, dp_ranks=cfg.admission.dp_ranks)
     cfg.out.mkdir(parents=True, exist_ok=True)
-    for stale in ("progress.jsonl", "consumed.parquet", "rollout.json"):
-        (cfg.out / stale).unlink(missing_ok=True)
+    if resumed is None:
+        resume.fresh(cfg.out)
+        documents.write(cfg, cfg.out / "run_config.json")
     state = LiveState()  # the display knows the policy and the totals (main_job)
     t0 = time.time()
     with Children(cfg.out / "logs") as kids:
         stores = Stores(kids, store_configs(cfg, placement), cfg.out, max_restarts=cfg.max_store_restarts,
                         start_timeout_s=cfg.store_start_timeout_s, sites=placement.stores, probe_s=placement.probe_s)
-        stores.start()
+        stores.start(fresh=resumed is None)
         locations = stores.locations
         state.phase = "starting trainer + vLLM"
-        train_doc = documents.write(train_config(cfg, model, locations), cfg.out / "configs" / "train.json")
-        rollout_doc = documents.write(rollout_config(cfg, locations), cfg.out / "configs" / "rollout.json")
-        trainers = start_trainer(kids, placement, train_doc, cfg.admission.dp_ranks)
-        rollout = kids.start("rollout", placement.rollout.command([sys.executable, "-m", "connectors", "--config",
-                                                                   str(rollout_doc)]), env=placement.rollout.env)
+        train_cfg, rollout_cfg = train_config(cfg, model, locations), rollout_config(cfg, locations)
+        if resumed is not None:
+            docs = resume.prepare(cfg.out, resumed, cfg.admission, locations)
+            train_cfg, rollout_cfg = resume.configs(train_cfg, rollout_cfg, resumed, docs, f"{cfg.policy}-")
+        train_doc = documents.write(train_cfg, cfg.out / "configs" / "train.json")
+        rollout_doc = documents.write(rollout_cfg, cfg.out / "configs" / "rollout.json")
         try:
-            with StoreReader(locations, timeout=5.0) as client:
-                interrupted = _supervise(cfg, kids, stores, (trainers, rollout), client, state, stop, on_update)
+            interrupted = False
+            if train_cfg.max_steps > 0:  # none left: a resume of a run stopped after its last checkpoint
+                trainers = start_trainer(kids, placement, train_doc, cfg.admission.dp_ranks)
+                rollout = kids.start("rollout", placement.rollout.command(
+                    [sys.executable, "-m", "connectors", "--config", str(rollout_doc)]), env=placement.rollout.env)
+                with StoreReader(locations, timeout=5.0) as client:
+                    interrupted = _supervise(cfg, kids, stores, (trainers, rollout), client, state, stop, on_update)
             stores.wait_up()  # every node answers: export their metadata, then stop them (Children.__exit__)
         finally:
             stores.close()
@@ -321,6 +334,7 @@ def run_policy(cfg: RunConfig, model: ModelConfig, *, stop: threading.Event,
             metadata = client.metadata().collect()
             stats = client.stats()
         metadata.write_parquet(cfg.out / "metadata.parquet")
+        resume_figures = resume.finish(cfg.out, metadata)
         (cfg.out / "store_stats.json").write_text(json.dumps({n: s.model_dump(by_alias=True) for n, s in stats.items()},
                                                               indent=1))
     urls = [f"http://{n.advertised_host}:{n.metrics_port}/metrics" for n in stores.nodes if n.metrics_port is not None]
@@ -329,6 +343,7 @@ def run_policy(cfg: RunConfig, model: ModelConfig, *, stop: threading.Event,
         "lookahead_groups": cfg.lookahead_groups}, wall_s=time.time() - t0, metrics_urls=urls,
         outages=[o.to_dict() for o in stores.outages], quotas=quotas)
     result["interrupted"] = interrupted
+    result |= resume_figures
     (cfg.out / "policy_summary.json").write_text(json.dumps(result, indent=1, default=str))
     report.plot_policy(cfg.out, result)
     if interrupted:
@@ -396,6 +411,6 @@ def _supervise(cfg: RunConfig, kids: Children, stores: Stores, workers: tuple[li
     except Interrupted:
         state.phase = "interrupted"
         for t in trainers:
-            kids.stop(t, grace_s=5.0)
+            kids.stop(t, grace_s=30.0)  # it ends the step being taken and checkpoints it
         kids.stop(rollout, grace_s=15.0)  # aborts the groups still running and writes them
         return True

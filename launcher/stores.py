@@ -125,13 +125,15 @@ class Stores:
     def locations(self) -> list[str]:
         return [n.location for n in self.nodes]
 
-    def start(self) -> None:
-        """Start every node on a fresh spill directory and wait until each answers ``health``.
+    def start(self, *, fresh: bool = True) -> None:
+        """Start every node on a fresh spill directory (``fresh=False``: on the one there, as a resume does) and
+        wait until each answers ``health``.
 
         Raises:
             RuntimeError: a node exited, or did not answer within ``start_timeout_s`` (names it, with its log).
         """
-        shutil.rmtree(self._out / "stores", ignore_errors=True)  # the spill logs of an earlier run in this folder
+        if fresh:
+            shutil.rmtree(self._out / "stores", ignore_errors=True)  # the spill logs of an earlier run in this folder
         for i, node in enumerate(self.nodes):
             path = documents.write(node, self._out / "configs" / f"store{i}.json")
             cmd = self._sites[i].command([sys.executable, "-m", "flight_store", "--config", str(path)])

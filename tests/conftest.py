@@ -54,6 +54,7 @@ SLOW: dict[str, str] = {
     "test_lifeline.py": "a launcher process with store nodes, killed; a store node left running",
     "test_flight_sql.py::test_knit_sql_serves_until_sigterm": "a knit sql process",
     "test_flight_sql.py::test_polars_reads_the_gateway_by_uri": "a polars process reading over TLS",
+    "test_resume.py::test_a_run_killed_at_three_points_resumes_and_trains_each_prompt_once": "four starts of knit run",
 }
 """Tests marked ``slow`` here (a module, or one test of it) beside those whose module marks them: processes
 that import torch or Ray, clusters, long runs. ``make test-fast`` leaves them out; ``ray`` tests are slow too."""

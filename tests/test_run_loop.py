@@ -112,11 +112,11 @@ def test_knit_run_quick_loop(model_dir: Path, tmp_path: Path) -> None:
     assert meta.height == rows and meta["node"].n_unique() == 2  # both store nodes held groups
 
 
-def _start_training(out: Path, model_dir: Path, batches: int, *, within_s: float) -> subprocess.Popen[str]:
+def _start_training(out: Path, model_dir: Path, batches: int, *extra: str, within_s: float) -> subprocess.Popen[str]:
     """``knit run`` of ``batches`` train batches into ``out``, returned once its trainer has started training."""
     from launcher.children import child_env
 
-    proc = subprocess.Popen(_cmd(out, model_dir, "--train-batches", str(batches)), cwd=ROOT, env=child_env(),
+    proc = subprocess.Popen(_cmd(out, model_dir, "--train-batches", str(batches), *extra), cwd=ROOT, env=child_env(),
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     deadline = time.monotonic() + within_s
     while time.monotonic() < deadline and not (out / "progress.jsonl").exists() and proc.poll() is None:
@@ -134,7 +134,7 @@ def _start_training(out: Path, model_dir: Path, batches: int, *, within_s: float
 
 def test_ctrl_c_stops_every_process(model_dir: Path, tmp_path: Path) -> None:
     out = tmp_path / "run"
-    proc = _start_training(out, model_dir, 50, within_s=120)
+    proc = _start_training(out, model_dir, 50, "--checkpoint-every", "1000", within_s=120)
     try:
         proc.send_signal(signal.SIGINT)
         output, _ = proc.communicate(timeout=90)
@@ -150,6 +150,10 @@ def test_ctrl_c_stops_every_process(model_dir: Path, tmp_path: Path) -> None:
     assert not _alive_children(out)
     assert (out / "metadata.parquet").exists()  # the stores' metadata was saved before they stopped
     assert json.loads((out / "policy_summary.json").read_text())["interrupted"] is True
+    from train.checkpointing import latest_step
+
+    last = json.loads((out / "progress.jsonl").read_text().splitlines()[-1])
+    assert latest_step(out / "checkpoints") == last["version"]  # the clean stop checkpointed its last step
 
 
 def _retry_window(log: Path, location: str) -> tuple[float, float] | None:

@@ -296,7 +296,8 @@ class ObjectiveConfig:
             raise ValueError(msg)
 
 
-_TEXT_ONLY: tuple[str, ...] = ("publish_weights", "save_dir", "load_dir", "progress_path", "consumed_path")
+_TEXT_ONLY: tuple[str, ...] = ("publish_weights", "save_dir", "load_dir", "progress_path", "consumed_path",
+                               "checkpoint_dir", "trained_path", "resume_path")
 """TrainConfig fields only the text step supports."""
 
 
@@ -363,6 +364,16 @@ class TrainConfig:
     """Rank 0 appends one JSON line per optimizer step here (step, version, loss, staleness of the step, ...)."""
     consumed_path: str | None = None
     """Rank 0 writes the planner's consumed trajectories (keys, step, versions, staleness) here as Parquet."""
+    checkpoint_dir: str | None = None
+    """Resumable checkpoints (model and optimizer, ``train.checkpointing``) go here: every ``checkpoint_every``
+    steps and when the run ends."""
+    checkpoint_every: int = 0
+    """Write a checkpoint after every this many optimizer steps (0: only when the run ends)."""
+    trained_path: str | None = None
+    """Rank 0 appends the groups each step trained and the groups dropped here (``train.trained_log``)."""
+    resume_path: str | None = None
+    """A resume document (``launcher.resume``): the planner's state at the checkpoint of step
+    ``initial_version`` in ``checkpoint_dir``, which is loaded (model and optimizer) before the first step."""
 
     def __post_init__(self) -> None:
         if not self.stores:
@@ -370,6 +381,12 @@ class TrainConfig:
             raise ValueError(msg)
         if self.max_steps < 0:
             msg = f"max_steps must be >= 0, got {self.max_steps}"
+            raise ValueError(msg)
+        if self.checkpoint_every < 0:
+            msg = f"checkpoint_every must be >= 0, got {self.checkpoint_every}"
+            raise ValueError(msg)
+        if self.resume_path is not None and self.checkpoint_dir is None:
+            msg = f"resume_path={self.resume_path!r} needs checkpoint_dir (the checkpoint to resume from)"
             raise ValueError(msg)
         if self.prefetch_depth < 0:
             msg = f"prefetch_depth must be >= 0, got {self.prefetch_depth}"

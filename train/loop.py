@@ -44,6 +44,7 @@ from train.offpolicy import with_token_staleness
 from train.planning import PlannerLike, PlanSource, StepFigures
 
 if TYPE_CHECKING:
+    from train.checkpointing import Checkpointer
     from train.model import Built
 
 if TYPE_CHECKING:
@@ -130,26 +131,36 @@ def run(cfg: TrainConfig, *, planner: PlannerLike | None = None) -> int:
     """
     from admission.planner import Planner
     from flight_store.reading import StoreReader
-    from train import mcore_compat, model
+    from train import checkpointing, mcore_compat, model
     from train.planning import ConsumedLog, with_dp_ranks
+    from train.trained_log import TrainedLog
 
     env = mcore_compat.init_distributed(cfg.parallel, seed=cfg.seed)
     admission = with_dp_ranks(cfg.admission, env["dp_size"])  # every rank checks: none waits on a failed rank 0
     if env["rank"] == 0 and planner is None:
-        planner = Planner(admission)
+        planner = Planner(admission, checkpointing.resume_planner_state(cfg))
     with contextlib.ExitStack() as stack:
         client = stack.enter_context(StoreReader.from_config(cfg.stores, cfg.client))
         kind = _build_step(cfg, env, client)
         stack.callback(kind.close)
+        if cfg.resume_path and cfg.checkpoint_dir and cfg.initial_version > 0:  # 0: no checkpoint, the seeded init
+            checkpointing.load(kind.built, cfg.checkpoint_dir, cfg.initial_version)
+        trained = (stack.enter_context(contextlib.closing(TrainedLog(cfg.trained_path,
+                                                                     quota_columns=admission.quota_columns)))
+                   if cfg.trained_path and env["rank"] == 0 else None)
         report = stack.enter_context(RankReport(cfg.report_path, env)) if cfg.report_path else None
         source = None
         if env["rank"] == 0 and planner is not None:
             source = PlanSource(client, planner, supply_from_stores=cfg.supply_from_stores,
                                 consumed_log=stack.enter_context(ConsumedLog(cfg.consumed_path)))
+            source.on_settled = trained.settled if trained is not None else None
+        durable = checkpointing.Checkpointer(cfg, kind.built, trained)
+        if source is not None:
+            source.stop_requested = durable.stop_requested
         log.info("rank %d ready: %s", env["rank"], env)
         if cfg.publish_weights:  # the rollout starts from the trainer's weights (version initial_version)
             publish_weights(kind.built, client, cfg.initial_version, env, dtype=cfg.publish_dtype)
-        steps = _train(cfg, env, kind, client, source, report)
+        steps = _train(cfg, env, kind, client, source, report, durable)
         if cfg.save_dir:
             model.save_checkpoint(kind.built.gpt, cfg.save_dir)
     mcore_compat.shutdown()
@@ -167,7 +178,7 @@ def _build_step(cfg: TrainConfig, env: dict[str, int], client: StoreReader) -> S
 
 
 def _train(cfg: TrainConfig, env: dict[str, int], kind: Step, client: StoreReader, source: PlanSource | None,
-           report: RankReport | None) -> int:
+           report: RankReport | None, durable: Checkpointer) -> int:
     """The loop: plan (rank 0, broadcast), submit fetches, step, publish the version, release the groups."""
 
     def record(step: StepRecord) -> None:
@@ -178,13 +189,13 @@ def _train(cfg: TrainConfig, env: dict[str, int], kind: Step, client: StoreReade
 
     publisher = Publisher(client, record)
     try:
-        return _steps(cfg, env, kind, source, report is not None, publisher, record)
+        return _steps(cfg, env, kind, source, report is not None, publisher, record, durable)
     finally:
         publisher.close()
 
 
 def _steps(cfg: TrainConfig, env: dict[str, int], kind: Step, source: PlanSource | None, reported: bool,
-           publisher: Publisher, record: Callable[[StepRecord], None]) -> int:
+           publisher: Publisher, record: Callable[[StepRecord], None], durable: Checkpointer) -> int:
     from train.planning import exchange_plans
 
     queue: deque[MiniBatchPlan] = deque()
@@ -210,6 +221,8 @@ def _steps(cfg: TrainConfig, env: dict[str, int], kind: Step, source: PlanSource
                             for m in plan.for_rank(env["dp_rank"]).micro_batches for s in m.slices)
         metrics = with_token_staleness(kind.step(plan, consumed), version)  # the step trained `version`
         version += 1
+        durable.after_step(plan.step, version, plan.group_ids, metrics)  # what it trained, then the checkpoint if due
+        stop = durable.stopping()  # SIGTERM: a clean stop after this step (finish() checkpoints it)
         t_pub = time.perf_counter()
         # the weights are encoded here (a copy the next step cannot change; a collective on every rank), then
         # rank 0's publisher stores them, publishes the version and releases the groups while the next step runs
@@ -223,7 +236,10 @@ def _steps(cfg: TrainConfig, env: dict[str, int], kind: Step, source: PlanSource
             publisher.submit(table, plan.group_ids, taken, t_pub)
         else:
             record(taken.published(time.perf_counter() - t_pub))
+        if stop:
+            break
     publisher.drain()
+    durable.finish(version)
     if queue:
         log.warning("rank %d stops with %d planned mini-batches unconsumed", env["rank"], len(queue))
     if source is not None:

@@ -22,7 +22,7 @@ import logging
 import os
 import time
 from collections import Counter
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Any, Protocol
 
 import polars as pl
@@ -114,6 +114,10 @@ class PlanSource:
         """Groups admitted so far."""
         self.dropped: Counter[str] = Counter()
         """Groups dropped so far, per reason."""
+        self.on_settled: Callable[[pl.DataFrame, pl.DataFrame], None] | None = None
+        """Called with each update's consumed rows and dropped groups, before the dropped ones are released."""
+        self.stop_requested: Callable[[], bool] = lambda: False
+        """Whether the trainer was asked to stop: :meth:`wait` returns at once then."""
 
     @property
     def planner(self) -> PlannerLike:
@@ -195,6 +199,8 @@ class PlanSource:
         cursor returns each row once, so those rows never come back.
         """
         consumed, dropped = self._planner.drain()
+        if self.on_settled is not None:
+            self.on_settled(consumed, dropped)
         self.consumed_log.append(consumed)
         self.admitted_groups += consumed["group_id"].n_unique()
         if dropped.height:
@@ -216,7 +222,7 @@ class PlanSource:
         deadline = time.monotonic() + idle_timeout_s
         while True:
             plans = self.poll(current_version)
-            if plans or time.monotonic() >= deadline:
+            if plans or time.monotonic() >= deadline or self.stop_requested():
                 return plans
             time.sleep(poll_interval_s)
 

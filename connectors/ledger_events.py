@@ -1,0 +1,82 @@
+"""The rollout's side of the prompt ledger: its event log, and taking a stopped run's prompt stream up again.
+
+:class:`RolloutEvents` appends one line per prompt drawn and per group dispatched to the engine
+(``schemas.ledger`` says the lines), flushed at once and written before the engine gets the group, so a
+group a store holds always has its dispatch line. :func:`resume_stream` takes a stopped run up again from a
+``RolloutResume`` document: the prompt stream (deterministic: the seeded mix, or a prompts file) goes on after
+the prompts the earlier lives drew, and the prompts the document names come back as new attempts, first.
+
+Example:
+    >>> from connectors.tasks import Prompt
+    >>> stream = iter([Prompt("a", str(i)) for i in range(5)])
+    >>> doc = RolloutResume(life=1, drawn=3, reissue=[Reissue(index=1, prompt_id="p1", attempt=1,
+    ...                                                           reason="interrupted")])
+    >>> rest, again = resume_stream(stream, doc)
+    >>> [p.text for _, p in again], next(rest).text
+    (['1'], '3')
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Iterator
+
+from connectors.dispatch import Drawn
+from connectors.tasks import Prompt
+from schemas.ledger import Reissue, RolloutResume
+
+__all__ = ["RolloutEvents", "resume_stream"]
+
+
+class RolloutEvents:
+    """The rollout's ledger events, appended to ``path`` (None: nothing is written)."""
+
+    def __init__(self, path: str | None) -> None:
+        self._file = None
+        if path is not None:
+            os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+            self._file = open(path, "a")  # noqa: SIM115 - open for the worker's life, closed by close()
+
+    def drawn(self, drawn: Drawn) -> None:
+        """A prompt was drawn from the stream (it has a place and a first group id)."""
+        self._write({"kind": "draw", "index": drawn.index, "prompt_id": drawn.prompt_id, "group_id": drawn.group_id})
+
+    def dispatched(self, drawn: Drawn, version: int) -> None:
+        """A group of a prompt goes to the engine now, generated from ``version``'s weights."""
+        self._write({"kind": "dispatch", "index": drawn.index, "prompt_id": drawn.prompt_id, "attempt": drawn.attempt,
+                     "group_id": drawn.group_id, "version": version, "reason": drawn.reason})
+
+    def _write(self, event: dict[str, object]) -> None:
+        if self._file is not None:
+            self._file.write(json.dumps(event) + "\n")
+            self._file.flush()
+
+    def close(self) -> None:
+        if self._file is not None:
+            self._file.close()
+            self._file = None
+
+
+def resume_stream(prompts: Iterator[Prompt], doc: RolloutResume) -> tuple[Iterator[Prompt], list[tuple[Reissue,
+                                                                                                           Prompt]]]:
+    """The prompt stream after the ``doc.drawn`` prompts drawn before, and the prompts ``doc`` re-issues.
+
+    Raises:
+        ValueError: the stream ends before ``doc.drawn`` prompts (another stream than the run's), or a re-issued
+            index is not among those drawn.
+    """
+    wanted = {r.index: r for r in doc.reissue}
+    if any(i >= doc.drawn for i in wanted):
+        msg = f"resume document re-issues prompt indices {sorted(i for i in wanted if i >= doc.drawn)} " \
+              f"beyond the {doc.drawn} drawn"
+        raise ValueError(msg)
+    again: list[tuple[Reissue, Prompt]] = []
+    for index in range(doc.drawn):
+        prompt = next(prompts, None)
+        if prompt is None:
+            msg = f"the prompt stream ended after {index} prompts; the run being resumed drew {doc.drawn}"
+            raise ValueError(msg)
+        if index in wanted:
+            again.append((wanted[index], prompt))
+    return prompts, again

@@ -1,0 +1,321 @@
+"""``knit run --resume RUN_DIR``: take a stopped run up again from what it left on disk.
+
+What survives a stop at any point (Ctrl-C, or SIGKILL of every process): the stores' spill logs (every
+acknowledged group, release and version), the trainer's checkpoints (``checkpoints/step<N>``, ``latest``),
+and the event logs (``events/``, ``launcher.ledger``). A resume, in order:
+
+1. :func:`begin`: the checkpoint to restore (step ``S``; none: step 0, the seeded initial weights) and the
+   life number; the earlier lives' per-step files are cut back to the steps ``< S`` the restored weights have
+   seen and kept in ``history/`` (:func:`salvage`), ``progress.jsonl`` in place;
+2. the stores start on their spill logs (not cleared);
+3. :func:`prepare`: ``resume`` lines appended to both event logs; every prompt the run drew is settled from the
+   logs and the stores' metadata. A group trained by a surviving step (``< S``) is done. A group trained by a
+   step ``>= S`` is *rolled back*: the restored weights never saw it, its payload was released, so it is
+   released (again) and its prompt dispatched again. A group the stores hold with every sample completed and
+   not trained is kept: the planner admits it in the new life (it is never regenerated). A group stored
+   aborted, or never written (in the engine, or queued, when the run stopped), has its prompt dispatched
+   again. The new attempts go out under the policy version current at resume, so their
+   ``policy_version_min`` and staleness are those of the new generation. A group the planner dropped for
+   another reason (a filter) stays dropped. The planner starts from the checkpoint's train batch and position,
+   the quota use of the steps of that train batch before ``S``, and every settled group marked admitted or
+   dropped;
+4. the trainer loads the checkpoint and trains the steps left; the rollout goes on after the prompts drawn;
+5. :func:`merge`: at the end, ``history/`` and the new life's files become the run's files again, one
+   continuous run with a seam at each resume (``resumes.jsonl``).
+
+The rule for steps after the last checkpoint keeps "each prompt trained once in the weights that survive":
+their groups are rolled back and their prompts trained again. With ``--checkpoint-every 1`` (``knit run``'s
+default) a checkpoint is written before each step's weights are published, so a resume rolls back at most
+the step being taken. With ``N > 1`` the stores keep the newest version published by the lost steps (a
+version never moves back): until the resumed trainer publishes a newer one, the rollout generates with
+those weights, labelled with their version.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import json
+import shutil
+import time
+from collections import Counter
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import polars as pl
+import pyarrow as pa
+
+from admission.config import AdmissionConfig
+from admission.state import PlannerState
+from connectors.config import RolloutConfig
+from flight_store.reading import StoreReader
+from launcher.ledger import EVENTS, ROLLOUT_EVENTS, TRAINED_EVENTS, History, group_status, read_history
+from schemas.ledger import Reissue, RolloutResume, TrainerResume, append_event, read_events
+from train.checkpointing import latest_step
+from train.config import TrainConfig
+
+CHECKPOINTS = "checkpoints"
+"""The run folder's checkpoint folder."""
+HISTORY = "history"
+"""The run folder's per-step files of earlier lives, cut back to the surviving steps."""
+RESUMES = "resumes.jsonl"
+"""One line per resume: life, step, when it was launched, what it re-issued (the report's seams)."""
+
+
+@dataclass(frozen=True, slots=True)
+class Resumption:
+    """A resume about to start."""
+
+    life: int
+    """Which start of the run this is (1 = the first resume)."""
+    step: int
+    """The checkpoint's step (0: none, the seeded initial weights)."""
+    launched_at: float
+    """Unix time the resume was launched."""
+
+
+def fresh(out: Path) -> None:
+    """Clear what an earlier run in ``out`` left that a new run must not take for its own."""
+    for name in ("progress.jsonl", "consumed.parquet", "consumed.parquet.arrows", "rollout.json", RESUMES,
+                 "ledger.parquet"):
+        (out / name).unlink(missing_ok=True)
+    for p in out.glob("trainer_rank*.json*"):
+        p.unlink()
+    for folder in (EVENTS, CHECKPOINTS, HISTORY, "resume"):
+        shutil.rmtree(out / folder, ignore_errors=True)
+
+
+def begin(out: Path) -> Resumption:
+    """The life and checkpoint of a resume of ``out``; salvages the earlier lives' per-step files.
+
+    Raises:
+        FileNotFoundError: ``out`` holds no run (no ``run_config.json``).
+    """
+    if not (out / "run_config.json").is_file():
+        msg = f"{out} holds no knit run to resume (no run_config.json)"
+        raise FileNotFoundError(msg)
+    life = sum(1 for e in read_events(out / EVENTS / TRAINED_EVENTS) if e["kind"] == "resume") + 1
+    res = Resumption(life=life, step=latest_step(out / CHECKPOINTS) or 0, launched_at=time.time())
+    salvage(out, res.step)
+    return res
+
+
+def prepare(out: Path, res: Resumption, admission: AdmissionConfig, locations: list[str]) -> tuple[Path, Path]:
+    """Settle every prompt drawn (see the module), release what must not be planned, and write the two resume
+    documents; returns (trainer's, rollout's) paths."""
+    for name in (TRAINED_EVENTS, ROLLOUT_EVENTS):
+        (out / EVENTS).mkdir(parents=True, exist_ok=True)
+        append_event(out / EVENTS / name, {"kind": "resume", "life": res.life, "step": res.step})
+    h = read_history(out)
+    with StoreReader(locations, timeout=30.0, retries=20) as client:
+        status = group_status(client.metadata().collect())
+        reissue, keep = settle(h, status)
+        stale = sorted(h.rolled_back | set(h.dropped))
+        if stale:
+            client.release(stale, partial=True)  # never planned again: free their payload and lookahead
+    planner = planner_state(h, res.step, admission, stale)
+    folder = out / "resume"
+    folder.mkdir(exist_ok=True)
+    trainer = folder / f"trainer.life{res.life}.json"
+    trainer.write_text(TrainerResume(life=res.life, step=res.step, planner=planner.to_dict()).model_dump_json())
+    rollout = folder / f"rollout.life{res.life}.json"
+    rollout.write_text(RolloutResume(life=res.life, drawn=h.drawn, reissue=reissue).model_dump_json())
+    append_event(out / RESUMES, {"life": res.life, "step": res.step, "launched_at": res.launched_at,
+                                 "prompts_drawn": h.drawn, "groups_kept": keep,
+                                 "rolled_back": len(h.rolled_back),
+                                 "reissued": dict(Counter(r.reason for r in reissue))})
+    return trainer, rollout
+
+
+def settle(h: History, status: dict[str, bool]) -> tuple[list[Reissue], int]:
+    """The prompts to dispatch again (in stream order) and the number of stored groups kept for the planner."""
+    attempts: dict[str, list[dict[str, Any]]] = {}
+    for d in h.dispatches:
+        attempts.setdefault(d["prompt_id"], []).append(d)
+    reissue: list[Reissue] = []
+    kept = 0
+    for pid, (index, first) in sorted(h.draws.items(), key=lambda kv: kv[1][0]):
+        tries = attempts.get(pid, [])
+        if any(d["group_id"] in h.trained for d in tries):
+            continue
+        latest = tries[-1]["group_id"] if tries else first
+        if latest in h.rolled_back:
+            reason = "rolled_back"
+        elif h.dropped.get(latest, "aborted") != "aborted":
+            continue  # dropped by a filter: the prompt's answer, not a loss
+        elif status.get(latest):
+            kept += 1
+            continue
+        else:
+            reason = "aborted" if latest in status else "interrupted"
+        reissue.append(Reissue(index=index, prompt_id=pid, attempt=len(tries), reason=reason))
+    return reissue, kept
+
+
+def planner_state(h: History, step: int, admission: AdmissionConfig, dropped: list[str]) -> PlannerState:
+    """The planner's state at the checkpoint of ``step``: its train batch and position, the quota use of the
+    surviving steps of that train batch, the trained groups admitted, ``dropped`` dropped."""
+    k = admission.mini_batches
+    t, position = divmod(step, k)
+    used: Counter[tuple[str, str]] = Counter()
+    for gid, s in h.trained.items():
+        if s >= t * k:
+            used.update(h.quotas.get(gid, {}).items())
+    return PlannerState(train_batch=t, position=position, admitted=frozenset(h.trained), dropped=frozenset(dropped),
+                        quota_used=tuple(sorted((c, v, n) for (c, v), n in used.items())))
+
+
+# ---- the per-step files: cut back at a resume, joined at the end ------------------------------------------
+
+
+def salvage(out: Path, step: int) -> None:
+    """Move the earlier lives' per-step records of the steps ``< step`` to ``history/`` (and cut
+    ``progress.jsonl`` back to them): consumed trajectories (the Parquet file or the stream a kill left),
+    trainer rank reports (whole or the side files a kill left). A surviving step whose publish a kill cut short
+    has no progress line and no rank 0 record (both are written once it is published): they are rebuilt from
+    the trained log's step event and the consumed trajectories (:func:`_recover`)."""
+    hist = out / HISTORY
+    hist.mkdir(exist_ok=True)
+    frames = [f for f in (_read_parquet(hist / "consumed.parquet"), _read_parquet(out / "consumed.parquet"),
+                          _read_stream(out / "consumed.parquet.arrows")) if f is not None]
+    consumed = pl.concat(frames, how="diagonal_relaxed").filter(pl.col("step") < step) if frames else None
+    if consumed is not None:
+        consumed.write_parquet(hist / "consumed.parquet")
+    events = {s: e for s, e in read_history(out).steps.items() if s < step}
+    progress = out / "progress.jsonl"
+    kept = [json.loads(ln) for ln in progress.read_text().splitlines(keepends=True)
+            if ln.endswith("\n")] if progress.exists() else []
+    kept = [ln for ln in kept if ln["step"] < step]
+    have = {ln["step"] for ln in kept}
+    kept += [_recover(e, consumed)[0] for s, e in events.items() if s not in have]
+    progress.write_text("".join(json.dumps(ln) + "\n" for ln in sorted(kept, key=lambda ln: ln["step"])))
+    for rank_doc in sorted({p.name.split(".json")[0] for p in out.glob("trainer_rank*.json*")}):
+        doc = _rank_doc(out, rank_doc, hist)
+        doc["steps"] = [s for s in doc["steps"] if s["step"] < step]
+        doc["consumed"] = [c for c in doc["consumed"] if c[1] < step]
+        if rank_doc == "trainer_rank0":
+            have = {s["step"] for s in doc["steps"]}
+            for s, e in events.items():
+                if s not in have:
+                    _, record, rows = _recover(e, consumed)
+                    doc["steps"].append(record)
+                    doc["consumed"] += rows
+            doc["steps"].sort(key=lambda s: s["step"])
+        (hist / f"{rank_doc}.json").write_text(json.dumps(doc))
+        for p in out.glob(f"{rank_doc}.json*"):
+            p.unlink()
+    for p in (out / "consumed.parquet", out / "consumed.parquet.arrows", out / "rollout.json"):
+        p.unlink(missing_ok=True)
+
+
+def _recover(event: dict[str, Any], consumed: pl.DataFrame | None) -> tuple[dict[str, Any], dict[str, Any],
+                                                                             list[list[Any]]]:
+    """A step's progress line, rank 0's record and rank 0's received rows, from its trained-log event and the
+    consumed trajectories (what the planner admitted into it; the step trained exactly those)."""
+    m, step = event["metrics"], int(event["step"])
+    rows = consumed.filter(pl.col("step") == step) if consumed is not None else pl.DataFrame()
+    record = {**m, "version": event["version"], "plan_wait_s": 0.0, "t_end": event["t_end"]}
+    line = {"step": step, "train_batch": m["train_batch"], "position": m["position"], "version": event["version"],
+            "loss": m["loss"], "rows": m["rows"], "abs_logp_diff": m["abs_logp_diff"], "plan_wait_s": 0.0,
+            "step_time_s": m["step_time_s"], "t_end": event["t_end"],
+            "admitted_groups": consumed.filter(pl.col("step") <= step)["group_id"].n_unique()
+            if consumed is not None else 0}
+    if rows.height:
+        line |= {"arch_staleness_mean": rows["arch_staleness"].mean(),
+                 "arch_staleness_max": rows["arch_staleness"].max(), "reward_mean": rows["reward"].mean()}
+        rank0 = rows.filter(pl.col("dp_rank") == 0)
+        received = [["row", step, g, i] for g, i in zip(rank0["group_id"], rank0["sample_idx"], strict=True)]
+    else:
+        received = []
+    return line, record, received
+
+
+def _rank_doc(out: Path, name: str, hist: Path) -> dict[str, Any]:
+    """A rank's report of the earlier lives: ``history/`` plus the last life's document or side files."""
+    doc: dict[str, Any] = {"env": {}, "steps": [], "consumed": []}
+    if (hist / f"{name}.json").exists():
+        doc = json.loads((hist / f"{name}.json").read_text())
+    whole = out / f"{name}.json"
+    if whole.exists():
+        last = json.loads(whole.read_text())
+        doc["env"] = last["env"]
+        doc["steps"] += last["steps"]
+        doc["consumed"] += last["consumed"]
+    for part in ("steps", "consumed"):
+        side = out / f"{name}.json.{part}.jsonl"
+        if side.exists():
+            doc[part] += [json.loads(ln) for ln in side.read_text().splitlines(keepends=True) if ln.endswith("\n")]
+    return doc
+
+
+def _read_parquet(path: Path) -> pl.DataFrame | None:
+    return pl.read_parquet(path) if path.exists() else None
+
+
+def _read_stream(path: Path) -> pl.DataFrame | None:
+    """The whole record batches of an Arrow IPC stream a kill cut short."""
+    if not path.exists() or path.stat().st_size == 0:
+        return None
+    batches = []
+    with contextlib.suppress(pa.ArrowInvalid, OSError), pa.ipc.open_stream(str(path)) as reader:
+        for batch in reader:
+            batches.append(batch)
+    return pl.from_arrow(pa.Table.from_batches(batches)) if batches else None  # type: ignore[return-value]
+
+
+def merge(out: Path) -> None:
+    """Join ``history/`` and the last life's per-step files into the run's files (a run never resumed: nothing)."""
+    hist = out / HISTORY
+    if not hist.is_dir():
+        return
+    for old in hist.glob("trainer_rank*.json"):
+        doc = json.loads(old.read_text())
+        new = out / old.name
+        if new.exists():
+            last = json.loads(new.read_text())
+            doc = {"env": last["env"] or doc["env"], "steps": doc["steps"] + last["steps"],
+                   "consumed": doc["consumed"] + last["consumed"]}
+        new.write_text(json.dumps(doc))
+        old.unlink()  # the run's file holds it now
+    frames = [f for f in (_read_parquet(hist / "consumed.parquet"), _read_parquet(out / "consumed.parquet"))
+              if f is not None]
+    if frames:
+        pl.concat(frames, how="diagonal_relaxed").sort("step").write_parquet(out / "consumed.parquet")
+    (hist / "consumed.parquet").unlink(missing_ok=True)
+
+
+def configs(train: TrainConfig, rollout: RolloutConfig, res: Resumption, docs: tuple[Path, Path],
+            prefix: str) -> tuple[TrainConfig, RolloutConfig]:
+    """The resumed life's trainer and rollout configs: from the checkpoint's step, the steps left, the resume
+    documents; the rollout's group ids get the life in their prefix (a group id is never written twice)."""
+    trainer, rollout_doc = docs
+    return (dataclasses.replace(train, initial_version=res.step, max_steps=train.max_steps - res.step,
+                                resume_path=str(trainer)),
+            dataclasses.replace(rollout, resume_path=str(rollout_doc), group_id_prefix=f"{prefix}L{res.life}-"))
+
+
+def finish(out: Path, metadata: pl.DataFrame) -> dict[str, Any]:
+    """At the end of a life: the run's files joined (:func:`merge`), ``ledger.parquet`` written; returns the
+    summary's ledger, resume and checkpoint figures."""
+    from launcher import ledger
+
+    merge(out)
+    table = ledger.build(out, metadata)
+    table.write_parquet(out / "ledger.parquet")
+    cost = [s for _, s in read_history(out).checkpoints]
+    return {"ledger": ledger.figures(table), "resumes": resumes(out),
+            "checkpoint_s": {"count": len(cost), "median": round(sorted(cost)[len(cost) // 2], 4) if cost else None,
+                             "max": round(max(cost), 4) if cost else None}}
+
+
+def resumes(out: Path) -> list[dict[str, Any]]:
+    """The resumes of the run folder ``out`` with the seconds each took from launch to its first step."""
+    lines = list(read_events(out / RESUMES))
+    progress = out / "progress.jsonl"
+    steps = [json.loads(ln) for ln in progress.read_text().splitlines()] if progress.exists() else []
+    for i, r in enumerate(lines):  # a life's first step: before the next resume was launched
+        end = lines[i + 1]["launched_at"] if i + 1 < len(lines) else float("inf")
+        first = next((s for s in steps if r["launched_at"] < s["t_end"] < end), None)
+        r["first_step_s"] = round(first["t_end"] - r["launched_at"], 2) if first else None
+    return lines
