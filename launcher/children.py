@@ -134,9 +134,8 @@ class Children:
             self._keeper = lifeline.Keeper(env=child_env(), cwd=ROOT)
             me = {"pid": os.getpid(), "start_time": lifeline.start_time(os.getpid()), "keeper": self._keeper.pid}
             (self.log_dir / "launcher.json").write_text(json.dumps(me))
-        proc = subprocess.Popen(cmd, cwd=ROOT, env=child_env() | env, stdout=fh, stderr=subprocess.STDOUT,
-                                stdin=subprocess.DEVNULL, start_new_session=True,
-                                preexec_fn=lifeline.die_with_parent())
+        proc = lifeline.popen(cmd, cwd=ROOT, env=child_env() | env, stdout=fh, stderr=subprocess.STDOUT,
+                              stdin=subprocess.DEVNULL, start_new_session=True)
         self._keeper.watch(proc.pid)
         log.info("started %s (pid %d, restart %d): %s", name, proc.pid, restarts, " ".join(cmd))
         return Child(name=name, cmd=list(cmd), proc=proc, log_path=path, log_file=fh, restarts=restarts, env=env,

@@ -56,7 +56,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from launcher.lifeline import die_with_parent
+from launcher import lifeline
 from launcher.placement import Site
 
 log = logging.getLogger(__name__)
@@ -201,7 +201,7 @@ class Host:
 
     def popen(self, cmd: Sequence[str], **kwargs: Any) -> subprocess.Popen[Any]:
         """Start ``cmd`` inside this host in its own session (its pgid is its pid); stopped at teardown, and
-        SIGKILLed by the kernel if this process dies first (``launcher.lifeline.die_with_parent``).
+        SIGKILLed by the kernel if this process dies first (``launcher.lifeline.popen``).
 
         Keyword arguments go to ``subprocess.Popen`` (``start_new_session`` is always on).
         """
@@ -411,8 +411,7 @@ class Hosts:
             msg = f"{host} was torn down: cannot start {cmd}"
             raise RuntimeError(msg)
         kwargs["start_new_session"] = True
-        kwargs.setdefault("preexec_fn", die_with_parent())  # ``ip netns exec`` execs: the signal stays with cmd
-        proc = subprocess.Popen(cmd, **kwargs)
+        proc = lifeline.popen(cmd, **kwargs)  # the parent-death signal: ``ip netns exec`` execs, it stays with cmd
         self._procs.append(proc)
         return proc
 

@@ -4,7 +4,8 @@ A launcher killed without its cleanup (SIGKILL, the OOM killer) leaves its child
 ports and spill directories. Three layers end them, each for what the one before cannot reach:
 
 * :func:`die_with_parent`: a ``preexec_fn`` that asks the kernel (``prctl(PR_SET_PDEATHSIG)``) to SIGKILL the
-  child when the launcher's thread that started it ends. It survives ``exec``, so a child started through a
+  child when the thread that started it ends (:func:`popen` starts children on a thread that lives as long as
+  the process). It survives ``exec``, so a child started through a
   prefix that execs (``ip netns exec`` on a namespace host) is covered too. Linux only (elsewhere: none).
 * :class:`Keeper`: one small process per launcher (``python -m launcher.lifeline``) that reads a pipe only
   the launcher writes. The launcher tells it each child's process group as it starts and forgets it as it
@@ -22,6 +23,7 @@ checked (a pid the kernel gave to another process since is left alone).
 
 from __future__ import annotations
 
+import concurrent.futures
 import contextlib
 import ctypes
 import itertools
@@ -31,13 +33,15 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 PR_SET_PDEATHSIG = 1
 """``prctl`` option: the signal a process gets when its parent (the thread that forked it) ends."""
@@ -74,6 +78,33 @@ def die_with_parent(sig: int = signal.SIGKILL) -> Callable[[], None] | None:
             os.kill(os.getpid(), sig)
 
     return preexec
+
+
+class _Spawner:
+    """One daemon thread per process that forks every child :func:`popen` starts: the parent-death signal follows
+    the thread that forked, and this one ends only with the process (a child a short-lived thread started, a
+    restart from a supervising thread say, would otherwise be killed when that thread ends)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._pool: concurrent.futures.ThreadPoolExecutor | None = None
+
+    def run(self, fn: Callable[[], T]) -> T:
+        with self._lock:
+            if self._pool is None:
+                self._pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="knit-spawner")
+            pool = self._pool
+        return pool.submit(fn).result()
+
+
+_SPAWNER = _Spawner()
+
+
+def popen(cmd: Sequence[str], **kwargs: Any) -> subprocess.Popen[Any]:
+    """``subprocess.Popen(cmd, **kwargs)`` under :func:`die_with_parent` (unless ``kwargs`` names another
+    ``preexec_fn``), forked on the process's spawner thread so that only the process's death sends the signal."""
+    kwargs.setdefault("preexec_fn", die_with_parent())
+    return _SPAWNER.run(lambda: subprocess.Popen(cmd, **kwargs))
 
 
 def start_time(pid: int) -> int | None:

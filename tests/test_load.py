@@ -1,6 +1,7 @@
 """Load and backpressure: 64 writers x 100 groups against 2 node processes whose budget is smaller than the data.
 
-Writers meet the retryable BudgetExceededError and retry with backoff; a consumer thread scans, fetches and
+Writers meet the retryable BudgetExceededError (and, as 64 threads of one process share a connection, the
+per-connection share of the writer slots: TooManyPeerWritersError) and retry with backoff; a consumer thread scans, fetches and
 releases; every group is consumed exactly once; each node's peak RSS growth stays within budget + 20%.
 
 RSS check: ``VmHWM`` (peak resident set) minus the node's idle ``VmRSS`` (both from ``/proc/PID/status``)
@@ -34,7 +35,7 @@ import pyarrow as pa
 import pytest
 
 from flight_store.config import ServerConfig, StoreConfig
-from flight_store.errors import BudgetExceededError
+from flight_store.errors import BudgetExceededError, TooManyPeerWritersError
 from flight_store.reading import StoreReader
 from flight_store.writing import StoreWriter
 from schemas.plan import PlannedSlice
@@ -126,7 +127,7 @@ def test_64_writers_budget_backpressure_nothing_dropped_rss_bounded(make_group, 
                         try:
                             client.put_group(table, group_id=gid)
                             break
-                        except BudgetExceededError:
+                        except (BudgetExceededError, TooManyPeerWritersError):
                             retries[w] += 1
                             pushed_back.set()
                             time.sleep(delay * (0.5 + rng.random()))

@@ -226,13 +226,18 @@ class Checkpointer:
 
 def _start_writer() -> None:
     """Start the process Megatron's dist checkpointing writes through (once per process; about 5 s on a loaded
-    CPU), so the first checkpoint does not wait for it."""
+    CPU), so the first checkpoint does not wait for it.
+
+    It starts with SIGTERM blocked (a blocked mask is inherited across fork and exec): a clean stop signals the
+    trainer's whole process group, and the checkpoint that stop writes goes through this process, so it must
+    outlive the SIGTERM (the launcher's SIGKILL of the group's stragglers ends it afterwards)."""
     try:
         from megatron.core.dist_checkpointing.strategies import filesystem_async
     except ImportError:  # pragma: no cover - depends on the megatron-core version
         return
     start = getattr(filesystem_async, "_get_write_results_queue", None)
     if start is not None:
+        signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})  # this thread only: it ends after the start
         start()
 
 
