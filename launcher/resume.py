@@ -23,6 +23,11 @@ and the event logs (``events/``, ``launcher.ledger``). A resume, in order:
 5. :func:`merge`: at the end, ``history/`` and the new life's files become the run's files again, one
    continuous run with a seam at each resume (``resumes.jsonl``).
 
+``knit run`` does the same within one launcher when a store node is lost for good or its rollout dies
+(``launcher.run``, ``cause``): the groups written to a lost node (:func:`note_lost`) and not trained go out again
+as ``node_lost``, the prompts a dead rollout held as ``rollout_lost``; an attempt superseded by a later one is
+released and never planned.
+
 The rule for steps after the last checkpoint keeps "each prompt trained once in the weights that survive":
 their groups are rolled back and their prompts trained again. With ``--checkpoint-every 1`` (``knit run``'s
 default) a checkpoint is written before each step's weights are published, so a resume rolls back at most

@@ -7,7 +7,9 @@ its config as a validated document (``schemas.documents``), never as re-typed ar
    ``/metrics`` and a spill log in ``stores/node{i}``); a node whose process dies is started again on
    the same port and spill log (:class:`Stores`), replays its log and comes back with every
    acknowledged group, while the trainer and the rollout retry their calls; the report lists each
-   outage;
+   outage. A node that cannot be brought back is lost for good: the driver stops the trainer and the rollout
+   and takes the run up again from the last checkpoint on the nodes left (``launcher.resume``), its groups not
+   trained regenerated (``node_lost``); a rollout process that dies is handled the same way (``rollout_lost``);
 2. a Megatron-core trainer (``python -m train --config train.json --nproc D``; gloo on CPU), whose
    rank 0 plans with ``admission.Planner`` (``mini_batch`` by default, ``train_batch`` as the
    baseline), publishes its starting weights as version 0 and the weights of every new version, and
@@ -344,6 +346,7 @@ def run_policy(cfg: RunConfig, model: ModelConfig, *, stop: threading.Event,
                             resume.note_lost(cfg.out, o.node, o.location)
                             noted.add(o.node)
                     resumed = resume.begin(cfg.out)
+                    state.steps.clear()  # progress.jsonl is cut back to the steps the checkpoint holds: read it again
             stores.wait_up()  # every node not lost answers: export their metadata, then stop them (Children.__exit__)
         finally:
             stores.close()
@@ -384,23 +387,25 @@ def _life(cfg: RunConfig, model: ModelConfig, kids: Children, stores: Stores, pl
     rollout_doc = documents.write(rollout_cfg, cfg.out / "configs" / "rollout.json")
     if train_cfg.max_steps <= 0:  # none left: a resume of a run stopped after its last checkpoint
         return False
-    trainers = start_trainer(kids, placement, train_doc, cfg.admission.dp_ranks)
+    again = resumed is not None  # the logs of the earlier lives stay, the new one after them
+    trainers = start_trainer(kids, placement, train_doc, cfg.admission.dp_ranks, append=again)
     rollout = kids.start("rollout", placement.rollout.command(
-        [sys.executable, "-m", "connectors", "--config", str(rollout_doc)]), env=placement.rollout.env)
+        [sys.executable, "-m", "connectors", "--config", str(rollout_doc)]), env=placement.rollout.env, append=again)
     with StoreReader(locations, timeout=5.0) as client:
         return _supervise(cfg, kids, stores, (trainers, rollout), client, state, stop, on_update)
 
 
-def start_trainer(kids: Children, placement: Placement, doc: Path, dp_ranks: int) -> list[Child]:
+def start_trainer(kids: Children, placement: Placement, doc: Path, dp_ranks: int, *,
+                  append: bool = False) -> list[Child]:
     """Start the trainer: one process of ``dp_ranks`` local ranks at its site (``trainer``), or one process per
     rank at the rank's site (``trainer{r}``, joined over torch.distributed at ``trainer[0]``'s address)."""
     cmd = [sys.executable, "-m", "train", "--config", str(doc)]
     if not placement.ranks_apart:
         site = placement.trainer[0]
-        return [kids.start("trainer", site.command([*cmd, "--nproc", str(dp_ranks)]), env=site.env)]
+        return [kids.start("trainer", site.command([*cmd, "--nproc", str(dp_ranks)]), env=site.env, append=append)]
     rendezvous = {"WORLD_SIZE": str(dp_ranks), "LOCAL_WORLD_SIZE": "1", "LOCAL_RANK": "0",
                   "MASTER_ADDR": placement.trainer[0].address, "MASTER_PORT": str(placement.master_port)}
-    return [kids.start(f"trainer{r}", site.command(cmd), env=site.env | rendezvous | {"RANK": str(r)})
+    return [kids.start(f"trainer{r}", site.command(cmd), env=site.env | rendezvous | {"RANK": str(r)}, append=append)
             for r, site in enumerate(placement.trainer)]
 
 
