@@ -1,10 +1,12 @@
 """The rollout's side of the prompt ledger: its event log, and taking a stopped run's prompt stream up again.
 
-:class:`RolloutEvents` appends one line per prompt drawn and per group dispatched to the engine
-(``schemas.ledger`` says the lines), flushed at once and written before the engine gets the group, so a
-group a store holds always has its dispatch line. :func:`resume_stream` takes a stopped run up again from a
-``RolloutResume`` document: the prompt stream (deterministic: the seeded mix, or a prompts file) goes on after
-the prompts the earlier lives drew, and the prompts the document names come back as new attempts, first.
+:class:`RolloutEvents` appends one line per prompt drawn, per group dispatched to the engine and per group
+written (``schemas.ledger`` says the lines), flushed at once; a dispatch line is written before the engine gets
+the group, so a group a store holds always has its dispatch line, and a written line names the node that took
+the group (so the groups of a node lost for good are known: ``launcher.ledger``). :func:`resume_stream` takes a
+stopped run up again from a ``RolloutResume`` document: the prompt stream (deterministic: the seeded mix, or a
+prompts file) goes on after the prompts the earlier lives drew, and the prompts the document names come back as
+new attempts, first.
 
 Example:
     >>> from connectors.tasks import Prompt
@@ -20,6 +22,7 @@ from __future__ import annotations
 
 import json
 import os
+import threading
 from collections.abc import Iterator
 
 from connectors.dispatch import Drawn
@@ -30,10 +33,12 @@ __all__ = ["RolloutEvents", "resume_stream"]
 
 
 class RolloutEvents:
-    """The rollout's ledger events, appended to ``path`` (None: nothing is written)."""
+    """The rollout's ledger events, appended to ``path`` (None: nothing is written); thread-safe (the writer thread
+    logs the groups written)."""
 
     def __init__(self, path: str | None) -> None:
         self._file = None
+        self._lock = threading.Lock()
         if path is not None:
             os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
             self._file = open(path, "a")  # noqa: SIM115 - open for the worker's life, closed by close()
@@ -47,15 +52,21 @@ class RolloutEvents:
         self._write({"kind": "dispatch", "index": drawn.index, "prompt_id": drawn.prompt_id, "attempt": drawn.attempt,
                      "group_id": drawn.group_id, "version": version, "reason": drawn.reason})
 
+    def written(self, group_id: str, node: str) -> None:
+        """The store node ``node`` (its location) took the group ``group_id``."""
+        self._write({"kind": "written", "group_id": group_id, "node": node})
+
     def _write(self, event: dict[str, object]) -> None:
-        if self._file is not None:
-            self._file.write(json.dumps(event) + "\n")
-            self._file.flush()
+        with self._lock:
+            if self._file is not None:
+                self._file.write(json.dumps(event) + "\n")
+                self._file.flush()
 
     def close(self) -> None:
-        if self._file is not None:
-            self._file.close()
-            self._file = None
+        with self._lock:
+            if self._file is not None:
+                self._file.close()
+                self._file = None
 
 
 def resume_stream(prompts: Iterator[Prompt], doc: RolloutResume) -> tuple[Iterator[Prompt], list[tuple[Reissue,

@@ -403,7 +403,9 @@ class RolloutWorker:
         self.tally.add_group(batch, aborted=aborted)
         self._lookahead.note_written()
         text_only = "num_images" not in batch.schema.names or not any(batch.column("num_images").to_pylist())
-        self._writer.put_group(batch, None if text_only else node)  # text follows routing when its node is lost
+        group_id = str(batch.column("group_id")[0].as_py())
+        self._writer.put_group(batch, None if text_only else node,  # text follows routing when its node is lost
+                               on_written=lambda written: self._events.written(group_id, written))
 
 
 # ---- one run, as a process runs it ---------------------------------------------------------------

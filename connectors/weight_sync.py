@@ -52,7 +52,9 @@ class WeightSync:
         """Policy version of the weights the engine runs."""
 
     def wait_initial(self, timeout_s: float, *, stopped: Callable[[], bool] = lambda: False) -> None:
-        """Wait for the weights of ``version`` in the stores and load them (returns early if ``stopped()``).
+        """Wait for the weights of ``version``, or of a newer version the stores publish already, and load them
+        (returns early if ``stopped()``). A run taken up again may have trained past its checkpoint's version
+        before its rollout's engine started, and the stores keep only the newest versions' weights.
 
         Raises:
             TimeoutError: naming the version, when its weights are not readable after ``timeout_s``.
@@ -60,7 +62,9 @@ class WeightSync:
         deadline = time.perf_counter() + timeout_s
         while not stopped():
             try:
-                table = self._client.get_weights(self.version)
+                version = max(self.version, int(self._client.get_version()))
+                table = self._client.get_weights(version)
+                self.version = version
             except Exception as exc:  # not published yet
                 if time.perf_counter() >= deadline:
                     msg = f"no weights of version {self.version} in the stores after {timeout_s} s: {exc}"

@@ -67,17 +67,20 @@ class GroupWriter:
 
         self._submit(put)
 
-    def put_group(self, batch: pa.RecordBatch, node: str | None) -> None:
+    def put_group(self, batch: pa.RecordBatch, node: str | None,
+                  on_written: Callable[[str], None] | None = None) -> None:
         """Queue the DoPut of one group's record batch to ``node`` (``None``: the node routing gives it when written;
-        after everything queued before)."""
+        after everything queued before); ``on_written`` is called with the node that took it."""
 
         def put() -> None:
             t0 = time.perf_counter()
-            self._client.put_group(batch, node=node)
+            written = self._client.put_group(batch, node=node)
             now = time.time()
             with self._lock:
                 self.write_s += time.perf_counter() - t0
                 self.write_times.append(now)
+            if on_written is not None:
+                on_written(written)
 
         self._submit(put)
 

@@ -201,10 +201,11 @@ class NodeCalls:
 
         return self.retrying(node, lambda: self.call(node, run), routed=routed)
 
-    def get(self, node: str, ticket: bytes) -> pa.Table:
-        """DoGet ``ticket`` from ``node``, read whole; retried."""
+    def get(self, node: str, ticket: bytes, *, routed: bool = False) -> pa.Table:
+        """DoGet ``ticket`` from ``node``, read whole; retried (``routed``: see :meth:`retrying`)."""
         return self.retrying(node, lambda: self.call(node, lambda c: c.do_get(flight.Ticket(ticket),
-                                                                               self.options).read_all()))
+                                                                               self.options).read_all()),
+                             routed=routed)
 
     def read(self, tickets: Mapping[str, bytes], columns: list[str] | None,
              fallback: Callable[[str], pa.Table]) -> dict[str, pa.Table]:

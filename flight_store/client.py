@@ -31,6 +31,7 @@ client asks for a newer one at most every :data:`VIEW_TTL_S`, and at once when a
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 import time
@@ -179,7 +180,11 @@ class StoreNodes:
 
     @property
     def down_nodes(self) -> frozenset[str]:
-        """The nodes the cluster's newest view known here leaves out (none until a view was asked)."""
+        """The nodes the cluster's newest view known here leaves out. A client of several nodes asks for the view
+        the first time (a client started after a node was lost must not wait on it); none while no node answers."""
+        if self._views.view is None and len(self._nodes) > 1:
+            with contextlib.suppress(NodeUnavailableError):
+                self.cluster_view()
         return self.cluster_view().down if self._views.view is not None else frozenset()
 
     def _live(self) -> list[str]:

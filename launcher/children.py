@@ -98,9 +98,10 @@ class Children:
         """What an earlier launcher of this log folder had left running, stopped here (see the module docstring)."""
         self._keeper: lifeline.Keeper | None = None
 
-    def start(self, name: str, cmd: list[str], *, env: Mapping[str, str] | None = None) -> Child:
-        """Start ``cmd``, its output in ``<log_dir>/<name>.log``; ``env``: variables on top of :func:`child_env`."""
-        child = self._spawn(name, cmd, restarts=0, env=dict(env or {}))
+    def start(self, name: str, cmd: list[str], *, env: Mapping[str, str] | None = None, append: bool = False) -> Child:
+        """Start ``cmd``, its output in ``<log_dir>/<name>.log`` (``append``: after what an earlier process of that
+        name wrote there); ``env``: variables on top of :func:`child_env`."""
+        child = self._spawn(name, cmd, restarts=0, env=dict(env or {}), append=append)
         self.started.append(child)
         self._write_index()
         return child
@@ -123,12 +124,13 @@ class Children:
         self._write_index()
         return new
 
-    def _spawn(self, name: str, cmd: list[str], *, restarts: int, env: dict[str, str]) -> Child:
+    def _spawn(self, name: str, cmd: list[str], *, restarts: int, env: dict[str, str], append: bool = False) -> Child:
         self.log_dir.mkdir(parents=True, exist_ok=True)
         path = self.log_dir / f"{name}.log"
-        fh = path.open("ab" if restarts else "wb")
-        if restarts:
-            fh.write(f"---- {time.strftime('%H:%M:%S')} restart {restarts} of {name} ----\n".encode())
+        fh = path.open("ab" if restarts or append else "wb")
+        if restarts or append:
+            fh.write(f"---- {time.strftime('%H:%M:%S')} {f'restart {restarts}' if restarts else 'new start'} of "
+                     f"{name} ----\n".encode())
             fh.flush()
         if self._keeper is None:
             self._keeper = lifeline.Keeper(env=child_env(), cwd=ROOT)

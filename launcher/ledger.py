@@ -39,9 +39,10 @@ LEDGER_SCHEMA: dict[str, Any] = {
 """The ledger's columns: the prompt, its attempt (0 = the first dispatch), the group that attempt wrote, the policy
 version it was dispatched under, whether the stores hold it with every sample completed, the surviving step that
 trained it (null: none) and, when none did, why (``rolled_back``, a planner drop reason such as ``aborted``,
-``interrupted`` for a group the run stopped before it was written); ``life``: the start of the run that
+``interrupted`` for a group the run stopped before it was written, ``node_lost`` for one written to a store node
+lost for good); ``life``: the start of the run that
 dispatched it (0 = the first); ``dispatch_reason``: why an attempt after the first went out (``aborted``,
-``interrupted``, ``rolled_back``, ``node_lost``, ...)."""
+``interrupted``, ``rolled_back``, ``node_lost``, ``rollout_lost``, ...)."""
 
 EVENTS = "events"
 """The run folder's sub-folder of event logs."""
@@ -71,6 +72,10 @@ class History:
     """(step, seconds) of each checkpoint written."""
     lives: int = 1
     """Starts of the run so far."""
+    written: dict[str, str] = field(default_factory=dict)
+    """group_id -> the location of the store node that took it."""
+    lost: set[str] = field(default_factory=set)
+    """Locations of the store nodes lost for good (their groups not trained are regenerated)."""
 
     @property
     def drawn(self) -> int:
@@ -89,6 +94,10 @@ def read_history(out: Path) -> History:
             h.draws.setdefault(e["prompt_id"], (int(e["index"]), e["group_id"]))
         elif e["kind"] == "dispatch":
             h.dispatches.append(e | {"life": life})
+        elif e["kind"] == "written":
+            h.written[e["group_id"]] = e["node"]
+        elif e["kind"] == "node_lost":
+            h.lost.add(e["location"])
     for e in read_events(out / EVENTS / TRAINED_EVENTS):
         if e["kind"] == "step":
             h.steps[int(e["step"])] = e
@@ -115,8 +124,14 @@ def _why_not(gid: str, h: History, status: dict[str, bool]) -> str:
     if gid in h.dropped:
         return h.dropped[gid]
     if gid not in status:
-        return "interrupted"
+        return unstored(gid, h)
     return "not_trained" if status[gid] else "aborted"
+
+
+def unstored(gid: str, h: History, unwritten: str = "interrupted") -> str:
+    """Why no store holds the group ``gid``: ``node_lost`` (written to a node lost for good), else ``unwritten``
+    (never written: in the engine or queued when its rollout stopped)."""
+    return "node_lost" if h.written.get(gid) in h.lost else unwritten
 
 
 def build(out: Path, metadata: pl.DataFrame | None = None) -> pl.DataFrame:

@@ -23,6 +23,11 @@ and the event logs (``events/``, ``launcher.ledger``). A resume, in order:
 5. :func:`merge`: at the end, ``history/`` and the new life's files become the run's files again, one
    continuous run with a seam at each resume (``resumes.jsonl``).
 
+``knit run`` does the same within one launcher when a store node is lost for good or its rollout dies
+(``launcher.run``, ``cause``): the groups written to a lost node (:func:`note_lost`) and not trained go out again
+as ``node_lost``, the prompts a dead rollout held as ``rollout_lost``; an attempt superseded by a later one is
+released and never planned.
+
 The rule for steps after the last checkpoint keeps "each prompt trained once in the weights that survive":
 their groups are rolled back and their prompts trained again. With ``--checkpoint-every 1`` (``knit run``'s
 default) a checkpoint is written before each step's weights are published, so a resume rolls back at most
@@ -50,7 +55,8 @@ from admission.config import AdmissionConfig
 from admission.state import PlannerState
 from connectors.config import RolloutConfig
 from flight_store.reading import StoreReader
-from launcher.ledger import EVENTS, ROLLOUT_EVENTS, TRAINED_EVENTS, History, group_status, read_history
+from flight_store.writing import StoreWriter
+from launcher.ledger import EVENTS, ROLLOUT_EVENTS, TRAINED_EVENTS, History, group_status, read_history, unstored
 from schemas.ledger import Reissue, RolloutResume, TrainerResume, append_event, read_events
 from train.checkpointing import latest_step
 from train.config import TrainConfig
@@ -101,19 +107,26 @@ def begin(out: Path) -> Resumption:
     return res
 
 
-def prepare(out: Path, res: Resumption, admission: AdmissionConfig, locations: list[str]) -> tuple[Path, Path]:
+def prepare(out: Path, res: Resumption, admission: AdmissionConfig, locations: list[str], *,
+            cause: str = "stopped") -> tuple[Path, Path]:
     """Settle every prompt drawn (see the module), release what must not be planned, and write the two resume
-    documents; returns (trainer's, rollout's) paths."""
+    documents; returns (trainer's, rollout's) paths. ``cause``: why the run was taken up again (``stopped``, or,
+    within one launcher, ``node_lost`` or ``rollout_lost``: then the prompts a dead rollout held go out again as
+    ``rollout_lost``)."""
     for name in (TRAINED_EVENTS, ROLLOUT_EVENTS):
         (out / EVENTS).mkdir(parents=True, exist_ok=True)
         append_event(out / EVENTS / name, {"kind": "resume", "life": res.life, "step": res.step})
     h = read_history(out)
     with StoreReader(locations, timeout=30.0, retries=20) as client:
         status = group_status(client.metadata().collect())
-        reissue, keep = settle(h, status)
-        stale = sorted(h.rolled_back | set(h.dropped))
+        reissue, keep = settle(h, status, unwritten="rollout_lost" if cause == "rollout_lost" else "interrupted")
+        stale = sorted(h.rolled_back | set(h.dropped) | superseded(h))
         if stale:
             client.release(stale, partial=True)  # never planned again: free their payload and lookahead
+        gone = [latest(h)[r.prompt_id] for r in reissue]
+        if gone:  # a rollout killed (or a store node still running) may have left them registered in flight
+            with StoreWriter.sharing(client) as writer:
+                writer.resolve(gone, "cancelled")
     planner = planner_state(h, res.step, admission, stale)
     folder = out / "resume"
     folder.mkdir(exist_ok=True)
@@ -121,36 +134,58 @@ def prepare(out: Path, res: Resumption, admission: AdmissionConfig, locations: l
     trainer.write_text(TrainerResume(life=res.life, step=res.step, planner=planner.to_dict()).model_dump_json())
     rollout = folder / f"rollout.life{res.life}.json"
     rollout.write_text(RolloutResume(life=res.life, drawn=h.drawn, reissue=reissue).model_dump_json())
-    append_event(out / RESUMES, {"life": res.life, "step": res.step, "launched_at": res.launched_at,
+    append_event(out / RESUMES, {"life": res.life, "step": res.step, "launched_at": res.launched_at, "cause": cause,
                                  "prompts_drawn": h.drawn, "groups_kept": keep,
                                  "rolled_back": len(h.rolled_back),
                                  "reissued": dict(Counter(r.reason for r in reissue))})
     return trainer, rollout
 
 
-def settle(h: History, status: dict[str, bool]) -> tuple[list[Reissue], int]:
-    """The prompts to dispatch again (in stream order) and the number of stored groups kept for the planner."""
+def note_lost(out: Path, node: str, location: str) -> None:
+    """Record in the rollout's event log that the store node ``node`` (at ``location``) is lost for good: the groups
+    written there and not trained are dispatched again at the next :func:`prepare` (``node_lost``)."""
+    (out / EVENTS).mkdir(parents=True, exist_ok=True)
+    append_event(out / EVENTS / ROLLOUT_EVENTS, {"kind": "node_lost", "node": node, "location": location,
+                                                 "at": round(time.time(), 3)})
+
+
+def settle(h: History, status: dict[str, bool], *, unwritten: str = "interrupted") -> tuple[list[Reissue], int]:
+    """The prompts to dispatch again (in stream order) and the number of stored groups kept for the planner;
+    ``unwritten``: the reason of a prompt whose latest group no store holds and none was lost with
+    (:func:`launcher.ledger.unstored`)."""
     attempts: dict[str, list[dict[str, Any]]] = {}
     for d in h.dispatches:
         attempts.setdefault(d["prompt_id"], []).append(d)
     reissue: list[Reissue] = []
     kept = 0
-    for pid, (index, first) in sorted(h.draws.items(), key=lambda kv: kv[1][0]):
+    last = latest(h)
+    for pid, (index, _) in sorted(h.draws.items(), key=lambda kv: kv[1][0]):
         tries = attempts.get(pid, [])
         if any(d["group_id"] in h.trained for d in tries):
             continue
-        latest = tries[-1]["group_id"] if tries else first
-        if latest in h.rolled_back:
+        gid = last[pid]
+        if gid in h.rolled_back:
             reason = "rolled_back"
-        elif h.dropped.get(latest, "aborted") != "aborted":
+        elif h.dropped.get(gid, "aborted") != "aborted":
             continue  # dropped by a filter: the prompt's answer, not a loss
-        elif status.get(latest):
+        elif status.get(gid):
             kept += 1
             continue
         else:
-            reason = "aborted" if latest in status else "interrupted"
+            reason = "aborted" if gid in status else unstored(gid, h, unwritten)
         reissue.append(Reissue(index=index, prompt_id=pid, attempt=len(tries), reason=reason))
     return reissue, kept
+
+
+def latest(h: History) -> dict[str, str]:
+    """prompt_id -> the group of its latest attempt (its first group id when it was drawn and never dispatched)."""
+    return {pid: first for pid, (_, first) in h.draws.items()} | {d["prompt_id"]: d["group_id"] for d in h.dispatches}
+
+
+def superseded(h: History) -> set[str]:
+    """The groups of the attempts at a prompt before its latest, not trained: never planned (a node lost for good
+    that a later launcher brings back holds groups whose prompts were regenerated)."""
+    return {d["group_id"] for d in h.dispatches} - set(latest(h).values()) - set(h.trained)
 
 
 def planner_state(h: History, step: int, admission: AdmissionConfig, dropped: list[str]) -> PlannerState:

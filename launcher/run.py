@@ -7,7 +7,9 @@ its config as a validated document (``schemas.documents``), never as re-typed ar
    ``/metrics`` and a spill log in ``stores/node{i}``); a node whose process dies is started again on
    the same port and spill log (:class:`Stores`), replays its log and comes back with every
    acknowledged group, while the trainer and the rollout retry their calls; the report lists each
-   outage;
+   outage. A node that cannot be brought back is lost for good: the driver stops the trainer and the rollout
+   and takes the run up again from the last checkpoint on the nodes left (``launcher.resume``), its groups not
+   trained regenerated (``node_lost``); a rollout process that dies is handled the same way (``rollout_lost``);
 2. a Megatron-core trainer (``python -m train --config train.json --nproc D``; gloo on CPU), whose
    rank 0 plans with ``admission.Planner`` (``mini_batch`` by default, ``train_batch`` as the
    baseline), publishes its starting weights as version 0 and the weights of every new version, and
@@ -75,6 +77,15 @@ class Interrupted(Exception):
     """Ctrl-C or SIGTERM reached the driver."""
 
 
+class WorkerLost(Exception):
+    """A store node was lost for good (``node_lost``) or the rollout process died (``rollout_lost``): the driver
+    stopped the trainer and the rollout and takes the run up again from its checkpoint (``launcher.resume``)."""
+
+    def __init__(self, cause: str, detail: str) -> None:
+        super().__init__(f"{cause}: {detail}")
+        self.cause = cause
+
+
 def _default_admission() -> AdmissionConfig:
     """B=8, G=4, K=4 on 2 ranks (one group per rank and step), with the built-in sources' 50/50 mix as each train
     batch's quota. K=4 as in ``bench.staleness`` and the common PPO setting of four mini-batches per train batch."""
@@ -136,6 +147,9 @@ class RunConfig:
     checkpoint_every: int = 1
     """Checkpoint the trainer (model and optimizer) after every this many optimizer steps (0: only at the end);
     ``--resume`` takes the run up from the last one (``launcher.resume``)."""
+    max_rollout_restarts: int = 3
+    """Times the driver takes the run up again after its rollout process died (its prompts in flight go out
+    again) before the run fails."""
 
     def __post_init__(self) -> None:
         quotas = self.admission.quotas
@@ -144,9 +158,11 @@ class RunConfig:
             self.admission = dataclasses.replace(
                 self.admission, quotas=(Quota(column="data_source", shares=dict(self.data_sources)),))
             self.admission.quota_counts()  # B times each share must be a whole number of groups
-        if self.max_store_restarts < 0 or self.store_start_timeout_s <= 0 or self.checkpoint_every < 0:
-            msg = (f"RunConfig: max_store_restarts={self.max_store_restarts} and checkpoint_every="
-                   f"{self.checkpoint_every} must be >= 0, store_start_timeout_s={self.store_start_timeout_s} > 0")
+        if (min(self.max_store_restarts, self.checkpoint_every, self.max_rollout_restarts) < 0
+                or self.store_start_timeout_s <= 0):
+            msg = (f"RunConfig: max_store_restarts={self.max_store_restarts}, checkpoint_every="
+                   f"{self.checkpoint_every} and max_rollout_restarts={self.max_rollout_restarts} must be >= 0, "
+                   f"store_start_timeout_s={self.store_start_timeout_s} > 0")
             raise ValueError(msg)
         for name in ("train_batches", "max_tokens", "num_stores"):
             if getattr(self, name) < 1:
@@ -312,22 +328,26 @@ def run_policy(cfg: RunConfig, model: ModelConfig, *, stop: threading.Event,
                         start_timeout_s=cfg.store_start_timeout_s, sites=placement.stores, probe_s=placement.probe_s)
         stores.start(fresh=resumed is None)
         locations = stores.locations
-        state.phase = "starting trainer + vLLM"
-        train_cfg, rollout_cfg = train_config(cfg, model, locations), rollout_config(cfg, locations)
-        if resumed is not None:
-            docs = resume.prepare(cfg.out, resumed, cfg.admission, locations)
-            train_cfg, rollout_cfg = resume.configs(train_cfg, rollout_cfg, resumed, docs, f"{cfg.policy}-")
-        train_doc = documents.write(train_cfg, cfg.out / "configs" / "train.json")
-        rollout_doc = documents.write(rollout_cfg, cfg.out / "configs" / "rollout.json")
         try:
-            interrupted = False
-            if train_cfg.max_steps > 0:  # none left: a resume of a run stopped after its last checkpoint
-                trainers = start_trainer(kids, placement, train_doc, cfg.admission.dp_ranks)
-                rollout = kids.start("rollout", placement.rollout.command(
-                    [sys.executable, "-m", "connectors", "--config", str(rollout_doc)]), env=placement.rollout.env)
-                with StoreReader(locations, timeout=5.0) as client:
-                    interrupted = _supervise(cfg, kids, stores, (trainers, rollout), client, state, stop, on_update)
-            stores.wait_up()  # every node answers: export their metadata, then stop them (Children.__exit__)
+            cause, rollout_restarts, noted = "stopped", 0, set()  # noted: the lost nodes in the event log
+            while True:  # a life: the trainer and the rollout, until the run ends or a worker is lost
+                try:
+                    interrupted = _life(cfg, model, kids, stores, placement, resumed, cause, state, stop, on_update)
+                    break
+                except WorkerLost as lost:
+                    cause = lost.cause
+                    rollout_restarts += cause == "rollout_lost"
+                    if rollout_restarts > cfg.max_rollout_restarts:
+                        msg = f"the rollout died {rollout_restarts} times (max_rollout_restarts): {lost}"
+                        raise RuntimeError(msg) from lost
+                    log.warning("%s: taking the run up again from its last checkpoint", lost)
+                    for o in stores.outages:
+                        if o.lost_at is not None and o.node not in noted:
+                            resume.note_lost(cfg.out, o.node, o.location)
+                            noted.add(o.node)
+                    resumed = resume.begin(cfg.out)
+                    state.steps.clear()  # progress.jsonl is cut back to the steps the checkpoint holds: read it again
+            stores.wait_up()  # every node not lost answers: export their metadata, then stop them (Children.__exit__)
         finally:
             stores.close()
         with StoreReader(locations, timeout=30.0, retries=20) as client:  # fresh connections, none in reconnect backoff
@@ -351,16 +371,41 @@ def run_policy(cfg: RunConfig, model: ModelConfig, *, stop: threading.Event,
     return result
 
 
-def start_trainer(kids: Children, placement: Placement, doc: Path, dp_ranks: int) -> list[Child]:
+def _life(cfg: RunConfig, model: ModelConfig, kids: Children, stores: Stores, placement: Placement,
+          resumed: resume.Resumption | None, cause: str, state: LiveState, stop: threading.Event,
+          on_update: Callable[[LiveState], None] | None) -> bool:
+    """Start the trainer and the rollout (``resumed``: taking the run up again, after ``cause``) and follow them to
+    the end; returns True when interrupted. Raises :class:`WorkerLost` (the workers stopped) as :func:`_supervise`
+    does."""
+    locations = stores.locations
+    state.phase = "starting trainer + vLLM"
+    train_cfg, rollout_cfg = train_config(cfg, model, locations), rollout_config(cfg, locations)
+    if resumed is not None:
+        docs = resume.prepare(cfg.out, resumed, cfg.admission, locations, cause=cause)
+        train_cfg, rollout_cfg = resume.configs(train_cfg, rollout_cfg, resumed, docs, f"{cfg.policy}-")
+    train_doc = documents.write(train_cfg, cfg.out / "configs" / "train.json")
+    rollout_doc = documents.write(rollout_cfg, cfg.out / "configs" / "rollout.json")
+    if train_cfg.max_steps <= 0:  # none left: a resume of a run stopped after its last checkpoint
+        return False
+    again = resumed is not None  # the logs of the earlier lives stay, the new one after them
+    trainers = start_trainer(kids, placement, train_doc, cfg.admission.dp_ranks, append=again)
+    rollout = kids.start("rollout", placement.rollout.command(
+        [sys.executable, "-m", "connectors", "--config", str(rollout_doc)]), env=placement.rollout.env, append=again)
+    with StoreReader(locations, timeout=5.0) as client:
+        return _supervise(cfg, kids, stores, (trainers, rollout), client, state, stop, on_update)
+
+
+def start_trainer(kids: Children, placement: Placement, doc: Path, dp_ranks: int, *,
+                  append: bool = False) -> list[Child]:
     """Start the trainer: one process of ``dp_ranks`` local ranks at its site (``trainer``), or one process per
     rank at the rank's site (``trainer{r}``, joined over torch.distributed at ``trainer[0]``'s address)."""
     cmd = [sys.executable, "-m", "train", "--config", str(doc)]
     if not placement.ranks_apart:
         site = placement.trainer[0]
-        return [kids.start("trainer", site.command([*cmd, "--nproc", str(dp_ranks)]), env=site.env)]
+        return [kids.start("trainer", site.command([*cmd, "--nproc", str(dp_ranks)]), env=site.env, append=append)]
     rendezvous = {"WORLD_SIZE": str(dp_ranks), "LOCAL_WORLD_SIZE": "1", "LOCAL_RANK": "0",
                   "MASTER_ADDR": placement.trainer[0].address, "MASTER_PORT": str(placement.master_port)}
-    return [kids.start(f"trainer{r}", site.command(cmd), env=site.env | rendezvous | {"RANK": str(r)})
+    return [kids.start(f"trainer{r}", site.command(cmd), env=site.env | rendezvous | {"RANK": str(r)}, append=append)
             for r, site in enumerate(placement.trainer)]
 
 
@@ -369,10 +414,12 @@ def _supervise(cfg: RunConfig, kids: Children, stores: Stores, workers: tuple[li
                on_update: Callable[[LiveState], None] | None) -> bool:
     """Follow the run until the trainer exits, restarting a store node that dies; returns True when interrupted.
 
-    Raises when the trainer or the rollout fails, or a store cannot be brought back (:meth:`Stores.check`).
+    Raises when the trainer fails or every store node is lost (:meth:`Stores.check`); raises :class:`WorkerLost`,
+    once the trainer and the rollout are stopped, when a store node is lost for good or the rollout process dies.
     """
     trainers, rollout = workers
     deadline = time.monotonic() + cfg.timeout_s
+    lost_before = len(stores.lost)
 
     def refresh() -> None:
         try:
@@ -395,10 +442,12 @@ def _supervise(cfg: RunConfig, kids: Children, stores: Stores, workers: tuple[li
                 msg = f"run {cfg.policy} exceeded {cfg.timeout_s} s"
                 raise TimeoutError(msg)
             state.stores_down = stores.check()
+            if len(stores.lost) > lost_before:
+                raise WorkerLost("node_lost", f"store node {stores.lost[-1]} is lost for good")
             refresh()
             if not rollout.alive() and rollout.proc.returncode not in (0, None):
-                msg = f"the rollout worker failed (exit {rollout.proc.returncode}):\n{kids.tail(rollout)}"
-                raise RuntimeError(msg)
+                raise WorkerLost("rollout_lost", f"the rollout worker died (exit {rollout.proc.returncode}):\n"
+                                                 f"{kids.tail(rollout)}")
             stop.wait(0.5)
         failed = next((t for t in trainers if t.proc.returncode != 0), None)
         if failed is not None:
@@ -410,7 +459,17 @@ def _supervise(cfg: RunConfig, kids: Children, stores: Stores, workers: tuple[li
         return False
     except Interrupted:
         state.phase = "interrupted"
-        for t in trainers:
-            kids.stop(t, grace_s=30.0)  # it ends the step being taken and checkpoints it
-        kids.stop(rollout, grace_s=15.0)  # aborts the groups still running and writes them
+        _stop_workers(kids, trainers, rollout)
         return True
+    except WorkerLost:
+        state.phase = "taking the run up again"
+        _stop_workers(kids, trainers, rollout)
+        raise
+
+
+def _stop_workers(kids: Children, trainers: list[Child], rollout: Child) -> None:
+    """Stop the trainer (it ends the step being taken and checkpoints it) and the rollout (it aborts the groups
+    still running and writes them)."""
+    for t in trainers:
+        kids.stop(t, grace_s=30.0)
+    kids.stop(rollout, grace_s=15.0)

@@ -14,8 +14,11 @@ Guarantees of :class:`Stores`:
   :meth:`Stores.check` (the driver calls it every half second), at most ``max_restarts`` times per node;
 * every outage is recorded (:class:`Outage`: which node, how its process ended, when the driver found
   it dead, when it answered ``health`` again, how many processes it took);
-* a node that cannot be brought back (too many restarts, or no answer within ``start_timeout_s``)
-  raises ``RuntimeError`` naming it, with the end of its log;
+* a node that cannot be brought back (it exited after ``max_restarts`` restarts, did not answer within
+  ``start_timeout_s`` of its restart, or, cut off, did not answer for ``start_timeout_s``) is *lost*: its process is
+  stopped, it stays down in the cluster view for good (never started again, never asked again) and
+  :attr:`Stores.lost` names it, so the driver can take the run up again without it (``launcher.run``); only a
+  cluster with every node lost raises ``RuntimeError`` (naming the last, with the end of its log);
 * with ``probe_s``, a node whose process runs but that does not answer ``health`` (its host cut off
   from the network) is recorded too, as an outage of cause ``unreachable``, from the first probe it
   missed to the first it answered again; nothing is restarted for it (the clients' calls wait or retry).
@@ -68,13 +71,16 @@ class Outage:
     cause: str = "exited"
     """``exited`` (its process died and was started again) or ``unreachable`` (its process ran, but it did not
     answer: ``died_at`` is the first probe it missed; ``restarts`` is 0)."""
+    lost_at: float | None = None
+    """When the driver gave the node up for good (None: not lost; ``back_at`` stays None then)."""
 
     def to_dict(self) -> dict[str, Any]:
         """The outage as the report shows it, with ``down_s`` (None while it is not back)."""
         down = None if self.back_at is None else round(self.back_at - self.died_at, 3)
         return {"store": self.store, "node": self.node, "location": self.location, "exit_code": self.exit_code,
                 "died_at": round(self.died_at, 3), "back_at": None if self.back_at is None else round(self.back_at, 3),
-                "down_s": down, "restarts": self.restarts, "cause": self.cause}
+                "down_s": down, "restarts": self.restarts, "cause": self.cause,
+                "lost_at": None if self.lost_at is None else round(self.lost_at, 3)}
 
 
 class Stores:
@@ -122,6 +128,12 @@ class Stores:
         """The cluster view told to the nodes (from :meth:`start` on): which nodes routing leaves out."""
 
     @property
+    def lost(self) -> list[str]:
+        """Ids of the nodes given up for good, in the order they were lost."""
+        with self._lock:
+            return [o.node for o in sorted(self.outages, key=lambda o: o.lost_at or 0.0) if o.lost_at is not None]
+
+    @property
     def locations(self) -> list[str]:
         return [n.location for n in self.nodes]
 
@@ -155,29 +167,43 @@ class Stores:
     def check(self) -> list[str]:
         """Start again every node whose process exited, note those back; returns the ids of the nodes down now.
 
+        A node that exited after ``max_restarts`` restarts, or is still down ``start_timeout_s`` after its outage
+        began, is lost (:meth:`_lose`).
+
         Raises:
-            RuntimeError: a node exited more than ``max_restarts`` times, or did not answer within
-                ``start_timeout_s`` of the outage's start.
+            RuntimeError: every node is lost.
         """
+        lost = set(self.lost)
         for i, child in enumerate(self.children):
-            if not child.alive():
+            if not child.alive() and str(self.nodes[i].node_name or self.nodes[i].location) not in lost:
                 self._restart(i, child)
         with self._lock:
             outages = list(self.outages)
         for outage in outages:
-            if outage.back_at is not None or outage.cause == "unreachable":  # the prober follows those
+            if outage.back_at is not None or outage.lost_at is not None:
                 continue
-            if answers(outage.location):
+            if outage.cause == "exited" and answers(outage.location):  # the prober follows the unreachable ones
                 outage.back_at = time.time()
                 log.warning("store %s (%s) is back after %.1f s", outage.node, outage.store,
                             outage.back_at - outage.died_at)
             elif time.time() - outage.died_at > self._start_timeout_s:
-                child = self.children[self.locations.index(outage.location)]
-                msg = (f"store node {outage.node} ({outage.store}) did not answer within {self._start_timeout_s} s "
-                       f"of its restart:\n{self._kids.tail(child)}")
-                raise RuntimeError(msg)
+                self._lose(outage, f"did not answer within {self._start_timeout_s} s")
         self._tell_down()
         return [o.node for o in outages if o.back_at is None]
+
+    def _lose(self, outage: Outage, why: str) -> None:
+        """Give ``outage``'s node up for good: stop its process (it must never answer with what it held) and keep
+        it down in the view; raises when no node is left."""
+        child = self.children[self.locations.index(outage.location)]
+        tail = self._kids.tail(child)
+        log.error("store node %s (%s) is lost for good (%s): its groups not trained are regenerated:\n%s",
+                  outage.node, outage.store, why, tail)
+        self._kids.stop(child, grace_s=1.0)
+        with self._lock:
+            outage.lost_at = time.time()
+        if len(self.lost) == len(self.nodes):
+            msg = f"every store node is lost, the last {outage.node} ({outage.store}): {why}\n{tail}"
+            raise RuntimeError(msg)
 
     def _tell_down(self) -> None:
         """Routing leaves out exactly the nodes down now (a new view told to the nodes when that changed)."""
@@ -214,7 +240,8 @@ class Stores:
                         self.outages.append(Outage(store=child.name, node=str(node.node_name or node.location),
                                                    location=node.location, exit_code=None, died_at=missed_at,
                                                    restarts=0, cause="unreachable"))
-            elif down is not None and down.cause == "unreachable" and answers(node.location):
+            elif (down is not None and down.cause == "unreachable" and down.lost_at is None
+                  and answers(node.location)):
                 down.back_at = time.time()  # a fresh connection: the probe's own may still be in TCP backoff
                 stale = self._probes.pop(node.location, None)
                 if stale is not None:
@@ -246,33 +273,34 @@ class Stores:
             self.views.close()
 
     def wait_up(self) -> None:
-        """Return once no node is down (starting again those that exit); raises as :meth:`check` does, and when a
-        node still does not answer after ``start_timeout_s`` (an unreachable one)."""
+        """Return once no node is down but those lost (starting again those that exit); raises as :meth:`check`
+        does, and when a node still does not answer after ``start_timeout_s`` (an unreachable one)."""
         deadline = time.monotonic() + self._start_timeout_s
-        while down := self.check():
+        while down := sorted(set(self.check()) - set(self.lost)):
             if time.monotonic() > deadline:
                 msg = f"store nodes {down} still do not answer after {self._start_timeout_s} s"
                 raise RuntimeError(msg)
             time.sleep(0.2)
 
     def _restart(self, i: int, child: Child) -> None:
+        """Node ``i``'s process exited: its outage begins (or goes on), and the process is started again, or, its
+        restarts spent, the node is lost."""
         node, code = self.nodes[i], child.proc.returncode
+        with self._lock:
+            outage = next((o for o in self.outages if o.store == child.name and o.back_at is None), None)
+            if outage is None:
+                outage = Outage(store=child.name, node=str(node.node_name or node.location), location=node.location,
+                                exit_code=code, died_at=time.time(), restarts=0)
+                self.outages.append(outage)
+            elif outage.cause == "unreachable":  # it did not answer, then it died
+                outage.cause, outage.exit_code, outage.restarts = "exited", code, 0
         if child.restarts >= self._max_restarts:
-            msg = (f"store node {node.node_name} ({child.name}) exited with {code} after {child.restarts} "
-                   f"restart(s) (max_store_restarts={self._max_restarts}):\n{self._kids.tail(child)}")
-            raise RuntimeError(msg)
+            self._lose(outage, f"exited with {code} after {child.restarts} restart(s) "
+                               f"(max_store_restarts={self._max_restarts})")
+            return
         log.warning("store %s (%s, pid %d) exited with %s: starting it again on %s from its spill log",
                     node.node_name, child.name, child.pid, code, node.location)
-        with self._lock:
-            still_down = next((o for o in self.outages if o.store == child.name and o.back_at is None), None)
-        if still_down is not None and still_down.cause == "unreachable":  # it did not answer, then it died
-            still_down.cause, still_down.exit_code, still_down.restarts = "exited", code, 1
-        elif still_down is not None:
-            still_down.restarts += 1
-        else:
-            with self._lock:
-                self.outages.append(Outage(store=child.name, node=str(node.node_name or node.location),
-                                           location=node.location, exit_code=code, died_at=time.time()))
+        outage.restarts += 1
         self.children[i] = self._kids.restart(child)
 
 

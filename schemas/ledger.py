@@ -7,12 +7,15 @@ written (:func:`read_events` leaves a line cut short out):
 * the rollout's (``events/rollout.jsonl``): ``{"kind": "draw", "index", "prompt_id", "group_id"}`` when a prompt
   is drawn from the stream, ``{"kind": "dispatch", "index", "prompt_id", "attempt", "group_id", "version",
   "reason"}`` when a group of it goes to the engine (each attempt: a re-dispatch after an abort, a lost node,
-  or a resume, with its reason);
+  or a resume, with its reason), ``{"kind": "written", "group_id", "node"}`` when a store node (its location)
+  took the group;
 * the trainer's (``events/trained.jsonl``, ``train.trained_log``): the groups each step trained, the groups the
   planner dropped, the checkpoints written.
 
 Both get ``{"kind": "resume", "life": n, "step": S}`` from the launcher when it resumes the run from the
-checkpoint of step ``S`` (life 0 is the first start).
+checkpoint of step ``S`` (life 0 is the first start). The rollout's gets ``{"kind": "node_lost", "node",
+"location"}`` from the launcher when it gives a store node up for good: the groups written there and not trained
+are regenerated (``launcher.resume``).
 
 Example:
     >>> doc = RolloutResume(life=1, drawn=12, reissue=[Reissue(index=3, prompt_id="mini_batch-3", attempt=1,
@@ -44,7 +47,9 @@ class Reissue(BaseModel):
     """The attempt this dispatch is (the number of times the prompt went to an engine before)."""
     reason: str
     """Why it goes out again: ``interrupted`` (in flight or queued when the run stopped), ``aborted`` (written
-    aborted when the rollout stopped), ``rolled_back`` (trained by a step the restored checkpoint lacks)."""
+    aborted when the rollout stopped), ``rolled_back`` (trained by a step the restored checkpoint lacks),
+    ``node_lost`` (written to a store node lost for good, not trained), ``rollout_lost`` (in the engine of a
+    rollout process that died)."""
 
 
 class RolloutResume(BaseModel):

@@ -55,6 +55,7 @@ SLOW: dict[str, str] = {
     "test_flight_sql.py::test_knit_sql_serves_until_sigterm": "a knit sql process",
     "test_flight_sql.py::test_polars_reads_the_gateway_by_uri": "a polars process reading over TLS",
     "test_resume.py::test_a_run_killed_at_three_points_resumes_and_trains_each_prompt_once": "four starts of knit run",
+    "test_worker_loss.py": "knit runs that lose a store node for good and their rollout, taken up again",
 }
 """Tests marked ``slow`` here (a module, or one test of it) beside those whose module marks them: processes
 that import torch or Ray, clusters, long runs. ``make test-fast`` leaves them out; ``ray`` tests are slow too."""

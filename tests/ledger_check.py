@@ -2,8 +2,8 @@
 
 Read from a run folder: ``metadata.parquet`` (every group the stores hold, with its rows' ``status``),
 ``consumed.parquet`` (the rows the trainer's planner consumed) and ``rollout.json`` (``redispatched``: each
-group id of a prompt dispatched again -> the prompt's first group id). The prompt ledger (``ledger.parquet``)
-says the same in one table; this function is the one place to read it instead once every run writes it.
+group id of a prompt dispatched again -> the prompt's first group id). :func:`ledger_exact` checks the prompt
+ledger ``knit run`` writes (``ledger.parquet``): the same rule in one table, with why each prompt went out again.
 """
 
 from __future__ import annotations
@@ -35,3 +35,18 @@ def each_prompt_trained_once(out: Path, *, group_size: int) -> dict[str, int]:
     assert not unknown, f"groups trained that no store holds: {sorted(unknown)}"
     return {"prompts": len(per_prompt), "groups_written": len(written),
             "regenerated": sum(1 for g in trained["group_id"] if g in first_id)}
+
+
+def ledger_exact(out: Path, *, prompts: int) -> dict[str, int]:
+    """Assert that ``out/ledger.parquet`` names ``prompts`` prompts, each trained by exactly one attempt, and that every
+    attempt not trained says why; returns the attempts dispatched again, per reason."""
+    ledger = pl.read_parquet(out / "ledger.parquet")
+    per = ledger.group_by("prompt_id").agg(pl.col("trained_step").is_not_null().sum().alias("trained"))
+    assert per.height == prompts, f"{per.height} prompts in the ledger, expected {prompts}"
+    wrong = per.filter(pl.col("trained") != 1)
+    bad = ledger.filter(pl.col("prompt_id").is_in(wrong["prompt_id"].implode()))
+    assert wrong.is_empty(), f"prompts not trained exactly once: {bad}"
+    unexplained = ledger.filter(pl.col("trained_step").is_null() & pl.col("dropped_reason").is_null())
+    assert unexplained.is_empty(), f"attempts neither trained nor dropped for a reason: {unexplained}"
+    again = ledger.filter(pl.col("attempt") > 0)["dispatch_reason"].fill_null("unknown").to_list()
+    return dict(Counter(again))

@@ -225,6 +225,34 @@ def test_a_store_host_cut_off_is_recorded_as_unreachable_and_back(make_hosts, tm
         assert outage.to_dict()["cause"] == "unreachable"
 
 
+def test_a_store_host_cut_off_longer_than_the_start_timeout_is_lost_for_good(make_hosts, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    hosts = make_hosts(2)
+    placement = Placement(stores=[h.site() for h in hosts], rollout=Site(), trainer=[Site()])
+    cfg = RunConfig(num_stores=2, metrics=False, out=tmp_path)
+    with Children(tmp_path / "logs") as kids:
+        stores = Stores(kids, store_configs(cfg, placement), tmp_path, max_restarts=3, start_timeout_s=3,
+                        sites=placement.stores, probe_s=0.2)
+        stores.start()
+        try:
+            hosts[1].cut()
+            deadline = time.monotonic() + 20
+            while not stores.lost:
+                assert time.monotonic() < deadline, "the cut-off node was never given up"
+                stores.check()
+                time.sleep(0.05)
+            hosts[1].restore()  # its link is back, but it is lost: its process was stopped, it stays down
+            time.sleep(1.0)
+            assert stores.check() == ["node1"] and stores.lost == ["node1"]
+            stores.wait_up()  # node0 answers
+        finally:
+            stores.close()
+        (outage,) = stores.outages
+        assert outage.cause == "unreachable" and outage.back_at is None and outage.lost_at is not None
+        assert outage.lost_at - outage.died_at >= 3  # given up only after the start timeout
+        assert not stores.children[1].alive() and stores.children[1].restarts == 0
+        assert stores.views is not None and stores.views.down == {"node1"}
+
+
 def test_probes_do_not_take_a_restarted_node_for_an_unreachable_one(tmp_path: Path) -> None:
     import signal
 

@@ -91,6 +91,30 @@ def test_settling_and_the_ledger_follow_the_surviving_steps(tmp_path: Path) -> N
                                                                                   "interrupted"]
 
 
+def test_a_lost_node_and_a_dead_rollout_name_their_prompts_and_supersede_their_groups(tmp_path: Path) -> None:
+    """p0 written to node A and trained; p1 written to node B, which is then lost for good; p2 in the engine of a
+    rollout that died; p3 stored completed on A. At the resume p1 goes out again as ``node_lost``, p2 as
+    ``rollout_lost``, p3 is kept; once p1's new attempt is dispatched its old group is superseded (never planned,
+    even if B came back with it)."""
+    draws = [{"kind": "draw", "index": i, "prompt_id": f"p{i}", "group_id": f"p{i}"} for i in range(4)]
+    written = [{"kind": "written", "group_id": g, "node": n} for g, n in (("p0", "A"), ("p1", "B"), ("p3", "A"))]
+    _write(tmp_path, ledger.ROLLOUT_EVENTS, draws + [_dispatch(i) for i in range(4)] + written)
+    _write(tmp_path, ledger.TRAINED_EVENTS, [{"kind": "step", "step": 0, "version": 1, "groups": {"p0": {}}}])
+    resume.note_lost(tmp_path, "node1", "B")
+    meta = pl.DataFrame({"group_id": ["p0", "p3"], "status": ["completed", "completed"]})
+    h = ledger.read_history(tmp_path)
+    assert h.lost == {"B"} and h.written["p1"] == "B"
+    reissue, kept = resume.settle(h, ledger.group_status(meta), unwritten="rollout_lost")
+    assert kept == 1 and [(r.prompt_id, r.reason) for r in reissue] == [("p1", "node_lost"), ("p2", "rollout_lost")]
+    assert resume.superseded(h) == set()
+    table = ledger.build(tmp_path, meta)
+    assert dict(zip(table["group_id"], table["dropped_reason"], strict=True)) == {
+        "p0": None, "p1": "node_lost", "p2": "interrupted", "p3": "not_trained"}
+
+    _write(tmp_path, ledger.ROLLOUT_EVENTS, [_dispatch(1, 1, "L1-p1", "node_lost")])
+    assert resume.superseded(ledger.read_history(tmp_path)) == {"p1"}
+
+
 def test_knit_report_says_the_ledger_in_one_line(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     from launcher.cli import main
 

@@ -94,9 +94,27 @@ def test_a_killed_node_comes_back_on_its_port_with_every_acknowledged_group(  # 
             assert stats.groups.released == 1 and stats.policy_version == 3  # a release stays released
             assert client.get_version() == 3
 
-            _kill(tmp_path, "store0")  # max_restarts=1: the second death ends the run, naming the node
+            _kill(tmp_path, "store0")  # max_restarts=1: the second death loses the node for good
             _wait_down(stores, 0)
-            with pytest.raises(RuntimeError, match=r"store node node0 \(store0\) exited with -9 after 1 restart"):
+            assert stores.check() == ["node0"] and stores.lost == ["node0"]
+            assert not stores.children[0].alive() and stores.check() == ["node0"]  # never started again
+            stores.wait_up()  # the nodes not lost answer
+            gone = stores.outages[-1]
+            assert gone.lost_at is not None and gone.back_at is None and gone.to_dict()["lost_at"]
+            assert gone.restarts == 0  # max_store_restarts spent: not started again
+            assert stores.views is not None and stores.views.down == {"node0"}
+            with StoreReader(stores.locations, retries=20, backoff=0.05, timeout=5) as fresh, \
+                    StoreWriter.sharing(fresh) as new_writer:  # a client started after the loss never asks node0
+                assert fresh.down_nodes == {node0}
+                new_writer.put_group(make_group("after-loss", size=4))
+                assert fresh.scan_metadata(columns=["group_id"])["node"].unique().to_list() == [stores.locations[1]]
+
+            _kill(tmp_path, "store1")  # max_restarts=1, but every node lost: the run cannot go on
+            _wait_down(stores, 1)
+            stores.check()  # store1 started again
+            _kill(tmp_path, "store1")
+            _wait_down(stores, 1)
+            with pytest.raises(RuntimeError, match=r"every store node is lost, the last node1 \(store1\)"):
                 stores.check()
 
 
