@@ -1,8 +1,9 @@
 """Load and backpressure: 64 writers x 100 groups against 2 node processes whose budget is smaller than the data.
 
 Writers meet the retryable BudgetExceededError (and, as 64 threads of one process share a connection, the
-per-connection share of the writer slots: TooManyPeerWritersError) and retry with backoff; a consumer thread scans, fetches and
-releases; every group is consumed exactly once; each node's peak RSS growth stays within budget + 20%.
+per-connection share of the writer slots: TooManyPeerWritersError) and retry with backoff; a consumer thread
+scans, fetches and releases; every group is consumed exactly once; each node's peak RSS growth
+stays within budget + 20%.
 
 RSS check: ``VmHWM`` (peak resident set) minus the node's idle ``VmRSS`` (both from ``/proc/PID/status``)
 must be at most ``RSS_FACTOR * budget`` (target: budget + 20%, see ``RSS_FACTOR``). "Idle" is measured after
