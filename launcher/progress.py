@@ -9,9 +9,59 @@ staleness so far, phase, the store nodes down and being restarted). Elsewhere (l
 from __future__ import annotations
 
 import contextlib
+import json
 import time
 from collections.abc import Callable, Iterator
-from typing import Any
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from schemas.replies import NodeStats
+
+
+@dataclass(slots=True)
+class LiveState:
+    """What the progress display shows, refreshed from the stores and the trainer's progress file."""
+
+    phase: str = "starting"
+    written: int = 0
+    admitted: int = 0
+    consumed: int = 0
+    version: int = 0
+    stores_down: list[str] = field(default_factory=list)
+    steps: list[dict[str, Any]] = field(default_factory=list)
+    started: float = field(default_factory=time.monotonic)
+
+    @property
+    def staleness_mean(self) -> float:
+        rows = sum(s.get("rows", 0) for s in self.steps if "arch_staleness_mean" in s)
+        if not rows:
+            return 0.0
+        return sum(s["arch_staleness_mean"] * s["rows"] for s in self.steps if "arch_staleness_mean" in s) / rows
+
+    @property
+    def staleness_max(self) -> int:
+        return max((int(s.get("arch_staleness_max", 0)) for s in self.steps), default=0)
+
+    def read_progress(self, path: Path) -> None:
+        """Take the trainer's new progress lines (one JSON object per optimizer step)."""
+        if not path.exists():
+            return
+        for line in path.read_text().splitlines()[len(self.steps):]:
+            try:
+                self.steps.append(json.loads(line))
+            except json.JSONDecodeError:
+                break  # a line being written: read it next time
+        if self.steps:
+            self.admitted = max(self.admitted, int(self.steps[-1].get("admitted_groups") or 0))
+            self.phase = "training"
+
+    def read_stats(self, stats: dict[str, NodeStats]) -> None:
+        """Take the stores' counters."""
+        self.written = sum(s.groups.stored + s.groups.released for s in stats.values())
+        self.consumed = sum(s.groups.released for s in stats.values())
+        self.version = max(s.policy_version for s in stats.values())
 
 
 class Display:
@@ -38,7 +88,7 @@ class Display:
 
     @contextlib.contextmanager
     def live(self, policy: str, total_groups: int, total_steps: int) -> Iterator[Callable[[Any], None]]:
-        """A context whose value is ``update(state)`` (state: ``launcher.run.LiveState``)."""
+        """A context whose value is ``update(state)`` (state: :class:`LiveState`)."""
         if self.plain:
             last: list[Any] = [0.0, []]  # time of the last line, the stores down then
 

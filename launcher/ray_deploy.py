@@ -54,8 +54,9 @@ from flight_store.net import free_port, free_ports
 from flight_store.reading import StoreReader
 from launcher import report, resume
 from launcher.placement import Placement, Site
+from launcher.progress import LiveState
 from launcher.ray_stores import RayStoreRestartError, RayStores
-from launcher.run import Interrupted, LiveState, RunConfig, rollout_config, store_configs, train_config
+from launcher.run import Interrupted, RunConfig, rollout_config, store_configs, train_config
 from schemas import documents
 from schemas.replies import NodeStats
 from train.config import ModelConfig
@@ -137,7 +138,6 @@ class RolloutActor:
         fake = None
         if engine == "fake":
             from connectors.fake_engine import FakeEngine
-
             fake = FakeEngine(seed=config.seed)
         out = run_rollout(config, engine=fake).to_dict()
         return {k: v for k, v in out.items() if k != "write_times"}

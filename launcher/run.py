@@ -59,9 +59,9 @@ from launcher import ledger, report, resume
 from launcher.children import ROOT, Child, Children
 from launcher.model import MODELS_DIR, RUN_MODELS, RunModelName
 from launcher.placement import Placement
+from launcher.progress import LiveState
 from launcher.stores import Stores
 from schemas import documents
-from schemas.replies import NodeStats
 from train.config import ModelConfig, ObjectiveConfig, OptimConfig, ParallelConfig, TrainConfig
 
 log = logging.getLogger(__name__)
@@ -262,50 +262,6 @@ def rollout_config(cfg: RunConfig, stores: list[str]) -> RolloutConfig:
 
 
 # ---- one run ----------------------------------------------------------------------------------
-
-
-@dataclass(slots=True)
-class LiveState:
-    """What the progress display shows, refreshed from the stores and the trainer's progress file."""
-
-    phase: str = "starting"
-    written: int = 0
-    admitted: int = 0
-    consumed: int = 0
-    version: int = 0
-    stores_down: list[str] = field(default_factory=list)
-    steps: list[dict[str, Any]] = field(default_factory=list)
-    started: float = field(default_factory=time.monotonic)
-
-    @property
-    def staleness_mean(self) -> float:
-        rows = sum(s.get("rows", 0) for s in self.steps if "arch_staleness_mean" in s)
-        if not rows:
-            return 0.0
-        return sum(s["arch_staleness_mean"] * s["rows"] for s in self.steps if "arch_staleness_mean" in s) / rows
-
-    @property
-    def staleness_max(self) -> int:
-        return max((int(s.get("arch_staleness_max", 0)) for s in self.steps), default=0)
-
-    def read_progress(self, path: Path) -> None:
-        """Take the trainer's new progress lines (one JSON object per optimizer step)."""
-        if not path.exists():
-            return
-        for line in path.read_text().splitlines()[len(self.steps):]:
-            try:
-                self.steps.append(json.loads(line))
-            except json.JSONDecodeError:
-                break  # a line being written: read it next time
-        if self.steps:
-            self.admitted = max(self.admitted, int(self.steps[-1].get("admitted_groups") or 0))
-            self.phase = "training"
-
-    def read_stats(self, stats: dict[str, NodeStats]) -> None:
-        """Take the stores' counters."""
-        self.written = sum(s.groups.stored + s.groups.released for s in stats.values())
-        self.consumed = sum(s.groups.released for s in stats.values())
-        self.version = max(s.policy_version for s in stats.values())
 
 
 def run_policy(cfg: RunConfig, model: ModelConfig, *, stop: threading.Event,

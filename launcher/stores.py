@@ -117,7 +117,8 @@ class Stores:
         self._kids = kids
         self._out = out
         self._max_restarts = max_restarts
-        self._start_timeout_s = start_timeout_s
+        self.start_timeout_s = start_timeout_s
+        """Seconds a node may take to answer after a (re)start, and stay cut off, before it is lost."""
         self.nodes = nodes
         """Each node's config (as its document says)."""
         self.children: list[Child] = []
@@ -150,7 +151,7 @@ class Stores:
             path = documents.write(node, self._out / "configs" / f"store{i}.json")
             cmd = self._sites[i].command([sys.executable, "-m", "flight_store", "--config", str(path)])
             self.children.append(self._kids.start(f"store{i}", cmd, env=self._sites[i].env))
-        deadline = time.monotonic() + self._start_timeout_s
+        deadline = time.monotonic() + self.start_timeout_s
         while not all(answers(loc) for loc in self.locations):
             dead = [c for c in self.children if not c.alive()]
             if dead or time.monotonic() > deadline:
@@ -186,8 +187,8 @@ class Stores:
                 outage.back_at = time.time()
                 log.warning("store %s (%s) is back after %.1f s", outage.node, outage.store,
                             outage.back_at - outage.died_at)
-            elif time.time() - outage.died_at > self._start_timeout_s:
-                self._lose(outage, f"did not answer within {self._start_timeout_s} s")
+            elif time.time() - outage.died_at > self.start_timeout_s:
+                self._lose(outage, f"did not answer within {self.start_timeout_s} s")
         self._tell_down()
         return [o.node for o in outages if o.back_at is None]
 
@@ -275,10 +276,10 @@ class Stores:
     def wait_up(self) -> None:
         """Return once no node is down but those lost (starting again those that exit); raises as :meth:`check`
         does, and when a node still does not answer after ``start_timeout_s`` (an unreachable one)."""
-        deadline = time.monotonic() + self._start_timeout_s
+        deadline = time.monotonic() + self.start_timeout_s
         while down := sorted(set(self.check()) - set(self.lost)):
             if time.monotonic() > deadline:
-                msg = f"store nodes {down} still do not answer after {self._start_timeout_s} s"
+                msg = f"store nodes {down} still do not answer after {self.start_timeout_s} s"
                 raise RuntimeError(msg)
             time.sleep(0.2)
 

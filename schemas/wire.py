@@ -1,9 +1,8 @@
 """Wire documents: Flight descriptors, tickets and action bodies, as small versioned JSON.
 
-Every document is a JSON object with ``"v"`` (the schema version) and ``"kind"``. Any Flight
-client, in any language, can build them by hand; docs/protocol.md shows one
-example of each. ``decode_descriptor``, ``decode_ticket``, ``decode_exchange`` and ``decode_action_body``
-are the only places that parse them, and raise :class:`WireError` naming what was wrong.
+Every document is a JSON object with ``"v"`` (the schema version) and ``"kind"``; any Flight client, in any language,
+can build them by hand (docs/protocol.md shows each). The ``decode_*`` functions below are the only places that parse
+them; they raise :class:`WireError` naming what was wrong.
 """
 
 from __future__ import annotations
@@ -363,10 +362,9 @@ ACTION_BODIES: dict[str, type[_Doc]] = {
 # ---- encoding -----------------------------------------------------------------------------------
 
 def encode_read_end(rows: int, metadata: dict[str, str]) -> bytes:
-    """The app metadata ending a read channel's answer of ``rows`` rows: ``{"rows": N, "metadata": {...}}``
-    (``metadata``: the ``knittrans.*`` schema metadata the answer's groups share, as a DoGet's schema
-    carries it). A refused request is answered by one metadata-only message ``{"error": {...}}`` instead
-    (the typed error's JSON, as a bulk write names a refused group)."""
+    """The app metadata ending a read channel's answer of ``rows`` rows, ``{"rows": N, "metadata": {...}}`` (the
+    ``knittrans.*`` schema metadata its groups share, as a DoGet's schema carries it); a refused request gets one
+    metadata-only message ``{"error": {...}}`` (the typed error's JSON) instead."""
     return json.dumps({"rows": rows, "metadata": metadata}).encode()
 
 
