@@ -22,15 +22,17 @@ import subprocess
 import sys
 import tempfile
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from types import FrameType
-from typing import cast
+from typing import TypeVar, cast
 
 from flight_store.config import ServerConfig
 from flight_store.server import StoreServer
 from flight_store.spill import SpillCorruptionError
 from schemas import documents
+
+T = TypeVar("T")
 
 
 def serve(config: ServerConfig) -> int:
@@ -46,29 +48,37 @@ def serve(config: ServerConfig) -> int:
     except (SpillCorruptionError, PermissionError, OSError, ValueError) as exc:
         print(f"knit serve: cannot start: {exc}", file=sys.stderr, flush=True)
         return 2
+    lines = [f"listening on {server.location}"]
+    if server.metrics_port is not None:
+        lines.append(f"metrics on http://{config.advertised_host}:{server.metrics_port}/metrics")
+    clean = serve_until_signalled("serve", lines, server.shutdown)
+    if not clean:  # a stalled writer's gRPC thread would keep the process alive: the log is fsynced, leave now
+        logging.shutdown()
+        os._exit(0)
+    return 0
+
+
+def serve_until_signalled(name: str, lines: Sequence[str], shutdown: Callable[[], T]) -> T:
+    """Print ``lines`` as ``knit NAME: LINE``, wait for SIGINT or SIGTERM, then ``shutdown()`` and say
+    ``stopped``; returns what ``shutdown`` returns. The handlers come first: whoever reads the ``listening``
+    line may signal at once, and must get a clean stop. Must run in the main thread."""
     stop = threading.Event()
 
     def on_signal(signum: int, frame: FrameType | None) -> None:
         stop.set()
 
-    # handlers first: whoever reads the "listening" line may signal at once, and must get a clean stop
     previous = {sig: signal.signal(sig, on_signal) for sig in (signal.SIGINT, signal.SIGTERM)}
     try:
-        print(f"knit serve: listening on {server.location}", flush=True)
-        if server.metrics_port is not None:
-            print(f"knit serve: metrics on http://{config.advertised_host}:{server.metrics_port}/metrics",
-                  flush=True)
+        for line in lines:
+            print(f"knit {name}: {line}", flush=True)
         while not stop.wait(0.5):
             pass
     finally:
-        clean = server.shutdown()
+        result = shutdown()
         for sig, handler in previous.items():
             signal.signal(sig, handler)
-    print("knit serve: stopped", flush=True)
-    if not clean:  # a stalled writer's gRPC thread would keep the process alive: the log is fsynced, leave now
-        logging.shutdown()
-        os._exit(0)
-    return 0
+    print(f"knit {name}: stopped", flush=True)
+    return result
 
 
 class NodeProcess:

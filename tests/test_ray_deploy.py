@@ -202,6 +202,15 @@ def test_a_run_on_a_3_node_ray_cluster_trains_every_group_once_and_no_payload_re
           f"{ {k: (v.rx, v.tx) for k, v in links.items()} }; driver's own bytes {r['ray']['driver_bytes']}")
 
 
+def _wait_training(driver: subprocess.Popen[str], out: Path, tmp_path: Path) -> None:
+    """Until the run's first step is in its progress file (at most 150 s; the driver must not exit first)."""
+    deadline = time.monotonic() + 150
+    while not ((out / "progress.jsonl").exists() and (out / "progress.jsonl").read_text().strip()):
+        assert driver.poll() is None, (tmp_path / "run.log").read_text()[-3000:]
+        assert time.monotonic() < deadline, "the run did not start training"
+        time.sleep(0.1)
+
+
 def test_a_store_actor_killed_mid_run_is_started_again_and_every_prompt_trained_once(
         ray_cluster: RayCluster, tmp_path: Path) -> None:
     from ledger_check import each_prompt_trained_once
@@ -209,11 +218,7 @@ def test_a_store_actor_killed_mid_run_is_started_again_and_every_prompt_trained_
     h = ray_cluster.hosts.hosts
     out, batches = tmp_path / "run", 3
     driver = ray_cluster.driver(out, batches)
-    deadline = time.monotonic() + 150
-    while not ((out / "progress.jsonl").exists() and (out / "progress.jsonl").read_text().strip()):
-        assert driver.poll() is None, (tmp_path / "run.log").read_text()[-3000:]
-        assert time.monotonic() < deadline, "the run did not start training"
-        time.sleep(0.1)
+    _wait_training(driver, out, tmp_path)
     store = [p for p in h[2].pids() if b"StoreNodeActor" in Path(f"/proc/{p}/cmdline").read_bytes()]
     assert len(store) == 1, h[2].pids()
     killed_at = time.time()
@@ -239,11 +244,7 @@ def test_a_ray_node_lost_mid_run_stops_the_run_with_a_typed_error_naming_it(
     out = tmp_path / "run"
     batches = 30  # long enough to be running when the node's loss is noticed (up to the 20 s grace)
     driver = ray_cluster.driver(out, batches)
-    deadline = time.monotonic() + 150
-    while not ((out / "progress.jsonl").exists() and (out / "progress.jsonl").read_text().strip()):
-        assert driver.poll() is None, (tmp_path / "run.log").read_text()[-3000:]
-        assert time.monotonic() < deadline, "the run did not start training"
-        time.sleep(0.1)
+    _wait_training(driver, out, tmp_path)
     raylet = [p for p in h[2].pids() if Path(f"/proc/{p}/comm").read_text().strip() == "raylet"]
     assert len(raylet) == 1, h[2].pids()
     killed_at = time.time()

@@ -32,16 +32,14 @@ import importlib.metadata
 import logging
 import os
 import re
-import signal
 import sys
-import threading
 from collections.abc import Callable, Iterator
-from types import FrameType
 from typing import Any
 
 import pyarrow as pa
 import pyarrow.flight as flight
 
+from flight_store.node import serve_until_signalled
 from flight_store.reading import StoreReader
 from flight_store.rpc import TokenAuthFactory, guard
 from flight_store.secrets import read_public, read_secret, read_token_file
@@ -296,21 +294,7 @@ def serve(config: SqlConfig) -> int:
     except (PermissionError, OSError, ValueError) as exc:
         print(f"knit sql: cannot start: {exc}", file=sys.stderr, flush=True)
         return 2
-    stop = threading.Event()
-
-    def on_signal(signum: int, frame: FrameType | None) -> None:
-        stop.set()
-
-    previous = {sig: signal.signal(sig, on_signal) for sig in (signal.SIGINT, signal.SIGTERM)}
-    try:
-        print(f"knit sql: listening on {gateway.location}", flush=True)
-        while not stop.wait(0.5):
-            pass
-    finally:
-        gateway.shutdown()
-        for sig, handler in previous.items():
-            signal.signal(sig, handler)
-    print("knit sql: stopped", flush=True)
+    serve_until_signalled("sql", [f"listening on {gateway.location}"], gateway.shutdown)
     return 0
 
 
