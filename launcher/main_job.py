@@ -62,12 +62,13 @@ def parse(argv: Sequence[str]) -> tuple[list[RunConfig], argparse.Namespace]:
     parser.add_argument("--resume", type=Path, default=None, metavar="RUN_DIR",
                         help="take up the run stopped in RUN_DIR (Ctrl-C or killed) from its last checkpoint, its "
                         "stores' spill logs and its event logs, with the config it was started with "
-                        "(launcher.resume); no other flag is taken")
+                        "(launcher.resume); no other flag is taken but --ray and --engine (a run started with "
+                        "--ray is taken up with --ray)")
     flags = add_flags(parser, RunConfig)
     args = parser.parse_args(list(argv))
     if args.resume is not None:
-        if args.ray is not None or args.compare or args.policies:
-            parser.error("--resume takes up one local run: no --ray, --compare or --policies")
+        if args.compare or args.policies:
+            parser.error("--resume takes up one run: no --compare or --policies")
         try:
             return [documents.read(RunConfig, args.resume.resolve() / "run_config.json")], args
         except (OSError, ValueError) as exc:
@@ -143,7 +144,8 @@ def trainer_busy(result: dict[str, Any]) -> float:
 
 def _run_on_ray(cfg: RunConfig, model: Any, args: argparse.Namespace, stop: threading.Event,
                 update: Any) -> dict[str, Any]:
-    return run_on_ray(cfg, model, address=args.ray, engine=args.engine, stop=stop, on_update=update)
+    return run_on_ray(cfg, model, address=args.ray, engine=args.engine, stop=stop, on_update=update,
+                      resumed=resume.begin(cfg.out) if args.resume else None)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -180,6 +182,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             if "ledger" in result:
                 display.note(f"[{cfg.policy}] {result['ledger']['summary']}")
             for o in result["store_outages"]:
+                if o.get("lost_at") is not None:
+                    display.note(f"[{cfg.policy}] store {o['node']} ({o['store']}) was lost for good; its groups not "
+                                 "trained were generated again")
+                    continue
                 if o.get("cause") == "unreachable":
                     display.note(f"[{cfg.policy}] store {o['node']} ({o['store']}) did not answer for {o['down_s']} s "
                                  "while its process ran (its host was cut off)")
@@ -201,7 +207,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         display.note("interrupted: every process stopped; partial results are in the run folder")
         return 130
     except RayNodeLostError as exc:
-        display.note(f"knit run --ray: {exc}; what the other nodes held is in {out} (lost_node.json)")
+        display.note(f"knit run --ray: {exc}; what the other nodes held is in {out} (lost_node.json); take it up "
+                     f"with knit run --resume {out} --ray")
         return 3
     except (RunFolderInUseError, LeftoverProcessesError) as exc:
         display.note(f"knit run: {exc}")

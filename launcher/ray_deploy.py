@@ -22,11 +22,15 @@ The run folder (``RunConfig.out``) must be on a filesystem every node sees, as f
 rank 0 writes the consumed log and progress there, the stores their spill logs.
 
 A store actor that dies while its Ray node lives is started again there from its spill log (``launcher.ray_stores``).
-Losing a Ray node (its raylet stops, or it becomes unreachable) is not recovered: its store's groups and its trainer
-rank (whose gloo group cannot continue without it) are gone. The driver notices it (an actor there fails, or Ray
-marks the node dead), stops every other actor, saves what the surviving stores hold (``metadata.parquet``,
-``store_stats.json``) and the accounting (``lost_node.json``: the node, what ran there, the groups it still held when
-last polled, lost unconsumed), and raises :class:`RayNodeLostError` naming the node.
+A Ray node lost for good (its raylet stops, or it becomes unreachable: an actor there fails and Ray marks the node
+dead, or Ray marks it dead first) is handled as ``knit run`` handles a store node lost for good: its stores leave the
+cluster view for good, the driver kills the trainer ranks and the rollout and takes the run up again from the last
+checkpoint on the nodes left (``launcher.resume``), the groups written there and not trained regenerated
+(``node_lost`` in the ledger); a rollout that fails on a live node is taken up the same way (``rollout_lost``). A
+node that held a trainer rank (its gloo group cannot go on without it), or the last store, stops the run: the driver
+saves what the surviving stores hold (``metadata.parquet``, ``store_stats.json``) and the accounting
+(``lost_node.json``) and raises :class:`RayNodeLostError`; ``knit run --resume RUN_DIR --ray`` takes it up on the
+nodes there are then.
 
 Ray is optional (``pip install knittrans[bench]`` ships it) and imported only here, only when called.
 
@@ -40,21 +44,23 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
-import os
 import pickle
+import shutil
 import socket
 import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
-from typing import Any, Literal
+from typing import Any
 
-from flight_store.config import ClusterMember, ServerConfig
-from flight_store.net import free_port, free_ports
+import polars as pl
+
+from flight_store.config import ClusterMember
 from flight_store.reading import StoreReader
 from launcher import report, resume
 from launcher.placement import Placement, Site
 from launcher.progress import LiveState
+from launcher.ray_actors import Engine, RolloutActor, StoreNodeActor, TrainerRankActor, local_ip_towards, pinned
 from launcher.ray_stores import RayStoreRestartError, RayStores
 from launcher.run import Interrupted, RunConfig, rollout_config, store_configs, train_config
 from schemas import documents
@@ -62,8 +68,6 @@ from schemas.replies import NodeStats
 from train.config import ModelConfig
 
 log = logging.getLogger(__name__)
-
-Engine = Literal["vllm", "fake"]
 
 
 class RayUnavailableError(ImportError):
@@ -97,95 +101,6 @@ def _ray() -> Any:
     return ray
 
 
-# ---- the actors (plain classes; ray.remote wraps them when a deployment starts) ------------------------
-
-
-class StoreNodeActor:
-    """One store node in this actor's process, on the node at ``ip``."""
-
-    def __init__(self, ip: str) -> None:
-        self.ip = ip
-        self.server: Any = None
-
-    def ports(self) -> tuple[int, int]:
-        """Two ports free on this node now: the node's and its metrics'."""
-        store, metrics = free_ports(2, self.ip)
-        return store, metrics
-
-    def start(self, config: ServerConfig) -> str:
-        """Serve ``config`` (its RSS held to the budget, as ``knit serve`` does); returns the location."""
-        from flight_store.server import StoreServer
-
-        self.server = StoreServer(replace(config, store=replace(config.store, rss_guard=True)))
-        return str(self.server.location)
-
-    def serve(self) -> None:
-        """Return when the node stops (the driver holds this call: the actor's death is its error)."""
-        self.server.wait()
-
-    def stop(self) -> bool:
-        """Stop serving; whether it stopped cleanly."""
-        return bool(self.server.shutdown()) if self.server is not None else True
-
-
-class RolloutActor:
-    """The rollout worker (``connectors.rollout.run_rollout``)."""
-
-    def run(self, config: Any, engine: Engine) -> dict[str, Any]:
-        """Run until ``config.max_groups`` groups are written; the report without ``write_times``."""
-        from connectors.rollout import run_rollout
-
-        fake = None
-        if engine == "fake":
-            from connectors.fake_engine import FakeEngine
-            fake = FakeEngine(seed=config.seed)
-        out = run_rollout(config, engine=fake).to_dict()
-        return {k: v for k, v in out.items() if k != "write_times"}
-
-
-class TrainerRankActor:
-    """One trainer rank (``train.launch.launch`` under a torch.distributed environment)."""
-
-    def __init__(self, ip: str) -> None:
-        self.ip = ip
-
-    def rendezvous_port(self) -> int:
-        """A port free on this node (rank 0's rendezvous)."""
-        return free_port(self.ip)
-
-    def run(self, cfg: Any, env: dict[str, str]) -> int:
-        """Join the group ``env`` describes and train; returns the rank."""
-        from train.launch import launch
-
-        ifname = interface_of(self.ip)
-        os.environ.update(env)
-        if ifname is not None and "GLOO_SOCKET_IFNAME" not in env:
-            os.environ["GLOO_SOCKET_IFNAME"] = ifname  # gloo would bind the hostname's address otherwise
-        logging.basicConfig(level=logging.INFO, format=f"%(asctime)s [rank{env['RANK']}] %(name)s %(message)s")
-        launch(cfg, 1)
-        return int(env["RANK"])
-
-
-def interface_of(ip: str) -> str | None:
-    """The network interface that holds ``ip`` here (None when none does or psutil is missing)."""
-    try:
-        import psutil
-    except ImportError:
-        return None
-    for name, addrs in psutil.net_if_addrs().items():
-        if any(a.family == socket.AF_INET and a.address == ip for a in addrs):
-            return str(name)
-    return None
-
-
-def local_ip_towards(address: str) -> str:
-    """This machine's IP on the route to ``host:port`` (the driver's node IP for ``ray.init``)."""
-    host = address.rsplit(":", 1)[0]
-    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
-        s.connect((host, 9))  # UDP: no packet is sent
-        return str(s.getsockname()[0])
-
-
 # ---- the deployment ------------------------------------------------------------------------------
 
 
@@ -205,11 +120,14 @@ class Deployment:
     """What the driver holds: handles, node ids and addresses, configs; nothing of the payload."""
 
     nodes: list[dict[str, Any]]
+    """The Ray nodes the run places on (``id``, ``ip``); a node lost for good is taken out."""
     stores: list[Component] = field(default_factory=list)
     rollout: Component | None = None
     ranks: list[Component] = field(default_factory=list)
     locations: list[str] = field(default_factory=list)
     keeper: RayStores | None = None  # keeps the store actors up
+    lost: list[str] = field(default_factory=list)
+    """Ray ids of the nodes lost for good (their stores stay down in the cluster view)."""
     driver_bytes: dict[str, int] = field(default_factory=lambda: {"actor_returns": 0, "metadata": 0, "stats": 0})
 
     @property
@@ -219,22 +137,35 @@ class Deployment:
     def on(self, node_id: str) -> list[str]:
         return [c.name for c in self.components if c.node_id == node_id]
 
+    @property
+    def live_stores(self) -> list[Component]:
+        return [s for s in self.stores if s.node_id not in self.lost]
+
+
+class _WorkersLost(Exception):
+    """The rollout's node was lost for good, or its process died: take the run up again from the last checkpoint."""
+
+    def __init__(self, cause: str, node: dict[str, Any] | None = None) -> None:
+        super().__init__(cause)
+        self.cause, self.node = cause, node
+
 
 def run_on_ray(cfg: RunConfig, model: ModelConfig, *, address: str = "auto", engine: Engine = "vllm",
                stop: threading.Event | None = None, on_update: Callable[[LiveState], None] | None = None,
                cpus_per_actor: float = 0.5, node_loss_grace_s: float = 30.0, min_nodes: int = 1,
-               wait_nodes_s: float = 60.0) -> dict[str, Any]:
+               wait_nodes_s: float = 60.0, resumed: resume.Resumption | None = None) -> dict[str, Any]:
     """Run one policy on the Ray cluster at ``address`` (``auto``: the one this machine belongs to).
 
     The stores get ``cfg.num_stores``-independent placement: one per Ray node with CPUs. ``engine="fake"`` runs
     the rollout on ``connectors.fake_engine.FakeEngine`` (no vLLM; tests). ``cpus_per_actor``: the CPU slots
     each actor holds. ``node_loss_grace_s``: how long, after a component failed, the driver waits for Ray to
-    say whether its node died (then :class:`RayNodeLostError`, else :class:`RayDeployError`). ``min_nodes``: wait
-    up to ``wait_nodes_s`` for that many alive nodes with CPUs (nodes still joining).
+    say whether its node died. ``min_nodes``: wait up to ``wait_nodes_s`` for that many alive nodes with CPUs
+    (nodes still joining). ``resumed``: take the run stopped in ``cfg.out`` up again (:func:`launcher.resume.begin`;
+    its stores start on their spill logs, a store of the earlier run with no node now counts as lost).
 
     Raises:
         RayUnavailableError: Ray is not installed.
-        RayNodeLostError: a node the run used was lost (the run is stopped; see the module docstring).
+        RayNodeLostError: a node holding a trainer rank (or every store) was lost (the run is stopped, resumable).
         RayDeployError: a component failed, or the cluster has no node with CPUs.
         TimeoutError: the run exceeded ``cfg.timeout_s``.
         Interrupted: ``stop`` was set.
@@ -255,40 +186,57 @@ def run_on_ray(cfg: RunConfig, model: ModelConfig, *, address: str = "auto", eng
                   f"min_nodes={min_nodes}"
             raise RayDeployError(msg)
         time.sleep(0.5)
-    cfg = replace(cfg, num_stores=len(nodes))
+    earlier, cfg = cfg.num_stores, replace(cfg, num_stores=len(nodes))
     cfg.out.mkdir(parents=True, exist_ok=True)
     (cfg.out / "lost_node.json").unlink(missing_ok=True)
-    resume.fresh(cfg.out)  # an earlier run's progress, event logs and checkpoints
+    if resumed is None:
+        resume.fresh(cfg.out)  # an earlier run's progress, event logs and checkpoints
+        shutil.rmtree(cfg.out / "stores", ignore_errors=True)  # and its spill logs
+    else:
+        resume.note_gone(cfg.out, range(len(nodes), earlier))
+    documents.write(cfg, cfg.out / "run_config.json")
     dep = Deployment(nodes=[{"id": n["NodeID"], "ip": n["NodeManagerAddress"]} for n in nodes])
     state = LiveState()
     t0 = time.time()
     try:
-        _start(ray, dep, cfg, model, engine, cpus_per_actor)
-        with StoreReader(dep.locations, timeout=5.0) as client:
-            _supervise(ray, dep, cfg, client, state, stop, on_update, node_loss_grace_s)
-        _collect(dep, cfg, partial=False)
+        _start_stores(ray, dep, cfg, cpus_per_actor)
+        cause, rollout_restarts = "stopped", 0
+        while True:  # a life: the trainer ranks and the rollout, until the run ends or the rollout is lost
+            try:
+                _life(ray, dep, cfg, model, (engine, cpus_per_actor), resumed, cause, state, stop, on_update,
+                      node_loss_grace_s)
+                break
+            except _WorkersLost as lost:
+                cause = lost.cause
+                rollout_restarts += cause == "rollout_lost"
+                if rollout_restarts > cfg.max_rollout_restarts:
+                    msg = f"the rollout failed {rollout_restarts} times (max_rollout_restarts)"
+                    raise RayDeployError(msg) from lost
+                _stop_workers(ray, dep)
+                if lost.node is not None:
+                    _forget(dep, lost.node)
+                log.warning("%s: taking the run up again from its last checkpoint", cause)
+                resumed = resume.begin(cfg.out)
+                state.steps.clear()  # progress.jsonl is cut back to the steps the checkpoint holds
+        metadata = _collect(dep, cfg, partial=False)
     finally:
         _stop_all(ray, dep)
+    resume_figures = resume.finish(cfg.out, metadata)  # the lives' per-step files joined first
     result = report.policy_summary(cfg.out, config=json.loads(documents.dump(cfg)) | {
         "lookahead_groups": cfg.lookahead_groups}, wall_s=time.time() - t0, metrics_urls=[],
         outages=[o.to_dict() for o in dep.keeper.outages] if dep.keeper else [])
-    result["ray"] = {"nodes": dep.nodes, "placement": {c.name: c.node_ip for c in dep.components},
+    result |= resume_figures
+    result["ray"] = {"nodes": dep.nodes, "lost": dep.lost, "placement": {c.name: c.node_ip for c in dep.components},
                      "driver_bytes": dep.driver_bytes}
     (cfg.out / "policy_summary.json").write_text(json.dumps(result, indent=1, default=str))
     return result
 
 
-def _pinned(ray: Any, cls: type, node_id: str, cpus: float) -> Any:
-    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
-    return ray.remote(cls).options(num_cpus=cpus, max_restarts=0, max_concurrency=2 if cls is StoreNodeActor else 1,
-                                   scheduling_strategy=NodeAffinitySchedulingStrategy(node_id, soft=False))
-
-
-def _start(ray: Any, dep: Deployment, cfg: RunConfig, model: ModelConfig, engine: Engine, cpus: float) -> None:
-    """Stores first (ports asked of each node, then the configs ``knit run`` builds, with those ports), then the
-    trainer ranks and the rollout."""
+def _start_stores(ray: Any, dep: Deployment, cfg: RunConfig, cpus: float) -> None:
+    """One store node per Ray node: ports asked of each node, then the configs ``knit run`` builds, with those ports
+    (each written to ``configs/store{i}.json``)."""
     for i, n in enumerate(dep.nodes):
-        actor = _pinned(ray, StoreNodeActor, n["id"], cpus).remote(n["ip"])
+        actor = pinned(ray, StoreNodeActor, n["id"], cpus).remote(n["ip"])
         dep.stores.append(Component(f"store node{i}", n["id"], n["ip"], actor))
     ports = ray.get([s.actor.ports.remote() for s in dep.stores], timeout=120)
     sites = [Site(address=s.node_ip, exec_prefix=["ray"], name=s.node_ip) for s in dep.stores]
@@ -297,19 +245,35 @@ def _start(ray: Any, dep: Deployment, cfg: RunConfig, model: ModelConfig, engine
                for i, (s, (p, _)) in enumerate(zip(sites, ports, strict=True))]
     configs = [replace(c, port=p, metrics_port=m if c.metrics_port is not None else None, cluster=cluster)
                for c, (p, m) in zip(configs, ports, strict=True)]
+    for i, c in enumerate(configs):
+        documents.write(c, cfg.out / "configs" / f"store{i}.json")
     dep.locations = ray.get([s.actor.start.remote(c) for s, c in zip(dep.stores, configs, strict=True)], timeout=120)
     for s in dep.stores:
         s.ref = s.actor.serve.remote()
-    dep.keeper = RayStores(ray, lambda node, ip: _pinned(ray, StoreNodeActor, node, cpus).remote(ip), configs,
+    dep.keeper = RayStores(ray, lambda node, ip: pinned(ray, StoreNodeActor, node, cpus).remote(ip), configs,
                            dep.locations, max_restarts=cfg.max_store_restarts, start_timeout_s=30.0)
     log.info("store nodes on %s", dict(zip([s.node_ip for s in dep.stores], dep.locations, strict=True)))
 
-    train_cfg = train_config(cfg, model, dep.locations)
+
+def _life(ray: Any, dep: Deployment, cfg: RunConfig, model: ModelConfig, how: tuple[Engine, float],
+          resumed: resume.Resumption | None, cause: str, state: LiveState, stop: threading.Event,
+          on_update: Callable[[LiveState], None] | None, grace_s: float) -> None:
+    """Start the trainer ranks (rank ``r`` on the ``r``-th node) and the rollout (on the last node), taking the run
+    up again after ``cause`` when ``resumed``, and follow them to the end (:func:`_supervise`)."""
+    engine, cpus = how
+    train_cfg, roll_cfg = train_config(cfg, model, dep.locations), rollout_config(cfg, dep.locations)
+    if resumed is not None:
+        docs = resume.prepare(cfg.out, resumed, cfg.admission, dep.locations, cause=cause)
+        train_cfg, roll_cfg = resume.configs(train_cfg, roll_cfg, resumed, docs, f"{cfg.policy}-")
     documents.write(train_cfg, cfg.out / "configs" / "train.json")  # what ran, for the record
+    documents.write(roll_cfg, cfg.out / "configs" / "rollout.json")
+    if train_cfg.max_steps <= 0:  # none left: a resume of a run stopped after its last checkpoint
+        return
     world = cfg.admission.dp_ranks
+    dep.ranks = []
     for r in range(world):
         n = dep.nodes[r % len(dep.nodes)]
-        actor = _pinned(ray, TrainerRankActor, n["id"], cpus).remote(n["ip"])
+        actor = pinned(ray, TrainerRankActor, n["id"], cpus).remote(n["ip"])
         dep.ranks.append(Component(f"trainer rank {r}", n["id"], n["ip"], actor))
     master = dep.ranks[0]
     port = ray.get(master.actor.rendezvous_port.remote(), timeout=120)
@@ -317,12 +281,11 @@ def _start(ray: Any, dep: Deployment, cfg: RunConfig, model: ModelConfig, engine
         env = {"RANK": str(r), "WORLD_SIZE": str(world), "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "1",
                "MASTER_ADDR": master.node_ip, "MASTER_PORT": str(port)}
         c.ref = c.actor.run.remote(train_cfg, env)
-
-    roll_cfg = rollout_config(cfg, dep.locations)
-    documents.write(roll_cfg, cfg.out / "configs" / "rollout.json")
     n = dep.nodes[-1]
-    dep.rollout = Component("rollout", n["id"], n["ip"], _pinned(ray, RolloutActor, n["id"], cpus).remote())
+    dep.rollout = Component("rollout", n["id"], n["ip"], pinned(ray, RolloutActor, n["id"], cpus).remote())
     dep.rollout.ref = dep.rollout.actor.run.remote(roll_cfg, engine)
+    with StoreReader(dep.locations, timeout=5.0) as client:
+        _supervise(ray, dep, cfg, client, state, stop, on_update, grace_s)
 
 
 def _supervise(ray: Any, dep: Deployment, cfg: RunConfig, client: StoreReader, state: LiveState,
@@ -330,7 +293,7 @@ def _supervise(ray: Any, dep: Deployment, cfg: RunConfig, client: StoreReader, s
     """Follow the run until every trainer rank returned; on a failure, tell a lost node from a failed component."""
     deadline = time.monotonic() + cfg.timeout_s
     last_stats: dict[str, NodeStats] = {}
-    pending = {c.ref: c for c in [*dep.ranks, dep.rollout, *dep.stores] if c is not None}
+    pending = {c.ref: c for c in [*dep.ranks, dep.rollout, *dep.live_stores] if c is not None}
     next_check = 0.0
     while any(c.ref in pending for c in dep.ranks):
         ready, _ = ray.wait(list(pending), num_returns=1, timeout=0.5)
@@ -351,7 +314,7 @@ def _supervise(ray: Any, dep: Deployment, cfg: RunConfig, client: StoreReader, s
             next_check = time.monotonic() + 1.0
             lost = _lost_node(ray, dep)
             if lost is not None:
-                _raise_lost(dep, cfg, lost, last_stats, cause="Ray marked the node dead")
+                _node_lost(dep, cfg, lost, last_stats, cause="Ray marked the node dead")
         with contextlib.suppress(Exception):  # a slow or lost node: the checks above decide
             stats = client.stats()
             dep.driver_bytes["stats"] += sum(len(s.to_bytes()) for s in stats.values())
@@ -378,22 +341,49 @@ def _restarted(dep: Deployment, comp: Component, exc: Exception, pending: dict[A
 
 
 def _lost_node(ray: Any, dep: Deployment) -> dict[str, Any] | None:
-    used = {c.node_id for c in dep.components}
+    """A node of the run's components that Ray marks dead (and that was not already given up)."""
+    used = {c.node_id for c in dep.components} - set(dep.lost)
     return next((n for n in ray.nodes() if n["NodeID"] in used and not n["Alive"]), None)
 
 
 def _failed(ray: Any, dep: Deployment, cfg: RunConfig, comp: Component, exc: Exception,
             last_stats: dict[str, NodeStats], grace_s: float) -> None:
-    """A component's call failed: a lost node if Ray marks one of ours dead within ``grace_s``, else that component."""
+    """A component's call failed: a lost node if Ray marks one of ours dead within ``grace_s``; else the rollout is
+    taken up again (:class:`_WorkersLost`), any other component fails the run."""
     log.warning("%s on %s failed (%s); asking Ray whether a node was lost", comp.name, comp.node_ip, type(exc).__name__)
     deadline = time.monotonic() + grace_s
     while time.monotonic() < deadline:
         lost = _lost_node(ray, dep)
         if lost is not None:
-            _raise_lost(dep, cfg, lost, last_stats, cause=f"{comp.name} failed: {type(exc).__name__}")
+            _node_lost(dep, cfg, lost, last_stats, cause=f"{comp.name} failed: {type(exc).__name__}")
         time.sleep(0.5)
+    if comp is dep.rollout:
+        log.warning("the rollout on %s failed on a live node: %s", comp.node_ip, exc)
+        raise _WorkersLost("rollout_lost") from exc
     msg = f"{comp.name} on Ray node {comp.node_ip} failed: {exc}"
     raise RayDeployError(msg) from exc
+
+
+def _node_lost(dep: Deployment, cfg: RunConfig, node: dict[str, Any], last_stats: dict[str, NodeStats],
+               *, cause: str) -> None:
+    """A node of the run is lost for good: its stores' groups not trained will go out again. With a trainer rank on
+    it, or no store left, the run stops (:func:`_raise_lost`); else the run is taken up again on the nodes left."""
+    node_id = node["NodeID"]
+    for i, s in enumerate(dep.stores):
+        if s.node_id == node_id and dep.keeper is not None:
+            resume.note_lost(cfg.out, str(dep.keeper.configs[i].node_name), dep.locations[i])
+    if any(c.node_id == node_id for c in dep.ranks) or all(s.node_id == node_id for s in dep.live_stores):
+        _raise_lost(dep, cfg, node, last_stats, cause=cause)
+    log.warning("Ray node %s (%s) is lost for good (%s)", node["NodeManagerAddress"], ", ".join(dep.on(node_id)), cause)
+    raise _WorkersLost("node_lost", node)
+
+
+def _forget(dep: Deployment, node: dict[str, Any]) -> None:
+    """Leave the lost ``node`` out: its stores down in every cluster view from now on, nothing placed on it again."""
+    dep.lost.append(node["NodeID"])
+    dep.nodes = [n for n in dep.nodes if n["id"] != node["NodeID"]]
+    if dep.keeper is not None:
+        dep.keeper.lose([i for i, s in enumerate(dep.stores) if s.node_id == node["NodeID"]])
 
 
 def _raise_lost(dep: Deployment, cfg: RunConfig, node: dict[str, Any], last_stats: dict[str, NodeStats],
@@ -409,19 +399,18 @@ def _raise_lost(dep: Deployment, cfg: RunConfig, node: dict[str, Any], last_stat
         "groups_released_before_loss": sum(g.released for g in held),
         "reason": "the node's store held them in memory and its spill log is on that node; not trained",
     }
-    for c in dep.components:  # stop the rest now: a rank waiting on a lost peer would wait for its gloo timeout
-        if c.node_id != node_id and not c.name.startswith("store"):
-            with contextlib.suppress(Exception):
-                _ray().kill(c.actor)
+    _stop_workers(_ray(), dep)  # now: a rank waiting on a lost peer would wait for its gloo timeout
     with contextlib.suppress(Exception):
         _collect(dep, cfg, partial=True, skip=set(lost_locations))
     (cfg.out / "lost_node.json").write_text(json.dumps(accounting, indent=1))
     raise RayNodeLostError(ip, node_id, accounting["components"], accounting)
 
 
-def _collect(dep: Deployment, cfg: RunConfig, *, partial: bool, skip: set[str] = frozenset()) -> None:  # type: ignore[assignment]
-    """The stores' metadata and counters into the run folder (metadata columns only: never payload)."""
-    locations = [loc for loc in dep.locations if loc not in skip]
+def _collect(dep: Deployment, cfg: RunConfig, *, partial: bool, skip: set[str] = frozenset()) -> pl.DataFrame:  # type: ignore[assignment]
+    """The stores' metadata and counters into the run folder (metadata columns only: never payload); returns the
+    metadata."""
+    lost = {loc for s, loc in zip(dep.stores, dep.locations, strict=True) if s.node_id in dep.lost}
+    locations = [loc for loc in dep.locations if loc not in skip | lost]
     with StoreReader(locations, timeout=30.0, retries=3 if partial else 20) as client:
         metadata = client.scan_metadata(partial=partial)
         stats = client.stats()
@@ -429,15 +418,21 @@ def _collect(dep: Deployment, cfg: RunConfig, *, partial: bool, skip: set[str] =
     metadata.write_parquet(cfg.out / "metadata.parquet")
     (cfg.out / "store_stats.json").write_text(json.dumps({n: s.model_dump(by_alias=True) for n, s in stats.items()},
                                                           indent=1))
+    return metadata
+
+
+def _stop_workers(ray: Any, dep: Deployment) -> None:
+    """Kill the trainer ranks and the rollout (a resume takes up what they left: checkpoints, event logs)."""
+    for c in [*dep.ranks, *([dep.rollout] if dep.rollout else [])]:
+        with contextlib.suppress(Exception):
+            ray.kill(c.actor)
 
 
 def _stop_all(ray: Any, dep: Deployment) -> None:
     """Trainer ranks and the rollout killed, stores stopped (then killed): nothing of the run outlives it."""
-    for c in [*dep.ranks, *([dep.rollout] if dep.rollout else [])]:
-        with contextlib.suppress(Exception):
-            ray.kill(c.actor)
+    _stop_workers(ray, dep)
     stops = []
-    for s in dep.stores:
+    for s in dep.live_stores:
         with contextlib.suppress(Exception):
             stops.append(s.actor.stop.remote())
     with contextlib.suppress(Exception):
@@ -447,4 +442,3 @@ def _stop_all(ray: Any, dep: Deployment) -> None:
             ray.kill(s.actor)
     if dep.keeper is not None:
         dep.keeper.close()
-

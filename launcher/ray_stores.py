@@ -12,7 +12,8 @@ death of the actor's process (SIGKILL, the OOM killer) surfaces as that call's e
    (``launcher.stores.Outage``).
 
 A node restarted more than ``max_restarts`` times, or whose Ray node is gone (the new actor cannot start
-there), is not kept up: :meth:`RayStores.restart` raises and the driver's lost-node handling takes over.
+there), is not kept up: :meth:`RayStores.restart` raises and the driver's lost-node handling takes over
+(:meth:`RayStores.lose`: the node stays down in the view, its outage never ends).
 """
 
 from __future__ import annotations
@@ -93,6 +94,19 @@ class RayStores:
         self.views.set_down([o.node for o in self.outages if o.back_at is None])
         log.warning("store %s is back on %s after %.1f s", node, location, outage.back_at - died)
         return actor
+
+    def lose(self, indices: list[int]) -> None:
+        """The nodes ``indices`` are lost for good with their Ray node: down in every cluster view from now on."""
+        now = time.time()
+        for i in indices:
+            node = str(self.configs[i].node_name)
+            outage = next((o for o in self.outages if o.node == node and o.back_at is None), None)
+            if outage is None:
+                outage = Outage(store=f"store node{i}", node=node, location=self.locations[i], exit_code=None,
+                                died_at=now, restarts=0, cause="node_lost")
+                self.outages.append(outage)
+            outage.lost_at = now
+        self.views.set_down([o.node for o in self.outages if o.back_at is None])
 
     def close(self) -> None:
         self.views.close()

@@ -54,9 +54,11 @@ import pyarrow as pa
 from admission.config import AdmissionConfig
 from admission.state import PlannerState
 from connectors.config import RolloutConfig
+from flight_store.config import ServerConfig
 from flight_store.reading import StoreReader
 from flight_store.writing import StoreWriter
 from launcher.ledger import EVENTS, ROLLOUT_EVENTS, TRAINED_EVENTS, History, group_status, read_history, unstored
+from schemas import documents
 from schemas.ledger import Reissue, RolloutResume, TrainerResume, append_event, read_events
 from train.checkpointing import latest_step
 from train.config import TrainConfig
@@ -147,6 +149,16 @@ def note_lost(out: Path, node: str, location: str) -> None:
     (out / EVENTS).mkdir(parents=True, exist_ok=True)
     append_event(out / EVENTS / ROLLOUT_EVENTS, {"kind": "node_lost", "node": node, "location": location,
                                                  "at": round(time.time(), 3)})
+
+
+def note_gone(out: Path, indices: range) -> None:
+    """The store nodes ``indices`` of an earlier start of the run, not started again (a resume under ``--ray`` on
+    fewer nodes), are lost for good (:func:`note_lost`, each from its ``configs/store{i}.json``)."""
+    for i in indices:
+        path = out / "configs" / f"store{i}.json"
+        if path.is_file():
+            node = documents.read(ServerConfig, path)
+            note_lost(out, str(node.node_name), node.location)
 
 
 def settle(h: History, status: dict[str, bool], *, unwritten: str = "interrupted") -> tuple[list[Reissue], int]:
@@ -268,7 +280,7 @@ def _recover(event: dict[str, Any], consumed: pl.DataFrame | None) -> tuple[dict
 
 def _rank_doc(out: Path, name: str, hist: Path) -> dict[str, Any]:
     """A rank's report of the earlier lives: ``history/`` plus the last life's document or side files."""
-    doc: dict[str, Any] = {"env": {}, "steps": [], "consumed": []}
+    doc: dict[str, Any] = {"env": {"rank": int(name.removeprefix("trainer_rank"))}, "steps": [], "consumed": []}
     if (hist / f"{name}.json").exists():
         doc = json.loads((hist / f"{name}.json").read_text())
     whole = out / f"{name}.json"

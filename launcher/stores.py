@@ -69,8 +69,9 @@ class Outage:
     back_at: float | None = None
     """When the restarted node first answered ``health`` (None: not back)."""
     cause: str = "exited"
-    """``exited`` (its process died and was started again) or ``unreachable`` (its process ran, but it did not
-    answer: ``died_at`` is the first probe it missed; ``restarts`` is 0)."""
+    """``exited`` (its process died and was started again), ``unreachable`` (its process ran, but it did not
+    answer: ``died_at`` is the first probe it missed; ``restarts`` is 0) or ``node_lost`` (``--ray``: its Ray node
+    was lost for good)."""
     lost_at: float | None = None
     """When the driver gave the node up for good (None: not lost; ``back_at`` stays None then)."""
 

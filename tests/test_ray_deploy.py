@@ -9,9 +9,14 @@ host 1's link counters bound what it sent and received.
 2. Host 3's store actor killed (SIGKILL, by its pid) mid-run, its Ray node alive: the driver leaves the node out
    of routing, starts it again there from its spill log, and the run ends with status 0, every prompt trained
    once (``ledger_check``).
-3. Host 3's raylet killed (SIGKILL, by its pid) mid-run: the driver stops the run with
+3. Host 3's raylet killed (SIGKILL, by its pid) mid-run, trainer rank 1 with it: the driver stops the run with
    ``RayNodeLostError`` naming host 3's address and what ran there; the groups trained before were
-   trained once, and what was not trained is accounted for (``lost_node.json``).
+   trained once, and what was not trained is accounted for (``lost_node.json``). Taken up again
+   (``resumed``, as ``knit run --resume RUN_DIR --ray``) on host 2 alone, the run ends with every prompt trained
+   once (``ledger_exact``).
+4. Host 3 back, one trainer rank on host 2: host 3's raylet killed mid-run (its store node and the rollout with it):
+   the driver leaves node1 out of the cluster view for good, takes the run up again from the last checkpoint on
+   host 2, and the run ends with status 0, every prompt trained once, those host 3 held generated again.
 
 Every Ray process is stopped by pid (``ip netns pids`` of these hosts), and the hosts are removed.
 """
@@ -44,18 +49,22 @@ DRIVER = """
 import json, sys
 from pathlib import Path
 from admission.config import AdmissionConfig
+from launcher import resume
 from launcher.model import trainer_model
 from launcher.ray_deploy import RayNodeLostError, run_on_ray
 from launcher.run import RunConfig
+from schemas import documents
 
 a = json.loads(sys.argv[1])
+out = Path(a["out"])
 cfg = RunConfig(admission=AdmissionConfig(train_batch_groups=a["B"], group_size=a["G"], mini_batches=a["K"],
-                                          dp_ranks=2, token_budget=4096),
-                train_batches=a["batches"], max_tokens=32, idle_timeout_s=90, timeout_s=150, out=Path(a["out"]),
-                metrics=False)
+                                          dp_ranks=a["D"], token_budget=4096),
+                train_batches=a["batches"], max_tokens=32, idle_timeout_s=90, timeout_s=150, out=out, metrics=False)
+if a["resume"]:  # as knit run --resume RUN_DIR --ray: the config the run was started with
+    cfg = documents.read(RunConfig, out / "run_config.json")
 try:
     result = run_on_ray(cfg, trainer_model(512), address=a["address"], engine="fake", node_loss_grace_s=20,
-                        min_nodes=2, wait_nodes_s=120)
+                        min_nodes=a["nodes"], wait_nodes_s=120, resumed=resume.begin(out) if a["resume"] else None)
 except RayNodeLostError as exc:
     print("LOST " + json.dumps({"message": str(exc), "node_ip": exc.node_ip, "components": exc.components}), flush=True)
     sys.exit(3)
@@ -70,9 +79,12 @@ class RayCluster:
     env: dict[str, str]
     tmp: Path
 
-    def driver(self, out: Path, batches: int) -> subprocess.Popen[str]:
-        args = {"B": B, "G": G, "K": K, "batches": batches, "out": str(out), "address": self.address}
-        with (out.parent / f"{out.name}.log").open("w") as err:
+    def driver(self, out: Path, batches: int, *, ranks: int = 2, nodes: int = 2, resume: bool = False,
+               log: str = "run.log") -> subprocess.Popen[str]:
+        """``run_on_ray`` in a driver process on host 1 (``nodes``: the alive worker nodes it waits for)."""
+        args = {"B": B, "G": G, "K": K, "D": ranks, "batches": batches, "out": str(out), "address": self.address,
+                "resume": resume, "nodes": nodes}
+        with (out.parent / log).open("w") as err:
             return self.hosts[0].popen([sys.executable, "-c", DRIVER, json.dumps(args)], env=self.env,
                                        stdout=subprocess.PIPE, stderr=err, text=True)
 
@@ -236,19 +248,26 @@ def test_a_store_actor_killed_mid_run_is_started_again_and_every_prompt_trained_
           f"+{outage['back_at'] - killed_at:.2f} s; {ledger}")
 
 
-def test_a_ray_node_lost_mid_run_stops_the_run_with_a_typed_error_naming_it(
+def _kill_raylet(host: Host) -> float:
+    """SIGKILL of ``host``'s raylet (its workers follow it); returns when."""
+    raylet = [p for p in host.pids() if Path(f"/proc/{p}/comm").read_text().strip() == "raylet"]
+    assert len(raylet) == 1, host.pids()
+    killed_at = time.time()
+    os.kill(raylet[0], signal.SIGKILL)
+    return killed_at
+
+
+def test_a_ray_node_lost_with_a_trainer_rank_stops_the_run_with_a_typed_error_and_a_resume_finishes_it(
         ray_cluster: RayCluster, tmp_path: Path) -> None:
     import polars as pl
+    from ledger_check import ledger_exact
 
     h = ray_cluster.hosts.hosts
     out = tmp_path / "run"
-    batches = 30  # long enough to be running when the node's loss is noticed (up to the 20 s grace)
+    batches = 4
     driver = ray_cluster.driver(out, batches)
     _wait_training(driver, out, tmp_path)
-    raylet = [p for p in h[2].pids() if Path(f"/proc/{p}/comm").read_text().strip() == "raylet"]
-    assert len(raylet) == 1, h[2].pids()
-    killed_at = time.time()
-    os.kill(raylet[0], signal.SIGKILL)  # host 3's Ray node is gone (its workers follow their raylet)
+    killed_at = _kill_raylet(h[2])  # host 3's Ray node is gone, trainer rank 1 with it
     code, kind, lost = _driver_result(driver, 120)
     ended_at = time.time()
     assert (code, kind) == (3, "LOST"), (tmp_path / "run.log").read_text()[-3000:]
@@ -268,21 +287,55 @@ def test_a_ray_node_lost_mid_run_stops_the_run_with_a_typed_error_naming_it(
     assert all(h[1].address in n for n in meta["node"].unique().to_list())
     released = {(g, s) for g, s in meta.filter(pl.col("released")).select("group_id", "sample_idx").iter_rows()}
     assert released <= {(g, s) for _, g, s in trained}
-    unconsumed = meta.filter(~pl.col("released") & (pl.col("status") == "completed"))
+
+    # taken up again on the node left: node1's groups not trained go out again, each prompt trained once
+    code, kind, r = _driver_result(ray_cluster.driver(out, batches, nodes=1, resume=True, log="resume.log"), 240)
+    assert (code, kind) == (0, "RESULT"), (tmp_path / "resume.log").read_text()[-3000:]
+    assert r["steps"] == batches * K and r["ray"]["placement"]["trainer rank 1"] == h[1].address
+    again = ledger_exact(out, prompts=batches * B)
+    (seam,) = r["resumes"]
+    # (a step's checkpoint is written before the publisher appends its progress line: one more than those read)
+    assert seam["step"] <= len(steps) + 1 and set(again) <= {"node_lost", "interrupted", "rolled_back", "aborted"}
     print(f"\nlost node {lost['node_ip']}: raylet killed at 0; detected +{accounting['detected_at'] - killed_at:.1f} s "
-          f"({accounting['cause']}); driver exited +{ended_at - killed_at:.1f} s; {len(steps)} steps trained; "
-          f"{len(trained)} rows trained once; node0 kept {unconsumed.height} untrained rows; "
-          f"node1 lost {accounting['groups_lost_unconsumed']} unconsumed groups")
+          f"({accounting['cause']}); driver exited +{ended_at - killed_at:.1f} s after {len(steps)} steps; resumed "
+          f"from step {seam['step']}, first step {seam['first_step_s']} s after launch; dispatched again {again}")
+
+
+def test_a_ray_node_lost_with_a_store_and_the_rollout_is_survived_every_prompt_trained_once(
+        ray_cluster: RayCluster, tmp_path: Path) -> None:
+    from ledger_check import ledger_exact
+
+    h = ray_cluster.hosts.hosts
+    _stop_in(h[2])  # what the raylet killed before left there
+    _ray_start(h[2], ["--address", ray_cluster.address, "--temp-dir", str(ray_cluster.tmp / "n3b"), "--num-cpus", "2"],
+               ray_cluster.env, ray_cluster.tmp / "n3b.log")  # host 3 back as a new Ray node
+    out, batches = tmp_path / "run", 10  # one rank's steps are quick: still running when the loss is noticed
+    driver = ray_cluster.driver(out, batches, ranks=1)
+    _wait_training(driver, out, tmp_path)
+    killed_at = _kill_raylet(h[2])  # store node1 and the rollout; trainer rank 0 is on host 2
+    code, kind, r = _driver_result(driver, 240)
+    assert (code, kind) == (0, "RESULT"), (tmp_path / "run.log").read_text()[-3000:]
+    assert r["steps"] == batches * K and r["trajectories_consumed"] == batches * B * G
+    (outage,) = r["store_outages"]
+    assert outage["node"] == "node1" and outage["lost_at"] > killed_at and outage["back_at"] is None
+    assert len(r["ray"]["lost"]) == 1 and r["ray"]["placement"]["rollout"] == h[1].address  # the new life's rollout
+    (seam,) = r["resumes"]
+    assert seam["cause"] == "node_lost" and seam["step"] < batches * K
+    again = ledger_exact(out, prompts=batches * B)
+    assert set(again) <= {"node_lost", "interrupted", "rolled_back", "aborted"}
+    assert "nodes down ['node1']" in (tmp_path / "run.log").read_text()
+    print(f"\nnode lost for good with store node1 and the rollout: +{outage['lost_at'] - killed_at:.1f} s; taken up "
+          f"from step {seam['step']}, first step {seam['first_step_s']} s after; dispatched again {again}")
 
 
 OWNER = """
 import json, os, sys, time
 import ray
 from flight_store.config import ServerConfig
-from launcher import ray_deploy
+from launcher import ray_actors
 
 address, want = sys.argv[1], int(sys.argv[2])
-ray.init(address=address, log_to_driver=False, _node_ip_address=ray_deploy.local_ip_towards(address))
+ray.init(address=address, log_to_driver=False, _node_ip_address=ray_actors.local_ip_towards(address))
 deadline = time.monotonic() + 120
 while True:  # every worker node joined (a node a test before took down is listed dead)
     nodes = [n for n in ray.nodes() if n["Alive"] and n["Resources"].get("CPU", 0) > 0]
@@ -290,7 +343,7 @@ while True:  # every worker node joined (a node a test before took down is liste
         break
     assert time.monotonic() < deadline, ray.nodes()
     time.sleep(0.5)
-actors = [ray_deploy._pinned(ray, ray_deploy.StoreNodeActor, n["NodeID"], 0.5).remote(n["NodeManagerAddress"])
+actors = [ray_actors.pinned(ray, ray_actors.StoreNodeActor, n["NodeID"], 0.5).remote(n["NodeManagerAddress"])
           for n in nodes]
 locations = ray.get([a.start.remote(ServerConfig(host=n["NodeManagerAddress"], log_level="WARNING"))
                      for a, n in zip(actors, nodes)])
