@@ -1,6 +1,6 @@
 """Learning, measured: does lower staleness, corrected, reach a given reward sooner at the same final quality?
 
-``python -m bench.learning [--quick] [--seeds 3] [--train-batches 30] [--arms A,B,...] [--model-dir DIR] --out F.json``
+``python -m bench.learning [--quick] [--seeds 3] [--train-batches 30] [--arms A,B,...] [--runs DIR] --out F.json``
 
 Each arm is one ``knit run`` of SmolLM2-135M-Instruct on the arithmetic task (its run defaults: exact-match
 reward, ``add_small`` and ``add_large`` half each, B=4 groups of G=4, K=2, one trainer rank), the same seeds
@@ -16,8 +16,9 @@ wall-clock time its last step ended (both plotted beside the JSON), the final re
 batches pooled), the time each arm takes to reach train_batch's final reward (per seed, then the median; the
 ratio to train_batch's own time is two medians of the same work), and the run's off-policy figures
 (``summary.json``'s ``offpolicy``: importance weight, truncated and clipped fractions, k3 KL, token staleness)
-and architectural staleness. The held-out success of the starting checkpoint comes from ``bench.task_success``
-(``--task-success``).
+and architectural staleness. ``--task-success``: the held-out success (``bench.task_success --quick``, prompts
+drawn with :data:`EVAL_SEED`) of the starting checkpoint and of each run's trained weights (``knit run
+--export-hf``), per data source.
 
 ``--quick``: one seed, 3 train batches, the arms ``train_batch`` and ``mini_batch_decoupled``: a check that the
 bench runs end to end, far too short to answer the question.
@@ -47,15 +48,22 @@ ARMS: dict[str, tuple[str, str, bool]] = {
 QUICK_ARMS = ("train_batch", "mini_batch_decoupled")
 FINAL_WINDOW = 5
 """Train batches pooled into an arm's final reward."""
+EVAL_SEED = 10_000
+"""Seed of the held-out prompts of ``--task-success`` (the runs draw theirs with seeds 0, 1, ...)."""
 
 
-def run_arm(arm: str, seed: int, train_batches: int, out: Path, model_dir: Path | None, timeout_s: float) -> Path:
-    """One ``knit run`` of ``arm``; returns its run folder (the policy's folder holds the trainer's reports)."""
+def run_arm(arm: str, seed: int, train_batches: int, out: Path, model_dir: Path | None, timeout_s: float, *,
+            checkpoint_every: int = 0) -> Path:
+    """One ``knit run`` of ``arm``; returns its run folder (the policy's folder holds the trainer's reports). A folder
+    that already holds the finished run (``summary.json``: an earlier invocation with the same ``--runs``) is
+    read, not run again."""
+    if (out / "summary.json").is_file():
+        return out
     policy, objective, partial = ARMS[arm]
     cmd = [sys.executable, "-m", "launcher", "run", "--plain", "--model", "smollm2-135m", "--policy", policy,
            "--objective", objective, "--train-batches", str(train_batches), "--seed", str(seed),
-           "--timeout-s", str(timeout_s), "--out", str(out),
-           "--partial-rollouts" if partial else "--no-partial-rollouts"]
+           "--timeout-s", str(timeout_s), "--out", str(out), "--checkpoint-every", str(checkpoint_every),
+           "--partial-rollouts" if partial else "--no-partial-rollouts", "--export-hf"]
     if model_dir is not None:
         cmd += ["--model-dir", str(model_dir)]
     done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=timeout_s + 120, check=False)
@@ -63,6 +71,20 @@ def run_arm(arm: str, seed: int, train_batches: int, out: Path, model_dir: Path 
         msg = f"knit run of {arm} (seed {seed}) exited {done.returncode}:\n{done.stdout[-3000:]}{done.stderr[-3000:]}"
         raise RuntimeError(msg)
     return out
+
+
+def task_success(model: str, out: Path) -> dict[str, float]:
+    """``bench.task_success --quick`` of ``model`` (a checkpoint folder, or ``smollm2-135m``) on prompts drawn with
+    :data:`EVAL_SEED`, in a process of its own; its success per data source (read back when ``out`` exists)."""
+    if not out.is_file():
+        cmd = [sys.executable, "-m", "bench.task_success", "--quick", "--model", model, "--seed", str(EVAL_SEED),
+               "--out", str(out)]
+        done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=1800, check=False)
+        if done.returncode != 0:
+            msg = f"bench.task_success of {model} exited {done.returncode}:\n{done.stderr[-3000:]}"
+            raise RuntimeError(msg)
+    metrics = json.loads(out.read_text())["metrics"]
+    return {k: round(float(v), 4) for k, v in metrics.items() if k.endswith("_success")}
 
 
 def read_arm(folder: Path) -> dict[str, Any]:
@@ -75,8 +97,10 @@ def read_arm(folder: Path) -> dict[str, Any]:
     for s in steps:
         ends[s["train_batch"]] = max(ends.get(s["train_batch"], 0.0), s["t_end"] - start)
     reward = [float(r) for r in result["reward_per_train_batch"]]
+    after = folder / "task_success_after.json"
     return {"reward": reward, "wall_s": [ends[b] for b in sorted(ends)][:len(reward)],
-            "offpolicy": result.get("offpolicy", {}), "arch_staleness_mean": result.get("arch_staleness_mean")}
+            "offpolicy": result.get("offpolicy", {}), "arch_staleness_mean": result.get("arch_staleness_mean"),
+            "task_success_after": json.loads(after.read_text()) if after.is_file() else None}
 
 
 def _final(reward: Sequence[float]) -> float:
@@ -114,6 +138,11 @@ def summarise(runs: dict[str, list[dict[str, Any]]]) -> tuple[dict[str, Any], di
             "arch_staleness_mean": [r["arch_staleness_mean"] for r in seeds],
             "offpolicy": off,
         }
+        after = [r["task_success_after"] for r in seeds if r.get("task_success_after")]
+        if after:  # per data source: the seeds' values and their mean
+            metrics[arm]["task_success_after"] = {k: {"seeds": [a[k] for a in after],
+                                                      "mean": round(sum(a[k] for a in after) / len(after), 4)}
+                                                  for k in after[0]}
     ratios: dict[str, Any] = {}
     t_base = metrics.get("train_batch", {}).get("time_to_train_batch_final_s")
     for arm, m in metrics.items():
@@ -149,8 +178,14 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap.add_argument("--arms", default=",".join(ARMS), help=f"of {', '.join(ARMS)}")
     ap.add_argument("--model-dir", type=Path, default=None, help="the SmolLM2 checkpoint folder (knit run's default)")
     ap.add_argument("--timeout-s", type=float, default=7200.0, help="one arm's run is stopped after this long")
-    ap.add_argument("--task-success", action="store_true", help="also the starting checkpoint's held-out success")
-    ap.add_argument("--runs", type=Path, default=None, help="where the run folders go (default: a temporary folder)")
+    ap.add_argument("--task-success", action="store_true",
+                    help="also the held-out success (bench.task_success --quick) of the starting checkpoint and of "
+                    "each run's trained weights (knit run --export-hf)")
+    ap.add_argument("--runs", type=Path, default=None, help="where the run folders go (default: a temporary folder); "
+                    "a run finished there by an earlier invocation is read, not run again")
+    ap.add_argument("--checkpoint-every", type=int, default=0,
+                    help="the runs' checkpoint interval (default 0: only at the end; a checkpoint of SmolLM2 costs "
+                    "about half a step on this machine, and a learning curve needs no resume)")
     ap.add_argument("--out", required=True)
     args = ap.parse_args(argv)
     arms = list(QUICK_ARMS) if args.quick else [a.strip() for a in args.arms.split(",")]
@@ -161,19 +196,23 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     batches = 3 if args.quick else args.train_batches
     root = args.runs or Path(tempfile.mkdtemp(prefix="knit-learning-"))
     runs: dict[str, list[dict[str, Any]]] = {}
+    before = None
+    if args.task_success:  # the starting checkpoint on the held-out prompts
+        before = task_success(str(args.model_dir) if args.model_dir else "smollm2-135m",
+                              root / "task_success_before.json")
     for seed in range(seeds):
         for arm in arms:  # seed-major: a machine slowing down over hours weighs on every arm alike
-            folder = run_arm(arm, seed, batches, root / f"{arm}-s{seed}", args.model_dir, args.timeout_s)
+            folder = run_arm(arm, seed, batches, root / f"{arm}-s{seed}", args.model_dir, args.timeout_s,
+                             checkpoint_every=args.checkpoint_every)
+            if args.task_success:  # the trained policy on fresh prompts
+                (folder / "task_success_after.json").write_text(json.dumps(
+                    task_success(str(folder / "final_hf"), folder / "task_success_after.bench.json")))
             runs.setdefault(arm, []).append(read_arm(folder))
             print(f"{arm} seed {seed}: reward per train batch {runs[arm][-1]['reward']}", flush=True)
     metrics, ratios = summarise(runs)
     extra: dict[str, Any] = {"runs": {a: [f"{a}-s{s}" for s in range(seeds)] for a in arms}}  # under --runs
-    if args.task_success:
-        from bench import task_success
-
-        model = str(args.model_dir) if args.model_dir else "smollm2-135m"
-        extra["task_success_before"] = task_success.main(["--quick", "--model", model, "--out",
-                                                          str(root / "task_success_before.json")])["metrics"]
+    if before is not None:
+        extra["task_success_before"] = before
     figure = plot(metrics, Path(args.out).with_suffix(".png"))
     return write_result(args.out, metrics, ratios,
                         {"model": "smollm2-135m", "seeds": seeds, "train_batches": batches, "arms": arms,

@@ -113,6 +113,9 @@ class RunConfig:
     """The trainer's policy loss (``--objective``, ``--is-cap``)."""
     partial_rollouts: bool = False
     """New weights interrupt the running samples, which resume under them (``RolloutConfig.partial_rollouts``)."""
+    export_hf: bool = False
+    """At the end, write the trained weights as an HF checkpoint folder, ``final_hf`` in the run folder (for
+    ``bench.task_success --model``, or serving)."""
     max_tokens: int = 64
     """Longest response, tokens."""
     lookahead: int | None = None
@@ -242,6 +245,7 @@ def train_config(cfg: RunConfig, model: ModelConfig, stores: list[str]) -> Train
         report_path=str(cfg.out / "trainer_rank{rank}.json"), progress_path=str(cfg.out / "progress.jsonl"),
         consumed_path=str(cfg.out / "consumed.parquet"), checkpoint_dir=str(cfg.out / resume.CHECKPOINTS),
         checkpoint_every=cfg.checkpoint_every, trained_path=str(cfg.out / ledger.EVENTS / ledger.TRAINED_EVENTS),
+        export_hf_dir=str(cfg.out / "final_hf") if cfg.export_hf else None,
     )
 
 

@@ -114,7 +114,7 @@ def _reports(path: Path) -> list[dict[str, Any]]:
 def dp_run(tmp_path_factory: pytest.TempPathFactory) -> Any:
     stores = Stores()
     out = tmp_path_factory.mktemp("dp")
-    config = _config(out, stores, publish_weights=True, save_dir=str(out / "ckpt"))
+    config = _config(out, stores, publish_weights=True, save_dir=str(out / "ckpt"), export_hf_dir=str(out / "hf"))
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_addr", "127.0.0.1",
            "--master_port", str(free_port()), "-m", "train", "--config", config]
     try:
@@ -181,6 +181,26 @@ def test_dp2_version_release_weights(dp_run: Any) -> None:
         weights = read_weights(rollout.get_weights(STEPS))
     assert weights["model.embed_tokens.weight"].shape == (VOCAB, 64)
     assert weights["model.layers.1.self_attn.k_proj.weight"].shape == (32, 64)  # GQA: 2 groups x 16
+
+
+def test_the_trained_weights_are_exported_as_an_hf_checkpoint_folder(dp_run: Any) -> None:
+    """``export_hf_dir``: the last version's weights, as published, and a config.json that builds the same shape."""
+    stores, _, out = dp_run
+    import torch
+
+    from flight_store.writing import StoreWriter
+    from train.config import ModelConfig
+    from train.hf_llama import read_hf_weights, read_weights
+
+    exported = read_hf_weights(str(out / "hf"))
+    with StoreWriter.sharing(stores.client) as rollout:
+        published = read_weights(rollout.get_weights(STEPS))
+    assert sorted(exported) == sorted(published)
+    assert all(torch.equal(exported[k], published[k].to(exported[k].dtype)) for k in published)
+    trained = documents.read(TrainConfig, out / "train.json").model
+    again = ModelConfig(hf_checkpoint=str(out / "hf"))
+    fields = ("vocab_size", "hidden_size", "num_layers", "num_attention_heads", "num_query_groups", "ffn_hidden_size")
+    assert [getattr(again, f) for f in fields] == [getattr(trained, f) for f in fields]
 
 
 def test_tp2_packed_matches_dp2(dp_run: Any, tmp_path: Path) -> None:

@@ -354,6 +354,9 @@ class TrainConfig:
     wire; the engine then runs the rounded weights, so its logprobs differ from the trainer's by that rounding)."""
     save_dir: str | None = None
     """Megatron dist-checkpoint folder written at the end of the run."""
+    export_hf_dir: str | None = None
+    """The trained weights as an HF Llama checkpoint folder written here at the end of the run
+    (``train.hf_llama.save_hf_checkpoint``), for serving or evaluating the trained policy with an engine."""
     load_dir: str | None = None
     """Megatron dist-checkpoint folder loaded before the first step."""
     report_path: str | None = None

@@ -265,6 +265,31 @@ def load_hf_checkpoint(gpt: Any, folder: str) -> None:
             state[name].copy_(t)
 
 
+def save_hf_checkpoint(model: Any, folder: str, cfg: ModelConfig, *, write: bool) -> None:
+    """Write ``model``'s weights as an HF Llama checkpoint folder: ``model.safetensors`` (:func:`megatron_to_hf_llama`)
+    and the other files of ``cfg.hf_checkpoint`` (config, tokenizer), or a ``config.json`` of ``cfg``'s shape
+    (:func:`hf_llama_config`) when the model was not made from one. Collective (the tensor-parallel gather): every
+    rank calls it, the one with ``write`` writes."""
+    import json
+    import shutil
+    from pathlib import Path
+
+    from safetensors.torch import save_file
+
+    named = megatron_to_hf_llama(model)
+    if not write:
+        return
+    out = Path(folder)
+    out.mkdir(parents=True, exist_ok=True)
+    if cfg.hf_checkpoint is not None:
+        for src in Path(cfg.hf_checkpoint).iterdir():
+            if src.is_file() and not src.name.endswith((".safetensors", ".safetensors.index.json")):
+                shutil.copy2(src, out / src.name)
+    else:
+        (out / "config.json").write_text(json.dumps(hf_llama_config(cfg), indent=1))
+    save_file({k: v.clone() for k, v in named.items()}, str(out / "model.safetensors"), metadata={"format": "pt"})
+
+
 def weights_table(named: dict[str, Any], *, dtype: str | None = None) -> pa.Table:
     """Named tensors (e.g. :func:`megatron_to_hf_llama`'s) as the weights table (``schemas.weights``), floating
     tensors cast to ``dtype`` when given, in record batches of ``schemas.weights.CHUNK_BYTES``."""

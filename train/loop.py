@@ -131,7 +131,7 @@ def run(cfg: TrainConfig, *, planner: PlannerLike | None = None) -> int:
     """
     from admission.planner import Planner
     from flight_store.reading import StoreReader
-    from train import checkpointing, mcore_compat, model
+    from train import checkpointing, hf_llama, mcore_compat, model
     from train.planning import ConsumedLog, with_dp_ranks
     from train.trained_log import TrainedLog
 
@@ -163,6 +163,8 @@ def run(cfg: TrainConfig, *, planner: PlannerLike | None = None) -> int:
         steps = _train(cfg, env, kind, client, source, report, durable)
         if cfg.save_dir:
             model.save_checkpoint(kind.built.gpt, cfg.save_dir)
+        if cfg.export_hf_dir:
+            hf_llama.save_hf_checkpoint(kind.built.gpt, cfg.export_hf_dir, cfg.model, write=env["rank"] == 0)
     mcore_compat.shutdown()
     return steps
 
