@@ -28,6 +28,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
@@ -135,13 +136,26 @@ def encode(tensors: Iterable[WeightTensor], *, chunk_bytes: int | None = None) -
             pa.array([w.name for w in rows], pa.string()),
             pa.array([list(w.shape) for w in rows], pa.list_(pa.int32())),
             pa.array([w.dtype for w in rows], pa.string()),
-            pa.array([w.data for w in rows], pa.large_binary()),  # buffers and memoryviews: copied once each
+            _binary([w.data for w in rows]),
         ],
         schema=WEIGHTS_SCHEMA,
     ) for rows in chunks]
     table = pa.Table.from_batches(batches, schema=WEIGHTS_SCHEMA)
     check(table)
     return table
+
+
+def _binary(datas: list[Any]) -> pa.LargeBinaryArray:
+    """``datas`` (bytes, buffers, memoryviews) as one large_binary array, their bytes copied once into one Arrow
+    buffer. Not ``pa.array(datas)``: over memoryviews of torch tensors that kept every tensor's bytes resident
+    after the array and the tensors were gone (one weights version per published step, pyarrow 26)."""
+    offsets = np.zeros(len(datas) + 1, dtype=np.int64)
+    np.cumsum([memoryview(d).nbytes for d in datas], out=offsets[1:])
+    data = pa.allocate_buffer(int(offsets[-1]))
+    out = np.frombuffer(data, dtype=np.uint8)
+    for d, start, stop in zip(datas, offsets[:-1], offsets[1:], strict=True):
+        out[start:stop] = np.frombuffer(d, dtype=np.uint8)
+    return pa.LargeBinaryArray.from_buffers(pa.large_binary(), len(datas), [None, pa.py_buffer(offsets), data])
 
 
 def decode(table: pa.Table) -> list[WeightTensor]:
