@@ -175,17 +175,7 @@ def run_on_ray(cfg: RunConfig, model: ModelConfig, *, address: str = "auto", eng
     if not ray.is_initialized():
         kw = {} if address == "auto" else {"_node_ip_address": local_ip_towards(address)}
         ray.init(address=address, log_to_driver=False, **kw)
-    deadline = time.monotonic() + wait_nodes_s
-    while True:
-        nodes = sorted((n for n in ray.nodes() if n["Alive"] and n["Resources"].get("CPU", 0) > 0),
-                       key=lambda n: socket.inet_aton(n["NodeManagerAddress"]))
-        if len(nodes) >= min_nodes:
-            break
-        if time.monotonic() > deadline:
-            msg = f"the Ray cluster at {address} has {len(nodes)} alive node(s) with CPUs after {wait_nodes_s} s, " \
-                  f"min_nodes={min_nodes}"
-            raise RayDeployError(msg)
-        time.sleep(0.5)
+    nodes = _alive_nodes(ray, address, min_nodes, wait_nodes_s)
     earlier, cfg = cfg.num_stores, replace(cfg, num_stores=len(nodes))
     cfg.out.mkdir(parents=True, exist_ok=True)
     (cfg.out / "lost_node.json").unlink(missing_ok=True)
@@ -230,6 +220,21 @@ def run_on_ray(cfg: RunConfig, model: ModelConfig, *, address: str = "auto", eng
                      "driver_bytes": dep.driver_bytes}
     (cfg.out / "policy_summary.json").write_text(json.dumps(result, indent=1, default=str))
     return result
+
+
+def _alive_nodes(ray: Any, address: str, min_nodes: int, wait_s: float) -> list[dict[str, Any]]:
+    """The alive Ray nodes with CPUs, by IP, once there are ``min_nodes`` of them (waiting up to ``wait_s``)."""
+    deadline = time.monotonic() + wait_s
+    while True:
+        nodes = sorted((n for n in ray.nodes() if n["Alive"] and n["Resources"].get("CPU", 0) > 0),
+                       key=lambda n: socket.inet_aton(n["NodeManagerAddress"]))
+        if len(nodes) >= min_nodes:
+            return nodes
+        if time.monotonic() > deadline:
+            msg = f"the Ray cluster at {address} has {len(nodes)} alive node(s) with CPUs after {wait_s} s, " \
+                  f"min_nodes={min_nodes}"
+            raise RayDeployError(msg)
+        time.sleep(0.5)
 
 
 def _start_stores(ray: Any, dep: Deployment, cfg: RunConfig, cpus: float) -> None:

@@ -264,7 +264,7 @@ def test_a_ray_node_lost_with_a_trainer_rank_stops_the_run_with_a_typed_error_an
 
     h = ray_cluster.hosts.hosts
     out = tmp_path / "run"
-    batches = 4
+    batches = 8  # still running when the raylet is killed (4 were done before it once)
     driver = ray_cluster.driver(out, batches)
     _wait_training(driver, out, tmp_path)
     killed_at = _kill_raylet(h[2])  # host 3's Ray node is gone, trainer rank 1 with it
