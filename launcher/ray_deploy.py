@@ -62,7 +62,7 @@ from launcher.placement import Placement, Site
 from launcher.progress import LiveState
 from launcher.ray_actors import Engine, RolloutActor, StoreNodeActor, TrainerRankActor, local_ip_towards, pinned
 from launcher.ray_stores import RayStoreRestartError, RayStores
-from launcher.run import Interrupted, RunConfig, rollout_config, store_configs, train_config
+from launcher.run import Interrupted, RunConfig, WorkerLost, rollout_config, store_configs, train_config
 from schemas import documents
 from schemas.replies import NodeStats
 from train.config import ModelConfig
@@ -142,12 +142,13 @@ class Deployment:
         return [s for s in self.stores if s.node_id not in self.lost]
 
 
-class _WorkersLost(Exception):
-    """The rollout's node was lost for good, or its process died: take the run up again from the last checkpoint."""
+class _WorkersLost(WorkerLost):
+    """A node without a trainer rank was lost for good (``node``), or the rollout failed on a live node: take the run
+    up again from the last checkpoint."""
 
-    def __init__(self, cause: str, node: dict[str, Any] | None = None) -> None:
-        super().__init__(cause)
-        self.cause, self.node = cause, node
+    def __init__(self, cause: str, detail: str, node: dict[str, Any] | None = None) -> None:
+        super().__init__(cause, detail)
+        self.node = node
 
 
 def run_on_ray(cfg: RunConfig, model: ModelConfig, *, address: str = "auto", engine: Engine = "vllm",
@@ -197,15 +198,10 @@ def run_on_ray(cfg: RunConfig, model: ModelConfig, *, address: str = "auto", eng
                       node_loss_grace_s)
                 break
             except _WorkersLost as lost:
-                cause = lost.cause
-                rollout_restarts += cause == "rollout_lost"
-                if rollout_restarts > cfg.max_rollout_restarts:
-                    msg = f"the rollout failed {rollout_restarts} times (max_rollout_restarts)"
-                    raise RayDeployError(msg) from lost
+                cause, rollout_restarts = lost.cause, lost.count(cfg, rollout_restarts)
                 _stop_workers(ray, dep)
                 if lost.node is not None:
                     _forget(dep, lost.node)
-                log.warning("%s: taking the run up again from its last checkpoint", cause)
                 resumed = resume.begin(cfg.out)
                 state.steps.clear()  # progress.jsonl is cut back to the steps the checkpoint holds
         metadata = _collect(dep, cfg, partial=False)
@@ -363,8 +359,7 @@ def _failed(ray: Any, dep: Deployment, cfg: RunConfig, comp: Component, exc: Exc
             _node_lost(dep, cfg, lost, last_stats, cause=f"{comp.name} failed: {type(exc).__name__}")
         time.sleep(0.5)
     if comp is dep.rollout:
-        log.warning("the rollout on %s failed on a live node: %s", comp.node_ip, exc)
-        raise _WorkersLost("rollout_lost") from exc
+        raise _WorkersLost("rollout_lost", f"the rollout on {comp.node_ip} failed: {exc}") from exc
     msg = f"{comp.name} on Ray node {comp.node_ip} failed: {exc}"
     raise RayDeployError(msg) from exc
 
@@ -379,8 +374,8 @@ def _node_lost(dep: Deployment, cfg: RunConfig, node: dict[str, Any], last_stats
             resume.note_lost(cfg.out, str(dep.keeper.configs[i].node_name), dep.locations[i])
     if any(c.node_id == node_id for c in dep.ranks) or all(s.node_id == node_id for s in dep.live_stores):
         _raise_lost(dep, cfg, node, last_stats, cause=cause)
-    log.warning("Ray node %s (%s) is lost for good (%s)", node["NodeManagerAddress"], ", ".join(dep.on(node_id)), cause)
-    raise _WorkersLost("node_lost", node)
+    raise _WorkersLost("node_lost", f"Ray node {node['NodeManagerAddress']} ({', '.join(dep.on(node_id))}) is lost "
+                                    f"for good ({cause})", node)
 
 
 def _forget(dep: Deployment, node: dict[str, Any]) -> None:

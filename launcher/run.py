@@ -85,6 +85,15 @@ class WorkerLost(Exception):
         super().__init__(f"{cause}: {detail}")
         self.cause = cause
 
+    def count(self, cfg: RunConfig, rollout_restarts: int) -> int:
+        """The rollout's restarts with this one counted; raises ``RuntimeError`` past ``cfg.max_rollout_restarts``."""
+        rollout_restarts += self.cause == "rollout_lost"
+        if rollout_restarts > cfg.max_rollout_restarts:
+            msg = f"the rollout died {rollout_restarts} times (max_rollout_restarts): {self}"
+            raise RuntimeError(msg) from self
+        log.warning("%s: taking the run up again from its last checkpoint", self)
+        return rollout_restarts
+
 
 def _default_admission() -> AdmissionConfig:
     """B=8, G=4, K=4 on 2 ranks (one group per rank and step), with the built-in sources' 50/50 mix as each train
@@ -295,12 +304,7 @@ def run_policy(cfg: RunConfig, model: ModelConfig, *, stop: threading.Event,
                     interrupted = _life(cfg, model, kids, stores, placement, resumed, cause, state, stop, on_update)
                     break
                 except WorkerLost as lost:
-                    cause = lost.cause
-                    rollout_restarts += cause == "rollout_lost"
-                    if rollout_restarts > cfg.max_rollout_restarts:
-                        msg = f"the rollout died {rollout_restarts} times (max_rollout_restarts): {lost}"
-                        raise RuntimeError(msg) from lost
-                    log.warning("%s: taking the run up again from its last checkpoint", lost)
+                    cause, rollout_restarts = lost.cause, lost.count(cfg, rollout_restarts)
                     for o in stores.outages:
                         if o.lost_at is not None and o.node not in noted:
                             resume.note_lost(cfg.out, o.node, o.location)
