@@ -48,6 +48,8 @@ ARMS: dict[str, tuple[str, str, bool]] = {
 QUICK_ARMS = ("train_batch", "mini_batch_decoupled")
 FINAL_WINDOW = 5
 """Train batches pooled into an arm's final reward."""
+AFTER = "task_success_after.json"
+"""A run folder's held-out success of its trained weights (``--task-success``)."""
 EVAL_SEED = 10_000
 """Seed of the held-out prompts of ``--task-success`` (the runs draw theirs with seeds 0, 1, ...)."""
 
@@ -83,7 +85,12 @@ def task_success(model: str, out: Path) -> dict[str, float]:
         if done.returncode != 0:
             msg = f"bench.task_success of {model} exited {done.returncode}:\n{done.stderr[-3000:]}"
             raise RuntimeError(msg)
-    metrics = json.loads(out.read_text())["metrics"]
+    return _successes(out)
+
+
+def _successes(path: Path) -> dict[str, float]:
+    """The success per data source of a ``bench.task_success`` result."""
+    metrics = json.loads(path.read_text())["metrics"]
     return {k: round(float(v), 4) for k, v in metrics.items() if k.endswith("_success")}
 
 
@@ -97,10 +104,10 @@ def read_arm(folder: Path) -> dict[str, Any]:
     for s in steps:
         ends[s["train_batch"]] = max(ends.get(s["train_batch"], 0.0), s["t_end"] - start)
     reward = [float(r) for r in result["reward_per_train_batch"]]
-    after = folder / "task_success_after.json"
+    after = folder / AFTER
     return {"reward": reward, "wall_s": [ends[b] for b in sorted(ends)][:len(reward)],
             "offpolicy": result.get("offpolicy", {}), "arch_staleness_mean": result.get("arch_staleness_mean"),
-            "task_success_after": json.loads(after.read_text()) if after.is_file() else None}
+            "task_success_after": _successes(after) if after.is_file() else None}
 
 
 def _final(reward: Sequence[float]) -> float:
@@ -205,8 +212,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             folder = run_arm(arm, seed, batches, root / f"{arm}-s{seed}", args.model_dir, args.timeout_s,
                              checkpoint_every=args.checkpoint_every)
             if args.task_success:  # the trained policy on fresh prompts
-                (folder / "task_success_after.json").write_text(json.dumps(
-                    task_success(str(folder / "final_hf"), folder / "task_success_after.bench.json")))
+                task_success(str(folder / "final_hf"), folder / AFTER)
             runs.setdefault(arm, []).append(read_arm(folder))
             print(f"{arm} seed {seed}: reward per train batch {runs[arm][-1]['reward']}", flush=True)
     metrics, ratios = summarise(runs)
