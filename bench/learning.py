@@ -1,6 +1,7 @@
 """Learning, measured: does lower staleness, corrected, reach a given reward sooner at the same final quality?
 
-``python -m bench.learning [--quick] [--seeds 3] [--train-batches 30] [--arms A,B,...] [--runs DIR] --out F.json``
+``python -m bench.learning [--quick] [--seeds 3] [--train-batches 30] [--arms A,B,...] [--runs DIR] [--reuse F.json]
+--out F.json``
 
 Each arm is one ``knit run`` of SmolLM2-135M-Instruct on the arithmetic task (its run defaults: exact-match
 reward, ``add_small`` and ``add_large`` half each, B=4 groups of G=4, K=2, one trainer rank), the same seeds
@@ -19,6 +20,10 @@ ratio to train_batch's own time is two medians of the same work), and the run's 
 and architectural staleness. ``--task-success``: the held-out success (``bench.task_success --quick``, prompts
 drawn with :data:`EVAL_SEED`) of the starting checkpoint and of each run's trained weights (``knit run
 --export-hf``), per data source.
+
+The result keeps each run's record (``per_run``: curves, off-policy figures, held-out success, keyed
+``<arm>-s<seed>``), so runs of hours are not lost with their folders: ``--reuse F.json`` (repeatable) takes the runs
+an earlier result holds (same train-batch count) instead of running them again.
 
 ``--quick``: one seed, 3 train batches, the arms ``train_batch`` and ``mini_batch_decoupled``: a check that the
 bench runs end to end, far too short to answer the question.
@@ -110,6 +115,23 @@ def read_arm(folder: Path) -> dict[str, Any]:
             "task_success_after": _successes(after) if after.is_file() else None}
 
 
+def reused_runs(paths: Sequence[Path], train_batches: int) -> tuple[dict[str, dict[str, Any]], dict[str, float] | None]:
+    """The per-run records (``<arm>-s<seed>`` -> record) and held-out success before training of earlier results;
+    a result of another train-batch count is refused (its curves would not compare)."""
+    records: dict[str, dict[str, Any]] = {}
+    before = None
+    for path in paths:
+        doc = json.loads(path.read_text())
+        if "per_run" not in doc:
+            raise ValueError(f"{path} holds no per-run records (per_run): not a bench.learning result that keeps them")
+        if doc["params"]["train_batches"] != train_batches:
+            msg = f"{path} ran {doc['params']['train_batches']} train batches, this invocation {train_batches}"
+            raise ValueError(msg)
+        records.update(doc["per_run"])
+        before = doc.get("task_success_before", before)
+    return records, before
+
+
 def _final(reward: Sequence[float]) -> float:
     tail = list(reward[-FINAL_WINDOW:])
     return sum(tail) / len(tail) if tail else float("nan")
@@ -190,6 +212,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                     "each run's trained weights (knit run --export-hf)")
     ap.add_argument("--runs", type=Path, default=None, help="where the run folders go (default: a temporary folder); "
                     "a run finished there by an earlier invocation is read, not run again")
+    ap.add_argument("--reuse", type=Path, action="append", default=[],
+                    help="an earlier result (repeatable): the runs it holds (per_run) are taken, not run again")
     ap.add_argument("--checkpoint-every", type=int, default=0,
                     help="the runs' checkpoint interval (default 0: only at the end; a checkpoint of SmolLM2 costs "
                     "about half a step on this machine, and a learning curve needs no resume)")
@@ -202,21 +226,31 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     seeds = 1 if args.quick else args.seeds
     batches = 3 if args.quick else args.train_batches
     root = args.runs or Path(tempfile.mkdtemp(prefix="knit-learning-"))
+    try:
+        reused, before = reused_runs(args.reuse, batches)
+    except (OSError, ValueError, KeyError) as exc:
+        ap.error(f"--reuse: {exc}")
     runs: dict[str, list[dict[str, Any]]] = {}
-    before = None
-    if args.task_success:  # the starting checkpoint on the held-out prompts
+    per_run: dict[str, dict[str, Any]] = {}
+    if args.task_success and before is None:  # the starting checkpoint on the held-out prompts
         before = task_success(str(args.model_dir) if args.model_dir else "smollm2-135m",
                               root / "task_success_before.json")
     for seed in range(seeds):
         for arm in arms:  # seed-major: a machine slowing down over hours weighs on every arm alike
-            folder = run_arm(arm, seed, batches, root / f"{arm}-s{seed}", args.model_dir, args.timeout_s,
-                             checkpoint_every=args.checkpoint_every)
-            if args.task_success:  # the trained policy on fresh prompts
-                task_success(str(folder / "final_hf"), folder / AFTER)
-            runs.setdefault(arm, []).append(read_arm(folder))
+            key = f"{arm}-s{seed}"
+            if key in reused:
+                record = reused[key]
+            else:
+                folder = run_arm(arm, seed, batches, root / key, args.model_dir, args.timeout_s,
+                                 checkpoint_every=args.checkpoint_every)
+                if args.task_success:  # the trained policy on fresh prompts
+                    task_success(str(folder / "final_hf"), folder / AFTER)
+                record = read_arm(folder)
+            per_run[key] = record
+            runs.setdefault(arm, []).append(record)
             print(f"{arm} seed {seed}: reward per train batch {runs[arm][-1]['reward']}", flush=True)
     metrics, ratios = summarise(runs)
-    extra: dict[str, Any] = {"runs": {a: [f"{a}-s{s}" for s in range(seeds)] for a in arms}}  # under --runs
+    extra: dict[str, Any] = {"per_run": per_run}
     if before is not None:
         extra["task_success_before"] = before
     figure = plot(metrics, Path(args.out).with_suffix(".png"))

@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
 import pytest
 
-from bench.learning import summarise, time_to_reach
+from bench.learning import reused_runs, summarise, time_to_reach
 
 
 def _run(reward: list[float], wall: list[float], staleness: float) -> dict[str, object]:
@@ -29,3 +32,18 @@ def test_time_to_train_batch_s_final_reward_and_its_ratio() -> None:
     assert ratios == {"mini_batch_decoupled_time_to_reward_vs_train_batch": round(16.0 / 72.0, 4)}
     assert fast["offpolicy"]["token_staleness_mean"] == [0.5, 0.5]
     assert time_to_reach(runs["train_batch"][0], 0.9) is None
+
+
+def test_reused_runs_are_taken_from_an_earlier_result_of_the_same_length(tmp_path: Path) -> None:
+    record = _run([0.1, 0.2], [10.0, 20.0], 1.0)
+    earlier = tmp_path / "earlier.json"
+    earlier.write_text(json.dumps({"params": {"train_batches": 2}, "per_run": {"train_batch-s0": record},
+                                   "task_success_before": {"add_small_success": 0.3}}))
+    records, before = reused_runs([earlier], 2)
+    assert records == {"train_batch-s0": record} and before == {"add_small_success": 0.3}
+    with pytest.raises(ValueError, match="ran 2 train batches, this invocation 30"):
+        reused_runs([earlier], 30)
+    bare = tmp_path / "bare.json"
+    bare.write_text(json.dumps({"params": {"train_batches": 2}, "metrics": {}}))
+    with pytest.raises(ValueError, match="no per-run records"):
+        reused_runs([bare], 2)
