@@ -59,6 +59,9 @@ class Group:
     """Rows the group holds (or held, once released)."""
     seq: int = 0
     """``seq`` of the group's first metadata row."""
+    ordered: bool = False
+    """One stored batch holding ``sample_idx`` 0..rows-1 in order (row ``i`` at offset ``i``): how writers send a
+    group, and what lets a read skip the row index."""
     released: bool = False
     digests: bytes = b""
     """Of a released group: :func:`content_digests` of what it held (its payload is gone)."""
@@ -324,6 +327,7 @@ class GroupTable:
             group.nbytes += int(sizes.sum())  # = b.nbytes for a whole batch, without its ~40 us
             group.held += held
             group.rows += b.num_rows
+        group.ordered = len(fresh) == 1 and idx == list(range(group.rows))
         self.rows += group.rows
         self.rows_live += group.rows
         keys = image_keys_of(fresh) if image_keys is None else image_keys
@@ -402,6 +406,8 @@ class GroupTable:
 
     def _runs_of(self, group_id: str, group: Group, start: int, stop: int) -> list[tuple[int, int, int]]:
         """``(batch, offset, rows)`` runs of consecutive stored rows holding ``sample_idx`` ``[start, stop)``."""
+        if group.ordered and stop <= group.rows:
+            return [(0, start, stop - start)]
         found: list[tuple[int, int, int]] = []
         run_b, run_off, run_len = -1, -1, 0
         for s in range(start, stop):

@@ -66,6 +66,7 @@ from schemas.wire import (
     decode_list_criteria,
     decode_ticket,
     encode_read_end,
+    slices_by_hand,
 )
 
 log = logging.getLogger(__name__)
@@ -253,7 +254,8 @@ class StoreServer(flight.FlightServerBase):
         """The answer to a ticket: its schema, its batches (a list, or made as they are sent) and its payload
         bytes (for slices see :meth:`_slices`)."""
         if isinstance(doc, SlicesTicket):
-            first, batches, meta, nbytes = self._slices(doc)
+            first, batches, meta, nbytes = self._slices([(s.group_id, s.start, s.stop) for s in doc.slices],
+                                                        doc.columns)
             schema = first.schema.with_metadata({k.encode(): v.encode() for k, v in meta.items()})
             if len(doc.slices) <= SMALL_ANSWER_SLICES and nbytes < SMALL_ANSWER:
                 return schema, [first, *batches], nbytes
@@ -308,21 +310,27 @@ class StoreServer(flight.FlightServerBase):
         if request is None:
             msg = "a read channel's request is a metadata-only message whose app metadata is a slices ticket"
             raise WireError(msg)
-        doc = decode_ticket(request.to_pybytes())
-        if not isinstance(doc, SlicesTicket):
-            msg = f"a read channel answers slices tickets, got a {doc.kind!r} ticket"
-            raise WireError(msg)
-        if doc.columns != channel.columns:
-            msg = f"this read channel answers columns {channel.columns}, the ticket asks for {doc.columns}"
+        raw = request.to_pybytes()
+        got = slices_by_hand(raw)
+        if got is None:
+            doc = decode_ticket(raw)
+            if not isinstance(doc, SlicesTicket):
+                msg = f"a read channel answers slices tickets, got a {doc.kind!r} ticket"
+                raise WireError(msg)
+            got = [(s.group_id, s.start, s.stop) for s in doc.slices], doc.columns
+        refs, columns = got
+        if columns != channel.columns:
+            msg = f"this read channel answers columns {channel.columns}, the ticket asks for {columns}"
             raise SchemaMismatchError(msg, column=None)
-        return self._slices(doc)
+        return self._slices(refs, columns)
 
-    def _slices(self, doc: SlicesTicket) -> tuple[pa.RecordBatch, Iterator[pa.RecordBatch], dict[str, str], int]:
-        """A ``slices`` ticket's rows: the first batch, the others (made as they are sent), the schema metadata of
-        the answer (the batches' own and the writer metadata all its groups share) and the payload bytes (summed
-        from the rows served: ``nbytes`` of sliced columns dedups byte ranges, ~50 us warm)."""
-        batches, meta, nbytes = self.store.slices_with_meta([(s.group_id, s.start, s.stop) for s in doc.slices],
-                                                            doc.columns, coalesce_below=self.coalesce_below)
+    def _slices(self, refs: list[tuple[str, int, int]], columns: list[str] | None,
+                ) -> tuple[pa.RecordBatch, Iterator[pa.RecordBatch], dict[str, str], int]:
+        """The rows of ``refs`` (``(group_id, start, stop)`` slices) of ``columns``: the first batch, the others
+        (made as they are sent), the schema metadata of the answer (the batches' own and the writer metadata all
+        its groups share) and the payload bytes (summed from the rows served: ``nbytes`` of sliced columns dedups
+        byte ranges, ~50 us warm)."""
+        batches, meta, nbytes = self.store.slices_with_meta(refs, columns, coalesce_below=self.coalesce_below)
         first = next(batches)  # at least one slice
         return first, batches, {**{k.decode(): v.decode() for k, v in (first.schema.metadata or {}).items()},
                                 **meta}, nbytes

@@ -19,7 +19,7 @@ import pyarrow.flight as flight
 from flight_store.errors import from_error_info
 from schemas.arrow import SCHEMA_VERSION, TRAJECTORY_SCHEMA
 from schemas.plan import PlannedSlice
-from schemas.wire import ReadChannelDescriptor
+from schemas.wire import CANONICAL_JSON, ReadChannelDescriptor
 
 
 def empty_table(cols: list[str] | None) -> pa.Table:
@@ -41,10 +41,6 @@ def group_ids(slices: Iterable[PlannedSlice]) -> list[str]:
     return list(dict.fromkeys(s.group_id for s in slices))
 
 
-_JSON = json.JSONEncoder(ensure_ascii=False, separators=(",", ":"))
-"""Compact JSON with UTF-8 as is: the bytes pydantic's ``model_dump_json`` writes for the same document."""
-
-
 def slices_ticket(slices: Iterable[PlannedSlice], cols: list[str] | None) -> bytes:
     """The DoGet ticket of ``slices`` (one node's) projected to ``cols``: the bytes of the model
     (:class:`~schemas.wire.SlicesTicket`; a test holds them equal), built without it (a model per slice costs
@@ -54,7 +50,7 @@ def slices_ticket(slices: Iterable[PlannedSlice], cols: list[str] | None) -> byt
                               "slices": [{"group_id": s.group_id, "start": s.start, "stop": s.stop} for s in slices]}
     if cols is not None:
         doc["columns"] = cols
-    return _JSON.encode(doc).encode()
+    return CANONICAL_JSON.encode(doc).encode()
 
 
 def in_order(slices: Sequence[PlannedSlice], tables: dict[str, pa.Table]) -> pa.Table:

@@ -45,10 +45,10 @@ class _CountingServer(StoreServer):
             self.channels_opened += 1
         return super().do_exchange(context, descriptor, reader, writer)
 
-    def _slices(self, doc):  # type: ignore[no-untyped-def]
+    def _slices(self, refs, columns):  # type: ignore[no-untyped-def]
         with self._count_lock:
             self.answers += 1
-        return super()._slices(doc)
+        return super()._slices(refs, columns)
 
     def counts(self) -> tuple[int, int, int]:
         return self.doget_calls, self.channels_opened, self.answers

@@ -6,11 +6,14 @@ import typing
 
 import pyarrow as pa
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from schemas import TRAJECTORY_SCHEMA, TrajectoryRecord, records_to_batch
 from schemas.arrow import METADATA_SCHEMA, SCHEMA_VERSION
 from schemas.trajectory import TrajectoryError
 from schemas.wire import (
+    CANONICAL_JSON,
     MetadataTicket,
     PutGroup,
     SlicesTicket,
@@ -18,6 +21,7 @@ from schemas.wire import (
     decode_action_body,
     decode_descriptor,
     decode_ticket,
+    slices_by_hand,
 )
 
 # Arrow type -> the Python type the pydantic field must accept (after unwrapping Optional/Annotated)
@@ -120,6 +124,33 @@ def test_wire_documents_round_trip() -> None:
 def test_bad_tickets_raise_wire_error_naming_the_problem(raw: bytes, needle: str) -> None:
     with pytest.raises(WireError, match=needle):
         decode_ticket(raw)
+
+
+_SLICES = st.fixed_dictionaries({
+    "group_id": st.one_of(st.text(max_size=3), st.just("g" * 513), st.integers()),
+    "start": st.one_of(st.integers(-1, 3), st.booleans()), "stop": st.integers(0, 4)})
+
+
+@settings(max_examples=300, deadline=None)
+@given(v=st.sampled_from([SCHEMA_VERSION, 99, True, "2"]), kind=st.sampled_from(["slices", "metadata"]),
+       slices=st.lists(_SLICES, max_size=3), columns=st.one_of(st.none(), st.lists(st.sampled_from(["reward", 1]))),
+       extra=st.sampled_from(["", ',"extra":1', ',"v":2', ' ']))
+def test_slices_tickets_decoded_by_hand_get_the_models_verdict(v: object, kind: str, slices: list[object],
+                                                                columns: object, extra: str) -> None:
+    doc: dict[str, object] = {"v": v, "kind": kind, "slices": slices}
+    if columns is not None:
+        doc["columns"] = columns
+    raw = (CANONICAL_JSON.encode(doc)[:-1] + extra + "}").encode()  # extra: another key, a repeated one, a space
+    fast = slices_by_hand(raw)
+    try:
+        model = decode_ticket(raw)
+    except WireError:
+        assert fast is None
+        return
+    assert fast is None or (isinstance(model, SlicesTicket)
+                            and fast == ([(s.group_id, s.start, s.stop) for s in model.slices], model.columns))
+    if not extra and isinstance(model, SlicesTicket):
+        assert fast is not None  # what clients send (canonical, valid) takes the fast path
 
 
 def test_action_bodies() -> None:

@@ -80,6 +80,10 @@ def test_slices_follow_request_order_across_the_batches_of_a_group(make_group) -
     assert out[0].schema.names == ["group_id", "sample_idx"]
     # g's rows [1, 4) live in two stored batches: two zero-copy slices, no concatenation
     assert [b.num_rows for b in out] == [2, 1, 2, 1]
+    store.put_group("r", [make_group("r", size=3).take([2, 0, 1])])  # one batch, rows not in sample_idx order
+    out = store.slices([("r", 0, 3)], columns=["sample_idx", "reward"])
+    assert _rows(out) == [0, 1, 2] and _rows(out, "reward") == [0.0, 1.0, 0.0]
+    assert [b.num_rows for b in out] == [2, 1]  # rows 0 and 1 lie together (offsets 1-2), row 2 first
     with pytest.raises(SchemaMismatchError, match="declares 5 rows but its stream carried 4"):
         store.put_group("k", [make_group("k", size=4)], rows=5)
     assert not store.has_group("k")
