@@ -142,11 +142,15 @@ def writer_meta(schema: pa.Schema) -> dict[str, str]:
 
 
 def common_meta(groups: Iterable[Group]) -> dict[str, str]:
-    """The writer metadata all ``groups`` agree on (a key with different values is left out)."""
+    """The writer metadata all ``groups`` agree on (a key with different values is left out); not to be changed (it
+    may be a group's own)."""
     out: dict[str, str] | None = None
     for g in groups:
-        out = dict(g.meta) if out is None else {k: v for k, v in out.items() if g.meta.get(k) == v}
-    return out or {}
+        if out is None:
+            out = g.meta
+        elif g.meta is not out and g.meta != out:
+            out = {k: v for k, v in out.items() if g.meta.get(k) == v}
+    return out or _NO_META
 
 
 def image_keys_of(batches: Sequence[pa.RecordBatch]) -> frozenset[bytes]:
@@ -374,13 +378,15 @@ class GroupTable:
         copy). A stored batch is read (:func:`~flight_store.memory.view`), projected and its rows' bytes
         summed once, and kept for the next reads (:data:`VIEWS_KEPT`).
         """
-        cols = None if columns is None else tuple(_COLUMN_INDEX[c] for c in columns)
+        cols = None if columns is None else tuple(map(_COLUMN_INDEX.__getitem__, columns))
         out: list[pa.RecordBatch] = []
         sizes: list[int] = []  # payload bytes of the projected rows of each slice (see row_bytes)
         seen: dict[str, Group] = {}
         for group_id, start, stop in refs:
-            group = seen[group_id] = self.live(group_id)
-            for bno, off, rows in self._runs_of(group_id, group, start, stop):
+            group = seen[group_id] = self._live.get(group_id) or self.live(group_id)  # live() names what is wrong
+            runs = ([(0, start, stop - start)] if group.ordered and stop <= group.rows  # the row index not needed
+                    else self._runs_of(group_id, group, start, stop))
+            for bno, off, rows in runs:
                 batch, per_row = self._projected(group_id, group, bno, cols)
                 out.append(batch.slice(off, rows))
                 sizes.append(sum(per_row[off : off + rows]))
@@ -406,8 +412,6 @@ class GroupTable:
 
     def _runs_of(self, group_id: str, group: Group, start: int, stop: int) -> list[tuple[int, int, int]]:
         """``(batch, offset, rows)`` runs of consecutive stored rows holding ``sample_idx`` ``[start, stop)``."""
-        if group.ordered and stop <= group.rows:
-            return [(0, start, stop - start)]
         found: list[tuple[int, int, int]] = []
         run_b, run_off, run_len = -1, -1, 0
         for s in range(start, stop):

@@ -77,6 +77,8 @@ SMALL_ANSWER = 1 << 20
 a Python generator per answer cost a large share of a micro-batch's read (see bench.peers' fetch)."""
 _IPC_OPTIONS = pa.ipc.IpcWriteOptions()
 """Made once: a stream without options reads the environment for its defaults on every answer (~4 us)."""
+_STORED_META = {k.decode(): v.decode() for k, v in (TRAJECTORY_SCHEMA.metadata or {}).items()}
+"""The schema metadata of every stored batch (:func:`~flight_store.memory.view` reads them as the schema)."""
 SMALL_ANSWER_SLICES = 16
 """A small answer of at most this many slices (one micro-batch) is made whole and sent by Arrow alone; a
 longer one (a whole step's micro-batches, streamed) is made as it is sent, so its first rows go out first."""
@@ -290,9 +292,12 @@ class StoreServer(flight.FlightServerBase):
             except StopIteration:
                 return  # the client ended the channel
             try:
-                with self._observe("read") as rec:
+                if self.metrics is None:  # the same without a record (a cold node pays for every call)
                     first, rest, meta, nbytes = guard("read", functools.partial(self._read, request, channel))
-                    rec.bytes_out += nbytes
+                else:
+                    with self.metrics.observe("read") as rec:
+                        first, rest, meta, nbytes = guard("read", functools.partial(self._read, request, channel))
+                        rec.bytes_out += nbytes
             except (KnitError, flight.FlightError) as exc:
                 writer.write_metadata(json.dumps({"error": error_json(exc)}).encode())
                 continue
@@ -331,9 +336,7 @@ class StoreServer(flight.FlightServerBase):
         its groups share) and the payload bytes (summed from the rows served: ``nbytes`` of sliced columns dedups
         byte ranges, ~50 us warm)."""
         batches, meta, nbytes = self.store.slices_with_meta(refs, columns, coalesce_below=self.coalesce_below)
-        first = next(batches)  # at least one slice
-        return first, batches, {**{k.decode(): v.decode() for k, v in (first.schema.metadata or {}).items()},
-                                **meta}, nbytes
+        return next(batches), batches, {**_STORED_META, **meta}, nbytes  # at least one slice
 
     # ---- actions -------------------------------------------------------------------------------
 

@@ -9,7 +9,6 @@ answers back in the order of the plan (:func:`in_order`). Used by
 from __future__ import annotations
 
 import contextlib
-import json
 import time
 from collections.abc import Iterable, Mapping, Sequence
 
@@ -19,7 +18,7 @@ import pyarrow.flight as flight
 from flight_store.errors import from_error_info
 from schemas.arrow import SCHEMA_VERSION, TRAJECTORY_SCHEMA
 from schemas.plan import PlannedSlice
-from schemas.wire import CANONICAL_JSON, ReadChannelDescriptor
+from schemas.wire import CANONICAL_JSON, ReadChannelDescriptor, loads_compact
 
 
 def empty_table(cols: list[str] | None) -> pa.Table:
@@ -131,7 +130,7 @@ class ReadChannel:
                     batches.append(data)
                 if end is not None:
                     break
-            answer = json.loads(end.to_pybytes())
+            answer = loads_compact(end.to_pybytes())
             error = answer.get("error") if isinstance(answer, dict) else None
             if not isinstance(error, dict):
                 table = pa.Table.from_batches(batches, schema=self._schema_of(answer["metadata"] or {}))

@@ -3,10 +3,10 @@
  * check_group_batch: whether a batch of the trajectory schema's columns and types (its schema's signature)
  * keeps every rule of the common case (no nulls or validity bitmaps, one group_id, sample_idx 0..n-1 once
  * each, a known status, finite rewards, loss masks 0/1, versions >= 0 and min <= max, list lengths that
- * agree), filling the `bytes` column on the way. It answers only "all kept" (0, or -1 when the columns'
- * own fields differ from the schema's) or "look closer" (a reason code > 0): the Python rules in
- * schemas/trajectory_rules.py stay the one place that names what is wrong, and run on any batch this pass does
- * not accept. It never accepts a batch they would refuse.
+ * agree, token_versions within each row's versions), filling the `bytes` column on the way. It answers only
+ * "all kept" (0, or -1 when the columns' own fields differ from the schema's) or "look closer" (a reason
+ * code > 0): the Python rules in schemas/trajectory_rules.py stay the one place that names what is wrong,
+ * and run on any batch this pass does not accept. It never accepts a batch they would refuse.
  *
  * row_bytes: payload bytes of each row and column (fixed width, or a 4-byte offset plus values).
  *
@@ -168,7 +168,7 @@ enum {
 /* Reasons a batch goes to the Python rules (never shown to a writer: the Python rules name the error); their
  * numbers are schemas/native.py's STEPS_ASIDE and RULE_COLUMNS. */
 enum {
-    OK, SCHEMA, NOT_A_BATCH, NULLS, GROUP_ID, SAMPLE_IDX, STATUS, REWARD, LOSS_MASK, VERSION, LENGTHS
+    OK, SCHEMA, NOT_A_BATCH, NULLS, GROUP_ID, SAMPLE_IDX, STATUS, REWARD, LOSS_MASK, VERSION, LENGTHS, TOKEN_VERSIONS
 };
 
 static struct ArrowArray *batch_of(PyObject *capsule) {
@@ -230,8 +230,26 @@ static int all_equal(const struct ArrowArray *col, int64_t n, const char *s, Py_
     return 1;
 }
 
+/* Whether each row's token_versions (list<int32> column `tv`, no nulls) holds one version per response token
+ * (`ro`: response_ids' offsets), each within the row's [vmin, v]. */
+static int token_versions_kept(const struct ArrowArray *tv, int64_t n, const int32_t *ro, const int64_t *v,
+                               const int64_t *vmin) {
+    const int32_t *to = offsets_of(tv, 0);
+    const struct ArrowArray *values = tv->children[0];
+    const int32_t *x = (const int32_t *)values->buffers[1] + values->offset;
+    for (int64_t i = 0; i < n; i++) {
+        if (to[i + 1] - to[i] != ro[i + 1] - ro[i])
+            return 0;
+        for (int64_t k = to[i]; k < to[i + 1]; k++)
+            if (x[k] < vmin[i] || x[k] > v[i])
+                return 0;
+    }
+    return 1;
+}
+
 static int check(const struct ArrowArray *batch, const int32_t *roles, const int32_t *widths, int64_t ncols,
-                 const char *gid, Py_ssize_t gid_len, const char *statuses, Py_ssize_t statuses_len, int64_t *bytes) {
+                 int32_t tv_index, const char *gid, Py_ssize_t gid_len, const char *statuses, Py_ssize_t statuses_len,
+                 int64_t *bytes) {
     const int64_t n = batch->length;
     if (batch->n_children != ncols || batch->offset != 0 || n <= 0)
         return NOT_A_BATCH;
@@ -299,8 +317,9 @@ static int check(const struct ArrowArray *batch, const int32_t *roles, const int
         const int64_t p = po[i + 1] - po[i], r = ro[i + 1] - ro[i], im = io[i + 1] - io[i];
         if (lo[i + 1] - lo[i] != r || mo[i + 1] - mo[i] != r || rlen[i] != r || plen[i] != p || nimg[i] != im)
             return LENGTHS;
-        /* the payload: each list's values times their width, plus one 4-byte offset per list */
-        bytes[i] = N_LISTS * 4 + p * widths[0] + r * (widths[1] + widths[2] + widths[3]) + im * widths[4];
+        /* the payload: each list's values times their width, plus one 4-byte offset per list; and token_versions
+         * (sent or to be filled): an offset and one int32 per response token */
+        bytes[i] = N_LISTS * 4 + p * widths[0] + r * (widths[1] + widths[2] + widths[3]) + im * widths[4] + 4 + 4 * r;
     }
 
     const struct ArrowArray *mask = c[R_LOSS_MASK]->children[0];
@@ -314,7 +333,12 @@ static int check(const struct ArrowArray *batch, const int32_t *roles, const int
     }
     for (; k < mo[n]; k++)
         bits |= m[k];
-    return (bits & ~UINT64_C(0x0101010101010101)) ? LOSS_MASK : OK;
+    if (bits & ~UINT64_C(0x0101010101010101))
+        return LOSS_MASK;
+    if (tv_index >= 0 && (tv_index >= ncols || batch->children[tv_index]->n_children != 1 ||
+                          !token_versions_kept(batch->children[tv_index], n, ro, v, vmin)))
+        return TOKEN_VERSIONS;
+    return OK;
 }
 
 static PyObject *check_group_batch(PyObject *self, PyObject *args) {
@@ -329,11 +353,13 @@ static PyObject *check_group_batch(PyObject *self, PyObject *args) {
     const struct ArrowSchema *schema = schema_of(schema_capsule);
     const int same_fields = signed_as(schema, 1, &exact);
     int code = same_fields || signed_as(schema, 0, &sig) ? NOT_A_BATCH : SCHEMA;
-    if (code == NOT_A_BATCH && batch != NULL && table.len == (1 + N_ROLES + N_LISTS) * (Py_ssize_t)sizeof(int32_t) &&
+    if (code == NOT_A_BATCH && batch != NULL && table.len == (2 + N_ROLES + N_LISTS) * (Py_ssize_t)sizeof(int32_t) &&
         out.len == batch->length * (Py_ssize_t)sizeof(int64_t)) {
-        /* the column count, one index per role, then the value width of each payload list */
+        /* the column count, one index per role, the value width of each payload list, then token_versions'
+         * index (-1: the batch leaves it out) */
         const int32_t *t = table.buf;
-        code = check(batch, t + 1, t + 1 + N_ROLES, t[0], gid, gid_len, statuses, statuses_len, out.buf);
+        code = check(batch, t + 1, t + 1 + N_ROLES, t[0], t[1 + N_ROLES + N_LISTS], gid, gid_len, statuses,
+                     statuses_len, out.buf);
     }
     PyBuffer_Release(&sig);
     PyBuffer_Release(&exact);
@@ -388,7 +414,8 @@ static PyMethodDef methods[] = {
      "their nullability and metadata too), as the checks compare them"},
     {"check_group_batch", check_group_batch, METH_VARARGS,
      "check_group_batch(schema_capsule, array_capsule, signature, fields_signature, group_id, statuses, table, "
-     "out_bytes) -> 0 when the batch has the signature and every rule of the common case holds (out_bytes filled), "
+     "out_bytes) -> 0 when the batch has the signature and every rule of the common case holds (out_bytes filled, "
+     "token_versions counted whether sent or to be filled), "
      "-1 the same with fields of another signature, else a reason > 0"},
     {"row_bytes", row_bytes, METH_VARARGS,
      "row_bytes(schema_capsule, array_capsule, signature, layout, out): payload bytes of each row and column into "

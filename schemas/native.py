@@ -26,15 +26,16 @@ _NATIVE_ROLES: dict[str, pa.DataType] = {
 """The columns ``_kernels.check_group_batch`` reads, in the order of its roles, with the types it reads them as."""
 
 _TOKEN_VERSIONS = "token_versions"
-"""The one column the native pass leaves to this module: the last of the schema, optional on write. A batch with
-it is checked (its lengths and versions) and counted here; a batch without it gets it filled here."""
+"""The last column of the schema, optional on write: the native pass checks it when sent (its lengths and versions)
+and counts its bytes either way; a batch without it gets it filled here."""
 _WITHOUT_TOKEN_VERSIONS = TRAJECTORY_SCHEMA.remove(TRAJECTORY_SCHEMA.get_field_index(_TOKEN_VERSIONS))
 _TOKEN_VERSIONS_FIELD = TRAJECTORY_SCHEMA.field(_TOKEN_VERSIONS)
 
 
 def _native_table(schema: pa.Schema) -> bytes:
-    """What ``_kernels.check_group_batch`` is told of ``schema``: the column count, each role's column index, and
-    the value width of each payload list it counts (the last five roles, in :data:`NATIVE_PAYLOAD_COLUMNS` order)."""
+    """What ``_kernels.check_group_batch`` is told of ``schema``: the column count, each role's column index, the
+    value width of each payload list it counts (the last five roles, in :data:`NATIVE_PAYLOAD_COLUMNS` order), and
+    the index of ``token_versions`` (-1 when the schema leaves it out)."""
     for name, typ in _NATIVE_ROLES.items():
         if COLUMN_TYPES[name] != typ:  # the schema changed: the native pass would misread it
             msg = f"schemas/_kernels.c reads column {name!r} as {typ}; the schema has {COLUMN_TYPES[name]}"
@@ -45,7 +46,8 @@ def _native_table(schema: pa.Schema) -> bytes:
         raise TypeError(msg)
     index = [schema.get_field_index(name) for name in _NATIVE_ROLES]
     widths = dict(PAYLOAD_WIDTHS)
-    return np.array([len(schema), *index, *(widths[c] for c in NATIVE_PAYLOAD_COLUMNS)], dtype=np.int32).tobytes()
+    return np.array([len(schema), *index, *(widths[c] for c in NATIVE_PAYLOAD_COLUMNS),
+                     schema.get_field_index(_TOKEN_VERSIONS)], dtype=np.int32).tobytes()
 
 
 class _Variant:
@@ -63,7 +65,7 @@ SIGNATURE: bytes = _WITH.signature
 _STATUSES = b"\0".join(s.encode() for s in STATUSES)
 _BYTES_INDEX = TRAJECTORY_SCHEMA.get_field_index("bytes")
 _RESPONSE_IDS = TRAJECTORY_SCHEMA.get_field_index("response_ids")
-_VERSION, _VERSION_MIN = (TRAJECTORY_SCHEMA.get_field_index(c) for c in ("policy_version", "policy_version_min"))
+_VERSION = TRAJECTORY_SCHEMA.get_field_index("policy_version")
 
 ACCEPTED, ACCEPTED_OTHER_FIELDS = 0, -1
 """The native pass's answers for a batch it proves valid: with the schema's own fields, or with a writer's
@@ -76,8 +78,7 @@ RULE_COLUMNS: dict[int, tuple[str, ...]] = {
     10: ("response_logprobs", "loss_mask", "response_len", "prompt_len", "num_images"),
     11: (_TOKEN_VERSIONS, "policy_version"),
 }
-"""Its answers for a batch breaking a rule: the columns the Python rules may name for it (``_kernels.c``'s reasons,
-and 11, this module's check of ``token_versions``)."""
+"""Its answers for a batch breaking a rule: the columns the Python rules may name for it (``_kernels.c``'s reasons)."""
 
 
 def native_verdict(batch: pa.RecordBatch, group_id: str) -> tuple[int, np.ndarray]:
@@ -96,41 +97,7 @@ def native_verdict(batch: pa.RecordBatch, group_id: str) -> tuple[int, np.ndarra
     schema, array = batch.__arrow_c_array__()
     code = _kernels.check_group_batch(schema, array, variant.signature, variant.fields_signature, group_id.encode(),
                                       _STATUSES, variant.table, out)
-    if code not in (ACCEPTED, ACCEPTED_OTHER_FIELDS):
-        return code, out
-    rlen = offset_lengths(batch.column(_RESPONSE_IDS))
-    if sent and not _token_versions_kept(batch, rlen):
-        return 11, out
-    out += 4 + 4 * rlen.astype(np.int64)  # token_versions: its offset and one int32 per response token
-    return (code if sent else ACCEPTED_OTHER_FIELDS), out
-
-
-def _values(arr: pa.Array, dtype: type[np.generic], start: int, stop: int) -> np.ndarray:
-    """Values ``start:stop`` of a fixed-width array without nulls, read off its data buffer."""
-    return np.frombuffer(arr.buffers()[1], dtype=dtype)[arr.offset + start:arr.offset + stop]
-
-
-def _token_versions_kept(batch: pa.RecordBatch, rlen: np.ndarray) -> bool:
-    """Whether the batch's ``token_versions`` (its last column, the native pass found no null in it) has
-    ``len(response_ids)`` values per row, each in the row's ``[policy_version_min, policy_version]``: the rules of
-    :func:`~schemas.trajectory_rules.check_row_rules`, read off the buffers (a few microseconds)."""
-    tv, response = batch.column(len(TRAJECTORY_SCHEMA) - 1), batch.column(_RESPONSE_IDS)
-    n = batch.num_rows
-    offsets = _values(tv, np.int32, 0, n + 1)
-    same = offsets[0] == _values(response, np.int32, 0, 1)[0] and tv.offsets.equals(response.offsets)
-    if not same and not ((offsets[1:] - offsets[:-1]) == rlen).all():  # same offsets: the same lengths
-        return False
-    values = _values(tv.values, np.int32, int(offsets[0]), int(offsets[-1]))
-    if not values.size:
-        return True
-    version, version_min = batch.column(_VERSION), batch.column(_VERSION_MIN)
-    if version.equals(version_min):
-        versions = version.to_pylist()
-        if min(versions) == max(versions):  # one version for every row and token: the common case
-            return bool(values.min() == values.max() == versions[0])
-    vmax, vmin = _values(version, np.int64, 0, n), _values(version_min, np.int64, 0, n)
-    row = np.repeat(np.arange(n), rlen)
-    return not bool(((values < vmin[row]) | (values > vmax[row])).any())
+    return (ACCEPTED_OTHER_FIELDS if code == ACCEPTED and not sent else code), out
 
 
 def checked_natively(batch: pa.RecordBatch, group_id: str) -> pa.RecordBatch | None:
@@ -142,8 +109,8 @@ def checked_natively(batch: pa.RecordBatch, group_id: str) -> pa.RecordBatch | N
 
     ``_kernels.check_group_batch`` reads the batch through the Arrow C data interface and compares its schema's
     column names and types with the trajectory schema's (:data:`SIGNATURE`, or the same without
-    ``token_versions``); it accepts a subset of what the Python rules accept, in ~10 us instead of ~150. The
-    ``token_versions`` column is checked (sent) or filled (left out) here, by the same functions as the rules.
+    ``token_versions``); it accepts a subset of what the Python rules accept, in ~10 us instead of ~150. A
+    ``token_versions`` column left out is filled here, as the rules fill it.
     """
     code, out = native_verdict(batch, group_id)
     if code == ACCEPTED:  # the schema's own fields: only `bytes` and the schema's metadata to set
