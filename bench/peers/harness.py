@@ -10,9 +10,11 @@ What runs (all on loopback, in one Ray session started here):
   group as its PPO trainer does (a no-padding TensorDict chunked and ``ray.put`` per rank), and as a
   ``DataProto`` in both of its serializations (``torch.save``, numpy) (:mod:`bench.peers.verl_dp`);
 * a **minimal Flight** server (:mod:`bench.minimal_flight`): the floor for a group's write (one DoPut) and
-  for one micro-batch's read by one DoGet per node (``minimal_flight``); its reads over one long-lived
-  DoExchange per node (``minimal_flight_exchange``, a diagnostic) are the floor of knittrans' own read
-  channels.
+  for one micro-batch's read by one DoGet per node (``minimal_flight``, a diagnostic); its reads over one
+  long-lived DoExchange per node (``minimal_flight_exchange``) are the floor of knittrans' own read
+  channels. Each of the two read comparisons has servers of its own, as knittrans' nodes serve only its
+  reads: a server that has just answered another path's read runs warm, and sharing one made the
+  exchange floor's median read ~5% faster (its caches, not its mechanism).
 
 The groups are generated once (:func:`bench.cluster.workload.make_group`) and every path is given
 them; the admission planner's plans fix each rank's micro-batches, the same on every path
@@ -207,12 +209,14 @@ def _minimal_fetchers(knit: Any, groups: list[pa.RecordBatch],
     the rows put back in the micro-batch's order (as knittrans' client reads): ``minimal_flight``, one DoGet
     per server a micro-batch, concurrently; ``minimal_flight_exchange``, one request per server a
     micro-batch over a DoExchange per server kept open, every request sent before any answer is read (as
-    knittrans' read channels). The servers stop with ``stack``."""
+    knittrans' read channels). Each on servers of its own (see the module's docstring); they stop with
+    ``stack``."""
     from bench import minimal_flight
     from flight_store import streams
     from schemas.plan import PlannedSlice
 
-    clients, channels, pool = _minimal_servers(knit, groups, stack)
+    clients, _, pool = _minimal_servers(knit, groups, stack)
+    _, channels, _ = _minimal_servers(knit, groups, stack)
 
     def fetch(micros: list[MicroSpec]) -> list[float]:
         out = []
