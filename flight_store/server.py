@@ -40,6 +40,7 @@ from flight_store.store import Store
 from flight_store.writes import WriteSlots
 from schemas import replies
 from schemas.arrow import SCHEMA_VERSION, TRAJECTORY_SCHEMA
+from schemas.read_channel import encode_read_end, slices_by_hand
 from schemas.wire import (
     LIMITS,
     DemandBody,
@@ -65,8 +66,6 @@ from schemas.wire import (
     decode_exchange,
     decode_list_criteria,
     decode_ticket,
-    encode_read_end,
-    slices_by_hand,
 )
 
 log = logging.getLogger(__name__)

@@ -18,7 +18,8 @@ import pyarrow.flight as flight
 from flight_store.errors import from_error_info
 from schemas.arrow import SCHEMA_VERSION, TRAJECTORY_SCHEMA
 from schemas.plan import PlannedSlice
-from schemas.wire import CANONICAL_JSON, ReadChannelDescriptor, loads_compact
+from schemas.read_channel import CANONICAL_JSON, loads_compact
+from schemas.wire import ReadChannelDescriptor
 
 
 def empty_table(cols: list[str] | None) -> pa.Table:

@@ -8,9 +8,7 @@ them; they raise :class:`WireError` naming what was wrong.
 from __future__ import annotations
 
 import json
-from collections.abc import Callable
-from itertools import repeat
-from typing import Annotated, Any, Literal, cast
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError, model_validator
 
@@ -64,8 +62,10 @@ class _Doc(BaseModel):
         return self.model_dump_json(exclude_none=True).encode()
 
 
-GroupId = Annotated[str, Field(min_length=1, max_length=512)]
-NonNegInt = Annotated[int, Field(ge=0, le=2**62)]
+GROUP_ID_MAX_CHARS, MAX_NON_NEG = 512, 2**62
+"""The longest group id (characters), the largest row index or count a document carries."""
+GroupId = Annotated[str, Field(min_length=1, max_length=GROUP_ID_MAX_CHARS)]
+NonNegInt = Annotated[int, Field(ge=0, le=MAX_NON_NEG)]
 Version = Annotated[int, Field(ge=0, lt=2**31)]
 """A policy version: optimizer steps, below 2^31."""
 MAX_GROUP_ROWS = 1 << 16
@@ -238,7 +238,8 @@ class ReadChannelDescriptor(_Doc):
     The node answers under one schema for the channel's life: the trajectory schema projected to ``columns``
     (all of it for ``None``). The client sends each request as a metadata-only message whose app metadata
     is a ``slices`` ticket of exactly these columns; the node answers with its rows (zero or more batches),
-    the last message's app metadata being the JSON end of the answer (see :func:`encode_read_end`).
+    the last message's app metadata being the JSON end of the answer (see
+    :func:`schemas.read_channel.encode_read_end`).
 
     Example: ``{"v": 2, "kind": "reads", "columns": ["group_id", "sample_idx", "response_ids"]}``
     """
@@ -361,81 +362,7 @@ ACTION_BODIES: dict[str, type[_Doc]] = {
 """Action type -> body model; ``schemas.replies.ACTION_DESCRIPTIONS`` describes the same set."""
 
 
-# ---- encoding -----------------------------------------------------------------------------------
-
-def encode_read_end(rows: int, metadata: dict[str, str]) -> bytes:
-    """The app metadata ending a read channel's answer of ``rows`` rows, ``{"rows": N, "metadata": {...}}`` (the
-    ``knittrans.*`` schema metadata its groups share, as a DoGet's schema carries it); a refused request gets one
-    metadata-only message ``{"error": {...}}`` (the typed error's JSON) instead."""
-    return json.dumps({"rows": rows, "metadata": metadata}).encode()
-
-
 # ---- decoding ----------------------------------------------------------------------------------
-
-CANONICAL_JSON = json.JSONEncoder(ensure_ascii=False, separators=(",", ":"))
-"""Compact JSON with UTF-8 as is: the bytes pydantic's ``model_dump_json`` writes for the same document, and the
-form clients send requests in (:func:`slices_by_hand` decodes a ticket in this form without the model)."""
-_SCAN: Callable[[str, int], tuple[Any, int]] = cast(Any, json.JSONDecoder()).scan_once  # json's C scanner
-
-
-def loads_compact(raw: bytes) -> Any:
-    """``raw``, one UTF-8 JSON value with no whitespace around it, parsed by ``json``'s C scanner in one call
-    (``json.loads`` adds three Python frames and an encoding guess, a share of a small read's time on a cold node);
-    :class:`ValueError` for anything else. Repeated keys are not detected: the last one wins."""
-    text = raw.decode()
-    try:
-        value, end = _SCAN(text, 0)
-    except StopIteration:
-        msg = "not a JSON value"
-        raise ValueError(msg) from None
-    if end != len(text):
-        msg = f"data after the JSON value at {end}"
-        raise ValueError(msg)
-    return value
-
-
-_MAX_NON_NEG = 2**62
-_GROUP_ID_CHARS = 512
-_SLICES_KEYS = frozenset({"v", "kind", "slices", "columns"})
-
-
-def slices_by_hand(raw: bytes) -> tuple[list[tuple[str, int, int]], list[str] | None] | None:
-    """A ``slices`` ticket in canonical form (:data:`CANONICAL_JSON`) as its ``(group_id, start, stop)`` slices
-    and its columns, checked by hand exactly as :class:`SlicesTicket` checks it; ``None`` for any other bytes,
-    which :func:`decode_ticket` then decides on (and names what is wrong).
-
-    Why: a read channel decodes one ticket per micro-batch, and on a node that waited between reads (its
-    caches cold) the model's validation took ~50-80 us of a ~600 us read; this takes about half. Canonical
-    form (the bytes re-encoded are the bytes received) proves no key is repeated, which ``json.loads`` would
-    hide. ``tests/test_wire.py`` holds the two decoders to the same verdicts.
-    """
-    if len(raw) > LIMITS["ticket_bytes"]:
-        return None
-    try:
-        doc = loads_compact(raw)
-    except ValueError:
-        return None
-    if type(doc) is not dict or doc.get("kind") != "slices" or not doc.keys() <= _SLICES_KEYS:
-        return None
-    version, slices, columns = doc.get("v"), doc.get("slices"), doc.get("columns")
-    if type(version) is not int or version != SCHEMA_VERSION or type(slices) is not list:
-        return None
-    if not 1 <= len(slices) <= LIMITS["slices_per_ticket"]:
-        return None
-    if columns is not None and (type(columns) is not list or not all(map(isinstance, columns, repeat(str)))):
-        return None
-    out = []
-    for s in slices:
-        if type(s) is not dict or len(s) != 3:
-            return None
-        group_id, start, stop = s.get("group_id"), s.get("start"), s.get("stop")
-        if (type(group_id) is not str or not 1 <= len(group_id) <= _GROUP_ID_CHARS or type(start) is not int
-                or type(stop) is not int or not 0 <= start < stop <= _MAX_NON_NEG):
-            return None
-        out.append((group_id, start, stop))
-    if CANONICAL_JSON.encode(doc).encode() != raw:
-        return None
-    return out, columns
 
 _DESCRIPTOR = TypeAdapter(Descriptor)
 _TICKET = TypeAdapter(Ticket)

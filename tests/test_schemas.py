@@ -11,9 +11,9 @@ from hypothesis import strategies as st
 
 from schemas import TRAJECTORY_SCHEMA, TrajectoryRecord, records_to_batch
 from schemas.arrow import METADATA_SCHEMA, SCHEMA_VERSION
+from schemas.read_channel import CANONICAL_JSON, slices_by_hand
 from schemas.trajectory import TrajectoryError
 from schemas.wire import (
-    CANONICAL_JSON,
     MetadataTicket,
     PutGroup,
     SlicesTicket,
@@ -21,7 +21,6 @@ from schemas.wire import (
     decode_action_body,
     decode_descriptor,
     decode_ticket,
-    slices_by_hand,
 )
 
 # Arrow type -> the Python type the pydantic field must accept (after unwrapping Optional/Annotated)
