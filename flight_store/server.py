@@ -78,6 +78,9 @@ _IPC_OPTIONS = pa.ipc.IpcWriteOptions()
 """Made once: a stream without options reads the environment for its defaults on every answer (~4 us)."""
 _STORED_META = {k.decode(): v.decode() for k, v in (TRAJECTORY_SCHEMA.metadata or {}).items()}
 """The schema metadata of every stored batch (:func:`~flight_store.memory.view` reads them as the schema)."""
+_UNOBSERVED = contextlib.nullcontext(Record())
+"""What an RPC records into on a node without metrics: one shared record nobody reads (made once: a cold node pays
+for every object a read makes)."""
 SMALL_ANSWER_SLICES = 16
 """A small answer of at most this many slices (one micro-batch) is made whole and sent by Arrow alone; a
 longer one (a whole step's micro-batches, streamed) is made as it is sent, so its first rows go out first."""
@@ -148,7 +151,7 @@ class StoreServer(flight.FlightServerBase):
 
     def _observe(self, rpc: str) -> contextlib.AbstractContextManager[Record]:
         """The RPC's :class:`Record`, timed and counted when the node serves metrics (a plain one otherwise)."""
-        return contextlib.nullcontext(Record()) if self.metrics is None else self.metrics.observe(rpc)
+        return _UNOBSERVED if self.metrics is None else self.metrics.observe(rpc)
 
     # ---- DoPut ---------------------------------------------------------------------------------
 
@@ -291,12 +294,9 @@ class StoreServer(flight.FlightServerBase):
             except StopIteration:
                 return  # the client ended the channel
             try:
-                if self.metrics is None:  # the same without a record (a cold node pays for every call)
+                with self._observe("read") as rec:
                     first, rest, meta, nbytes = guard("read", functools.partial(self._read, request, channel))
-                else:
-                    with self.metrics.observe("read") as rec:
-                        first, rest, meta, nbytes = guard("read", functools.partial(self._read, request, channel))
-                        rec.bytes_out += nbytes
+                    rec.bytes_out += nbytes
             except (KnitError, flight.FlightError) as exc:
                 writer.write_metadata(json.dumps({"error": error_json(exc)}).encode())
                 continue
