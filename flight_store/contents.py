@@ -15,6 +15,7 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Iterable, Mapping, Sequence
 
+import numpy as np
 import pyarrow as pa
 
 from flight_store.dispatched import DispatchTable
@@ -52,17 +53,20 @@ class StoreContents:
     def commit_group(
         self, group_id: str, fresh: Sequence[pa.RecordBatch], packed: Sequence[tuple[Block, int]] | None = None,
         meta: dict[str, str] | None = None, seq: int | None = None, image_keys: frozenset[bytes] | None = None,
+        sizes: Sequence[np.ndarray | None] = (),
     ) -> int:
         """Add the validated batches of the new group ``group_id`` (and their :func:`~flight_store.memory.pack`).
 
-        Their metadata rows get the next ``seq`` (or from ``seq``: a compacted log restores gaps); the images
+        Their metadata rows get the next ``seq`` (or from ``seq``: a compacted log restores gaps), copied out of
+        the blocks when the log next settles (:meth:`~flight_store.metadata.MetadataLog.settle`); the images
         they name (``image_keys``, when the caller read them already) gain a reference; ``meta`` is the writer's
-        schema metadata. Returns the rows added.
+        schema metadata; ``sizes`` their row sizes where validation read them
+        (:class:`~schemas.native.Checked`). Returns the rows added.
         """
         if packed is None:
             packed = [pack(b) for b in fresh]
-        first = self.metadata.append(fresh, seq)
-        self.images.add_refs(self.groups.add(group_id, fresh, packed, meta, first, image_keys))
+        first = self.metadata.append([block for block, _ in packed], sum(b.num_rows for b in fresh), seq)
+        self.images.add_refs(self.groups.add(group_id, fresh, packed, meta, first, image_keys, sizes))
         payload = self.groups.live(group_id).nbytes
         self.memory.hold(sum(held for _, held in packed), payload)
         self.bytes_in += payload
@@ -76,6 +80,7 @@ class StoreContents:
         their metadata history stays.
         """
         freed = 0
+        self.metadata.settle()  # the log's rows still waiting in the blocks are copied before a block goes
         for gid in group_ids:
             group = self.groups.release(gid, (digests or {}).get(gid))
             if group is None:

@@ -25,9 +25,8 @@ import pyarrow.compute as pc
 
 from flight_store.errors import ConflictError, GroupReleasedError, SchemaMismatchError, UnknownGroupError
 from flight_store.memory import Block, view
-from schemas import _kernels
 from schemas.arrow import TRAJECTORY_SCHEMA
-from schemas.native import SIGNATURE
+from schemas.native import row_bytes
 from schemas.trajectory_rules import offset_lengths
 
 _TRAJ_COLUMNS = frozenset(TRAJECTORY_SCHEMA.names)
@@ -74,37 +73,6 @@ class Group:
     def batches(self) -> list[pa.RecordBatch]:
         """All stored batches (views into the blocks), in arrival order."""
         return [self.batch(i) for i in range(len(self.blocks))]
-
-
-def _layout(schema: pa.Schema) -> bytes:
-    """Per column of ``schema``, as ``_kernels.row_bytes`` reads it (int32): the fixed width of a value, or for a
-    string or list column (32-bit offsets) ``-(width of its values) - 1``."""
-    out = []
-    for t in schema.types:
-        if pa.types.is_string(t) or pa.types.is_binary(t) or pa.types.is_list(t):
-            value = t.value_type if pa.types.is_list(t) else pa.uint8()
-            out.append(-(value.byte_width if pa.types.is_fixed_size_binary(value) else value.bit_width // 8) - 1)
-        else:
-            out.append(t.bit_width // 8)
-    return np.array(out, dtype=np.int32).tobytes()
-
-
-_TRAJECTORY_LAYOUT = _layout(TRAJECTORY_SCHEMA)
-
-
-def row_bytes(batch: pa.RecordBatch) -> np.ndarray:
-    """Payload bytes of each row (axis 0) and column (axis 1) of a valid batch of the trajectory schema (a stored
-    one), as int32.
-
-    A fixed-width value counts its width; a string or list counts its offset (4) and its values.
-    For a whole stored batch the sum equals ``RecordBatch.nbytes``; summing rows is exact for any
-    split, and cheap (``RecordBatch.nbytes`` of a slice costs ~40 us for this schema). Read off the
-    offsets in one native pass (``_kernels.row_bytes``, which refuses a batch of other columns).
-    """
-    out = np.empty((batch.num_rows, batch.num_columns), dtype=np.int32)
-    schema, array = batch.__arrow_c_array__()
-    _kernels.row_bytes(schema, array, SIGNATURE, _TRAJECTORY_LAYOUT, out)
-    return out
 
 
 IDENTITY_COLUMNS: tuple[str, ...] = tuple(c for c in TRAJECTORY_SCHEMA.names
@@ -317,18 +285,20 @@ class GroupTable:
 
     def add(self, group_id: str, fresh: Sequence[pa.RecordBatch], packed: Sequence[tuple[Block, int]],
             meta: dict[str, str] | None = None, seq: int = 0, image_keys: frozenset[bytes] | None = None,
+            sizes: Sequence[np.ndarray | None] = (),
             ) -> frozenset[bytes]:
         """Store the validated batches of a new group (its first metadata row is ``seq``) and their blocks;
-        returns the image keys it names (``image_keys``, when the caller read them already)."""
+        returns the image keys it names (``image_keys``, when the caller read them already). ``sizes``: the
+        batches' :func:`row_bytes` where validation read them already."""
         group = self._live[group_id] = Group(meta=meta or _NO_META, seq=seq)
-        for b, (block, held) in zip(fresh, packed, strict=True):
-            bno = len(group.blocks)
+        for bno, (b, (block, held)) in enumerate(zip(fresh, packed, strict=True)):
             group.blocks.append(block)
-            sizes = row_bytes(b)
-            group.row_bytes.append(sizes)
+            known = sizes[bno] if bno < len(sizes) else None
+            sizes_b = row_bytes(b) if known is None else known
+            group.row_bytes.append(sizes_b)
             idx = b.column(_SAMPLE_IDX).to_numpy().tolist()
             group.index.update(zip(idx, [(bno, off) for off in range(len(idx))], strict=True))
-            group.nbytes += int(sizes.sum())  # = b.nbytes for a whole batch, without its ~40 us
+            group.nbytes += int(sizes_b.sum())  # = b.nbytes for a whole batch, without its ~40 us
             group.held += held
             group.rows += b.num_rows
         group.ordered = len(fresh) == 1 and idx == list(range(group.rows))

@@ -121,7 +121,7 @@ BLOCK_OVERHEAD = 1024
 record, its dict entry and key, the index dict and block list (measured: ~0.6 KiB a group)."""
 ROW_OVERHEAD = 64 + 4 * len(TRAJECTORY_SCHEMA)
 """Bytes per stored row of the ``sample_idx -> (block, offset)`` index (dict slot and tuple) and of its
-payload sizes (:func:`flight_store.groups.row_bytes`)."""
+payload sizes (:func:`schemas.native.row_bytes`)."""
 _MAP_FLAGS = mmap.MAP_PRIVATE | getattr(mmap, "MAP_POPULATE", 0)
 """Private pages, faulted in by the one ``mmap`` call (Linux): filling a 156 KiB block took 59 us instead of 122."""
 _MMAP_MIN = 16 << 10

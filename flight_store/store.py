@@ -28,6 +28,7 @@ import threading
 import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
 
+import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
@@ -40,7 +41,7 @@ from flight_store.errors import KnitError, LimitExceededError, SchemaMismatchErr
 from flight_store.images import images_table
 from flight_store.memory import Incoming, MemoryAccount, pack
 from flight_store.supply import Supply
-from flight_store.validate import normalize_group, normalize_groups, normalize_images
+from flight_store.validate import normalize_group, normalize_group_sized, normalize_groups, normalize_images
 from flight_store.weights import one_batch
 from schemas import weights as weights_codec
 from schemas.arrow import SCHEMA_VERSION
@@ -154,8 +155,9 @@ class Store:
             flat: list[pa.RecordBatch] = []
             for b in batches:
                 flat.extend(b.to_batches() if isinstance(b, pa.Table) else [b])
-            normalized = normalize_group(flat, group_id, sum(b.num_rows for b in flat) if rows is None else rows)
-            return self._commit_group(group_id, normalized, meta, incoming)
+            normalized, sizes = normalize_group_sized(flat, group_id,
+                                                      sum(b.num_rows for b in flat) if rows is None else rows)
+            return self._commit_group(group_id, normalized, meta, incoming, sizes)
         raise AssertionError  # pragma: no cover - the with block returns or raises
 
     def put_groups(self, groups: Sequence[tuple[str, int]], batches: Sequence[pa.RecordBatch],
@@ -193,8 +195,9 @@ class Store:
         return stored, refused
 
     def _commit_group(self, group_id: str, normalized: Sequence[pa.RecordBatch], meta: dict[str, str] | None,
-                      incoming: Incoming) -> int:
-        """Store the validated batches of one whole group (a rewrite of the same content: 0 rows added)."""
+                      incoming: Incoming, sizes: Sequence[np.ndarray | None] = ()) -> int:
+        """Store the validated batches of one whole group (a rewrite of the same content: 0 rows added); ``sizes``:
+        their row sizes where validation read them."""
         what = f"group {group_id!r}"
         with self._lock:
             if self._contents.groups.check_rewrite(group_id, normalized):
@@ -206,7 +209,7 @@ class Store:
             self.memory.reserve(sum(held for _, held in packed), what, incoming.others)
             self.memory.check_rss(0, what)  # the packed blocks' pages are resident already
             self._journal.group(group_id, [block for block, _ in packed], meta or {})
-            return self._contents.commit_group(group_id, normalized, packed, meta, image_keys=keys)
+            return self._contents.commit_group(group_id, normalized, packed, meta, image_keys=keys, sizes=sizes)
 
     def slices(
         self,

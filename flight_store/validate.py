@@ -11,6 +11,7 @@ import contextlib
 import datetime as dt
 from collections.abc import Iterator, Sequence
 
+import numpy as np
 import pyarrow as pa
 
 from flight_store.errors import SchemaMismatchError
@@ -33,8 +34,14 @@ def normalize_batch(batch: pa.RecordBatch, group_id: str, *, now: dt.datetime | 
 
 def normalize_group(batches: Sequence[pa.RecordBatch], group_id: str, rows: int) -> list[pa.RecordBatch]:
     """:func:`schemas.trajectory.normalize_group`, refusing with :class:`SchemaMismatchError`."""
+    return normalize_group_sized(batches, group_id, rows)[0]
+
+
+def normalize_group_sized(batches: Sequence[pa.RecordBatch], group_id: str,
+                          rows: int) -> tuple[list[pa.RecordBatch], list[np.ndarray | None]]:
+    """:func:`schemas.trajectory.normalize_group_sized`, refusing with :class:`SchemaMismatchError`."""
     try:  # every DoPut of a group passes here: no context manager to build
-        return trajectory.normalize_group(batches, group_id, rows)
+        return trajectory.normalize_group_sized(batches, group_id, rows)
     except trajectory.TrajectoryError as exc:
         raise SchemaMismatchError(str(exc), column=exc.column) from None
 

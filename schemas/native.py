@@ -9,6 +9,8 @@ to the same verdicts).
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import numpy as np
 import pyarrow as pa
 
@@ -81,47 +83,101 @@ RULE_COLUMNS: dict[int, tuple[str, ...]] = {
 """Its answers for a batch breaking a rule: the columns the Python rules may name for it (``_kernels.c``'s reasons)."""
 
 
-def native_verdict(batch: pa.RecordBatch, group_id: str) -> tuple[int, np.ndarray]:
-    """The native pass's answer for ``batch`` as the whole of group ``group_id``, and each row's payload bytes (read
-    only when accepted; ``token_versions`` counted whether sent or to be filled): :data:`ACCEPTED`,
-    :data:`ACCEPTED_OTHER_FIELDS`, or a reason of :data:`STEPS_ASIDE` or :data:`RULE_COLUMNS`."""
+def _layout(schema: pa.Schema) -> bytes:
+    """Per column of ``schema``, as ``_kernels.row_bytes`` reads it (int32): the fixed width of a value, or for a
+    string or list column (32-bit offsets) ``-(width of its values) - 1``."""
+    out = []
+    for t in schema.types:
+        if pa.types.is_string(t) or pa.types.is_binary(t) or pa.types.is_list(t):
+            value = t.value_type if pa.types.is_list(t) else pa.uint8()
+            out.append(-(value.byte_width if pa.types.is_fixed_size_binary(value) else value.bit_width // 8) - 1)
+        else:
+            out.append(t.bit_width // 8)
+    return np.array(out, dtype=np.int32).tobytes()
+
+
+_TRAJECTORY_LAYOUT = _layout(TRAJECTORY_SCHEMA)
+
+
+def _row_bytes(schema: object, array: object, rows: int) -> np.ndarray:
+    out = np.empty((rows, len(TRAJECTORY_SCHEMA)), dtype=np.int32)
+    _kernels.row_bytes(schema, array, SIGNATURE, _TRAJECTORY_LAYOUT, out)
+    return out
+
+
+def row_bytes(batch: pa.RecordBatch) -> np.ndarray:
+    """Payload bytes of each row (axis 0) and column (axis 1) of a valid batch of the trajectory schema (a stored
+    one), as int32.
+
+    A fixed-width value counts its width; a string or list counts its offset (4) and its values.
+    For a whole stored batch the sum equals ``RecordBatch.nbytes``; summing rows is exact for any
+    split, and cheap (``RecordBatch.nbytes`` of a slice costs ~40 us for this schema). Read off the
+    offsets in one native pass (``_kernels.row_bytes``, which refuses a batch of other columns).
+    """
+    schema, array = batch.__arrow_c_array__()
+    return _row_bytes(schema, array, batch.num_rows)
+
+
+class Checked(NamedTuple):
+    """A batch :func:`checked_natively` proved valid."""
+
+    batch: pa.RecordBatch
+    """As ``TRAJECTORY_SCHEMA``, with ``bytes`` recomputed."""
+    row_bytes: np.ndarray | None
+    """Its :func:`row_bytes`, read off the same C data export when the writer sent every column (``None`` when
+    ``token_versions`` was filled here)."""
+
+
+def _verdict(batch: pa.RecordBatch, group_id: str, *, sized: bool) -> tuple[int, np.ndarray, np.ndarray | None]:
+    """:func:`native_verdict`, and (``sized``) the accepted batch's :func:`row_bytes` when it holds every column."""
     out = np.empty(batch.num_rows, dtype=np.int64)
     if not batch.num_rows:
-        return 2, out
+        return 2, out, None
     try:
         batch.validate(full=True)  # offsets in bounds and monotonic: what the native pass may read
     except pa.ArrowException:
-        return 2, out
+        return 2, out, None
     sent = batch.num_columns == len(TRAJECTORY_SCHEMA)  # with token_versions (a valid batch holds it last)
     variant = _WITH if sent else _WITHOUT
     schema, array = batch.__arrow_c_array__()
     code = _kernels.check_group_batch(schema, array, variant.signature, variant.fields_signature, group_id.encode(),
                                       _STATUSES, variant.table, out)
-    return (ACCEPTED_OTHER_FIELDS if code == ACCEPTED and not sent else code), out
+    accepted = code in (ACCEPTED, ACCEPTED_OTHER_FIELDS)
+    sizes = _row_bytes(schema, array, batch.num_rows) if sized and sent and accepted else None
+    return (ACCEPTED_OTHER_FIELDS if code == ACCEPTED and not sent else code), out, sizes
 
 
-def checked_natively(batch: pa.RecordBatch, group_id: str) -> pa.RecordBatch | None:
-    """``batch``, the whole of group ``group_id``, as ``TRAJECTORY_SCHEMA`` with ``bytes`` recomputed, when the
-    native pass proves it valid: the schema's columns and types (``token_versions`` sent or left out), structurally
-    valid, no null (and no validity bitmap) anywhere, every rule of :func:`~schemas.trajectory_rules.check_rules`
-    kept, ``sample_idx`` 0..rows-1; ``None`` for any other batch, which the Python rules then decide on (and name
-    what is wrong).
+def native_verdict(batch: pa.RecordBatch, group_id: str) -> tuple[int, np.ndarray]:
+    """The native pass's answer for ``batch`` as the whole of group ``group_id``, and each row's payload bytes (read
+    only when accepted; ``token_versions`` counted whether sent or to be filled): :data:`ACCEPTED`,
+    :data:`ACCEPTED_OTHER_FIELDS`, or a reason of :data:`STEPS_ASIDE` or :data:`RULE_COLUMNS`."""
+    code, out, _ = _verdict(batch, group_id, sized=False)
+    return code, out
+
+
+def checked_natively(batch: pa.RecordBatch, group_id: str) -> Checked | None:
+    """``batch``, the whole of group ``group_id``, as ``TRAJECTORY_SCHEMA`` with ``bytes`` recomputed (and its
+    :func:`row_bytes`), when the native pass proves it valid: the schema's columns and types (``token_versions``
+    sent or left out), structurally valid, no null (and no validity bitmap) anywhere, every rule of
+    :func:`~schemas.trajectory_rules.check_rules` kept, ``sample_idx`` 0..rows-1; ``None`` for any other batch,
+    which the Python rules then decide on (and name what is wrong).
 
     ``_kernels.check_group_batch`` reads the batch through the Arrow C data interface and compares its schema's
     column names and types with the trajectory schema's (:data:`SIGNATURE`, or the same without
     ``token_versions``); it accepts a subset of what the Python rules accept, in ~10 us instead of ~150. A
     ``token_versions`` column left out is filled here, as the rules fill it.
     """
-    code, out = native_verdict(batch, group_id)
+    code, out, sizes = _verdict(batch, group_id, sized=True)
     if code == ACCEPTED:  # the schema's own fields: only `bytes` and the schema's metadata to set
         checked = batch.set_column(_BYTES_INDEX, TRAJECTORY_SCHEMA.field(_BYTES_INDEX), pa.array(out))
-        return checked.replace_schema_metadata(TRAJECTORY_SCHEMA.metadata)
+        return Checked(checked.replace_schema_metadata(TRAJECTORY_SCHEMA.metadata), sizes)
     if code == ACCEPTED_OTHER_FIELDS:
         columns = batch.columns
         columns[_BYTES_INDEX] = pa.array(out)
         if len(columns) < len(TRAJECTORY_SCHEMA):  # left out: each row's version once per response token
             columns.append(_filled_token_versions(batch))
-        return pa.RecordBatch.from_arrays(columns, schema=TRAJECTORY_SCHEMA)  # the schema itself, not the writer's
+        # the schema itself, not the writer's
+        return Checked(pa.RecordBatch.from_arrays(columns, schema=TRAJECTORY_SCHEMA), sizes)
     return None
 
 

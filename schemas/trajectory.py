@@ -101,7 +101,8 @@ def normalize_batch(batch: pa.RecordBatch, group_id: str, *, now: dt.datetime | 
     Raises:
         TrajectoryError: naming the offending column.
     """
-    return checked_natively(batch, group_id) or _finish(_conformed(batch, now), group_id)
+    fast = checked_natively(batch, group_id)
+    return fast.batch if fast is not None else _finish(_conformed(batch, now), group_id)
 
 
 def _conformed(batch: pa.RecordBatch, now: dt.datetime | None) -> dict[str, pa.Array]:
@@ -129,11 +130,19 @@ def normalize_group(batches: Sequence[pa.RecordBatch], group_id: str, rows: int)
         TrajectoryError: a batch breaks a rule, the stream holds another number of rows, or the
             ``sample_idx`` repeat or leave a gap (named).
     """
+    return normalize_group_sized(batches, group_id, rows)[0]
+
+
+def normalize_group_sized(batches: Sequence[pa.RecordBatch], group_id: str,
+                          rows: int) -> tuple[list[pa.RecordBatch], list[np.ndarray | None]]:
+    """:func:`normalize_group`, and each batch's :func:`~schemas.native.row_bytes` where the native pass read them
+    (``None`` elsewhere)."""
     if len(batches) == 1 and batches[0].num_rows == rows:  # the common case: one batch of rows 0..rows-1
         fast = checked_natively(batches[0], group_id)
         if fast is not None:
-            return [fast]
-    return group_by_rules(batches, group_id, rows)
+            return [fast.batch], [fast.row_bytes]
+    out = group_by_rules(batches, group_id, rows)
+    return out, [None] * len(out)
 
 
 def group_by_rules(batches: Sequence[pa.RecordBatch], group_id: str, rows: int) -> list[pa.RecordBatch]:

@@ -21,9 +21,16 @@ from hypothesis import strategies as st
 
 from connectors.fake_engine import FakeCompletion, FakeFlatLogprobs, FakeRequestOutput
 from connectors.vllm import aborted_batch, group_to_batch
-from flight_store.groups import row_bytes
 from schemas.arrow import TRAJECTORY_SCHEMA
-from schemas.native import ACCEPTED, ACCEPTED_OTHER_FIELDS, RULE_COLUMNS, STEPS_ASIDE, checked_natively, native_verdict
+from schemas.native import (
+    ACCEPTED,
+    ACCEPTED_OTHER_FIELDS,
+    RULE_COLUMNS,
+    STEPS_ASIDE,
+    checked_natively,
+    native_verdict,
+    row_bytes,
+)
 from schemas.trajectory import TrajectoryError, group_by_rules, normalize_batch, normalize_group
 
 GID = "g-native"
@@ -48,8 +55,12 @@ def _differ(batch: pa.RecordBatch, group_id: str = GID) -> tuple[int, Verdict]:
     if code in (ACCEPTED, ACCEPTED_OTHER_FIELDS):
         assert isinstance(python, pa.RecordBatch), python
         native = checked_natively(batch, group_id)
-        assert native is not None and native.equals(python)
-        assert native.schema.equals(TRAJECTORY_SCHEMA, check_metadata=True)
+        assert native is not None and native.batch.equals(python)
+        assert native.batch.schema.equals(TRAJECTORY_SCHEMA, check_metadata=True)
+        # the row sizes read off the same export: the stored batch's, whenever the writer sent every column
+        assert (native.row_bytes is None) == (batch.num_columns < len(TRAJECTORY_SCHEMA))
+        if native.row_bytes is not None:
+            assert np.array_equal(native.row_bytes, row_bytes(python))
     elif isinstance(python, pa.RecordBatch):
         assert code in STEPS_ASIDE, f"the native pass refused rule {RULE_COLUMNS.get(code)} of a valid batch"
     return code, python

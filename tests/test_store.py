@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import gc
+import mmap
 import os
 import threading
+import weakref
 
 import numpy as np
 import pyarrow as pa
@@ -11,6 +14,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from flight_store import metadata
 from flight_store.config import StoreConfig
 from flight_store.errors import (
     BudgetExceededError,
@@ -22,7 +26,9 @@ from flight_store.errors import (
     UnknownImageError,
     UnknownWeightsError,
 )
+from flight_store.memory import pack
 from flight_store.store import Store
+from flight_store.validate import normalize_group
 from schemas.arrow import METADATA_SCHEMA, TRAJECTORY_SCHEMA
 from schemas.images import images_to_table
 
@@ -228,12 +234,53 @@ def test_metadata_survives_compaction_and_release(make_group) -> None:
     assert store.stats().memory_used == 0
 
 
+def _blocks(make_group, n: int, rows: int) -> list[mmap.mmap]:  # type: ignore[no-untyped-def]
+    """``n`` packed groups of ``rows`` rows, each large enough for pages of its own."""
+    out = [pack(normalize_group([make_group(f"g{i}", size=rows, response_len=2000)], f"g{i}", rows)[0])[0]
+           for i in range(n)]
+    assert all(isinstance(b, mmap.mmap) for b in out)
+    return out  # type: ignore[return-value]
+
+
+def test_the_metadata_log_copies_its_rows_out_of_the_blocks_and_keeps_none(make_group) -> None:
+    log = metadata.MetadataLog()
+    blocks = _blocks(make_group, 3, 3)
+    assert [log.append([b], 3) for b in blocks] == [0, 3, 6]
+    assert log.append([blocks[0]], 3, seq=20) == 20  # a restored group keeps its numbers
+    assert (log.rows, log.seq) == (12, 23)
+    refs = [weakref.ref(b) for b in blocks]
+    table = log.table()
+    del blocks
+    gc.collect()
+    assert [r() for r in refs] == [None, None, None]  # the rows are the log's own copies
+    assert table.column("seq").to_pylist() == [*range(9), 20, 21, 22]
+    assert table.column("group_id").to_pylist() == ["g0"] * 3 + ["g1"] * 3 + ["g2"] * 3 + ["g0"] * 3
+
+
+def test_metadata_rows_wait_in_the_blocks_only_up_to_a_bound(make_group, monkeypatch) -> None:
+    monkeypatch.setattr(metadata, "SETTLE_AT", 2)
+    log = metadata.MetadataLog()
+    blocks = _blocks(make_group, 3, 2)
+    refs = [weakref.ref(b) for b in blocks]
+    for b in blocks[:2]:
+        log.append([b], 2)
+    del b
+    log.append([blocks.pop()], 2)  # 3 groups wait: more than the bound, so all are copied, none read
+    del blocks
+    gc.collect()
+    assert [r() for r in refs] == [None, None, None]
+    assert log.table().column("sample_idx").to_pylist() == [0, 1] * 3
+
+
 def test_release_frees_payload_and_keeps_history(make_group) -> None:
     store = Store()
     store.put_group("g", [make_group("g", size=4, response_len=1000)])
     used = store.stats().memory_used
     assert isinstance(used, int) and used > 4 * 4000
+    block = weakref.ref(store._contents.groups["g"].blocks[0])
     assert store.release(["g", "unknown"]) == 1
+    gc.collect()
+    assert block() is None  # unmapped at once: the metadata log copied its rows out first
     assert store.release(["g"]) == 0  # already released
     assert store.stats().memory_used == 0
     assert store.metadata().num_rows == 4
