@@ -8,8 +8,9 @@ The trainer consumes groups (releases them); the rollout must not run arbitraril
 * ``counts_running``: also count the groups this worker has running in the engine and those it wrote
   since the last check, so ``limit`` bounds every group dispatched and not yet consumed;
 * ``hook``: a caller's own rule over the stores' stats (``LookaheadHook``), checked with ``limit``;
-* **demand**: the trainer's planner publishes, through the stores' stats, the groups per data source
-  its current train batch still needs and nothing running will bring (``StoreReader.publish_demand``).
+* **demand**: while the trainer waits for data, its planner publishes, through the stores' stats, the
+  groups per data source its current train batch still needs and nothing running will bring
+  (``StoreReader.publish_demand``; withdrawn once the trainer has plans again).
   While paused with nothing running, the worker may dispatch prompts of those classes, one at a time
   (:meth:`take_demand`):
   otherwise a lookahead full of groups of other classes would wait forever for the one the quota

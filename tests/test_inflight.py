@@ -124,7 +124,7 @@ def test_groups_the_engine_aborts_go_out_again_and_every_train_batch_keeps_its_q
             source = PlanSource(client, Planner(admission), supply_from_stores=True, consumed_log=log)
             deadline = time.monotonic() + 60
             while source.admitted_groups < b * batches and time.monotonic() < deadline:
-                for plan in source.poll(current_version=0):  # a trainer that consumes at once
+                for plan in source.poll(current_version=0, waiting=True):  # a trainer that consumes at once
                     client.release(plan.group_ids)
                 time.sleep(0.01)
         worker.stop()  # it ends by itself once every prompt went out; a failed run must not hang the test
@@ -143,6 +143,34 @@ def test_groups_the_engine_aborts_go_out_again_and_every_train_batch_keeps_its_q
     assert not set(engine.killed) & set(prompt_of)
     assert set(prompt_of) & set(report.redispatched), "no re-dispatched prompt was trained"
     assert left.groups.height == 0 and left.resolved["written"] == b * batches + len(engine.killed)
+
+
+def test_the_demand_stands_only_while_the_trainer_waits_for_data(store_nodes, make_group) -> None:  # type: ignore[no-untyped-def]
+    """The planner tells the rollout which class its train batch lacks only while the trainer has no plan left;
+    a demand left standing while it trains queued plans let the rollout run past its lookahead limit."""
+    from admission.config import AdmissionConfig, Quota
+    from admission.planner import Planner
+    from train.planning import PlanSource
+
+    (server,) = store_nodes(1)
+    admission = AdmissionConfig(train_batch_groups=2, group_size=2,
+                                quotas=(Quota(column="data_source", counts={"math": 1, "code": 1}),))
+    with StoreReader(server.location) as client, StoreWriter.sharing(client) as writer:
+        def demand() -> dict[str, int]:
+            return dict(next(iter(client.stats().values())).demand)
+
+        writer.dispatch([_d("q0", "math", state="queued")])  # a rollout registers its groups
+        writer.put_group(make_group("m0", size=2, data_source="math"))
+        source = PlanSource(client, Planner(admission), supply_from_stores=True)
+        assert source.poll(0) == [] and demand() == {}  # plans still queued: the trainer lacks nothing yet
+        assert source.poll(0, waiting=True) == [] and demand() == {"code": 1}  # waiting: the class it lacks
+        assert source.poll(0) == [] and demand() == {}  # withdrawn as soon as the trainer has work again
+        assert source.poll(0, waiting=True) == [] and demand() == {"code": 1}
+        writer.dispatch([_d("c0", "code")])
+        assert source.poll(0, waiting=True) == [] and demand() == {}  # a running group will bring it
+        writer.put_group(make_group("c0", size=2, data_source="code"))
+        (plan,) = source.poll(0, waiting=True)
+        assert sorted(plan.group_ids) == ["c0", "m0"] and demand() == {}
 
 
 def test_committed_prompts_go_out_slow_source_ahead_by_its_lead(store_nodes) -> None:  # type: ignore[no-untyped-def]

@@ -129,8 +129,14 @@ class PlanSource:
         """Metadata rows kept: those of groups neither admitted nor dropped (yet)."""
         return 0 if self._frame is None else self._frame.height
 
-    def poll(self, current_version: int) -> list[MiniBatchPlan]:
-        """Scan new metadata once and return every mini-batch the planner admits now."""
+    def poll(self, current_version: int, *, waiting: bool = False) -> list[MiniBatchPlan]:
+        """Scan new metadata once and return every mini-batch the planner admits now.
+
+        ``waiting``: the trainer has no plan left to train. Only then, and only when this poll admits nothing,
+        is the demand published (:meth:`_publish_demand`); any other poll withdraws it. A trainer with plans
+        queued is not short of any class, and a demand left standing while it trains would let the rollout
+        dispatch past its lookahead limit, one group after another, for train batches far ahead: the
+        queue of admitted plans, and the staleness of what they hold, would grow without bound."""
         new = self._client.scan_new()
         if new.height:
             self._frame = new if self._frame is None else pl.concat([self._frame, new], how="vertical_relaxed")
@@ -144,14 +150,21 @@ class PlanSource:
             self.stall_releases += bool(plans)
         self._settle()
         if isinstance(inflight, pl.DataFrame):
-            self._publish_demand(inflight)
+            self._publish_demand(inflight if waiting and not plans else None)
         return plans
 
-    def _publish_demand(self, inflight: pl.DataFrame) -> None:
+    def _publish_demand(self, inflight: pl.DataFrame | None) -> None:
         """Tell the rollout (through the stores) which data sources the current train batch still needs beyond
-        the groups stored and running: prompts of them may go out past its lookahead limit. Sent on change."""
+        the groups stored and running (``inflight``; ``None``: no demand): prompts of them may go out past its
+        lookahead limit. Sent on change."""
         config = self._planner.config
         if [q.column for q in config.quotas] != ["data_source"]:
+            return
+        if inflight is None:
+            if self._demand:
+                self._client.publish_demand({})
+                self._demand = {}
+                self.demand_changes += 1
             return
         used = self._planner.state.used()
         have: Counter[str] = Counter()
@@ -221,7 +234,7 @@ class PlanSource:
         """Poll until at least one mini-batch is admissible, or ``idle_timeout_s`` passes (then ``[]``)."""
         deadline = time.monotonic() + idle_timeout_s
         while True:
-            plans = self.poll(current_version)
+            plans = self.poll(current_version, waiting=True)
             if plans or time.monotonic() >= deadline or self.stop_requested():
                 return plans
             time.sleep(poll_interval_s)
