@@ -150,18 +150,27 @@ class StoreNodes:
     def cluster_view(self, *, refresh: bool = False) -> ClusterView:
         """The nodes' ids and those down (asked with the ``cluster`` action, then cached; asked again when
         ``refresh``, or when nodes are down and the view is older than :data:`VIEW_TTL_S`). The nodes that do not
-        answer take their ids from the others' member lists.
+        answer take their ids from the others' member lists; while none answers, the view asked last stays (a
+        node cut off and another slow to answer must not stop the routing that sends groups around them).
 
         Raises:
-            NodeUnavailableError: no node answers (the first view: after the client's retries).
+            NodeUnavailableError: no node answers the first view (after the client's retries).
         """
         cache = self._views
         with cache.lock:
             stale = cache.view is not None and cache.view.down and time.monotonic() - cache.at > VIEW_TTL_S
-            if cache.view is None or refresh or stale:
-                answers = self._calls.retrying(self._nodes[0], self._view_answers) if cache.view is None \
-                    else self._view_answers()
-                cache.view, cache.at = view_from(answers, self._nodes), time.monotonic()
+            if cache.view is None:
+                answers = self._calls.retrying(self._nodes[0], self._view_answers)
+            elif refresh or stale:
+                try:
+                    answers = self._view_answers()
+                except NodeUnavailableError as exc:
+                    log.warning("cluster view: %s; routing on by view v%d", exc, cache.view.version)
+                    cache.at = time.monotonic()  # asked again after VIEW_TTL_S, not on every call
+                    return cache.view
+            else:
+                return cache.view
+            cache.view, cache.at = view_from(answers, self._nodes), time.monotonic()
             return cache.view
 
     def _view_answers(self) -> dict[str, ClusterReply]:
@@ -212,7 +221,7 @@ class StoreNodes:
         """The newest published policy version (max over the nodes not down)."""
         body = EmptyBody().to_bytes()
         answers = self._fan_out(self._live(), lambda n: self._calls.action(n, "get_version", VersionReply, body,
-                                                                           retry=False))
+                                                                           retry=False), what="get_version")
         return max(a.version for a in answers.values())
 
     def close(self) -> None:
@@ -232,8 +241,10 @@ class StoreNodes:
         self, nodes: Iterable[str], fn: Callable[[str], T], *, partial: bool = False, what: str = "call"
     ) -> dict[str, T]:
         """:meth:`NodeCalls.fan_out`; a partial call lists the nodes it left out in :attr:`last_failed_nodes`, a strict
-        one leaves out only the nodes found down on the way (the cluster's view says so) and raises for any other."""
-        out, failed = self._calls.fan_out(nodes, fn, partial=True, what=what)
+        one leaves out only the nodes found down on the way (the cluster's view says so) and raises for any other,
+        and when no node answers at all (it has no answer to give)."""
+        asked = list(nodes)
+        out, failed = self._calls.fan_out(asked, fn, partial=True, what=what)
         if partial:
             self.last_failed_nodes = failed
             return out
@@ -241,6 +252,11 @@ class StoreNodes:
         if unreachable:
             msg = f"{what}: store node {unreachable[0]} is unavailable"
             raise NodeUnavailableError(msg, node=unreachable[0])
+        if not out:
+            down = sorted(set(self._nodes) - set(asked) | set(failed))
+            version = self._views.view.version if self._views.view is not None else 0
+            msg = f"{what}: no store node answers (down in cluster view v{version}: {down})"
+            raise NodeUnavailableError(msg, node=(failed or down or self._nodes)[0])
         return out
 
 

@@ -185,6 +185,36 @@ def test_a_node_marked_down_moves_its_groups_to_the_nodes_alive_and_back(store_n
     print(f"\nre-routed a write {rerouted_s:.2f} s after the node was marked down")
 
 
+def test_routing_keeps_the_last_view_while_no_node_answers(store_nodes, caplog) -> None:  # type: ignore[no-untyped-def]
+    """A node down and the other not answering at that moment (cut off, slow, restarting): the view asked last
+    routes on, and routing asks again once a node answers; a strict call every node of which is left out raises."""
+    configs = _cluster(2)
+    servers = [store_nodes(1, c)[0] for c in configs]
+    locs = [s.location for s in servers]
+    with StoreWriter(locs, timeout=5, retries=2, backoff=0.05) as writer, StoreAdmin(locs) as admin:
+        admin.set_cluster(2, down=["node1"])
+        assert writer.cluster_view(refresh=True).version == 2 and writer.down_nodes == {locs[1]}
+        for s in servers:
+            s.shutdown()
+        with caplog.at_level(logging.WARNING, logger="flight_store.client"):
+            view = writer.cluster_view(refresh=True)
+        assert view.version == 2 and "routing on by view v2" in caplog.text
+        assert {writer.node_for(f"g{i}") for i in range(20)} == {locs[0]} and writer.down_nodes == {locs[1]}
+        servers[0] = store_nodes(1, configs[0])[0]  # back on its port, knowing only its first view
+        for _ in range(50):  # the client's connection may wait out gRPC's reconnect backoff first
+            if writer.cluster_view(refresh=True).version == 1:
+                break
+            time.sleep(0.1)
+        assert writer.cluster_view().version == 1 and writer.down_nodes == frozenset()
+        # a strict call whose every node is left out has no answer to give: it raises, it does not answer nothing
+        admin.set_cluster(3, down=["node0", "node1"])
+        assert writer.cluster_view(refresh=True).down == set(locs)
+        with pytest.raises(NodeUnavailableError, match=r"get_version: no store node answers \(down in cluster view v3"):
+            writer.get_version()
+        with pytest.raises(NodeUnavailableError, match="stats: no store node answers"):
+            writer.stats()
+
+
 def test_a_group_two_nodes_hold_is_planned_once(store_nodes, make_group) -> None:  # type: ignore[no-untyped-def]
     servers = store_nodes(2)
     locs = [s.location for s in servers]

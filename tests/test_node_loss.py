@@ -19,6 +19,7 @@ import os
 import signal
 import threading
 import time
+import traceback
 from pathlib import Path
 from typing import Any
 
@@ -71,6 +72,14 @@ class _Trainer:
             self.reader.release(plan.group_ids, partial=True)
 
 
+def _run_rollout(worker: RolloutWorker, result: dict[str, Any]) -> None:
+    """The rollout's thread: its report, or the traceback of what stopped it (the test's message names it)."""
+    try:
+        result["report"] = worker.run()
+    except Exception:
+        result["error"] = traceback.format_exc()
+
+
 def _drive(stores: Stores, hosts: Any, trainer: _Trainer, events: dict[str, float], done: threading.Event,
            out: Path) -> None:
     """The driver's part (its own process in ``knit run``, a thread here): ``Stores.check`` every 0.1 s, which
@@ -116,7 +125,7 @@ def test_a_killed_node_and_a_long_cut_are_survived_and_every_prompt_trained_once
             with StoreWriter(locs, timeout=CALL_TIMEOUT_S, retries=20, backoff=0.05) as writer, \
                     StoreReader(locs, timeout=CALL_TIMEOUT_S, retries=20, backoff=0.05) as reader:
                 worker = RolloutWorker(cfg, client=writer, engine=FakeEngine(max_steps=3))
-                thread = threading.Thread(target=lambda: result.update(report=worker.run()), daemon=True)
+                thread = threading.Thread(target=_run_rollout, args=(worker, result), daemon=True)
                 thread.start()
                 trainer = _Trainer(reader)
                 done = threading.Event()
@@ -127,7 +136,7 @@ def test_a_killed_node_and_a_long_cut_are_survived_and_every_prompt_trained_once
                     # until every group is trained and the link is back: the cut lasts CUT_S even if the groups
                     # left reach the trainer through node0 sooner
                     while ((trainer.groups < GROUPS or "restored" not in events) and time.monotonic() < deadline
-                           and "error" not in events):
+                           and "error" not in events and "error" not in result):
                         trainer.step()
                         time.sleep(0.05)
                 finally:
@@ -135,7 +144,10 @@ def test_a_killed_node_and_a_long_cut_are_survived_and_every_prompt_trained_once
                     driver.join(timeout=60)
                 thread.join(timeout=30)
                 stores.wait_up()
-                reader.scan_metadata().write_parquet(tmp_path / "metadata.parquet")
+            # what the stores hold, read as the launcher reads it at the end: a new client, whose view is asked now
+            # (the trainer's may be up to VIEW_TTL_S older than node1's return and leave it out)
+            with StoreReader(locs, timeout=CALL_TIMEOUT_S, retries=20, backoff=0.05) as final:
+                final.scan_metadata().write_parquet(tmp_path / "metadata.parquet")
         finally:
             stores.close()
     assert trainer.groups == GROUPS and "report" in result, (trainer.groups, events, result)
