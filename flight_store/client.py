@@ -253,10 +253,10 @@ class StoreNodes:
             msg = f"{what}: store node {unreachable[0]} is unavailable"
             raise NodeUnavailableError(msg, node=unreachable[0])
         if not out:
-            down = sorted(set(self._nodes) - set(asked) | set(failed))
-            version = self._views.view.version if self._views.view is not None else 0
-            msg = f"{what}: no store node answers (down in cluster view v{version}: {down})"
-            raise NodeUnavailableError(msg, node=(failed or down or self._nodes)[0])
+            view = self._views.view
+            down = f"down in cluster view v{view.version}: {sorted(view.down)}" if view is not None else "no view"
+            msg = f"{what}: no store node answers ({down})"
+            raise NodeUnavailableError(msg, node=(failed or asked or self._nodes)[0])
         return out
 
 

@@ -152,11 +152,9 @@ class Store:
         with contextlib.ExitStack() as stack:
             if incoming is None:
                 incoming = stack.enter_context(self._own_incoming(what, batches, new_group=group_id))
-            flat: list[pa.RecordBatch] = []
-            for b in batches:
-                flat.extend(b.to_batches() if isinstance(b, pa.Table) else [b])
-            normalized, sizes = normalize_group_sized(flat, group_id,
-                                                      sum(b.num_rows for b in flat) if rows is None else rows)
+            flat = [x for b in batches for x in (b.to_batches() if isinstance(b, pa.Table) else [b])]
+            declared = sum(b.num_rows for b in flat) if rows is None else rows
+            normalized, sizes = normalize_group_sized(flat, group_id, declared)
             return self._commit_group(group_id, normalized, meta, incoming, sizes)
         raise AssertionError  # pragma: no cover - the with block returns or raises
 
@@ -211,13 +209,8 @@ class Store:
             self._journal.group(group_id, [block for block, _ in packed], meta or {})
             return self._contents.commit_group(group_id, normalized, packed, meta, image_keys=keys, sizes=sizes)
 
-    def slices(
-        self,
-        refs: Iterable[tuple[str, int, int]],
-        columns: Sequence[str] | None = None,
-        *,
-        coalesce_below: int = 0,
-    ) -> list[pa.RecordBatch]:
+    def slices(self, refs: Iterable[tuple[str, int, int]], columns: Sequence[str] | None = None, *,
+               coalesce_below: int = 0) -> list[pa.RecordBatch]:
         """Zero-copy slices of rows ``sample_idx in [start, stop)`` per ``(group_id, start, stop)``, in order.
 
         Each run of consecutive rows of one stored batch is one ``RecordBatch.slice`` (a view, no
