@@ -30,7 +30,8 @@ checkpoint on the nodes left (``launcher.resume``), the groups written there and
 node that held a trainer rank (its gloo group cannot go on without it), or the last store, stops the run: the driver
 saves what the surviving stores hold (``metadata.parquet``, ``store_stats.json``) and the accounting
 (``lost_node.json``) and raises :class:`RayNodeLostError`; ``knit run --resume RUN_DIR --ray`` takes it up on the
-nodes there are then.
+nodes there are then. After the last step nothing stops the run: a node lost then is left out of the final metadata
+(:func:`_final_metadata`).
 
 Ray is optional (``pip install knittrans[bench]`` ships it) and imported only here, only when called.
 
@@ -49,7 +50,7 @@ import shutil
 import socket
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -204,7 +205,7 @@ def run_on_ray(cfg: RunConfig, model: ModelConfig, *, address: str = "auto", eng
                     _forget(dep, lost.node)
                 resumed = resume.begin(cfg.out)
                 state.steps.clear()  # progress.jsonl is cut back to the steps the checkpoint holds
-        metadata = _collect(dep, cfg, partial=False)
+        metadata = _final_metadata(ray, dep, cfg, node_loss_grace_s)
     finally:
         _stop_all(ray, dep)
     resume_figures = resume.finish(cfg.out, metadata)  # the lives' per-step files joined first
@@ -401,24 +402,67 @@ def _raise_lost(dep: Deployment, cfg: RunConfig, node: dict[str, Any], last_stat
     }
     _stop_workers(_ray(), dep)  # now: a rank waiting on a lost peer would wait for its gloo timeout
     with contextlib.suppress(Exception):
-        _collect(dep, cfg, partial=True, skip=set(lost_locations))
+        _collect(dep, cfg, skip=lost_locations)
     (cfg.out / "lost_node.json").write_text(json.dumps(accounting, indent=1))
     raise RayNodeLostError(ip, node_id, accounting["components"], accounting)
 
 
-def _collect(dep: Deployment, cfg: RunConfig, *, partial: bool, skip: set[str] = frozenset()) -> pl.DataFrame:  # type: ignore[assignment]
-    """The stores' metadata and counters into the run folder (metadata columns only: never payload); returns the
-    metadata."""
+def _collect(dep: Deployment, cfg: RunConfig, *, skip: Collection[str] = ()) -> tuple[pl.DataFrame, list[str]]:
+    """The metadata and counters of the stores that answer into the run folder (metadata columns only: never
+    payload), leaving out the lost nodes' stores and ``skip``; returns the metadata and the stores that did not
+    answer."""
     lost = {loc for s, loc in zip(dep.stores, dep.locations, strict=True) if s.node_id in dep.lost}
-    locations = [loc for loc in dep.locations if loc not in skip | lost]
-    with StoreReader(locations, timeout=30.0, retries=3 if partial else 20) as client:
-        metadata = client.scan_metadata(partial=partial)
-        stats = client.stats()
+    locations = [loc for loc in dep.locations if loc not in lost.union(skip)]
+    with StoreReader(locations, timeout=30.0, retries=3) as client:
+        metadata = client.scan_metadata(partial=True)
+        failed = list(client.last_failed_nodes)
+        stats = client.stats(partial=True)
     dep.driver_bytes["metadata"] += int(metadata.estimated_size())
     metadata.write_parquet(cfg.out / "metadata.parquet")
     (cfg.out / "store_stats.json").write_text(json.dumps({n: s.model_dump(by_alias=True) for n, s in stats.items()},
                                                           indent=1))
-    return metadata
+    return metadata, failed
+
+
+def _final_metadata(ray: Any, dep: Deployment, cfg: RunConfig, grace_s: float) -> pl.DataFrame:
+    """The stores' metadata once every trainer rank returned (:func:`_collect`).
+
+    Training is over, so nothing that happens now stops the run: a node Ray marks dead is left out for good (its
+    stores' groups were trained, or the ledger counts them ``node_lost``), a store actor that ended on a live node is
+    started again there from its spill log, and the stores are asked again until every store left answers.
+
+    Raises:
+        RayDeployError: a store on a node Ray keeps alive still does not answer ``grace_s`` after the first try (the
+            metadata of the others is in the run folder).
+    """
+    deadline = time.monotonic() + grace_s
+    while True:
+        last_try = time.monotonic() > deadline  # one whole pass after the deadline: a restart may have taken it
+        lost = _lost_node(ray, dep)
+        while lost is not None:
+            log.warning("Ray node %s (%s) was lost after the last step; its stores are left out of the final metadata",
+                        lost["NodeManagerAddress"], ", ".join(dep.on(lost["NodeID"])))
+            for i, s in enumerate(dep.stores):
+                if s.node_id == lost["NodeID"] and dep.keeper is not None:
+                    resume.note_lost(cfg.out, str(dep.keeper.configs[i].node_name), dep.locations[i])
+            _forget(dep, lost)
+            lost = _lost_node(ray, dep)
+        for s in dep.live_stores:  # serve() returns only when the store is stopped: one that returned failed
+            if s.ref is not None and ray.wait([s.ref], timeout=0)[0]:
+                try:
+                    ray.get(s.ref)
+                    exc: Exception = RuntimeError("the store actor's serve() returned after the last step")
+                except Exception as err:
+                    exc = err
+                _restarted(dep, s, exc, {})
+        metadata, failed = _collect(dep, cfg)
+        if not failed:
+            return metadata
+        if last_try:
+            msg = (f"store node(s) {failed} did not answer after the last step for {grace_s} s while Ray keeps their "
+                   "nodes alive; metadata.parquet holds the other stores' metadata only")
+            raise RayDeployError(msg)
+        time.sleep(0.5)
 
 
 def _stop_workers(ray: Any, dep: Deployment) -> None:
