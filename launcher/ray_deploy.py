@@ -370,13 +370,18 @@ def _node_lost(dep: Deployment, cfg: RunConfig, node: dict[str, Any], last_stats
     """A node of the run is lost for good: its stores' groups not trained will go out again. With a trainer rank on
     it, or no store left, the run stops (:func:`_raise_lost`); else the run is taken up again on the nodes left."""
     node_id = node["NodeID"]
-    for i, s in enumerate(dep.stores):
-        if s.node_id == node_id and dep.keeper is not None:
-            resume.note_lost(cfg.out, str(dep.keeper.configs[i].node_name), dep.locations[i])
+    _note_stores_lost(dep, cfg, node_id)
     if any(c.node_id == node_id for c in dep.ranks) or all(s.node_id == node_id for s in dep.live_stores):
         _raise_lost(dep, cfg, node, last_stats, cause=cause)
     raise _WorkersLost("node_lost", f"Ray node {node['NodeManagerAddress']} ({', '.join(dep.on(node_id))}) is lost "
                                     f"for good ({cause})", node)
+
+
+def _note_stores_lost(dep: Deployment, cfg: RunConfig, node_id: str) -> None:
+    """The stores on Ray node ``node_id`` noted lost for good in the run's event log (``launcher.resume``)."""
+    for i, s in enumerate(dep.stores):
+        if s.node_id == node_id and dep.keeper is not None:
+            resume.note_lost(cfg.out, str(dep.keeper.configs[i].node_name), dep.locations[i])
 
 
 def _forget(dep: Deployment, node: dict[str, Any]) -> None:
@@ -409,19 +414,19 @@ def _raise_lost(dep: Deployment, cfg: RunConfig, node: dict[str, Any], last_stat
 
 def _collect(dep: Deployment, cfg: RunConfig, *, skip: Collection[str] = ()) -> tuple[pl.DataFrame, list[str]]:
     """The metadata and counters of the stores that answer into the run folder (metadata columns only: never
-    payload), leaving out the lost nodes' stores and ``skip``; returns the metadata and the stores that did not
-    answer."""
+    payload), leaving out the lost nodes' stores and ``skip``; returns the metadata and the stores asked whose metadata
+    it lacks (they did not answer, or the cluster's view has them down)."""
     lost = {loc for s, loc in zip(dep.stores, dep.locations, strict=True) if s.node_id in dep.lost}
     locations = [loc for loc in dep.locations if loc not in lost.union(skip)]
     with StoreReader(locations, timeout=30.0, retries=3) as client:
         metadata = client.scan_metadata(partial=True)
-        failed = list(client.last_failed_nodes)
+        failed = set(client.last_failed_nodes)
         stats = client.stats(partial=True)
     dep.driver_bytes["metadata"] += int(metadata.estimated_size())
     metadata.write_parquet(cfg.out / "metadata.parquet")
     (cfg.out / "store_stats.json").write_text(json.dumps({n: s.model_dump(by_alias=True) for n, s in stats.items()},
                                                           indent=1))
-    return metadata, failed
+    return metadata, [loc for loc in locations if loc in failed or loc not in stats]
 
 
 def _final_metadata(ray: Any, dep: Deployment, cfg: RunConfig, grace_s: float) -> pl.DataFrame:
@@ -442,9 +447,7 @@ def _final_metadata(ray: Any, dep: Deployment, cfg: RunConfig, grace_s: float) -
         while lost is not None:
             log.warning("Ray node %s (%s) was lost after the last step; its stores are left out of the final metadata",
                         lost["NodeManagerAddress"], ", ".join(dep.on(lost["NodeID"])))
-            for i, s in enumerate(dep.stores):
-                if s.node_id == lost["NodeID"] and dep.keeper is not None:
-                    resume.note_lost(cfg.out, str(dep.keeper.configs[i].node_name), dep.locations[i])
+            _note_stores_lost(dep, cfg, lost["NodeID"])
             _forget(dep, lost)
             lost = _lost_node(ray, dep)
         for s in dep.live_stores:  # serve() returns only when the store is stopped: one that returned failed
@@ -455,11 +458,11 @@ def _final_metadata(ray: Any, dep: Deployment, cfg: RunConfig, grace_s: float) -
                 except Exception as err:
                     exc = err
                 _restarted(dep, s, exc, {})
-        metadata, failed = _collect(dep, cfg)
-        if not failed:
+        metadata, missing = _collect(dep, cfg)
+        if not missing:
             return metadata
         if last_try:
-            msg = (f"store node(s) {failed} did not answer after the last step for {grace_s} s while Ray keeps their "
+            msg = (f"store node(s) {missing} did not answer after the last step for {grace_s} s while Ray keeps their "
                    "nodes alive; metadata.parquet holds the other stores' metadata only")
             raise RayDeployError(msg)
         time.sleep(0.5)

@@ -248,46 +248,51 @@ def test_a_store_actor_killed_mid_run_is_started_again_and_a_node_lost_after_the
     h = ray_cluster.hosts.hosts
     out, batches, hold = tmp_path / "run", 3, tmp_path / "collect"
     driver = ray_cluster.driver(out, batches, hold=hold)
-    _wait_training(driver, out, tmp_path)
-    store = _store_actors(h[2])
-    assert len(store) == 1, h[2].pids()
-    killed_at = time.time()
-    os.kill(store[0], signal.SIGKILL)  # the store node1 actor's process; its Ray node lives on
-    assert driver.stdout is not None
-    for line in driver.stdout:  # Ray prints its own notices there too; the driver ends its output on exit
-        if line.strip() == "TRAINED":
-            break
-    else:
-        pytest.fail(f"the driver exited before its last step: {(tmp_path / 'run.log').read_text()[-3000:]}")
-    lost_at = _kill_raylet(h[2])  # training is done: the stores' metadata is all the driver still needs of node1
-    deadline = time.monotonic() + 30
-    while _store_actors(h[2]):  # the workers follow their raylet: node1's store with them
-        assert time.monotonic() < deadline, "node1's store outlived its raylet by 30 s"
-        time.sleep(0.1)
-    hold.touch()
-    code, kind, r = _driver_result(driver, 200)
-    assert (code, kind) == (0, "RESULT"), (tmp_path / "run.log").read_text()[-3000:]
-    restarted, gone = r["store_outages"]
-    assert restarted["node"] == "node1" and restarted["back_at"] > restarted["died_at"] >= killed_at - 0.1
-    assert gone["node"] == "node1" and gone["lost_at"] > lost_at and gone["back_at"] is None
-    assert len(r["ray"]["lost"]) == 1
-    assert r["steps"] == batches * K and r["trajectories_consumed"] == batches * B * G
-    assert ledger_exact(out, prompts=batches * B) == {}  # each prompt trained once, nothing went out again
-    trained = _trained_rows(out)
-    assert len(trained) == batches * B * G and len({(g, i) for _, g, i in trained}) == len(trained)
-    stats = json.loads((out / "store_stats.json").read_text())
-    assert list(stats) and [loc for loc in stats if h[2].address in loc] == []  # node1's store is gone with its node
-    meta = pl.read_parquet(out / "metadata.parquet")  # node0's metadata only: node1's went with its node
-    assert meta.height and all(h[1].address in n for n in meta["node"].unique().to_list())
-    log = (tmp_path / "run.log").read_text()
-    assert "cluster view v2: nodes down ['node1']" in log and "cluster view v3: nodes down none" in log
-    assert "was lost after the last step" in log
-    print(f"\nstore actor killed at 0: found +{restarted['died_at'] - killed_at:.2f} s, back "
-          f"+{restarted['back_at'] - killed_at:.2f} s; raylet killed after the last step, node1 left out "
-          f"+{gone['lost_at'] - lost_at:.1f} s after")
-    _stop_in(h[2])  # what the raylet killed left there; host 3 back as a new Ray node
-    _ray_start(h[2], ["--address", ray_cluster.address, "--temp-dir", str(ray_cluster.tmp / "n3a"), "--num-cpus", "2"],
-               ray_cluster.env, ray_cluster.tmp / "n3a.log")
+    try:
+        _wait_training(driver, out, tmp_path)
+        store = _store_actors(h[2])
+        assert len(store) == 1, h[2].pids()
+        killed_at = time.time()
+        os.kill(store[0], signal.SIGKILL)  # the store node1 actor's process; its Ray node lives on
+        assert driver.stdout is not None
+        for line in driver.stdout:  # Ray prints its own notices there too; the driver ends its output on exit
+            if line.strip() == "TRAINED":
+                break
+        else:
+            pytest.fail(f"the driver exited before its last step: {(tmp_path / 'run.log').read_text()[-3000:]}")
+        lost_at = _kill_raylet(h[2])  # training is done: the stores' metadata is all the driver still needs of node1
+        deadline = time.monotonic() + 30
+        while _store_actors(h[2]):  # the workers follow their raylet: node1's store with them
+            assert time.monotonic() < deadline, "node1's store outlived its raylet by 30 s"
+            time.sleep(0.1)
+        hold.touch()
+        code, kind, r = _driver_result(driver, 200)
+        assert (code, kind) == (0, "RESULT"), (tmp_path / "run.log").read_text()[-3000:]
+        restarted, gone = r["store_outages"]
+        assert restarted["node"] == "node1" and restarted["back_at"] > restarted["died_at"] >= killed_at - 0.1
+        assert gone["node"] == "node1" and gone["lost_at"] > lost_at and gone["back_at"] is None
+        assert len(r["ray"]["lost"]) == 1
+        assert r["steps"] == batches * K and r["trajectories_consumed"] == batches * B * G
+        assert ledger_exact(out, prompts=batches * B) == {}  # each prompt trained once, nothing went out again
+        trained = _trained_rows(out)
+        assert len(trained) == batches * B * G and len({(g, i) for _, g, i in trained}) == len(trained)
+        stats = json.loads((out / "store_stats.json").read_text())
+        assert list(stats) and [loc for loc in stats if h[2].address in loc] == []  # node1's store: gone with its node
+        meta = pl.read_parquet(out / "metadata.parquet")  # node0's metadata only: node1's went with its node
+        assert meta.height and all(h[1].address in n for n in meta["node"].unique().to_list())
+        log = (tmp_path / "run.log").read_text()
+        assert "cluster view v2: nodes down ['node1']" in log and "cluster view v3: nodes down none" in log
+        assert "was lost after the last step" in log
+        print(f"\nstore actor killed at 0: found +{restarted['died_at'] - killed_at:.2f} s, back "
+              f"+{restarted['back_at'] - killed_at:.2f} s; raylet killed after the last step, node1 left out "
+              f"+{gone['lost_at'] - lost_at:.1f} s after")
+    finally:
+        if driver.poll() is None:  # a failed check left it running
+            os.killpg(driver.pid, signal.SIGKILL)
+            driver.communicate()
+        _stop_in(h[2])  # what the raylet killed left there; host 3 back as a new Ray node for the tests after
+        _ray_start(h[2], ["--address", ray_cluster.address, "--temp-dir", str(ray_cluster.tmp / "n3a"), "--num-cpus",
+                          "2"], ray_cluster.env, ray_cluster.tmp / "n3a.log")
 
 
 def _store_actors(host: Host) -> list[int]:
