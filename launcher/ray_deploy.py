@@ -51,7 +51,7 @@ import socket
 import threading
 import time
 from collections.abc import Callable, Collection
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 from typing import Any
 
 import polars as pl
@@ -62,35 +62,16 @@ from launcher import report, resume
 from launcher.placement import Placement, Site
 from launcher.progress import LiveState
 from launcher.ray_actors import Engine, RolloutActor, StoreNodeActor, TrainerRankActor, local_ip_towards, pinned
+from launcher.ray_deployment import Component, Deployment, RayDeployError, RayNodeLostError, RayUnavailableError
 from launcher.ray_stores import RayStoreRestartError, RayStores
 from launcher.run import Interrupted, RunConfig, WorkerLost, rollout_config, store_configs, train_config
 from schemas import documents
 from schemas.replies import NodeStats
 from train.config import ModelConfig
 
+__all__ = ["RayDeployError", "RayNodeLostError", "RayUnavailableError", "run_on_ray"]
+
 log = logging.getLogger(__name__)
-
-
-class RayUnavailableError(ImportError):
-    """Ray is not installed (``pip install knittrans[bench]``, or ``pip install ray``)."""
-
-
-class RayDeployError(RuntimeError):
-    """A component of the deployment failed (not because its node was lost); names the component and its node."""
-
-
-class RayNodeLostError(RuntimeError):
-    """A Ray node the run used was lost; names the node (IP and Ray id) and what ran on it.
-
-    Attributes: ``node_ip``, ``node_id``, ``components`` (e.g. ``["store node1", "trainer rank 1"]``),
-    ``accounting`` (what ``lost_node.json`` holds).
-    """
-
-    def __init__(self, node_ip: str, node_id: str, components: list[str], accounting: dict[str, Any]) -> None:
-        self.node_ip, self.node_id, self.components, self.accounting = node_ip, node_id, components, accounting
-        lost = accounting.get("groups_lost_unconsumed")
-        super().__init__(f"Ray node {node_ip} ({node_id[:12]}) was lost mid-run with {', '.join(components)}; "
-                         f"{lost} unconsumed group(s) it held are lost; the run was stopped")
 
 
 def _ray() -> Any:
@@ -100,47 +81,6 @@ def _ray() -> Any:
         msg = "knit run --ray needs Ray: pip install knittrans[bench] (or pip install ray)"
         raise RayUnavailableError(msg) from exc
     return ray
-
-
-# ---- the deployment ------------------------------------------------------------------------------
-
-
-@dataclass(slots=True)
-class Component:
-    name: str
-    """``store node{i}``, ``rollout``, ``trainer rank {r}``."""
-    node_id: str
-    node_ip: str
-    actor: Any
-    ref: Any = None
-    """The actor's running call (rollout, trainer ranks)."""
-
-
-@dataclass(slots=True)
-class Deployment:
-    """What the driver holds: handles, node ids and addresses, configs; nothing of the payload."""
-
-    nodes: list[dict[str, Any]]
-    """The Ray nodes the run places on (``id``, ``ip``); a node lost for good is taken out."""
-    stores: list[Component] = field(default_factory=list)
-    rollout: Component | None = None
-    ranks: list[Component] = field(default_factory=list)
-    locations: list[str] = field(default_factory=list)
-    keeper: RayStores | None = None  # keeps the store actors up
-    lost: list[str] = field(default_factory=list)
-    """Ray ids of the nodes lost for good (their stores stay down in the cluster view)."""
-    driver_bytes: dict[str, int] = field(default_factory=lambda: {"actor_returns": 0, "metadata": 0, "stats": 0})
-
-    @property
-    def components(self) -> list[Component]:
-        return [*self.stores, *([self.rollout] if self.rollout else []), *self.ranks]
-
-    def on(self, node_id: str) -> list[str]:
-        return [c.name for c in self.components if c.node_id == node_id]
-
-    @property
-    def live_stores(self) -> list[Component]:
-        return [s for s in self.stores if s.node_id not in self.lost]
 
 
 class _WorkersLost(WorkerLost):

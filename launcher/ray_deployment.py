@@ -1,0 +1,69 @@
+"""What the Ray driver holds of a deployment (:class:`Deployment`: its nodes and components, never payload) and the
+errors :func:`launcher.ray_deploy.run_on_ray` raises."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from launcher.ray_stores import RayStores
+
+
+class RayUnavailableError(ImportError):
+    """Ray is not installed (``pip install knittrans[bench]``, or ``pip install ray``)."""
+
+
+class RayDeployError(RuntimeError):
+    """A component of the deployment failed (not because its node was lost); names the component and its node."""
+
+
+class RayNodeLostError(RuntimeError):
+    """A Ray node the run used was lost; names the node (IP and Ray id) and what ran on it.
+
+    Attributes: ``node_ip``, ``node_id``, ``components`` (e.g. ``["store node1", "trainer rank 1"]``),
+    ``accounting`` (what ``lost_node.json`` holds).
+    """
+
+    def __init__(self, node_ip: str, node_id: str, components: list[str], accounting: dict[str, Any]) -> None:
+        self.node_ip, self.node_id, self.components, self.accounting = node_ip, node_id, components, accounting
+        lost = accounting.get("groups_lost_unconsumed")
+        super().__init__(f"Ray node {node_ip} ({node_id[:12]}) was lost mid-run with {', '.join(components)}; "
+                         f"{lost} unconsumed group(s) it held are lost; the run was stopped")
+
+
+@dataclass(slots=True)
+class Component:
+    name: str
+    """``store node{i}``, ``rollout``, ``trainer rank {r}``."""
+    node_id: str
+    node_ip: str
+    actor: Any
+    ref: Any = None
+    """The actor's running call (rollout, trainer ranks)."""
+
+
+@dataclass(slots=True)
+class Deployment:
+    """What the driver holds: handles, node ids and addresses, configs; nothing of the payload."""
+
+    nodes: list[dict[str, Any]]
+    """The Ray nodes the run places on (``id``, ``ip``); a node lost for good is taken out."""
+    stores: list[Component] = field(default_factory=list)
+    rollout: Component | None = None
+    ranks: list[Component] = field(default_factory=list)
+    locations: list[str] = field(default_factory=list)
+    keeper: RayStores | None = None  # keeps the store actors up
+    lost: list[str] = field(default_factory=list)
+    """Ray ids of the nodes lost for good (their stores stay down in the cluster view)."""
+    driver_bytes: dict[str, int] = field(default_factory=lambda: {"actor_returns": 0, "metadata": 0, "stats": 0})
+
+    @property
+    def components(self) -> list[Component]:
+        return [*self.stores, *([self.rollout] if self.rollout else []), *self.ranks]
+
+    def on(self, node_id: str) -> list[str]:
+        return [c.name for c in self.components if c.node_id == node_id]
+
+    @property
+    def live_stores(self) -> list[Component]:
+        return [s for s in self.stores if s.node_id not in self.lost]
