@@ -6,6 +6,11 @@ ranges of the kept batches as zero-copy slices, in order. DoExchange is the same
 per read: each metadata-only message the client sends is such a ticket, answered by its rows, the
 last batch marked (:func:`open_channel`, :func:`send`, :func:`receive`). It runs in a process of its
 own (:func:`start`), as the store nodes it is compared with do.
+
+With ``own_pages`` its DoPut copies each received batch into memory of its own, as a store node does
+(:func:`flight_store.memory.pack`: one block in pages of its own, the received message let go), and
+does nothing else: the floor of a write for a store that owns its memory, without a rule check or
+an index (a diagnostic of ``bench.write_path``).
 """
 
 from __future__ import annotations
@@ -19,18 +24,22 @@ from typing import Any
 import pyarrow as pa
 import pyarrow.flight as flight
 
+from flight_store.memory import Block, pack, view
 from flight_store.net import free_port
 
 
 class MinimalFlight(flight.FlightServerBase):  # type: ignore[misc]
     """Keeps what DoPut sends; DoGet streams row ranges of it. Nothing else."""
 
-    def __init__(self, location: str) -> None:
+    def __init__(self, location: str, *, own_pages: bool = False) -> None:
         super().__init__(location)
-        self.kept: dict[bytes, pa.Table] = {}
+        self.own_pages = own_pages
+        self.kept: dict[bytes, pa.Table | tuple[pa.Schema, list[Block]]] = {}
 
     def do_put(self, context: Any, descriptor: flight.FlightDescriptor, reader: Any, writer: Any) -> None:
-        self.kept[descriptor.command] = pa.Table.from_batches([chunk.data for chunk in reader])
+        batches = [chunk.data for chunk in reader]
+        self.kept[descriptor.command] = ((reader.schema, [pack(b)[0] for b in batches]) if self.own_pages
+                                         else pa.Table.from_batches(batches))
         writer.write(pa.py_buffer(b"{}"))
 
     def do_get(self, context: Any, ticket: flight.Ticket) -> flight.RecordBatchStream:
@@ -48,14 +57,22 @@ class MinimalFlight(flight.FlightServerBase):  # type: ignore[misc]
             writer.write_with_metadata(batches[-1], b"end")
 
     def _rows(self, ticket: bytes) -> pa.Table:
-        return pa.concat_tables([self.kept[key.encode()].slice(start, stop - start)
+        return pa.concat_tables([self._table(key.encode()).slice(start, stop - start)
                                  for key, start, stop in json.loads(ticket)])
 
+    def _table(self, key: bytes) -> pa.Table:
+        kept = self.kept[key]
+        if isinstance(kept, pa.Table):
+            return kept
+        schema, blocks = kept
+        return pa.Table.from_batches([view(block, schema) for block in blocks], schema=schema)
 
-def start() -> tuple[subprocess.Popen[bytes], str]:
-    """The server in a process of its own on a loopback port; returns the process and its location."""
+
+def start(*, own_pages: bool = False) -> tuple[subprocess.Popen[bytes], str]:
+    """The server (``own_pages``: see the module's docstring) in a process of its own on a loopback port; returns
+    the process and its location."""
     port = free_port()
-    proc = subprocess.Popen([sys.executable, "-m", "bench.minimal_flight", str(port)])
+    proc = subprocess.Popen([sys.executable, "-m", "bench.minimal_flight", str(port), *(["--own-pages"] * own_pages)])
     location = f"grpc://127.0.0.1:{port}"
     deadline = time.monotonic() + 30
     while time.monotonic() < deadline:
@@ -110,4 +127,4 @@ def receive(channel: tuple[Any, Any]) -> pa.Table:
 
 
 if __name__ == "__main__":
-    MinimalFlight(f"grpc://127.0.0.1:{int(sys.argv[1])}").serve()
+    MinimalFlight(f"grpc://127.0.0.1:{int(sys.argv[1])}", own_pages="--own-pages" in sys.argv[2:]).serve()

@@ -16,6 +16,13 @@ still validated and committed on its own) beside DoPuts of the same batches to t
 gain). ``metrics.server_us_per_group`` is ``Store.put_group`` in-process on the same groups: the
 node's own time per group, without gRPC; ``metrics.server_us_per_group_bulk`` the same for
 ``Store.put_groups`` in calls of :data:`BULK` groups (the rules checked once per call).
+
+A third server takes its turn on the same groups: the minimal server with ``own_pages``
+(:mod:`bench.minimal_flight`), which copies each received batch into pages of its own as the node does
+and checks and indexes nothing: the floor of a store that owns its memory.
+``ratios.put_vs_minimal_flight_own_pages`` is the node's throughput over that floor (what the rule
+check, the group table and the node's protocol cost), ``ratios.minimal_own_pages_vs_minimal_flight``
+that floor's over the minimal one's (what owning the memory costs); both diagnostics.
 """
 
 from __future__ import annotations
@@ -93,16 +100,18 @@ def run(groups_n: int, size: int, tokens: int, reps: int, seed: int) -> dict[str
     rng = np.random.default_rng(seed)
     payload = make_group("g", size, tokens, rng).nbytes
     node = start_store_process()
-    sink, sink_location = minimal_flight.start()
-    times: dict[str, list[float]] = {"knit": [], "minimal": [], "bulk": [], "bulk_minimal": []}
+    sinks = {"minimal": minimal_flight.start(), "own_pages": minimal_flight.start(own_pages=True)}
+    times: dict[str, list[float]] = {"knit": [], "minimal": [], "own_pages": [], "bulk": [], "bulk_minimal": []}
     try:
         with StoreWriter(node.location) as client:
-            raw = flight.connect(sink_location)
+            raw = flight.connect(sinks["minimal"][1])
+            own = flight.connect(sinks["own_pages"][1])
             for rep in range(reps):
                 groups = [make_group(f"r{rep}g{i}", size, tokens, rng) for i in range(groups_n)]
 
                 _interleaved({"knit": client.put_group,
-                              "minimal": lambda g: minimal_flight.put(raw, str(g.column("group_id")[0]), g)},
+                              "minimal": lambda g: minimal_flight.put(raw, str(g.column("group_id")[0]), g),
+                              "own_pages": lambda g: minimal_flight.put(own, str(g.column("group_id")[0]), g)},
                              groups, rep, times)
                 fresh = [make_group(f"r{rep}b{i}", size, tokens, rng) for i in range(groups_n)]
                 _interleaved({"bulk": client.put_groups,
@@ -110,10 +119,12 @@ def run(groups_n: int, size: int, tokens: int, reps: int, seed: int) -> dict[str
                                                                             pa.Table.from_batches(c))},
                              [fresh[i:i + BULK] for i in range(0, groups_n, BULK)], rep, times)
             raw.close()
+            own.close()
     finally:
         node.stop()
-        sink.kill()
-        sink.wait(timeout=10)
+        for proc, _ in sinks.values():
+            proc.kill()
+            proc.wait(timeout=10)
     server_us = _server_us_per_group([make_group(f"s{i}", size, tokens, rng) for i in range(groups_n)])
     server_us_bulk = _server_us_per_group_bulk([make_group(f"u{i}", size, tokens, rng)
                                                 for i in range(max(groups_n, 2 * BULK))])
@@ -123,12 +134,16 @@ def run(groups_n: int, size: int, tokens: int, reps: int, seed: int) -> dict[str
         "metrics": {
             "put_group_gbps": gbps["knit"], "minimal_flight_put_gbps": gbps["minimal"],
             "put_group_ms_per_group": ms["knit"], "minimal_flight_ms_per_group": ms["minimal"],
+            "minimal_flight_own_pages_gbps": gbps["own_pages"],
+            "minimal_flight_own_pages_ms_per_group": ms["own_pages"],
             "server_us_per_group": server_us, "server_us_per_group_bulk": server_us_bulk, "group_bytes": payload,
             "put_group_s_per_rep": times["knit"], "minimal_flight_s_per_rep": times["minimal"],
             "put_groups_gbps": gbps["bulk"], "minimal_flight_bulk_gbps": gbps["bulk_minimal"],
             "put_groups_ms_per_group": ms["bulk"], "bulk_groups_per_doput": BULK,
         },
         "ratios": {"put_vs_minimal_flight": gbps["knit"] / gbps["minimal"],
+                   "put_vs_minimal_flight_own_pages": gbps["knit"] / gbps["own_pages"],
+                   "minimal_own_pages_vs_minimal_flight": gbps["own_pages"] / gbps["minimal"],
                    "put_groups_vs_minimal_flight_bulk": gbps["bulk"] / gbps["bulk_minimal"],
                    "put_groups_vs_put_group": gbps["bulk"] / gbps["knit"]},
     }
@@ -156,6 +171,9 @@ def main(argv: list[str] | None = None) -> int:
           f"{m['minimal_flight_put_gbps']:.3f} GB/s ({m['minimal_flight_ms_per_group']:.2f} ms/group); ratio "
           f"{result['ratios']['put_vs_minimal_flight']:.2f}; server {m['server_us_per_group']:.0f} us/group in-process "
           f"({m['server_us_per_group_bulk']:.0f} in bulk)")
+    print(f"minimal Flight copying into pages of its own {m['minimal_flight_own_pages_ms_per_group']:.2f} ms/group: "
+          f"{result['ratios']['minimal_own_pages_vs_minimal_flight']:.2f} of the minimal one; put_group "
+          f"{result['ratios']['put_vs_minimal_flight_own_pages']:.2f} of it")
     return 0
 
 

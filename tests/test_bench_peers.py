@@ -13,6 +13,7 @@ from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
+import pyarrow as pa
 import pytest
 
 from bench.cluster.workload import Workload, make_group
@@ -147,7 +148,8 @@ def test_step_specs_cover_every_planned_row_once(cluster: dict[str, Any]) -> Non
     assert len(rows) == len(set(rows)) == len(cluster["groups"]) * w.group_size
 
 
-def test_the_minimal_servers_reads_by_doget_and_over_one_exchange_give_the_same_rows() -> None:
+@pytest.mark.parametrize("own_pages", [False, True], ids=["kept", "own_pages"])
+def test_the_minimal_servers_reads_by_doget_and_over_one_exchange_give_the_same_rows(own_pages: bool) -> None:
     import pyarrow.flight as flight
 
     from bench import minimal_flight
@@ -156,7 +158,7 @@ def test_the_minimal_servers_reads_by_doget_and_over_one_exchange_give_the_same_
                  response_max=32, token_budget=1024)
     rng = np.random.default_rng(3)
     groups = {f"g{i}": make_group(f"g{i}", w, rng) for i in range(2)}
-    proc, location = minimal_flight.start()
+    proc, location = minimal_flight.start(own_pages=own_pages)
     client = flight.connect(location)
     try:
         for key, group in groups.items():
@@ -167,6 +169,7 @@ def test_the_minimal_servers_reads_by_doget_and_over_one_exchange_give_the_same_
             by_exchange = minimal_flight.receive(channel)
             assert by_exchange.equals(minimal_flight.get(client, ranges))
             assert by_exchange.num_rows == sum(b - a for _, a, b in ranges)
+            assert by_exchange.equals(pa.Table.from_batches([groups[key].slice(a, b - a) for key, a, b in ranges]))
         channel[0].done_writing()
         channel[0].close()
     finally:

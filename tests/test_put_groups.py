@@ -169,13 +169,15 @@ def test_a_bulk_of_valid_groups_is_checked_once_not_group_by_group(store_nodes, 
             str(b.column("group_id")[0]) for b in batches for _ in range(b.num_rows)]
 
 
-def test_the_write_path_bench_runs_both_servers_and_both_write_modes() -> None:
+def test_the_write_path_bench_runs_its_three_servers_and_both_write_modes() -> None:
     from bench import write_path
 
     result = write_path.run(groups_n=2 * write_path.BULK, size=2, tokens=16, reps=1, seed=0)
     m, r = result["metrics"], result["ratios"]
-    for key in ("put_group_gbps", "minimal_flight_put_gbps", "put_groups_gbps", "minimal_flight_bulk_gbps",
-                "server_us_per_group", "server_us_per_group_bulk"):
+    for key in ("put_group_gbps", "minimal_flight_put_gbps", "minimal_flight_own_pages_gbps", "put_groups_gbps",
+                "minimal_flight_bulk_gbps", "server_us_per_group", "server_us_per_group_bulk"):
         assert m[key] > 0, key
     assert r["put_vs_minimal_flight"] == m["put_group_gbps"] / m["minimal_flight_put_gbps"]
-    assert set(r) == {"put_vs_minimal_flight", "put_groups_vs_minimal_flight_bulk", "put_groups_vs_put_group"}
+    assert r["put_vs_minimal_flight_own_pages"] == m["put_group_gbps"] / m["minimal_flight_own_pages_gbps"]
+    assert set(r) == {"put_vs_minimal_flight", "put_vs_minimal_flight_own_pages", "minimal_own_pages_vs_minimal_flight",
+                      "put_groups_vs_minimal_flight_bulk", "put_groups_vs_put_group"}

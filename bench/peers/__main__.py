@@ -23,7 +23,8 @@ Keys (peer / knittrans, medians of the same work in this run):
   ``ratios.mm_replicated_vs_verl_c0``, ``ratios.mm_data_path_c0``, ``ratios.mm_encoder_dedup`` with
   ``metrics.mm_encoder_ms_per_image``;
 * the write path (:func:`bench.write_path.run`): ``ratios.put_vs_minimal_flight`` (target >= 0.8),
-  ``ratios.put_groups_vs_minimal_flight_bulk``.
+  ``ratios.put_groups_vs_minimal_flight_bulk``, and its diagnostics against a minimal server that copies into
+  pages of its own (``ratios.put_vs_minimal_flight_own_pages``, ``ratios.minimal_own_pages_vs_minimal_flight``).
 """
 
 from __future__ import annotations
