@@ -29,7 +29,8 @@ from flight_store.net import free_port
 
 
 class MinimalFlight(flight.FlightServerBase):  # type: ignore[misc]
-    """Keeps what DoPut sends; DoGet streams row ranges of it. Nothing else."""
+    """Keeps what DoPut sends (``own_pages``: a copy in pages of its own); DoGet streams row ranges of it. Nothing
+    else."""
 
     def __init__(self, location: str, *, own_pages: bool = False) -> None:
         super().__init__(location)
