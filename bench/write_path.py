@@ -9,7 +9,7 @@ same groups (G trajectories of ``--tokens`` response tokens, all 19 columns, as 
 users send them) one DoPut per group to each, in interleaved repetitions, and reports throughput
 (payload GB/s) and the time per group; ``ratios.put_vs_minimal_flight`` is the node's throughput over
 the floor's (the node's validation included; target >= 0.8 in ``bench.peers``): the same groups, one DoPut
-each, the two servers taking turns per repetition, medians over repetitions. Then the bulk write: other
+each, the servers taking turns per repetition, medians over repetitions. Then the bulk write: other
 groups of the same shape in DoPuts of :data:`BULK` groups each (``StoreWriter.put_groups``, each group
 still validated and committed on its own) beside DoPuts of the same batches to the minimal server
 (``ratios.put_groups_vs_minimal_flight_bulk``; ``ratios.put_groups_vs_put_group``: the bulk write's
@@ -50,8 +50,11 @@ BULK = 32
 
 def _interleaved(writes: dict[str, Callable[[Any], object]], items: Sequence[Any], rep: int,
                  into: dict[str, list[float]]) -> None:
-    """Each write over all ``items`` in turn (the order alternating with ``rep``), its seconds added to ``into``."""
-    for name in list(writes) if rep % 2 == 0 else list(writes)[::-1]:
+    """Each write over all ``items`` in turn (the order rotating with ``rep``, so each takes every place), its seconds
+    added to ``into``."""
+    names = list(writes)
+    k = rep % len(names)
+    for name in names[k:] + names[:k]:
         t0 = time.perf_counter()
         for item in items:
             writes[name](item)

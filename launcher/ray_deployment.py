@@ -39,7 +39,7 @@ class Component:
     node_ip: str
     actor: Any
     ref: Any = None
-    """The actor's running call (rollout, trainer ranks)."""
+    """The actor's running call (a store's ``serve``, the rollout's and the trainer ranks' ``run``)."""
 
 
 @dataclass(slots=True)

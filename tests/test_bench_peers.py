@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import mmap
 from collections.abc import Iterator
 from typing import Any
 
@@ -159,6 +160,7 @@ def test_the_minimal_servers_reads_by_doget_and_over_one_exchange_give_the_same_
     rng = np.random.default_rng(3)
     groups = {f"g{i}": make_group(f"g{i}", w, rng) for i in range(2)}
     proc, location = minimal_flight.start(own_pages=own_pages)
+    assert ("--own-pages" in str(proc.args)) == own_pages  # the mode reaches the server's process
     client = flight.connect(location)
     try:
         for key, group in groups.items():
@@ -176,3 +178,27 @@ def test_the_minimal_servers_reads_by_doget_and_over_one_exchange_give_the_same_
         client.close()
         proc.kill()
         proc.wait(timeout=10)
+
+
+def test_the_minimal_server_with_own_pages_keeps_a_copy_not_the_received_message() -> None:
+    import threading
+
+    import pyarrow.flight as flight
+
+    from bench import minimal_flight
+    from flight_store.memory import view
+
+    w = Workload(steps=1, groups=2, group_size=4, mini_batches=1, ranks=1, prompt_len=8, response_mean=4096,
+                 response_max=8192, token_budget=1 << 16)
+    group = make_group("g0", w, np.random.default_rng(5))  # over 16 KiB: a block in pages of its own
+    server = minimal_flight.MinimalFlight("grpc://127.0.0.1:0", own_pages=True)
+    threading.Thread(target=server.serve, daemon=True).start()
+    client = flight.connect(f"grpc://127.0.0.1:{server.port}")
+    try:
+        minimal_flight.put(client, "g0", group)
+        schema, blocks = server.kept[b"g0"]  # blocks, not the received batches
+        assert len(blocks) == 1 and isinstance(blocks[0], mmap.mmap)
+        assert view(blocks[0], schema).equals(group)
+    finally:
+        client.close()
+        server.shutdown()
