@@ -23,6 +23,7 @@ and checks and indexes nothing: the floor of a store that owns its memory.
 ``ratios.put_vs_minimal_flight_own_pages`` is the node's throughput over that floor (what the rule
 check, the group table and the node's protocol cost), ``ratios.minimal_own_pages_vs_minimal_flight``
 that floor's over the minimal one's (what owning the memory costs); both diagnostics.
+Where the node's gap sits, part by part: :mod:`bench.write_parts`.
 """
 
 from __future__ import annotations
@@ -48,7 +49,7 @@ BULK = 32
 """Groups per bulk DoPut (``put_groups``), and per DoPut of the same batches to the minimal server."""
 
 
-def _interleaved(writes: dict[str, Callable[[Any], object]], items: Sequence[Any], rep: int,
+def interleaved(writes: dict[str, Callable[[Any], object]], items: Sequence[Any], rep: int,
                  into: dict[str, list[float]]) -> None:
     """Each write over all ``items`` in turn (the order rotating with ``rep``, so each takes every place), its seconds
     added to ``into``."""
@@ -112,12 +113,12 @@ def run(groups_n: int, size: int, tokens: int, reps: int, seed: int) -> dict[str
             for rep in range(reps):
                 groups = [make_group(f"r{rep}g{i}", size, tokens, rng) for i in range(groups_n)]
 
-                _interleaved({"knit": client.put_group,
+                interleaved({"knit": client.put_group,
                               "minimal": lambda g: minimal_flight.put(raw, str(g.column("group_id")[0]), g),
                               "own_pages": lambda g: minimal_flight.put(own, str(g.column("group_id")[0]), g)},
                              groups, rep, times)
                 fresh = [make_group(f"r{rep}b{i}", size, tokens, rng) for i in range(groups_n)]
-                _interleaved({"bulk": client.put_groups,
+                interleaved({"bulk": client.put_groups,
                               "bulk_minimal": lambda c: minimal_flight.put(raw, str(c[0].column("group_id")[0]),
                                                                             pa.Table.from_batches(c))},
                              [fresh[i:i + BULK] for i in range(0, groups_n, BULK)], rep, times)

@@ -181,3 +181,45 @@ def test_the_write_path_bench_runs_its_three_servers_and_both_write_modes() -> N
     assert r["put_vs_minimal_flight_own_pages"] == m["put_group_gbps"] / m["minimal_flight_own_pages_gbps"]
     assert set(r) == {"put_vs_minimal_flight", "put_vs_minimal_flight_own_pages", "minimal_own_pages_vs_minimal_flight",
                       "put_groups_vs_minimal_flight_bulk", "put_groups_vs_put_group"}
+
+
+def _with_unknown_status(batch: pa.RecordBatch) -> pa.RecordBatch:
+    """``batch`` with a ``status`` outside the schema's statuses: a rule every node refuses."""
+    i = batch.schema.get_field_index("status")
+    return batch.set_column(i, batch.schema.field(i), pa.array(["bogus"] * batch.num_rows, pa.string()))
+
+
+def test_the_write_parts_bench_replaces_one_part_of_each_nodes_write_and_reports_every_server() -> None:
+    import numpy as np
+
+    from bench import write_parts
+    from bench.flight_throughput import make_group
+
+    rng = np.random.default_rng(0)
+    good, other = make_group("good", 2, 16, rng), make_group("other", 2, 16, rng)
+    bad = _with_unknown_status(make_group("bad", 2, 16, rng))
+    nodes = {v: write_parts.start(v) for v in ("as_is", "no_store", "check_free")}
+    try:
+        writers = {v: StoreWriter(n.location) for v, n in nodes.items()}
+        with pytest.raises(SchemaMismatchError):
+            writers["as_is"].put_group(bad)
+        writers["check_free"].put_group(bad)  # its check is free: the rule goes unchecked
+        for w in writers.values():
+            w.put_group(good)
+        writers["no_store"].put_group(other)
+        rows = {v: next(iter(w.stats().values())).rows for v, w in writers.items()}
+        assert rows == {"as_is": 2, "no_store": 0, "check_free": 4}  # the no-store node kept nothing
+        for w in writers.values():
+            w.close()
+    finally:
+        for n in nodes.values():
+            n.stop()
+    with pytest.raises(ValueError, match="unknown variant"):
+        write_parts.start("faster")
+
+    result = write_parts.run(groups_n=3, size=2, tokens=16, reps=1, seed=0)
+    m, r = result["metrics"], result["ratios"]
+    servers = (*write_parts.VARIANTS, *write_parts.MINIMAL)
+    assert all(m[f"parts_ms_per_group_{s}"] > 0 for s in servers)
+    assert set(r) == {f"parts_{s}_vs_minimal" for s in servers if s != "minimal"}
+    assert r["parts_as_is_vs_minimal"] == m["parts_ms_per_group_minimal"] / m["parts_ms_per_group_as_is"]
