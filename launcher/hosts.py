@@ -67,6 +67,8 @@ MAX_HOSTS = 200
 """Hosts per instance (one /24, the bridge at .254)."""
 HOST_IFNAME = "eth0"
 """The interface of a host, inside its namespace (the same name in every host)."""
+MAX_BURST_KB = 16
+"""The largest token bucket :meth:`Host.shape` makes (KB): what passes a shaped link unshaped."""
 _COUNTER = itertools.count()
 
 
@@ -224,9 +226,16 @@ class Host:
         """Bring this host's link up again."""
         _ip("link", "set", self.link, "up")
 
-    def shape(self, mbit: float, *, burst_kb: int = 256) -> None:
+    def shape(self, mbit: float, *, burst_kb: int = 16) -> None:
         """Cap this host's link at ``mbit`` Mbit/s each way: a token bucket (``tc ... tbf``) on both ends of its
-        veth, the host's end for what it sends and the bridge's end for what it receives."""
+        veth, the host's end for what it sends and the bridge's end for what it receives.
+
+        ``burst_kb``: the bucket's size (KB, 1..16). At most 16 KB passes at the veth's own speed, less than
+        the smallest read a trainer makes, so every read is shaped.
+        """
+        if not 1 <= burst_kb <= MAX_BURST_KB:
+            msg = f"burst_kb={burst_kb} must be 1..{MAX_BURST_KB} (a larger bucket lets small reads pass unshaped)"
+            raise ValueError(msg)
         tbf = ["root", "tbf", "rate", f"{mbit:g}mbit", "burst", f"{burst_kb}kb", "latency", "50ms"]
         for cmd in ([*self.exec_prefix, "tc", "qdisc", "replace", "dev", HOST_IFNAME, *tbf],
                     ["tc", "qdisc", "replace", "dev", self.link, *tbf]):

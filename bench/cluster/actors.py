@@ -32,6 +32,8 @@ SERIALIZATION_ENV = "VERL_DATAPROTO_SERIALIZATION_METHOD"
 """verl's switch between ``torch.save`` (any value but ``numpy``) and numpy DataProto pickling."""
 TQ_FIELDS = ("prompt_ids", "response_ids", "response_logprobs", "loss_mask")
 """The trajectory fields a TransferQueue rank reads (jagged nested tensors)."""
+TQ_IMAGE_FIELDS = ("pixel_values", "image_grid_thw")
+"""The processed-image fields of a multimodal row (:mod:`bench.cluster.processor`)."""
 
 
 def group_images(gid: str, w: Workload) -> list[np.ndarray]:
@@ -43,85 +45,99 @@ def group_images(gid: str, w: Workload) -> list[np.ndarray]:
 class Rollout:
     """One rollout host's output, handed to every path as that path's rollout writes it."""
 
-    def __init__(self, index: int, store: str, serialization: str) -> None:
+    def __init__(self, index: int, stores: list[str], serialization: str) -> None:
         import transfer_queue as tq
 
         from flight_store.reading import StoreReader
         from flight_store.writing import StoreWriter
 
         os.environ[SERIALIZATION_ENV] = serialization  # verl reads it when its DataProto is pickled
-        self.index, self.store = index, store
-        self.client = StoreWriter([store])
+        self.index, self.store = index, stores[index]
+        self.client = StoreWriter(stores)
         self.reader = StoreReader.sharing(self.client)  # releases what the trainer consumed
         tq.init()  # attaches to the driver's TransferQueue controller
         self.groups: dict[str, pa.RecordBatch] = {}
-        self.images: dict[str, list[np.ndarray]] = {}
+        self.pixels: dict[str, dict[str, Any]] = {}
+        self.stored: list[str] = []
         self.outputs: dict[int, Any] = {}
 
-    def generate(self, gids: list[str], w_doc: dict[str, Any], partition: str) -> dict[str, int]:
-        """Make the groups ``gids``; DoPut each (images first) to this host's store, ``kv_batch_put`` each to TQ."""
-        import torch
+    def generate(self, made: list[tuple[str, str]], w_doc: dict[str, Any], partition: str) -> dict[str, Any]:
+        """Make the groups ``made`` (``(plain id, home id)`` pairs: the same group, its content from the plain id).
+
+        knittrans gets each group twice: under its plain id DoPut (images first) to the node routing hashes it
+        to (hash placement: the write may cross the network), and under its home id to this host's own node
+        (local placement). TransferQueue gets each row ``kv_batch_put`` with its prompt's processed images; verl's
+        rows are kept for :meth:`prepare_verl`. Returns payload bytes per path and the node of each copy."""
         import transfer_queue as tq
 
+        from bench.cluster.processor import per_row
         from bench.peers.tq import group_fields
         from schemas.images import images_to_table
 
         w = Workload(**w_doc)
         knit = tq_bytes = 0
-        for gid in gids:
-            rng = np.random.default_rng([w.seed, 0, zlib.crc32(gid.encode())])
-            imgs = group_images(gid, w) if w.multimodal else []
+        nodes: dict[str, str] = {}
+        for plain, home in made:
+            rng = np.random.default_rng([w.seed, 0, zlib.crc32(plain.encode())])
+            imgs = group_images(plain, w) if w.multimodal else []
             table, keys = images_to_table(imgs) if imgs else (None, [])
-            g = make_group(gid, w, rng, keys)
-            if table is not None:
-                self.client.put_images(table, node=self.store)
-                knit += table.nbytes
-            self.client.put_group(g, node=self.store)
-            knit += g.nbytes
+            g = make_group(plain, w, rng, keys)
+            for gid, node in ((plain, self.client.node_for(plain)), (home, self.store)):
+                if table is not None:
+                    self.client.put_images(table, node=node)
+                    knit += table.nbytes
+                copy = g if gid == plain else _renamed(g, gid)
+                self.client.put_group(copy, node=node)
+                knit += copy.nbytes
+                nodes[gid] = node
+                self.stored.append(gid)
             keys_tq, fields, tags, n = group_fields(g)
-            if imgs:  # every trajectory carries its prompt's images, as verl's rollout writes each sample
-                pixels = torch.from_numpy(np.stack([np.stack(imgs)] * g.num_rows))
-                fields["pixel_values"] = pixels
-                n += pixels.numel()
+            if imgs:  # every trajectory carries its prompt's processed images, as verl's rollout writes each sample
+                self.pixels[plain] = per_row(imgs, g.num_rows)
+                fields.update(self.pixels[plain])
+                n += sum(int(t.numel() * t.element_size()) for t in self.pixels[plain].values())
             tq.kv_batch_put(keys=keys_tq, partition_id=partition, fields=fields, tags=tags)
             tq_bytes += n
-            self.groups[gid], self.images[gid] = g, imgs
-        return {"knit_bytes": knit, "tq_bytes": tq_bytes}
+            self.groups[plain] = g
+        return {"knit_bytes": knit, "tq_bytes": tq_bytes, "nodes": nodes}
 
-    def prepare_verl(self, steps: list[list[str]], response_width: int) -> list[int]:
-        """Each step's ``DataProto`` of this host's groups in it (verl's rollout output: padded to
-        ``response_width``, images replicated into every row); tensor bytes per step."""
-        import torch
+    def prepare_verl(self, s: int, gids: list[str], response_width: int) -> int:
+        """Step ``s``'s ``DataProto`` of this host's groups ``gids`` (verl's rollout output: padded to
+        ``response_width``, the processed images in every row); its tensor bytes."""
         from verl.protocol import DataProto
 
-        self.outputs, sizes = {}, []
-        for s, gids in enumerate(steps):
-            if not gids:
-                sizes.append(0)
-                continue
-            table = pa.Table.from_batches([self.groups[g] for g in gids])
-            batch = dataproto_shards(table, np.zeros(table.num_rows, np.float32), 1, response_width)[0]
-            del batch["advantages"]  # the driver computes them (verl's compute_advantage runs on the driver)
-            if self.images[gids[0]]:
-                batch["pixel_values"] = torch.from_numpy(np.concatenate(
-                    [np.stack([np.stack(self.images[g])] * self.groups[g].num_rows) for g in gids]))
-            sizes.append(sum(t.numel() * t.element_size() for t in batch.values()))
-            self.outputs[s] = DataProto.from_dict(tensors=batch)
-        return sizes
+        if not gids:
+            return 0
+        table = pa.Table.from_batches([self.groups[g] for g in gids])
+        batch = dataproto_shards(table, np.zeros(table.num_rows, np.float32), 1, response_width)[0]
+        del batch["advantages"]  # the driver computes them (verl's compute_advantage runs on the driver)
+        if gids[0] in self.pixels:
+            import torch
+
+            for k in self.pixels[gids[0]]:
+                batch[k] = torch.cat([self.pixels[g][k] for g in gids])
+        self.outputs[s] = DataProto.from_dict(tensors=batch)
+        return sum(t.numel() * t.element_size() for t in batch.values())
 
     def output(self, s: int) -> Any:
         """Step ``s``'s rollout output (Ray pickles it here and the driver pulls it over this host's link)."""
-        return self.outputs[s]
+        return self.outputs.pop(s)
 
     def clear(self, partition: str) -> None:
         """Drop this host's groups from every path."""
         import transfer_queue as tq
 
-        keys = [f"{g.column('group_id')[i]}:{i}" for g in self.groups.values() for i in range(g.num_rows)]
+        keys = [f"{g}:{i}" for g, b in self.groups.items() for i in range(b.num_rows)]
         if keys:
             tq.kv_clear(keys=keys, partition_id=partition)
-        self.reader.release(list(self.groups))
-        self.groups, self.images, self.outputs = {}, {}, {}
+        self.reader.release(self.stored)
+        self.groups, self.pixels, self.outputs, self.stored = {}, {}, {}, []
+
+
+def _renamed(g: pa.RecordBatch, gid: str) -> pa.RecordBatch:
+    at = g.schema.get_field_index("group_id")
+    return pa.RecordBatch.from_arrays([pa.array([gid] * g.num_rows) if j == at else c for j, c in enumerate(g.columns)],
+                                      schema=g.schema)
 
 
 class ClusterRank:
@@ -137,12 +153,19 @@ class ClusterRank:
         tq.init()
 
     def ready(self) -> int:
+        from bench.cluster.processor import processor
+
+        processor()  # built outside the clock
         return int(self.knit.ready())
 
     def knit_step(self, micros: list[MicroSpec], ms_per_ktok: float, mm: bool) -> dict[str, Any]:
-        """knittrans: this rank's slices by DoGet, the next micro-batch prefetched (images once per mini-batch)."""
+        """knittrans: this rank's slices by DoGet, the next micro-batch prefetched; images once per mini-batch,
+        through the image processor in the rank's clock."""
         if mm:
-            return dict(self.knit.step_mm(micros, ms_per_ktok, 0.0, False, 1))
+            from bench.cluster.processor import PIXEL_VALUES, process
+
+            return dict(self.knit.step_mm(micros, ms_per_ktok, 0.0, True, 1,
+                                          process=lambda imgs: process(imgs)[PIXEL_VALUES]))
         return dict(self.knit.step(micros, ms_per_ktok, 1))
 
     def tq_step(self, metas: list[Any], micros: list[MicroSpec], ms_per_ktok: float) -> dict[str, Any]:
@@ -158,12 +181,51 @@ class ClusterRank:
             read = {k: (v.values() if v.is_nested else v) for k, v in td.items()}
             value: dict[str, Any] = {"bytes": sum(t.numel() * t.element_size() for t in read.values())}
             pixels = read.pop("pixel_values", None)
+            read.pop("image_grid_thw", None)
             if pixels is not None:
                 value["encode"] = pixels.reshape(-1, *pixels.shape[2:])
             value["tensors"] = pack_tensordict(td, spec["advantages"])
             return value
 
         return run_micro_batches(micros, get, ms_per_ktok=ms_per_ktok, depth=1, encoder=Encoder(0.0))
+
+    def knit_call_s(self, slices: list[list[Any]], reps: int) -> list[float]:
+        """Seconds of each of ``reps`` reads of ``slices`` (a few rows: a call's own cost, not the link's)."""
+        from schemas.plan import PlannedSlice
+        from train.packing import PACK_COLUMNS
+
+        planned = [PlannedSlice(node=n, group_id=g, start=a, stop=b) for n, g, a, b in slices]
+        out = []
+        for _ in range(reps):
+            t0 = time.perf_counter()
+            self.knit.client.fetch(planned, columns=PACK_COLUMNS)
+            out.append(time.perf_counter() - t0)
+        return out
+
+    def tq_call_s(self, meta: Any, reps: int) -> list[float]:
+        """Seconds of each of ``reps`` ``get_data`` calls of ``meta`` (a few rows)."""
+        import transfer_queue as tq
+
+        client = tq.get_client()
+        out = []
+        for _ in range(reps):
+            t0 = time.perf_counter()
+            client.get_data(meta)
+            out.append(time.perf_counter() - t0)
+        return out
+
+    def process_s(self, shape: list[int], images: int, reps: int) -> list[float]:
+        """Seconds the image processor takes per image of ``shape`` (batches of ``images``)."""
+        from bench.cluster.processor import process
+
+        rng = np.random.default_rng(0)
+        imgs = [rng.integers(0, 256, tuple(shape), dtype=np.uint8) for _ in range(images)]
+        out = []
+        for _ in range(reps):
+            t0 = time.perf_counter()
+            process(imgs)
+            out.append((time.perf_counter() - t0) / images)
+        return out
 
 
 @functools.cache

@@ -10,6 +10,7 @@ rotating order, the first step of each a warm-up. Each step's record carries its
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import os
@@ -21,18 +22,23 @@ from pathlib import Path
 from typing import Any, cast
 
 import numpy as np
+import polars as pl
 
-from bench.cluster.actors import SERIALIZATION_ENV, TQ_FIELDS, ClusterRank, Rollout, verl_rank_class
-from bench.cluster.workload import CountingClient, Workload, admit
+from bench.cluster.actors import SERIALIZATION_ENV, TQ_FIELDS, TQ_IMAGE_FIELDS, ClusterRank, Rollout, verl_rank_class
+from bench.cluster.calibrate import calibrate
+from bench.cluster.workload import Workload, link_model, plan_step
 from bench.peers.common import MicroSpec, step_specs
+from schemas.routing import home_id
 
 log = logging.getLogger(__name__)
 
-PATHS = ("verl", "transferqueue", "knittrans")
-"""The three ways a train batch reaches the ranks (the package docstring says how each runs)."""
+PATHS = ("verl", "transferqueue", "knittrans", "knittrans_hash")
+"""The ways a train batch reaches the ranks (the package docstring says how each runs): ``knittrans`` is the
+coordinated transfer (local placement, rank assignment by links), ``knittrans_hash`` the same groups placed by
+the hash and assigned by tokens alone."""
 VERL_SERIALIZATION = "numpy"
 """verl's faster DataProto pickling (``serialize_tensordict``: numpy views pickled out of band)."""
-StepFn = Callable[[int, list[list[MicroSpec]]], dict[str, Any]]
+StepFn = Callable[[], dict[str, Any]]
 
 
 def _link() -> tuple[int, int]:
@@ -64,7 +70,7 @@ class Driver:
             "num_data_storage_units": n, "required_node_resource": "tq_store"}}})
         self.tq = tq.get_client()
         self.rollouts: list[Any] = [ray.remote(Rollout).options(num_cpus=0, resources={f"store{i}": 1}).remote(  # type: ignore[attr-defined]
-            i, store, VERL_SERIALIZATION) for i, store in enumerate(spec["stores"])]
+            i, spec["stores"], VERL_SERIALIZATION) for i in range(n)]
         self.ranks: list[Any] = [ray.remote(ClusterRank).options(num_cpus=0, resources={f"rank{j}": 1}).remote(  # type: ignore[attr-defined]
             j, spec["stores"]) for j in range(d)]
         ray.get([r.ready.remote() for r in self.ranks])
@@ -78,33 +84,49 @@ class Driver:
         from flight_store.reading import StoreReader
 
         self.client = StoreReader(spec["stores"])
+        self.peer_reader = StoreReader.sharing(self.client)  # the peers' plans, made outside their clocks
+        self.knit_readers = {a: StoreReader.sharing(self.client) for a in ("links", "tokens")}  # a cursor each
+        self.link_model = link_model(spec["stores"], d, spec["link_mbit"])
 
     def workload(self, kind: str, w: Workload) -> dict[str, Any]:
-        """One workload on every path: generate, plan, then the steps in turn; the raw records."""
+        """One workload on every path, step by step: the rollouts make the step's groups (outside every clock),
+        the peers' plan is made, then the paths take turns; the raw records."""
         import ray
 
-        total = w.steps + 1
-        gids = [f"{kind}-s{s}-g{g}" for s in range(total) for g in range(w.groups)]
-        owner = {g: self.spec["stores"].index(self.client.node_for(g)) for g in gids}
+        n = self.spec["n_stores"]
         doc = asdict(w)
-        put = ray.get([r.generate.remote([g for g in gids if owner[g] == i], doc, kind)
-                       for i, r in enumerate(self.rollouts)])
-        plans = admit(CountingClient(self.client), w, total)
-        specs = step_specs(plans, w.mini_batches, w.ranks)
-        step_gids = [list(dict.fromkeys(row[0] for per_rank in step for m in per_rank for row in m["rows"]))
-                     for step in specs]
-        verl_sizes = ray.get([r.prepare_verl.remote([[g for g in sg if owner[g] == i] for sg in step_gids],
-                                                    w.response_max) for i, r in enumerate(self.rollouts)])
-        steppers: dict[str, StepFn] = {
-            "verl": lambda s, per_rank: self._verl_step(s, per_rank, owner, step_gids[s], w),
-            "transferqueue": lambda s, per_rank: self._tq_step(per_rank, kind, w),
-            "knittrans": lambda s, per_rank: self._knit_step(per_rank, w),
-        }
-        steps = _take_turns(steppers, specs)
+        steps: dict[str, list[dict[str, Any]]] = {p: [] for p in PATHS}
+        put, same, verl_bytes = [], [], []
+        for s in range(w.steps + 1):
+            plain = [f"{kind}-s{s}-g{g}" for g in range(w.groups)]
+            made = [[(gid, home_id(self.spec["node_ids"][g % n], gid)) for g, gid in enumerate(plain) if g % n == i]
+                    for i in range(n)]
+            put.append(ray.get([r.generate.remote(made[i], doc, kind) for i, r in enumerate(self.rollouts)]))
+            frame = self.peer_reader.scan_new()
+            plans = plan_step(frame.filter(~pl.col("group_id").str.contains("/", literal=True)), w,
+                              "tokens", None)
+            per_rank = step_specs(plans, w.mini_batches, w.ranks)[0]
+            step_gids = list(dict.fromkeys(row[0] for r in per_rank for m in r for row in m["rows"]))
+            owner = {gid: g % n for g, gid in enumerate(plain)}  # the rollout host that made it holds verl's rows
+            verl_bytes.append(sum(ray.get([r.prepare_verl.remote(s, [g for g in step_gids if owner[g] == i],
+                                                                 w.response_max)
+                                           for i, r in enumerate(self.rollouts)])))
+            steppers: dict[str, StepFn] = {
+                "verl": functools.partial(self._verl_step, s, per_rank, owner, step_gids, w),
+                "transferqueue": functools.partial(self._tq_step, per_rank, kind, w),
+                "knittrans": lambda: self._knit_step(self.knit_readers["links"], "links", w),
+                "knittrans_hash": lambda: self._knit_step(self.knit_readers["tokens"], "tokens", w),
+            }
+            recs = _take_turns(steppers, s)
+            same.append({p: sorted({row[0].rsplit("/", 1)[-1] for r in rec["per_rank"] for m in r
+                                    for row in m["rows"]}) for p, rec in recs.items()})
+            if s:  # step 0 of each path is a warm-up
+                for p, rec in recs.items():
+                    steps[p].append(rec)
         ray.get([r.clear.remote(kind) for r in self.rollouts])
-        return {"steps": steps, "put": put, "verl_rollout_bytes": [sum(x[s] for x in verl_sizes) for s in range(total)],
-                "micro_batches_per_rank": [len(m) for m in specs[0]],
-                "tokens_per_step": [sum(m["tokens"] for r in step for m in r) for step in specs]}
+        return {"steps": steps, "put": put, "verl_rollout_bytes": verl_bytes, "step_groups": same,
+                "micro_batches_per_rank": [len(m) for m in steps["knittrans"][0]["per_rank"]] if steps["knittrans"]
+                else [], "tokens_per_step": [r["tokens"] for r in steps["knittrans"]]}
 
     def _verl_step(self, s: int, per_rank: list[list[MicroSpec]], owner: dict[str, int], gids: list[str],
                    w: Workload) -> dict[str, Any]:
@@ -136,15 +158,16 @@ class Driver:
         out = self.group.update_actor(data)
         recs = out.meta_info["metrics"]
         return {"transfer_s": max(recs["recv_s"]), "gather_s": t_gathered - t_gather, "dispatched_bytes": nbytes,
-                "ranks": [{k: v[r] for k, v in recs.items()} for r in range(len(per_rank))]}
+                "ranks": [{k: v[r] for k, v in recs.items()} for r in range(len(per_rank))], "per_rank": per_rank}
 
     def _tq_step(self, per_rank: list[list[MicroSpec]], partition: str, w: Workload) -> dict[str, Any]:
-        """TransferQueue's step: the step's keys resolved once (one controller call), a ``BatchMeta`` per
-        micro-batch handed to its rank, each rank ``get_data``\\ s its own."""
+        """TransferQueue's step: the step's keys resolved once (one controller call, in the transfer's clock), a
+        ``BatchMeta`` per micro-batch handed to its rank, each rank ``get_data``\\ s its own."""
         import ray
 
+        t0 = time.perf_counter()
         keys = [f"{g}:{int(i)}" for micros in per_rank for m in micros for g, i in m["rows"]]
-        fields = [*TQ_FIELDS, "pixel_values"] if w.multimodal else list(TQ_FIELDS)
+        fields = [*TQ_FIELDS, *TQ_IMAGE_FIELDS] if w.multimodal else list(TQ_FIELDS)
         meta = self.tq.kv_retrieve_meta(keys=keys, partition_id=partition).select_fields(fields)
         metas, at = [], 0
         for micros in per_rank:
@@ -153,23 +176,36 @@ class Driver:
                 mine.append(meta.select_samples(list(range(at, at + len(m["rows"])))))
                 at += len(m["rows"])
             metas.append(mine)
+        lookup = time.perf_counter() - t0
         recs = ray.get([r.tq_step.remote(metas[j], _indexed(per_rank[j]), self.spec["ms_per_ktok"])
                         for j, r in enumerate(self.ranks)])
-        return {"transfer_s": max(r["fetch_s"] for r in recs), "ranks": recs}
+        return {"transfer_s": lookup + max(r["fetch_s"] for r in recs), "lookup_s": lookup, "keys": len(keys),
+                "ranks": recs, "per_rank": per_rank}
 
-    def _knit_step(self, per_rank: list[list[MicroSpec]], w: Workload) -> dict[str, Any]:
-        """knittrans' step: each rank is sent its plan; it DoGets its own slices."""
+    def _knit_step(self, reader: Any, assignment: str, w: Workload) -> dict[str, Any]:
+        """knittrans' step, all in its clock: scan the stores' new metadata, plan the step (``assignment``
+        "links" over the home-placed groups, "tokens" over the hash-placed ones), send each rank its plan; each
+        rank DoGets its own slices."""
         import ray
 
+        t0 = time.perf_counter()
+        frame = reader.scan_new()
+        home = pl.col("group_id").str.contains("/", literal=True)
+        mine = frame.filter(home if assignment == "links" else ~home)
+        links = self.link_model if assignment == "links" else None
+        per_rank = step_specs(plan_step(mine, w, assignment, links), w.mini_batches, w.ranks)[0]
+        planned = time.perf_counter() - t0
         recs = ray.get([r.knit_step.remote(per_rank[j], self.spec["ms_per_ktok"], w.multimodal)
                         for j, r in enumerate(self.ranks)])
-        return {"transfer_s": max(r["fetch_s"] for r in recs), "ranks": recs}
+        return {"transfer_s": planned + max(r["fetch_s"] for r in recs), "plan_s": planned, "ranks": recs,
+                "per_rank": per_rank, "scan_bytes": int(frame.estimated_size())}
 
     def close(self) -> None:
         import ray
         import transfer_queue as tq
 
-        self.client.close()
+        for reader in (self.peer_reader, *self.knit_readers.values(), self.client):
+            reader.close()
         tq.close()
         ray.shutdown()
 
@@ -178,24 +214,23 @@ def _indexed(micros: list[MicroSpec]) -> list[MicroSpec]:
     return [{**m, "index": i} for i, m in enumerate(micros)]
 
 
-def _take_turns(steppers: dict[str, StepFn], specs: list[list[list[MicroSpec]]]) -> dict[str, list[dict[str, Any]]]:
-    """Every path's steps, paths taking turns in a rotating order; step 0 of each is a warm-up (dropped)."""
+def _take_turns(steppers: dict[str, Callable[[], dict[str, Any]]], s: int) -> dict[str, dict[str, Any]]:
+    """Step ``s`` of every path, the paths taking turns in an order that rotates with ``s``; each record with its
+    clock (``step_s``), its wall-clock window (``t0``, ``t1``) and the driver host's link bytes."""
     names = list(steppers)
-    out: dict[str, list[dict[str, Any]]] = {n: [] for n in names}
-    for s, per_rank in enumerate(specs):
-        k = s % len(names)
-        for name in names[k:] + names[:k]:
-            rx0, tx0 = _link()
-            t0, p0 = time.time(), time.perf_counter()
-            rec = steppers[name](s, per_rank)
-            rec.update(step_s=time.perf_counter() - p0, t0=t0, t1=time.time())
-            rx1, tx1 = _link()
-            rec.update(driver_rx=rx1 - rx0, driver_tx=tx1 - tx0,
-                       micro_batches=max(r["micro_batches"] for r in rec["ranks"]),
-                       rank_bytes=[r["bytes"] for r in rec["ranks"]])
-            if s:
-                out[name].append(rec)
-            log.info("step %d %s: %.2f s (transfer %.3f s)", s, name, rec["step_s"], rec["transfer_s"])
+    k = s % len(names)
+    out = {}
+    for name in names[k:] + names[:k]:
+        rx0, tx0 = _link()
+        t0, p0 = time.time(), time.perf_counter()
+        rec = steppers[name]()
+        rec.update(step_s=time.perf_counter() - p0, t0=t0, t1=time.time())
+        rx1, tx1 = _link()
+        rec.update(driver_rx=rx1 - rx0, driver_tx=tx1 - tx0,
+                   micro_batches=max(r["micro_batches"] for r in rec["ranks"]),
+                   rank_bytes=[r["bytes"] for r in rec["ranks"]], tokens=sum(r["tokens"] for r in rec["ranks"]))
+        out[name] = rec
+        log.info("step %d %s: %.2f s (transfer %.3f s)", s, name, rec["step_s"], rec["transfer_s"])
     return out
 
 
@@ -204,7 +239,8 @@ def main(argv: list[str]) -> int:
     spec = json.loads(Path(argv[0]).read_text())
     driver = Driver(spec)
     try:
-        raw = {kind: driver.workload(kind, Workload(**w)) for kind, w in spec["workloads"].items()}
+        raw = {"calibration": calibrate(driver),
+               "workloads": {kind: driver.workload(kind, Workload(**w)) for kind, w in spec["workloads"].items()}}
     finally:
         driver.close()
     Path(argv[1]).write_text(json.dumps(raw, default=_jsonable))

@@ -41,6 +41,11 @@ ROOT = Path(__file__).resolve().parents[2]
 RAY_PORT = 6379
 
 
+def node_id(i: int) -> str:
+    """The id of store host ``i``'s node (its ``node_name``: what a home group id names)."""
+    return f"node{i}"
+
+
 @dataclass(kw_only=True, slots=True)
 class ClusterShape:
     """How many hosts of each role, and their links."""
@@ -51,6 +56,8 @@ class ClusterShape:
     """D: trainer-rank hosts."""
     link_mbit: float
     """Every host's link rate, each way (Mbit/s)."""
+    burst_kb: int = 16
+    """Token bucket of every link (KB): at most :data:`launcher.hosts.MAX_BURST_KB`, so every read is shaped."""
     rank_host_cpus: int = 2
     """Ray CPUs of a rank host (verl's rank bundle takes them all, so one rank lands per rank host)."""
     object_store_mb: int = 1024
@@ -63,71 +70,62 @@ class ClusterShape:
 
 
 class Sampler:
-    """Every ``period_s``: each host's link counters and the CPU ticks of every process inside it (by pid)."""
+    """Every ``period_s``: each host's link counters and the whole machine's CPU counters (``/proc/stat``)."""
 
-    def __init__(self, hosts: list[Host], period_s: float = 0.2) -> None:
+    def __init__(self, hosts: list[Host], period_s: float = 0.05) -> None:
         self.hosts, self.period_s = hosts, period_s
-        self.inode = {os.stat(f"/run/netns/{h.netns}").st_ino: i for i, h in enumerate(hosts)}
-        self.samples: list[tuple[float, list[tuple[int, int]], dict[int, tuple[int, int]]]] = []
+        self.samples: list[tuple[float, list[tuple[int, int]], tuple[int, int]]] = []
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, name="cluster-sampler", daemon=True)
 
     def __enter__(self) -> Sampler:
+        self._sample()
         self._thread.start()
         return self
 
     def __exit__(self, *exc: object) -> None:
         self._stop.set()
         self._thread.join(timeout=10)
+        self._sample()
 
     def _loop(self) -> None:
         while not self._stop.wait(self.period_s):
-            links = [(lb.rx, lb.tx) for lb in (h.link_bytes() for h in self.hosts)]
-            self.samples.append((time.time(), links, self._ticks()))
+            self._sample()
 
-    def _ticks(self) -> dict[int, tuple[int, int]]:
-        """``pid -> (host index, utime + stime ticks)`` of every process inside a host."""
-        out = {}
-        for name in os.listdir("/proc"):
-            if not name.isdigit():
-                continue
-            try:
-                host = self.inode.get(os.stat(f"/proc/{name}/ns/net").st_ino)
-                if host is None:
-                    continue
-                fields = Path(f"/proc/{name}/stat").read_text().rsplit(")", 1)[1].split()
-                out[int(name)] = (host, int(fields[11]) + int(fields[12]))
-            except (OSError, IndexError, ValueError):
-                continue
-        return out
+    def _sample(self) -> None:
+        links = [(lb.rx, lb.tx) for lb in (h.link_bytes() for h in self.hosts)]
+        self.samples.append((time.time(), links, machine_ticks()))
 
     def window(self, t0: float, t1: float) -> dict[str, Any]:
-        """Bytes each host's link carried (interpolated at ``t0``, ``t1``) and each host's CPU use (0-1 of one
-        core) between the samples nearest inside the window."""
-        times = [s[0] for s in self.samples]
-        if len(times) < 2:
-            return {}
+        """Bytes each host's link carried each way and the machine's busy fraction, between the last sample at or
+        before ``t0`` and the first at or after ``t1`` (the samples enclosing the window, so no byte of it is left
+        out; the paths take turns, so no other path's bytes are in it)."""
+        return window_of(self.samples, t0, t1)
 
-        def at(t: float) -> list[tuple[float, float]]:
-            k = min(max(bisect.bisect_left(times, t), 1), len(times) - 1)
-            (ta, la, _), (tb, lb, _) = self.samples[k - 1], self.samples[k]
-            f = min(max((t - ta) / (tb - ta), 0.0), 1.0) if tb > ta else 0.0
-            return [(a[0] + f * (b[0] - a[0]), a[1] + f * (b[1] - a[1])) for a, b in zip(la, lb, strict=True)]
 
-        l0, l1 = at(t0), at(t1)
-        a = min(bisect.bisect_left(times, t0), len(times) - 1)
-        b = max(bisect.bisect_right(times, t1) - 1, 0)
-        if b <= a:  # a window shorter than a sampling period: the two samples around it
-            a, b = max(a - 1, 0), min(a + 1, len(times) - 1)
-        ta, _, pa = self.samples[a]
-        tb, _, pb = self.samples[b]
-        cpu = [0.0] * len(self.hosts)
-        for pid, (host, ticks) in pb.items():
-            cpu[host] += ticks - pa.get(pid, (host, 0))[1]
-        hz = os.sysconf("SC_CLK_TCK")
-        return {"rx": [int(y[0] - x[0]) for x, y in zip(l0, l1, strict=True)],
-                "tx": [int(y[1] - x[1]) for x, y in zip(l0, l1, strict=True)],
-                "cpu_cores": [c / hz / max(tb - ta, 1e-3) for c in cpu], "cpu_window_s": tb - ta}
+def machine_ticks() -> tuple[int, int]:
+    """``(busy, total)`` jiffies of all the machine's CPUs (``/proc/stat``'s ``cpu`` line; idle and iowait are
+    not busy)."""
+    fields = [int(x) for x in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
+    total = sum(fields[:8])  # user nice system idle iowait irq softirq steal (guest time is inside user)
+    return total - fields[3] - fields[4], total
+
+
+def window_of(samples: list[tuple[float, list[tuple[int, int]], tuple[int, int]]], t0: float,
+              t1: float) -> dict[str, Any]:
+    """:meth:`Sampler.window` over ``samples`` (time, per-host (rx, tx) counters, machine (busy, total) ticks)."""
+    times = [x[0] for x in samples]
+    if len(times) < 2:
+        return {}
+    a = max(bisect.bisect_right(times, t0) - 1, 0)
+    b = min(bisect.bisect_left(times, t1), len(times) - 1)
+    if b <= a:
+        b = min(a + 1, len(times) - 1)
+    (ta, la, ca), (tb, lb, cb) = samples[a], samples[b]
+    busy, total = cb[0] - ca[0], cb[1] - ca[1]
+    return {"rx": [y[0] - x[0] for x, y in zip(la, lb, strict=True)],
+            "tx": [y[1] - x[1] for x, y in zip(la, lb, strict=True)],
+            "machine_cpu": busy / total if total > 0 else 0.0, "window_s": tb - ta}
 
 
 def _ray_env(token: str) -> dict[str, str]:
@@ -181,7 +179,7 @@ def run_cluster(shape: ClusterShape, workloads: dict[str, dict[str, Any]], ms_pe
         driver, stores, ranks = hosts[0], hosts.hosts[1:1 + n], hosts.hosts[1 + n:]
         try:
             for h in hosts:
-                h.shape(shape.link_mbit)
+                h.shape(shape.link_mbit, burst_kb=shape.burst_kb)
             env = _ray_env(secrets.token_hex(16))
             _ray_start(driver, driver.address, tmp, 1, {"driver": 1}, shape, env)
             _wait_port(driver.address, RAY_PORT, 120)
@@ -189,10 +187,11 @@ def run_cluster(shape: ClusterShape, workloads: dict[str, dict[str, Any]], ms_pe
                 _ray_start(h, driver.address, tmp, 1, {"tq_store": 1, f"store{i}": 1}, shape, env)
             for j, h in enumerate(ranks):
                 _ray_start(h, driver.address, tmp, shape.rank_host_cpus, {f"rank{j}": 1}, shape, env)
-            nodes = [NodeProcess(ServerConfig(host=h.address, log_level="WARNING"), prefix=h.exec_prefix)
-                     for h in stores]
+            nodes = [NodeProcess(ServerConfig(host=h.address, node_name=node_id(i), log_level="WARNING"),
+                                 prefix=h.exec_prefix) for i, h in enumerate(stores)]
             spec = {"head": driver.address, "driver_address": driver.address, "n_stores": n, "n_ranks": d,
-                    "stores": [x.location for x in nodes], "rank_host_cpus": shape.rank_host_cpus,
+                    "stores": [x.location for x in nodes], "node_ids": [node_id(i) for i in range(n)],
+                    "rank_host_cpus": shape.rank_host_cpus, "link_mbit": shape.link_mbit,
                     "ms_per_ktok": ms_per_ktok, "workloads": workloads}
             (tmp / "spec.json").write_text(json.dumps(spec))
             with Sampler(hosts.hosts) as sampler:
@@ -206,7 +205,7 @@ def run_cluster(shape: ClusterShape, workloads: dict[str, dict[str, Any]], ms_pe
         finally:
             for node in nodes:
                 node.stop()
-    for per_kind in raw.values():
+    for per_kind in raw["workloads"].values():
         for recs in per_kind["steps"].values():
             for rec in recs:
                 rec["hosts"] = sampler.window(rec["t0"], rec["t1"])

@@ -4,7 +4,9 @@ In: synthetic prompt groups straight from numpy (:func:`make_group`), as the rol
 them. Out: verl's DataProto layout of a train batch (:func:`dataproto_shards`, with the GRPO
 advantages of :func:`group_advantages`) and DataProto's default serialisation (:func:`serialize`).
 Plans: :func:`admit` runs the admission planner over the stores' metadata, as the driver does, with the
-driver's client wrapped in :class:`CountingClient` (the payload and metadata bytes the driver received).
+driver's client wrapped in :class:`CountingClient` (the payload and metadata bytes the driver received);
+:func:`plan_step` plans one train step with a rank assignment ("links" or "tokens") and :func:`link_model`
+describes the cluster benchmark's hosts to the planner.
 Shared by :mod:`bench.cluster` and :mod:`bench.peers`.
 """
 
@@ -213,3 +215,30 @@ def admit(driver: CountingClient, w: Workload, train_steps: int) -> list[MiniBat
         msg = f"planner admitted {len(plans)} mini-batches, expected {train_steps * w.mini_batches}"
         raise RuntimeError(msg)
     return plans
+
+
+def plan_step(frame: Any, w: Workload, assignment: str, links: Any) -> list[MiniBatchPlan]:
+    """One train step's mini-batches: a fresh ``train_batch`` planner over ``frame`` (that step's groups), ranks
+    assigned by ``assignment`` ("links" with the link model ``links``, or "tokens": LPT by cost alone)."""
+    from admission import AdmissionConfig, Planner
+
+    extra: dict[str, Any] = {"assignment": assignment}
+    if links is not None:
+        extra["links"] = links
+    planner = Planner(AdmissionConfig(train_batch_groups=w.groups, group_size=w.group_size,
+                                      mini_batches=w.mini_batches, dp_ranks=w.ranks, token_budget=w.token_budget,
+                                      policy="train_batch", **extra))
+    plans = planner.update(frame, current_version=0)
+    if len(plans) != w.mini_batches:
+        msg = f"planner admitted {len(plans)} mini-batches of {frame.height} rows, expected {w.mini_batches}"
+        raise RuntimeError(msg)
+    return plans
+
+
+def link_model(stores: Sequence[str], ranks: int, link_mbit: float) -> Any:
+    """The cluster benchmark's topology as the planner's link model: store ``i`` (its location, as the metadata
+    frame's ``node`` names it) on host ``store<i>``, rank ``j`` on host ``rank<j>``, every link ``link_mbit``."""
+    from admission.config import LinkModel
+
+    return LinkModel(node_host={loc: f"store{i}" for i, loc in enumerate(stores)},
+                     rank_host=tuple(f"rank{j}" for j in range(ranks)), default_mbit=link_mbit)

@@ -9,6 +9,7 @@ tensors (``train.packing.pack_tensors``) on a prefetch thread while the previous
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from typing import Any
 
 import pyarrow as pa
@@ -49,9 +50,12 @@ class KnitRank:
         return run_micro_batches(micros, get, ms_per_ktok=ms_per_ktok, depth=depth, checksums=checksums)
 
     def step_mm(self, micros: list[MicroSpec], ms_per_ktok: float, ms_per_image: float, dedup: bool,
-                depth: int) -> dict[str, Any]:
+                depth: int, process: Callable[[list[Any]], Any] | None = None) -> dict[str, Any]:
         """A multimodal step: rows carry image keys; each distinct image of a mini-batch is fetched once, and
-        encoded once (``dedup``) or once per row referencing it (the encoder without deduplication)."""
+        encoded once (``dedup``) or once per row referencing it (the encoder without deduplication).
+
+        ``process``: what the encoder is given is ``process(images)`` (an image processor run in the rank's
+        clock, on the images the micro-batch encodes), not the raw pixels."""
         import numpy as np
         import torch
 
@@ -77,7 +81,10 @@ class KnitRank:
             got = table_to_images(self.client.fetch_images(new, nodes=node_of)) if new else {}
             held.update(got)
             refs = new if dedup else [k for keys in row_keys for k in keys]
-            encode = torch.from_numpy(np.stack([held[k] for k in refs])) if refs else None
+            if process is not None:
+                encode = process([held[k] for k in refs]) if refs else None
+            else:
+                encode = torch.from_numpy(np.stack([held[k] for k in refs])) if refs else None
             tensors = pack_tensors(table.drop_columns(["image_keys"]), spec["advantages"], mode="padded").to_torch()
             return {"tensors": tensors, "encode": encode,
                     "bytes": table.nbytes + sum(int(a.nbytes) for a in got.values())}
