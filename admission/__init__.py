@@ -12,9 +12,10 @@ Example:
 
 from __future__ import annotations
 
-from admission.config import AdmissionConfig, Filters, GrpoConfig, Quota
+from admission.assignment import assign_groups, balance_groups
+from admission.config import AdmissionConfig, Filters, GrpoConfig, LinkModel, Quota
 from admission.feasibility import solve_composition
-from admission.packing import advantage_expr, balance_groups, pack_micro_batches, trajectory_cost
+from admission.packing import advantage_expr, pack_micro_batches, trajectory_cost
 from admission.planner import CONSUMED_SCHEMA, REQUIRED_COLUMNS, InflightSupply, Planner, PlanResult, plan
 from admission.staleness import per_step, staleness_exprs, summary
 from admission.state import PlannerState
@@ -26,11 +27,13 @@ __all__ = [
     "Filters",
     "GrpoConfig",
     "InflightSupply",
+    "LinkModel",
     "PlanResult",
     "Planner",
     "PlannerState",
     "Quota",
     "advantage_expr",
+    "assign_groups",
     "balance_groups",
     "pack_micro_batches",
     "per_step",

@@ -15,9 +15,11 @@ from typing import Literal
 Policy = Literal["train_batch", "mini_batch", "colocated", "streaming"]
 CostModel = Literal["tokens", "sq_tokens"]
 Preference = Literal["scarce", "oldest"]
+Assignment = Literal["links", "tokens"]
 
 POLICIES: tuple[str, ...] = ("train_batch", "mini_batch", "colocated", "streaming")
 COST_MODELS: tuple[str, ...] = ("tokens", "sq_tokens")
+ASSIGNMENTS: tuple[str, ...] = ("links", "tokens")
 
 
 @dataclass(kw_only=True, slots=True, frozen=True)
@@ -128,6 +130,60 @@ class GrpoConfig:
 
 
 @dataclass(kw_only=True, slots=True, frozen=True)
+class LinkModel:
+    """Where the store nodes and the trainer ranks sit, and each host's link rate each way.
+
+    A group read by a rank on its store node's host moves over no link; otherwise its bytes leave over the
+    store host's uplink and arrive over the rank host's downlink. A node or rank with no host listed is a
+    host of its own; a host with no rate listed has ``default_mbit``. With every host's rate equal (the
+    default) only the bytes matter.
+
+    Example:
+        >>> links = LinkModel(node_host={"grpc://a:1": "h0"}, rank_host=("h0", "h1"), down_mbit={"h1": 100.0})
+        >>> links.host_of_rank(1), links.rate_down("h1"), links.rate_up("h0")
+        ('h1', 100.0, 1000.0)
+    """
+
+    node_host: Mapping[str, str] = field(default_factory=dict)
+    """Store node (the metadata frame's ``node``: its location) -> host name."""
+    rank_host: tuple[str, ...] = ()
+    """Host name of each DP rank, by rank (empty: each rank a host of its own)."""
+    up_mbit: Mapping[str, float] = field(default_factory=dict)
+    """Host -> rate out of the host, Mbit/s."""
+    down_mbit: Mapping[str, float] = field(default_factory=dict)
+    """Host -> rate into the host, Mbit/s."""
+    default_mbit: float = 1000.0
+    """Rate of a host not listed, each way, Mbit/s."""
+
+    def __post_init__(self) -> None:
+        rates = {**{f"up_mbit[{k!r}]": v for k, v in self.up_mbit.items()},
+                 **{f"down_mbit[{k!r}]": v for k, v in self.down_mbit.items()}, "default_mbit": self.default_mbit}
+        for name, v in rates.items():
+            if isinstance(v, bool) or not isinstance(v, int | float) or not math.isfinite(v) or v <= 0:
+                msg = f"LinkModel.{name} must be a positive rate in Mbit/s, got {v!r}"
+                raise ValueError(msg)
+        if not all(isinstance(h, str) and h for h in (*self.node_host.values(), *self.rank_host)):
+            msg = f"LinkModel: host names must be non-empty strings, got {dict(self.node_host)} / {self.rank_host}"
+            raise ValueError(msg)
+
+    def host_of_node(self, node: str) -> str:
+        """The host of store node ``node`` (the node itself when none is listed)."""
+        return self.node_host.get(node, f"node:{node}")
+
+    def host_of_rank(self, rank: int) -> str:
+        """The host of DP rank ``rank`` (the rank itself when none is listed)."""
+        return self.rank_host[rank] if rank < len(self.rank_host) else f"rank:{rank}"
+
+    def rate_up(self, host: str) -> float:
+        """Mbit/s out of ``host``."""
+        return float(self.up_mbit.get(host, self.default_mbit))
+
+    def rate_down(self, host: str) -> float:
+        """Mbit/s into ``host``."""
+        return float(self.down_mbit.get(host, self.default_mbit))
+
+
+@dataclass(kw_only=True, slots=True, frozen=True)
 class AdmissionConfig:
     """Geometry and constraints of admission.
 
@@ -170,6 +226,12 @@ class AdmissionConfig:
     oldest) or ``oldest`` (lowest policy version first)."""
     grpo: GrpoConfig = field(default_factory=GrpoConfig)
     """GRPO advantages (computed by the planner) and the clip range of the trainer's loss."""
+    assignment: Assignment = "links"
+    """How a mini-batch's groups are split over the ranks: ``links`` (where moving them is cheapest: the busiest
+    link's bytes / rate as low as it goes while no rank's cost exceeds LPT's largest by more than 5%; a rank reads
+    the groups of a store on its own host first) or ``tokens`` (LPT on the cost model alone)."""
+    links: LinkModel = field(default_factory=LinkModel)
+    """Hosts of the store nodes and the ranks, and link rates (``assignment="links"``)."""
 
     def __post_init__(self) -> None:
         for name in ("train_batch_groups", "group_size", "mini_batches", "dp_ranks", "token_budget"):
@@ -193,6 +255,9 @@ class AdmissionConfig:
             raise ValueError(msg)
         if self.max_staleness is not None and (not isinstance(self.max_staleness, int) or self.max_staleness < 0):
             msg = f"AdmissionConfig.max_staleness must be None or an int >= 0, got {self.max_staleness!r}"
+            raise ValueError(msg)
+        if self.assignment not in ASSIGNMENTS:
+            msg = f"AdmissionConfig.assignment must be one of {ASSIGNMENTS}, got {self.assignment!r}"
             raise ValueError(msg)
         if self.prefer not in ("scarce", "oldest"):
             msg = f"AdmissionConfig.prefer must be 'scarce' or 'oldest', got {self.prefer!r}"

@@ -2,9 +2,8 @@
 
 * :func:`advantage_expr` is the group-relative advantage of every row (``GrpoConfig``); the planner
   and the benchmarks' baselines compute advantages with it.
-* :func:`balance_groups` splits a mini-batch's groups over D ranks, whole groups per rank, by LPT
-  (longest processing time first) on the cost model: every rank gets at least one group when there
-  are at least D groups.
+* the rank split of a mini-batch's groups, whole groups per rank, is :mod:`admission.assignment`'s (by links
+  or by tokens).
 * :func:`pack_micro_batches` packs each rank's trajectories into micro-batches of at most
   ``budget`` tokens (first-fit decreasing), a trajectory longer than the budget alone and flagged,
   then equalises the count across ranks by splitting the largest micro-batches of the ranks that have
@@ -16,13 +15,13 @@
 
 from __future__ import annotations
 
-import heapq
 from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
 import polars as pl
 
+from admission.assignment import assign_groups
 from admission.config import AdmissionConfig, GrpoConfig
 from schemas.plan import MicroBatch, MiniBatchPlan, PlannedSlice, RankPlan
 
@@ -55,24 +54,6 @@ def trajectory_cost(tokens: np.ndarray, cost_model: str) -> np.ndarray:
         return t * t
     msg = f"unknown cost model {cost_model!r}"
     raise ValueError(msg)
-
-
-def balance_groups(costs: np.ndarray, ranks: int) -> list[list[int]]:
-    """LPT partition of groups (by cost) into ``ranks`` lists of group indices.
-
-    Ties are broken by index so the result is deterministic.
-    """
-    if ranks < 1:
-        msg = f"ranks must be >= 1, got {ranks}"
-        raise ValueError(msg)
-    order = sorted(range(len(costs)), key=lambda i: (-float(costs[i]), i))
-    heap = [(0.0, 0, r) for r in range(ranks)]  # (load, groups, rank)
-    out: list[list[int]] = [[] for _ in range(ranks)]
-    for i in order:
-        load, n, r = heapq.heappop(heap)
-        out[r].append(i)
-        heapq.heappush(heap, (load + float(costs[i]), n + 1, r))
-    return out
 
 
 def _ffd(tokens: np.ndarray, budget: int) -> tuple[list[list[int]], list[bool]]:
@@ -133,7 +114,7 @@ def build_plans(rows: pl.DataFrame, batches: Sequence[Batch],
 
     Args:
         rows: one row per trajectory of the admitted groups, sorted by ``group_id, sample_idx``, with
-            ``node``, ``_tok`` (prompt + response tokens) and ``advantage``.
+            ``node``, ``_tok`` (prompt + response tokens), ``_bytes`` (payload bytes) and ``advantage``.
         batches: the admitted mini-batches in step order.
         config: admission configuration (DP ranks, cost model, token budget).
     """
@@ -141,14 +122,15 @@ def build_plans(rows: pl.DataFrame, batches: Sequence[Batch],
     for key, sub in rows.partition_by("group_id", as_dict=True, maintain_order=True).items():
         by_group[str(key[0])] = {
             "node": sub["node"].to_list(), "idx": sub["sample_idx"].to_list(), "tok": sub["_tok"].to_list(),
-            "adv": sub["advantage"].to_list(),
+            "adv": sub["advantage"].to_list(), "bytes": sub["_bytes"].to_list(),
         }
     plans: list[MiniBatchPlan] = []
     rank_of: dict[str, int] = {}
     for step, t, k, names in batches:
         costs = np.array([trajectory_cost(np.array(by_group[n]["tok"]), config.cost_model).sum() for n in names])
+        nbytes = np.array([sum(by_group[n]["bytes"]) for n in names], dtype=np.float64)
         rank_rows: list[list[tuple[str, int]]] = []  # (group, row position)
-        for r, members in enumerate(balance_groups(costs, config.dp_ranks)):
+        for r, members in enumerate(assign_groups(costs, nbytes, [by_group[n]["node"][0] for n in names], config)):
             members = sorted(members, key=lambda i: names[i])
             rank_rows.append([(names[i], j) for i in members for j in range(len(by_group[names[i]]["idx"]))])
             for i in members:

@@ -347,13 +347,16 @@ def _plans_and_consumed(meta: pl.DataFrame, cands: pl.DataFrame, batches: list[B
                       "train_batch": [x[2] for x in assign], "position": [x[3] for x in assign]},
                      schema={"group_id": pl.String, "step": pl.Int64, "train_batch": pl.Int64, "position": pl.Int64})
     g = pl.col("group_id")
+    has_bytes = "bytes" in meta.columns  # without it, a row's tokens stand for its bytes in the link model
+    nbytes = pl.col("bytes").cast(pl.Int64) if has_bytes else pl.col("_tok")
     rows = (
         meta.filter(g.is_in(a["group_id"].implode()))
         .select(["group_id", "node", "sample_idx", "policy_version", "policy_version_min", "prompt_len",
-                 "response_len", "reward"])
+                 "response_len", "reward", *(["bytes"] if has_bytes else [])])
         .with_columns(pl.col("reward").cast(pl.Float64),
                       advantage_expr(config.grpo).cast(pl.Float64).alias("advantage"),
                       (pl.col("prompt_len").cast(pl.Int64) + pl.col("response_len").cast(pl.Int64)).alias("_tok"))
+        .with_columns(nbytes.alias("_bytes"))
         .sort(["group_id", "sample_idx"])
     )
     plans, rank_of = build_plans(rows, batches, config)

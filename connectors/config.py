@@ -7,11 +7,15 @@ so it travels as a JSON document (``schemas.documents``): ``python -m connectors
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Literal
 
 from connectors.tasks import ARITHMETIC_TASKS, REWARDS, is_reward_spec
 from flight_store.config import ClientConfig
 
 DEFAULT_DATA_SOURCES: dict[str, float] = {"add_small": 0.5, "mul_large": 0.5}
+Placement = Literal["local", "hash"]
+PLACEMENTS: tuple[str, ...] = ("local", "hash")
+"""Where a rollout worker's groups are written (``RolloutConfig.placement``)."""
 """The built-in task mix: an easy short source and a hard long one, half each (``knit run``'s quota too)."""
 
 
@@ -88,9 +92,13 @@ class RolloutConfig:
 
     With ``weight_sync``, any newer published version (also one published before the worker started)
     is loaded."""
-    local_node_only: bool = False
-    """Write every group to ``stores[0]`` (the node-local store): group ids are chosen so that routing over
-    ``stores`` gives that node."""
+    placement: Placement = "local"
+    """Where the worker's groups are written: ``local`` names one of ``home_nodes`` in each group id
+    (``<node id>/<rest>``, the hash of the rest choosing among several), so routing gives that node and the
+    payload stays on this host until a rank reads it; ``hash`` (and ``local`` without a home node alive)
+    leaves ids plain, spread over every node by rendezvous hashing (``schemas.routing``)."""
+    home_nodes: list[str] = field(default_factory=list)
+    """Locations (among ``stores``) of the store nodes on this worker's host; empty: none."""
     group_id_prefix: str = ""
     """Prefix of group ids ("" = ``r<pid>-`` of the worker's process); ids must be unique across the stores."""
     logprobs_mode: str = "raw_logprobs"
@@ -166,6 +174,13 @@ class RolloutConfig:
                 raise ValueError(msg)
         if self.temperature < 0 or not 0 < self.top_p <= 1:
             msg = f"bad sampling settings temperature={self.temperature} top_p={self.top_p}"
+            raise ValueError(msg)
+        if self.placement not in PLACEMENTS:
+            msg = f"RolloutConfig.placement={self.placement!r} is not one of {PLACEMENTS}"
+            raise ValueError(msg)
+        strays = [n for n in self.home_nodes if n not in self.stores]
+        if strays:
+            msg = f"RolloutConfig.home_nodes {strays} are not among stores {self.stores}"
             raise ValueError(msg)
         if self.dispatch_order not in ("slow_ahead", "slow_first", "loader"):
             msg = f"RolloutConfig.dispatch_order={self.dispatch_order!r} is not slow_ahead/slow_first/loader"

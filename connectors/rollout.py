@@ -62,6 +62,7 @@ from connectors.tasks import Prompt, RewardFn, jsonl_prompts, load_reward_fn, mi
 from connectors.vllm import FinishedRequest, RequestOutputLike, aborted_batch, dump_raw, group_to_batch
 from connectors.weight_sync import WeightSync
 from connectors.writer import GroupWriter
+from schemas import routing
 from schemas.images import images_to_table
 from schemas.ledger import Reissue, RolloutResume
 from schemas.wire import DispatchedGroup
@@ -290,17 +291,17 @@ class RolloutWorker:
         return stats
 
     def _place(self) -> tuple[str, str]:
-        """The next group's id and node: the node routing gives it, which with ``local_node_only`` must be
-        ``stores[0]`` (the id gets a ``.N`` suffix until routing sends it there)."""
+        """The next group's id and node: with ``local`` placement the id names a home node alive on this host
+        (the hash of the plain id choosing among several), else it is plain; routing gives the node."""
         base = f"{self._prefix}{self._placed}"
         self._placed += 1
-        group_id, node = base, str(self.client.node_for(base))
-        salt = 0
-        while self.config.local_node_only and node != self.config.stores[0]:
-            salt += 1
-            group_id = f"{base}.{salt}"
-            node = str(self.client.node_for(group_id))
-        return group_id, node
+        group_id = base
+        if self.config.placement == "local" and self.config.home_nodes:
+            view = self.client.cluster_view()
+            homes = [view.ids[n] for n in self.config.home_nodes if n in view.ids and n not in view.down]
+            if homes:
+                group_id = routing.home_id(routing.owner(base, homes), base)
+        return group_id, str(self.client.node_for(group_id))
 
     def _dispatch(self, drawn: Drawn) -> None:
         prompt = drawn.prompt

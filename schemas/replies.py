@@ -233,7 +233,7 @@ ACTION_REPLIES: dict[str, type[Reply]] = {
 
 ACTION_DESCRIPTIONS: dict[str, str] = {
     "health": 'liveness; answers {"ok": true, "node": ..., "schema_version": ...}',
-    "cluster": 'the cluster view: {"routing": "rendezvous-sha256", "version": N, "nodes": [{"id", "location"}], '
+    "cluster": 'the cluster view: {"routing": "home-rendezvous-sha256", "version": N, "nodes": [{"id", "location"}], '
                '"self": id, "down": [ids]}; a group belongs to the node routing picks from "nodes" not "down"',
     "stats": "rows, bytes, groups by state, images, memory budget and use, bytes in/out",
     "release": 'free the payload of consumed groups; body {"v":2,"group_ids":[...]}',

@@ -173,11 +173,17 @@ def test_a_stream_that_ends_early_stores_nothing(how: str, spill: bool, tmp_path
 
 
 ROUTING_VECTORS = [("step0-p0", "node1"), ("step0-p1", "node0"), ("g1", "node2"), ("mini_batch-7", "node0"),
-                   ("prompt-42", "node2")]
+                   ("prompt-42", "node2"), ("node0/g1", "node0"), ("node2/step0-p0", "node2"),
+                   ("node7/g1", "node2"), ("node1", "node2"), ("node1g1", "node2")]
+"""(group id, owner) over the ids node0, node1, node2, as docs/protocol.md lists them."""
 
 
 def _readme_owner(group_id: str, ids: list[str]) -> str:
     """The protocol's routing, written from its text alone."""
+    homes = [n for n in ids if group_id.startswith(n + "/")]
+    if homes:
+        return max(homes, key=len)
+
     def score(node: str) -> tuple[int, bytes]:
         digest = hashlib.sha256(node.encode() + b"\x00" + group_id.encode()).digest()
         return int.from_bytes(digest[:8], "big"), node.encode()
@@ -186,7 +192,7 @@ def _readme_owner(group_id: str, ids: list[str]) -> str:
 
 
 def test_routing_test_vectors_and_a_hand_written_client_agree() -> None:
-    from schemas.routing import owner
+    from schemas.routing import home_id, owner
 
     ids = ["node0", "node1", "node2"]
     for gid, want in ROUTING_VECTORS:
@@ -196,6 +202,15 @@ def test_routing_test_vectors_and_a_hand_written_client_agree() -> None:
     moved = sum(owner(g, ids) != owner(g, [*ids, "node3"]) for g in gids)
     assert 0.15 < moved / len(gids) < 0.35  # adding a 4th node moves about a quarter, all to it
     assert all(owner(g, [*ids, "node3"]) == "node3" for g in gids if owner(g, ids) != owner(g, [*ids, "node3"]))
+    homed = [home_id(ids[i % 3], g) for i, g in enumerate(gids)]
+    assert [owner(g, ids) for g in homed] == [ids[i % 3] for i in range(len(gids))]  # local placement
+    assert all(owner(g, [*ids, "node3"]) == owner(g, ids) for g in homed)  # a new node takes no homed group
+    alive = ["node0", "node2"]  # node1 down: its homed groups fall back to the hash over the nodes alive
+    assert [owner(g, alive) for g in homed] == [_readme_owner(g, alive) for g in homed]
+    assert {owner(g, alive) for g in homed if g.startswith("node1/")} == {"node0", "node2"}
+    assert owner("a/b/g", ["a", "a/b"]) == _readme_owner("a/b/g", ["a", "a/b"]) == "a/b"  # the longest home id
+    with pytest.raises(ValueError, match="node id and a rest"):
+        home_id("", "g")
 
 
 def test_a_node_refuses_a_group_routing_gives_another_naming_it(tmp_path: Path) -> None:
@@ -208,7 +223,7 @@ def test_a_node_refuses_a_group_routing_gives_another_naming_it(tmp_path: Path) 
     try:
         raw = flight.connect(servers[0].location)
         view = _action(raw, "cluster")
-        assert view == {"routing": "rendezvous-sha256", "version": 3, "self": "node0",
+        assert view == {"routing": "home-rendezvous-sha256", "version": 3, "self": "node0",
                         "nodes": [{"id": m.id, "location": m.location} for m in members], "down": []}
         ids = [n["id"] for n in view["nodes"]]
         mine = next(f"g{i}" for i in range(99) if _readme_owner(f"g{i}", ids) == "node0")
@@ -234,6 +249,44 @@ def test_a_node_refuses_a_group_routing_gives_another_naming_it(tmp_path: Path) 
 
 
 # ---- 3. errors that say whether to retry ---------------------------------------------------------
+
+
+def test_local_placement_a_retry_a_lost_home_node_and_a_raw_client_routing_by_the_spec() -> None:
+    """A group id naming its home node: the home takes it and a retry is a no-op, the others refuse it naming the
+    home; with the home down (``set_cluster``) every node, the Python client and a raw client agree on the hash
+    owner over the nodes alive, and the home itself refuses it."""
+    from flight_store.net import free_port
+
+    ports = [free_port() for _ in range(3)]
+    members = [ClusterMember(id=f"node{i}", location=f"grpc://127.0.0.1:{p}") for i, p in enumerate(ports)]
+    servers = [StoreServer(ServerConfig(port=p, node_name=f"node{i}", cluster=members, cluster_version=1))
+               for i, p in enumerate(ports)]
+    raw = [flight.connect(s.location) for s in servers]
+    try:
+        ids = [n["id"] for n in _action(raw[0], "cluster")["nodes"]]
+        gid = "node1/r7-p3"
+        assert _readme_owner(gid, ids) == "node1"
+        assert _put_group(raw[1], _group(gid)) == {"group_id": gid, "rows_added": G}
+        assert _put_group(raw[1], _group(gid)) == {"group_id": gid, "rows_added": 0}  # the retry of an unknown outcome
+        info = _info(_refusal(lambda: _put_group(raw[0], _group(gid))))
+        assert info["class"] == "WrongNodeError" and info["owner"] == "node1"
+        for r in raw:  # the watcher marks node1 down
+            assert _action(r, "set_cluster", {"v": 2, "version": 2, "down": ["node1"]})["down"] == ["node1"]
+        later = "node1/r7-p4"
+        alive = [i for i in ids if i != "node1"]
+        fallback = _readme_owner(later, alive)
+        assert fallback in alive
+        with StoreWriter([m.location for m in members]) as client:
+            assert client.node_for(later) == members[ids.index(fallback)].location
+        refused = _info(_refusal(lambda: _put_group(raw[1], _group(later))))  # the home itself routes by the view
+        assert refused["class"] == "WrongNodeError" and refused["owner"] == fallback
+        assert _put_group(raw[ids.index(fallback)], _group(later)) == {"group_id": later, "rows_added": G}
+        assert _stored(raw[1]) == [gid] and _stored(raw[ids.index(fallback)]) == [later]
+    finally:
+        for r in raw:
+            r.close()
+        for s in servers:
+            s.shutdown()
 
 
 def test_a_write_larger_than_the_node_is_refused_for_good(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:

@@ -1,0 +1,187 @@
+"""Which DP rank reads which prompt group of a mini-batch: by links (where moving it is cheapest) or by tokens.
+
+A mini-batch's groups sit on store nodes; each rank reads its groups' rows from their nodes. With
+``AdmissionConfig.assignment == "tokens"`` the split is LPT on the cost model alone
+(:func:`balance_groups`), blind to where a group is. With ``"links"``
+(:func:`assign_groups`), a group read by a rank on its node's host moves over no link, and one read
+across hosts loads the store host's uplink and the rank host's downlink with its bytes
+(``AdmissionConfig.links``); the split keeps every rank's cost within 5% of LPT's largest (:data:`BALANCE_SLACK`)
+and makes the busiest link's bytes / rate as small as a greedy pass gets it:
+
+1. groups in LPT order (cost, then bytes, descending);
+2. each goes to the least-loaded rank on its own node's host when that rank stays under the cost cap
+   (local first);
+3. else to the least-loaded rank of the rank host whose downlink is least loaded (bytes / rate), among the
+   hosts with a rank under the cap;
+4. else, as LPT would, to the least-loaded rank.
+
+Guarantees (``tests/test_admission_properties.py``): whole groups per rank, every group on one rank; every
+rank gets a group when there are at least D groups; no rank's cost above ``1.05 x`` LPT's largest; the
+busiest link's bytes / rate never above LPT's split (the LPT split is returned when the greedy one is not
+better). Pure: numpy and the standard library only.
+"""
+
+from __future__ import annotations
+
+import heapq
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from admission.config import AdmissionConfig, LinkModel
+
+BALANCE_SLACK = 1.05
+"""The ``links`` split keeps every rank's cost at most this factor above LPT's largest rank cost."""
+
+
+@dataclass(frozen=True, slots=True)
+class Network:
+    """Hosts of a mini-batch's groups and of the ranks as indices into one host table, and the hosts' rates."""
+
+    group_host: np.ndarray
+    """[groups] int: the host of each group's store node."""
+    rank_host: np.ndarray
+    """[ranks] int: the host of each rank."""
+    up: np.ndarray
+    """[hosts] float: Mbit/s out of each host."""
+    down: np.ndarray
+    """[hosts] float: Mbit/s into each host."""
+
+    @classmethod
+    def of(cls, nodes: Sequence[str], links: LinkModel, ranks: int) -> Network:
+        """The network of groups stored on ``nodes`` (one per group) read by ``ranks`` ranks."""
+        index: dict[str, int] = {}
+        group_host = np.array([index.setdefault(links.host_of_node(n), len(index)) for n in nodes], dtype=np.int64)
+        rank_host = np.array([index.setdefault(links.host_of_rank(r), len(index)) for r in range(ranks)],
+                             dtype=np.int64)
+        hosts = list(index)
+        return cls(group_host=group_host, rank_host=rank_host,
+                   up=np.array([links.rate_up(h) for h in hosts], dtype=np.float64),
+                   down=np.array([links.rate_down(h) for h in hosts], dtype=np.float64))
+
+    def link_seconds(self, rank_of: np.ndarray, nbytes: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """Seconds each host's uplink and downlink carries when group ``i`` is read by rank ``rank_of[i]``."""
+        dest = self.rank_host[rank_of]
+        remote = dest != self.group_host
+        bits = np.asarray(nbytes, dtype=np.float64)[remote] * 8.0
+        n = len(self.up)
+        up = np.bincount(self.group_host[remote], weights=bits, minlength=n) / (self.up * 1e6)
+        down = np.bincount(dest[remote], weights=bits, minlength=n) / (self.down * 1e6)
+        return up, down
+
+    def busiest_link_s(self, rank_of: np.ndarray, nbytes: np.ndarray) -> float:
+        """The busiest link's bytes / rate, seconds, when group ``i`` is read by rank ``rank_of[i]``."""
+        up, down = self.link_seconds(rank_of, nbytes)
+        return float(max(up.max(initial=0.0), down.max(initial=0.0)))
+
+
+def balance_groups(costs: np.ndarray, ranks: int) -> list[list[int]]:
+    """LPT partition of groups (by cost) into ``ranks`` lists of group indices.
+
+    Ties are broken by index so the result is deterministic.
+    """
+    if ranks < 1:
+        msg = f"ranks must be >= 1, got {ranks}"
+        raise ValueError(msg)
+    order = sorted(range(len(costs)), key=lambda i: (-float(costs[i]), i))
+    heap = [(0.0, 0, r) for r in range(ranks)]  # (load, groups, rank)
+    out: list[list[int]] = [[] for _ in range(ranks)]
+    for i in order:
+        load, n, r = heapq.heappop(heap)
+        out[r].append(i)
+        heapq.heappush(heap, (load + float(costs[i]), n + 1, r))
+    return out
+
+
+def rank_of_groups(split: list[list[int]], groups: int) -> np.ndarray:
+    """[groups] int: the rank of each group in ``split`` (a list of group indices per rank)."""
+    out = np.full(groups, -1, dtype=np.int64)
+    for r, members in enumerate(split):
+        out[members] = r
+    return out
+
+
+def assign_groups(costs: np.ndarray, nbytes: np.ndarray, nodes: Sequence[str],
+                  config: AdmissionConfig) -> list[list[int]]:
+    """Split a mini-batch's groups over ``config.dp_ranks`` ranks as ``config.assignment`` says.
+
+    Args:
+        costs: [groups] each group's cost (``admission.packing.trajectory_cost`` summed over its rows).
+        nbytes: [groups] each group's payload bytes.
+        nodes: each group's store node (the metadata frame's ``node``).
+        config: the ranks, the assignment and the link model.
+
+    Returns:
+        Group indices per rank.
+    """
+    ranks = config.dp_ranks
+    lpt = balance_groups(costs, ranks)
+    if config.assignment == "tokens" or ranks == 1 or len(costs) == 0:
+        return lpt
+    net = Network.of(nodes, config.links, ranks)
+    lpt_rank = rank_of_groups(lpt, len(costs))
+    cap = BALANCE_SLACK * _max_load(costs, lpt_rank, ranks)
+    greedy = _greedy(np.asarray(costs, dtype=np.float64), np.asarray(nbytes, dtype=np.float64), net, cap)
+    if (_max_load(costs, greedy, ranks) > cap or (len(costs) >= ranks and len(set(greedy.tolist())) < ranks)
+            or net.busiest_link_s(greedy, nbytes) > net.busiest_link_s(lpt_rank, nbytes)):
+        return lpt
+    split: list[list[int]] = [[] for _ in range(ranks)]
+    for i, r in enumerate(greedy.tolist()):
+        split[r].append(i)
+    return split
+
+
+def _max_load(costs: np.ndarray, rank_of: np.ndarray, ranks: int) -> float:
+    return float(np.bincount(rank_of, weights=np.asarray(costs, dtype=np.float64), minlength=ranks).max(initial=0.0))
+
+
+def _greedy(costs: np.ndarray, nbytes: np.ndarray, net: Network, cap: float) -> np.ndarray:
+    """The greedy pass of the module docstring: the rank of each group."""
+    ranks, groups = len(net.rank_host), len(costs)
+    cap += 1e-9 * max(cap, 1.0)  # LPT's own largest rank must fit under its cap whatever the float rounding
+    load = [0.0] * ranks
+    by_host: dict[int, list[tuple[float, int]]] = {}  # host -> heap of (load, rank); stale entries skipped
+    for r, h in enumerate(net.rank_host.tolist()):
+        by_host.setdefault(h, []).append((0.0, r))
+    down_bits = np.zeros(len(net.down))
+    version = dict.fromkeys(by_host, 0)
+    hosts = [(0.0, 0, h) for h in sorted(by_host)]  # heap of (downlink seconds, version, host)
+    everyone = [(0.0, r) for r in range(ranks)]
+    rank_of = np.empty(groups, dtype=np.int64)
+    order = np.lexsort((np.arange(groups), -nbytes, -costs))
+
+    def least(heap: list[tuple[float, int]]) -> tuple[float, int]:
+        while heap[0][0] != load[heap[0][1]]:
+            heapq.heappop(heap)
+        return heap[0]
+
+    for i in order.tolist():
+        c, home = float(costs[i]), int(net.group_host[i])
+        r = -1
+        if home in by_host and least(by_host[home])[0] + c <= cap:
+            r = least(by_host[home])[1]
+        else:
+            passed = []
+            while hosts:
+                entry = heapq.heappop(hosts)
+                if entry[1] != version[entry[2]]:
+                    continue
+                passed.append(entry)
+                if entry[2] != home and least(by_host[entry[2]])[0] + c <= cap:
+                    r = least(by_host[entry[2]])[1]
+                    break
+            for entry in passed:
+                heapq.heappush(hosts, entry)
+            if r < 0:
+                r = least(everyone)[1]
+        rank_of[i] = r
+        load[r] += c
+        h = int(net.rank_host[r])
+        heapq.heappush(by_host[h], (load[r], r))
+        heapq.heappush(everyone, (load[r], r))
+        if h != home:
+            down_bits[h] += 8.0 * float(nbytes[i])
+            version[h] += 1
+            heapq.heappush(hosts, (down_bits[h] / (net.down[h] * 1e6), version[h], h))
+    return rank_of
