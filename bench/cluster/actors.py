@@ -82,9 +82,11 @@ class Rollout:
             imgs = group_images(plain, w) if w.multimodal else []
             table, keys = images_to_table(imgs) if imgs else (None, [])
             g = make_group(plain, w, rng, keys)
+            imaged: set[str] = set()
             for gid, node in ((plain, self.client.node_for(plain)), (home, self.store)):
-                if table is not None:
+                if table is not None and node not in imaged:  # a node holds an image once
                     self.client.put_images(table, node=node)
+                    imaged.add(node)
                     knit += table.nbytes
                 copy = g if gid == plain else _renamed(g, gid)
                 self.client.put_group(copy, node=node)
@@ -164,8 +166,13 @@ class ClusterRank:
         if mm:
             from bench.cluster.processor import PIXEL_VALUES, process
 
-            return dict(self.knit.step_mm(micros, ms_per_ktok, 0.0, True, 1,
-                                          process=lambda imgs: process(imgs)[PIXEL_VALUES]))
+            images = [0]
+
+            def run(imgs: list[Any]) -> Any:
+                images[0] += len(imgs)
+                return process(imgs)[PIXEL_VALUES]
+
+            return {**self.knit.step_mm(micros, ms_per_ktok, 0.0, True, 1, process=run), "images_processed": images[0]}
         return dict(self.knit.step(micros, ms_per_ktok, 1))
 
     def tq_step(self, metas: list[Any], micros: list[MicroSpec], ms_per_ktok: float) -> dict[str, Any]:

@@ -1,10 +1,10 @@
 """What the cluster model (:mod:`bench.cluster.model`) takes from this machine, measured by the driver on its cluster.
 
 Before the workloads, on the same hosts and links: the cost of one call that moves almost nothing (a knittrans
-read of one row, a TransferQueue ``get_data`` of one row, verl's worker group call, TransferQueue's key lookup per
-key), the single controller's serialisation rate (verl's driver: the rollouts' ``DataProto`` parts unpickled,
-concatenated, reordered, chunked per rank and pickled again, bytes per second of the batch), and the image
-processor's time per image on a rank. Each is the median of :data:`REPS` runs.
+read of one row, a TransferQueue ``get_data`` of one row, verl's worker group call, TransferQueue's key lookup
+of one key and per further key), the single controller's serialisation rate (verl's driver: the rollouts'
+``DataProto`` parts unpickled, concatenated, reordered, chunked per rank and pickled again, bytes per second
+of the batch), and the image processor's time per image on a rank. Each is the median of :data:`REPS` runs.
 """
 
 from __future__ import annotations
@@ -18,6 +18,8 @@ import numpy as np
 
 REPS = 7
 """Runs of each measurement (medians)."""
+CALIBRATION_ROWS = 32
+"""Rows of the calibration group (TransferQueue's lookup per key is timed over them, less one key's)."""
 SERIALISE_ROWS, SERIALISE_WIDTH = 64, 4096
 """The batch the controller's serialisation rate is measured on: rows of this many tokens (about 14 MB)."""
 
@@ -62,7 +64,8 @@ def calibrate(driver: Any) -> dict[str, Any]:
     from flight_store.writing import StoreWriter
 
     spec = driver.spec
-    w = Workload(groups=2, group_size=2, mini_batches=1, ranks=1, prompt_len=16, response_mean=16, response_max=16)
+    w = Workload(groups=2, group_size=CALIBRATION_ROWS, mini_batches=1, ranks=1, prompt_len=16, response_mean=16,
+                 response_max=16)
     g = make_group("calibration", w, np.random.default_rng(0))
     store = spec["stores"][0]
     with StoreWriter.sharing(driver.client) as writer:
@@ -71,18 +74,23 @@ def calibrate(driver: Any) -> dict[str, Any]:
     knit = ray.get(rank.knit_call_s.remote([[store, "calibration", 0, 1]], REPS))
     keys, fields, tags, _ = group_fields(g)
     tq.kv_batch_put(keys=keys, partition_id="calibration", fields=fields, tags=tags)
-    lookups = []
+    one, every = [], []
     for _ in range(REPS):
         t0 = time.perf_counter()
+        driver.tq.kv_retrieve_meta(keys=keys[:1], partition_id="calibration")
+        t1 = time.perf_counter()
         meta = driver.tq.kv_retrieve_meta(keys=keys, partition_id="calibration").select_fields(list(TQ_FIELDS))
-        lookups.append((time.perf_counter() - t0) / len(keys))
+        one.append(t1 - t0)
+        every.append(time.perf_counter() - t1)
+    per_key = max(_med(every) - _med(one), 0.0) / (len(keys) - 1)
     tq_call = ray.get(rank.tq_call_s.remote(meta.select_samples([0]), REPS))
     verl = []
     for _ in range(REPS):
         t0 = time.perf_counter()
         driver.group.ready()
         verl.append(time.perf_counter() - t0)
-    out = {"knit_call_s": _med(knit), "tq_call_s": _med(tq_call), "tq_lookup_s_per_key": _med(lookups),
+    out = {"knit_call_s": _med(knit), "tq_call_s": _med(tq_call), "tq_lookup_s": _med(one),
+           "tq_lookup_s_per_key": max(per_key, 1e-9),
            "verl_call_s": _med(verl), "controller_bytes_per_s": serialisation_rate(spec["n_ranks"]), "reps": REPS}
     mm = spec["workloads"].get("mm")
     if mm is not None:

@@ -39,6 +39,9 @@ the hash and assigned by tokens alone."""
 VERL_SERIALIZATION = "numpy"
 """verl's faster DataProto pickling (``serialize_tensordict``: numpy views pickled out of band)."""
 StepFn = Callable[[], dict[str, Any]]
+QUIET_S = 0.15
+"""Pause before each path's step: longer than two of the sampler's periods, so the samples enclosing a step's window
+hold none of the previous path's traffic."""
 
 
 def _link() -> tuple[int, int]:
@@ -102,9 +105,9 @@ class Driver:
             made = [[(gid, home_id(self.spec["node_ids"][g % n], gid)) for g, gid in enumerate(plain) if g % n == i]
                     for i in range(n)]
             put.append(ray.get([r.generate.remote(made[i], doc, kind) for i, r in enumerate(self.rollouts)]))
+            homes = [h for per_host in made for _, h in per_host]
             frame = self.peer_reader.scan_new()
-            plans = plan_step(frame.filter(~pl.col("group_id").str.contains("/", literal=True)), w,
-                              "tokens", None)
+            plans = plan_step(frame.filter(pl.col("group_id").is_in(plain)), w, "tokens", None)
             per_rank = step_specs(plans, w.mini_batches, w.ranks)[0]
             step_gids = list(dict.fromkeys(row[0] for r in per_rank for m in r for row in m["rows"]))
             owner = {gid: g % n for g, gid in enumerate(plain)}  # the rollout host that made it holds verl's rows
@@ -114,8 +117,8 @@ class Driver:
             steppers: dict[str, StepFn] = {
                 "verl": functools.partial(self._verl_step, s, per_rank, owner, step_gids, w),
                 "transferqueue": functools.partial(self._tq_step, per_rank, kind, w),
-                "knittrans": lambda: self._knit_step(self.knit_readers["links"], "links", w),
-                "knittrans_hash": lambda: self._knit_step(self.knit_readers["tokens"], "tokens", w),
+                "knittrans": functools.partial(self._knit_step, homes, "links", w),
+                "knittrans_hash": functools.partial(self._knit_step, plain, "tokens", w),
             }
             recs = _take_turns(steppers, s)
             same.append({p: sorted({row[0].rsplit("/", 1)[-1] for r in rec["per_rank"] for m in r
@@ -182,16 +185,15 @@ class Driver:
         return {"transfer_s": lookup + max(r["fetch_s"] for r in recs), "lookup_s": lookup, "keys": len(keys),
                 "ranks": recs, "per_rank": per_rank}
 
-    def _knit_step(self, reader: Any, assignment: str, w: Workload) -> dict[str, Any]:
-        """knittrans' step, all in its clock: scan the stores' new metadata, plan the step (``assignment``
-        "links" over the home-placed groups, "tokens" over the hash-placed ones), send each rank its plan; each
-        rank DoGets its own slices."""
+    def _knit_step(self, gids: list[str], assignment: str, w: Workload) -> dict[str, Any]:
+        """knittrans' step, all in its clock: scan the stores' new metadata, plan the step's groups ``gids``
+        (``assignment`` "links" over the home-placed copies, "tokens" over the hash-placed ones), send each rank
+        its plan; each rank DoGets its own slices."""
         import ray
 
         t0 = time.perf_counter()
-        frame = reader.scan_new()
-        home = pl.col("group_id").str.contains("/", literal=True)
-        mine = frame.filter(home if assignment == "links" else ~home)
+        frame = self.knit_readers[assignment].scan_new()
+        mine = frame.filter(pl.col("group_id").is_in(gids))
         links = self.link_model if assignment == "links" else None
         per_rank = step_specs(plan_step(mine, w, assignment, links), w.mini_batches, w.ranks)[0]
         planned = time.perf_counter() - t0
@@ -199,6 +201,13 @@ class Driver:
                         for j, r in enumerate(self.ranks)])
         return {"transfer_s": planned + max(r["fetch_s"] for r in recs), "plan_s": planned, "ranks": recs,
                 "per_rank": per_rank, "scan_bytes": int(frame.estimated_size())}
+
+    def calibrate(self) -> dict[str, Any]:
+        """:func:`bench.cluster.calibrate.calibrate` on this cluster; the readers then past its metadata."""
+        out = calibrate(self)
+        for reader in (self.peer_reader, *self.knit_readers.values()):
+            reader.scan_new()
+        return out
 
     def close(self) -> None:
         import ray
@@ -221,6 +230,7 @@ def _take_turns(steppers: dict[str, Callable[[], dict[str, Any]]], s: int) -> di
     k = s % len(names)
     out = {}
     for name in names[k:] + names[:k]:
+        time.sleep(QUIET_S)  # no other path's bytes in the samples that enclose this step
         rx0, tx0 = _link()
         t0, p0 = time.time(), time.perf_counter()
         rec = steppers[name]()
@@ -231,6 +241,7 @@ def _take_turns(steppers: dict[str, Callable[[], dict[str, Any]]], s: int) -> di
                    rank_bytes=[r["bytes"] for r in rec["ranks"]], tokens=sum(r["tokens"] for r in rec["ranks"]))
         out[name] = rec
         log.info("step %d %s: %.2f s (transfer %.3f s)", s, name, rec["step_s"], rec["transfer_s"])
+    time.sleep(QUIET_S)
     return out
 
 
@@ -239,7 +250,7 @@ def main(argv: list[str]) -> int:
     spec = json.loads(Path(argv[0]).read_text())
     driver = Driver(spec)
     try:
-        raw = {"calibration": calibrate(driver),
+        raw = {"calibration": driver.calibrate(),
                "workloads": {kind: driver.workload(kind, Workload(**w)) for kind, w in spec["workloads"].items()}}
     finally:
         driver.close()

@@ -8,8 +8,8 @@ rank's compute:
   rank's downlink: the ranks read in parallel), a read call per micro-batch (``c_knit``), the image processor on
   the ``I`` images the busiest rank host processes (``p`` per image, ``w`` workers), ``P`` the controller's scan
   and plan.
-* TransferQueue: ``T = L + m c_tq + k c_key``: the same parallel reads (``get_data`` per micro-batch) with the
-  images processed at the rollout, and the controller's key lookup (``k`` keys at ``c_key`` each).
+* TransferQueue: ``T = L + m c_tq + c_look + k c_key``: the same parallel reads (``get_data`` per micro-batch)
+  with the images processed at the rollout, and the controller's key lookup (a call, and ``k`` keys at ``c_key``).
 * verl: ``T = (B_in + B_out) / R + B / S + 2 c_verl``: the batch into the driver, then out of it, one after the
   other (``B_in``, ``B_out`` the driver link's bytes each way), the driver's own work on its ``B`` bytes at the
   serialisation rate ``S``, a gather and a dispatch call.
@@ -47,6 +47,8 @@ class Costs:
     """One knittrans read call, bytes aside (s)."""
     tq_call_s: float = 0.004
     """One TransferQueue ``get_data`` call, bytes aside (s)."""
+    tq_lookup_s: float = 0.002
+    """TransferQueue's controller key lookup, per call (s)."""
     tq_lookup_s_per_key: float = 2e-5
     """TransferQueue's controller key lookup, per key (s)."""
     verl_call_s: float = 0.004
@@ -90,6 +92,8 @@ class Load:
     """Micro-batches of the busiest rank (a read call each)."""
     keys: int = 0
     """Keys the controller looks up (TransferQueue)."""
+    lookups: int = 0
+    """Key lookup calls of the controller (TransferQueue: one per step)."""
     images_processed: float = 0.0
     """Images the busiest rank host runs the processor on, per processor worker (knittrans)."""
     plan_s: float = 0.0
@@ -102,7 +106,8 @@ def transfer_s(path: str, load: Load, rate: float, costs: Costs) -> float:
         links = (load.driver_in_bytes + load.driver_out_bytes) / rate
         return links + load.controller_bytes / costs.controller_bytes_per_s + 2 * costs.verl_call_s
     if path == "transferqueue":
-        calls = load.micro_batches * costs.tq_call_s + load.keys * costs.tq_lookup_s_per_key
+        calls = (load.micro_batches * costs.tq_call_s + load.lookups * costs.tq_lookup_s
+                 + load.keys * costs.tq_lookup_s_per_key)
         return load.busiest_link_bytes / rate + calls
     if path in ("knittrans", "knittrans_hash"):
         return (load.busiest_link_bytes / rate + load.micro_batches * costs.knit_call_s
@@ -128,11 +133,12 @@ def rel_error(predicted: float, measured: float) -> float:
 
 def hash_skew(groups: float, nodes: int) -> float:
     """The busiest node's groups over the mean when ``groups`` land on ``nodes`` at random (balls into bins: the
-    mean plus ``sqrt(2 mean ln nodes)``, at most all groups on one node)."""
-    if nodes <= 1:
+    mean plus ``sqrt(2 mean ln nodes)``, at least one whole group, at most all groups on one node)."""
+    if nodes <= 1 or groups <= 0:
         return 1.0
     mean = groups / nodes
-    return min(1.0 + math.sqrt(2.0 * math.log(nodes) / max(mean, 1e-9)), float(nodes))
+    busiest = max(mean + math.sqrt(2.0 * mean * math.log(nodes)), math.ceil(mean))
+    return min(busiest / mean, float(nodes))
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -206,7 +212,7 @@ def scenario_point(sc: Scenario) -> dict[str, float]:
                 images_processed=prompts / d_hosts * sc.images_per_prompt / sc.process_workers)
     tq_total = tokens * sc.tq_bytes_per_token + rows * sc.images_per_prompt * processed_image
     tq = Load(busiest_link_bytes=max(tq_total / d_hosts, tq_total / n_hosts), micro_batches=sc.micro_batches,
-              keys=int(rows))
+              keys=int(rows), lookups=1)
     verl_total = (rows * (sc.prompt_len + sc.response_length) * sc.verl_bytes_per_padded_token
                   + rows * sc.images_per_prompt * processed_image)
     verl = Load(busiest_link_bytes=verl_total, driver_in_bytes=verl_total, driver_out_bytes=verl_total,

@@ -39,8 +39,8 @@ def load_of(path: str, rec: dict[str, Any]) -> Load:
         return Load(busiest_link_bytes=busiest, driver_in_bytes=rec["driver_rx"], driver_out_bytes=rec["driver_tx"],
                     controller_bytes=rec["dispatched_bytes"], micro_batches=rec["micro_batches"])
     if path == "transferqueue":
-        return Load(busiest_link_bytes=busiest, micro_batches=rec["micro_batches"], keys=rec["keys"])
-    images = max(r.get("encoder_passes", 0) for r in rec["ranks"])
+        return Load(busiest_link_bytes=busiest, micro_batches=rec["micro_batches"], keys=rec["keys"], lookups=1)
+    images = max(r.get("images_processed", 0) for r in rec["ranks"])
     return Load(busiest_link_bytes=busiest, micro_batches=rec["micro_batches"], images_processed=images,
                 plan_s=rec["plan_s"])
 

@@ -3,15 +3,17 @@
 :func:`run_cluster` makes ``1 + N + D`` hosts (:class:`launcher.hosts.Hosts`): host 1 is the driver (verl's
 single controller, the Ray head, TransferQueue's controller), hosts ``2..N+1`` the rollout/store hosts (a
 Ray node each, one knittrans store node each), the last ``D`` the trainer-rank hosts. Every host's link is
-capped with a token bucket on both ends of its veth (:meth:`launcher.hosts.Host.shape`). The Ray nodes run
-``ray start --block`` with token auth (one random token for the cluster) and a temp dir of their own; each
-offers custom resources the actors are placed by (``store<i>``, ``rank<j>``, ``tq_store``), and CPUs so
-that TransferQueue's controller lands on the driver host, its storage units one per store host, and verl's
-rank bundles (``rank_host_cpus`` CPUs each) only on rank hosts. The driver program
+capped with a token bucket of at most 16 KB on both ends of its veth (:meth:`launcher.hosts.Host.shape`).
+The Ray nodes run ``ray start --block`` with token auth (one random token for the cluster) and a temp dir of
+their own; each offers custom resources the actors are placed by (``store<i>``, ``rank<j>``, ``tq_store``),
+and CPUs so that TransferQueue's controller lands on the driver host, its storage units one per store host,
+and verl's rank bundles (``rank_host_cpus`` CPUs each) only on rank hosts. Store host ``i``'s node has the id
+:func:`node_id` ``(i)``, the home a group id names for local placement. The driver program
 (:mod:`bench.cluster.driver`) runs inside the driver host; meanwhile :class:`Sampler` reads every host's
-link counters and the CPU time of every process inside each host, so that each measured step gets the bytes
-each link carried and the CPU each host used. Teardown always: the store nodes, then every process inside
-the hosts by pid (the Ray nodes and their workers included), then the hosts.
+link counters and the whole machine's CPU counters, so that each measured step gets the bytes each link
+carried each way and the machine's busy fraction (every host shares the machine's cores). Teardown always:
+the store nodes, then every process inside the hosts by pid (the Ray nodes and their workers included), then
+the hosts.
 """
 
 from __future__ import annotations
@@ -33,7 +35,7 @@ from typing import Any
 
 from flight_store.config import ServerConfig
 from flight_store.node import NodeProcess
-from launcher.hosts import Host, Hosts
+from launcher.hosts import MAX_BURST_KB, Host, Hosts
 
 log = logging.getLogger(__name__)
 
@@ -66,6 +68,9 @@ class ClusterShape:
     def __post_init__(self) -> None:
         if self.n_stores < 1 or self.n_ranks < 1 or self.link_mbit <= 0:
             msg = f"n_stores={self.n_stores}, n_ranks={self.n_ranks} must be >= 1 and link_mbit={self.link_mbit} > 0"
+            raise ValueError(msg)
+        if not 1 <= self.burst_kb <= MAX_BURST_KB:
+            msg = f"burst_kb={self.burst_kb} must be 1..{MAX_BURST_KB} (a larger bucket lets small reads pass unshaped)"
             raise ValueError(msg)
 
 
