@@ -39,6 +39,8 @@ the hash and assigned by tokens alone."""
 VERL_SERIALIZATION = "numpy"
 """verl's faster DataProto pickling (``serialize_tensordict``: numpy views pickled out of band)."""
 StepFn = Callable[[], dict[str, Any]]
+JOIN_S = 600
+"""Seconds the driver waits for every host's Ray node to join."""
 QUIET_S = 0.15
 """Pause before each path's step: longer than two of the sampler's periods, so the samples enclosing a step's window
 hold none of the previous path's traffic."""
@@ -63,10 +65,10 @@ class Driver:
         n, d = spec["n_stores"], spec["n_ranks"]
         ray.init(address=f"{spec['head']}:6379", _node_ip_address=spec["driver_address"],
                  logging_level=logging.WARNING)
-        deadline = time.monotonic() + 180
+        deadline = time.monotonic() + JOIN_S
         while len([x for x in ray.nodes() if x["Alive"]]) < 1 + n + d:
             if time.monotonic() > deadline:
-                msg = f"the Ray cluster has {len(ray.nodes())} nodes after 180 s, expected {1 + n + d}"
+                msg = f"the Ray cluster has {len(ray.nodes())} nodes after {JOIN_S} s, expected {1 + n + d}"
                 raise RuntimeError(msg)
             time.sleep(0.5)
         tq.init({"backend": {"storage_backend": "SimpleStorage", "SimpleStorage": {

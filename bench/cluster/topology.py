@@ -133,10 +133,17 @@ def window_of(samples: list[tuple[float, list[tuple[int, int]], tuple[int, int]]
             "machine_cpu": busy / total if total > 0 else 0.0, "window_s": tb - ta}
 
 
+RAY_PATIENCE = {"RAY_health_check_timeout_ms": "60000", "RAY_health_check_failure_threshold": "20",
+                "RAY_agent_register_timeout_ms": "300000", "RAY_raylet_start_wait_time_s": "300"}
+"""Ray's health checks and a raylet's wait for its agents given minutes, not seconds: every host shares one
+machine's cores, and under load a raylet whose agents start late exits, and a node the head misses a few
+checks of is marked dead for good."""
+
+
 def _ray_env(token: str) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if k != "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"}
     env.update(RAY_AUTH_MODE="token", RAY_AUTH_TOKEN=token, OMP_NUM_THREADS="1", TQ_NUM_THREADS="2",
-               RAY_USAGE_STATS_ENABLED="0",
+               RAY_USAGE_STATS_ENABLED="0", **RAY_PATIENCE,
                PYTHONPATH=os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH", "")) if p))
     return env
 
