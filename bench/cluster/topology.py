@@ -41,6 +41,8 @@ log = logging.getLogger(__name__)
 
 ROOT = Path(__file__).resolve().parents[2]
 RAY_PORT = 6379
+RAY_NODE_START_S = 600
+"""Seconds a Ray node may take to start (its agents up): minutes when the machine's cores are busy."""
 
 
 def node_id(i: int) -> str:
@@ -160,10 +162,10 @@ def _ray_start(host: Host, head: str, tmp: Path, cpus: int, resources: dict[str,
         args += ["--address", f"{head}:{RAY_PORT}"]
     host.popen(args, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     # One node at a time: a raylet gives up when its agents are slow to start, as they are when many start at once.
-    deadline = time.monotonic() + 120
+    deadline = time.monotonic() + RAY_NODE_START_S
     while not list((tmp / f"r{host.index}").glob("session_*/metrics_agent_port_*")):
         if time.monotonic() > deadline:
-            msg = f"the Ray node of {host} did not start within 120 s"
+            msg = f"the Ray node of {host} did not start within {RAY_NODE_START_S} s"
             raise RuntimeError(msg)
         time.sleep(0.5)
 
@@ -194,7 +196,7 @@ def run_cluster(shape: ClusterShape, workloads: dict[str, dict[str, Any]], ms_pe
                 h.shape(shape.link_mbit, burst_kb=shape.burst_kb)
             env = _ray_env(secrets.token_hex(16))
             _ray_start(driver, driver.address, tmp, 1, {"driver": 1}, shape, env)
-            _wait_port(driver.address, RAY_PORT, 120)
+            _wait_port(driver.address, RAY_PORT, RAY_NODE_START_S)
             for i, h in enumerate(stores):
                 _ray_start(h, driver.address, tmp, 1, {"tq_store": 1, f"store{i}": 1}, shape, env)
             for j, h in enumerate(ranks):
