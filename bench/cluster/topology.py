@@ -41,6 +41,10 @@ log = logging.getLogger(__name__)
 
 ROOT = Path(__file__).resolve().parents[2]
 RAY_PORT = 6379
+AGENT_PORTS = {"--dashboard-agent-listen-port": 52365, "--dashboard-agent-grpc-port": 52366,
+               "--metrics-export-port": 52367, "--runtime-env-agent-port": 52368}
+"""Fixed ports of every Ray node's agents (each host has its own ports): given, a raylet does not wait a fixed 15 s
+for its agents to report theirs and abort when, on a loaded machine, they are late."""
 RAY_NODE_START_S = 600
 """Seconds a Ray node may take to start (its agents up): minutes when the machine's cores are busy."""
 
@@ -155,15 +159,16 @@ def _ray_start(host: Host, head: str, tmp: Path, cpus: int, resources: dict[str,
     ray = str(Path(sys.executable).with_name("ray"))
     args = [ray, "start", "--block", "--node-ip-address", host.address, "--temp-dir", str(tmp / f"r{host.index}"),
             "--num-cpus", str(cpus), "--resources", json.dumps(resources),
-            "--object-store-memory", str(shape.object_store_mb << 20), "--disable-usage-stats"]
+            "--object-store-memory", str(shape.object_store_mb << 20), "--disable-usage-stats",
+            *(x for flag, port in AGENT_PORTS.items() for x in (flag, str(port)))]
     if host.address == head:
         args += ["--head", "--port", str(RAY_PORT), "--include-dashboard=false"]
     else:
         args += ["--address", f"{head}:{RAY_PORT}"]
     host.popen(args, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    # One node at a time: a raylet gives up when its agents are slow to start, as they are when many start at once.
+    # One node at a time, each up (its raylet's socket there) before the next starts.
     deadline = time.monotonic() + RAY_NODE_START_S
-    while not list((tmp / f"r{host.index}").glob("session_*/metrics_agent_port_*")):
+    while not list((tmp / f"r{host.index}").glob("session_*/sockets/raylet*")):
         if time.monotonic() > deadline:
             msg = f"the Ray node of {host} did not start within {RAY_NODE_START_S} s"
             raise RuntimeError(msg)
