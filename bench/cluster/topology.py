@@ -43,12 +43,9 @@ ROOT = Path(__file__).resolve().parents[2]
 RAY_PORT = 6379
 AGENT_PORTS = {"--dashboard-agent-listen-port": 52365, "--dashboard-agent-grpc-port": 52366,
                "--metrics-export-port": 52367, "--runtime-env-agent-port": 52368}
-"""Fixed ports of every Ray node's agents (each host has its own ports): given, a raylet does not wait a fixed 15 s
-for its agents to report theirs and abort when, on a loaded machine, they are late."""
-START_NICE = -10
-"""Priority of a Ray node while it starts: a raylet aborts when its dashboard agent has not reported its port within a
-fixed 15 s, which on a machine whose cores other jobs share it may not; once every node is up, every process in the
-hosts returns to the default priority, so the measurement runs at the priority of everything else."""
+"""Fixed ports of every Ray node's agents (each host has its own ports): a raylet given a port does not wait for its
+agent to report it (it still waits a fixed 15 s for the dashboard agent's listen port, and aborts when, on a
+loaded machine, the agent is later)."""
 RAY_NODE_START_S = 600
 """Seconds a Ray node may take to start (its agents up): minutes when the machine's cores are busy."""
 
@@ -161,8 +158,8 @@ def _ray_env(token: str) -> dict[str, str]:
 def _ray_start(host: Host, head: str, tmp: Path, cpus: int, resources: dict[str, float], shape: ClusterShape,
                env: dict[str, str]) -> None:
     ray = str(Path(sys.executable).with_name("ray"))
-    args = ["nice", "-n", str(START_NICE), ray, "start", "--block", "--node-ip-address", host.address,
-            "--temp-dir", str(tmp / f"r{host.index}"), "--num-cpus", str(cpus), "--resources", json.dumps(resources),
+    args = [ray, "start", "--block", "--node-ip-address", host.address, "--temp-dir", str(tmp / f"r{host.index}"),
+            "--num-cpus", str(cpus), "--resources", json.dumps(resources),
             "--object-store-memory", str(shape.object_store_mb << 20), "--disable-usage-stats",
             *(x for flag, port in AGENT_PORTS.items() for x in (flag, str(port)))]
     if host.address == head:
@@ -177,16 +174,6 @@ def _ray_start(host: Host, head: str, tmp: Path, cpus: int, resources: dict[str,
             msg = f"the Ray node of {host} did not start within {RAY_NODE_START_S} s"
             raise RuntimeError(msg)
         time.sleep(0.5)
-
-
-def _renice(hosts: list[Host]) -> None:
-    """Every process inside the hosts back to the default priority (what the Ray nodes start later inherits it)."""
-    for h in hosts:
-        for pid in h.pids():
-            try:
-                os.setpriority(os.PRIO_PROCESS, pid, 0)
-            except OSError as exc:  # a process that ended since it was listed
-                log.debug("renice %d: %s", pid, exc)
 
 
 def _wait_port(address: str, port: int, timeout_s: float) -> None:
@@ -220,7 +207,6 @@ def run_cluster(shape: ClusterShape, workloads: dict[str, dict[str, Any]], ms_pe
                 _ray_start(h, driver.address, tmp, 1, {"tq_store": 1, f"store{i}": 1}, shape, env)
             for j, h in enumerate(ranks):
                 _ray_start(h, driver.address, tmp, shape.rank_host_cpus, {f"rank{j}": 1}, shape, env)
-            _renice(hosts.hosts)
             nodes = [NodeProcess(ServerConfig(host=h.address, node_name=node_id(i), log_level="WARNING"),
                                  prefix=h.exec_prefix) for i, h in enumerate(stores)]
             spec = {"head": driver.address, "driver_address": driver.address, "n_stores": n, "n_ranks": d,
