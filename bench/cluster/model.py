@@ -41,7 +41,8 @@ PATHS = ("verl", "transferqueue", "knittrans")
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class Costs:
-    """What a call and the controller cost, measured on this machine by the bench (defaults: a ``--quick`` run's)."""
+    """What a call and the controller cost: measured on its hosts by the bench (``--calibration``); the defaults are
+    assumed round figures."""
 
     knit_call_s: float = 0.002
     """One knittrans read call, bytes aside (s)."""
