@@ -50,8 +50,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from admission.config import AdmissionConfig, Policy, Quota
-from connectors.config import DEFAULT_DATA_SOURCES, RolloutConfig
+from admission.config import AdmissionConfig, LinkModel, Policy, Quota
+from connectors.config import DEFAULT_DATA_SOURCES, GroupPlacement, RolloutConfig
 from flight_store.config import ClusterMember, ServerConfig, StoreConfig
 from flight_store.net import free_ports
 from flight_store.reading import StoreReader
@@ -139,6 +139,9 @@ class RunConfig:
     """Reward: a built-in name (``digits``: shaped, learnable by the tiny model; ``exact``) or module:function."""
     num_stores: int = 2
     """Store nodes to start."""
+    placement: GroupPlacement = "local"
+    """Where the rollout writes each group: ``local`` on a store node of its own host (the group id names it),
+    ``hash`` on the node rendezvous hashing picks (``schemas.routing``)."""
     idle_timeout_s: float = 180.0
     """The trainer stops when no mini-batch becomes admissible for this long (covers vLLM start-up)."""
     timeout_s: float = 900.0
@@ -244,10 +247,12 @@ def store_configs(cfg: RunConfig, placement: Placement | None = None) -> list[Se
             for i, (s, (port, metrics)) in enumerate(zip(sites, ports, strict=True))]
 
 
-def train_config(cfg: RunConfig, model: ModelConfig, stores: list[str]) -> TrainConfig:
-    """The trainer's config: the run's admission and optimizer, publishing weights, reports in the run folder."""
+def train_config(cfg: RunConfig, model: ModelConfig, stores: list[str], links: LinkModel | None = None) -> TrainConfig:
+    """The trainer's config: the run's admission (with the hosts of the nodes and ranks, ``links``) and optimizer,
+    publishing weights, reports in the run folder."""
+    admission = cfg.admission if links is None else dataclasses.replace(cfg.admission, links=links)
     return TrainConfig(
-        stores=stores, model=model, admission=cfg.admission, optim=cfg.optim, loss=cfg.loss,
+        stores=stores, model=model, admission=admission, optim=cfg.optim, loss=cfg.loss,
         parallel=ParallelConfig(backend="gloo", timeout_s=max(600.0, 2 * cfg.idle_timeout_s)),
         publish_weights=True, publish_dtype=RUN_MODELS[cfg.model].publish_dtype, max_steps=cfg.steps,
         idle_timeout_s=cfg.idle_timeout_s, seed=cfg.seed,
@@ -258,10 +263,12 @@ def train_config(cfg: RunConfig, model: ModelConfig, stores: list[str]) -> Train
     )
 
 
-def rollout_config(cfg: RunConfig, stores: list[str]) -> RolloutConfig:
-    """The rollout's config: weight sync on, the lookahead limit set, G and the seed from the run."""
+def rollout_config(cfg: RunConfig, stores: list[str], home_nodes: list[str] | None = None) -> RolloutConfig:
+    """The rollout's config: weight sync on, the lookahead limit set, G and the seed from the run, its groups placed
+    on ``home_nodes`` (the stores on its host) as ``cfg.placement`` says."""
     return RolloutConfig(
-        model=str(cfg.model_path), stores=stores, group_size=cfg.admission.group_size, max_tokens=cfg.max_tokens,
+        model=str(cfg.model_path), stores=stores, placement=cfg.placement, home_nodes=home_nodes or [],
+        group_size=cfg.admission.group_size, max_tokens=cfg.max_tokens,
         seed=cfg.seed, prompts_per_wave=cfg.admission.train_batch_groups, max_groups=cfg.total_groups,
         max_unreleased_groups=cfg.lookahead_groups, lookahead_counts_running=True, lookahead_poll_s=0.1,
         weight_sync=True, wait_initial_weights_s=cfg.idle_timeout_s, version_poll_s=0.1, reward=cfg.reward,
@@ -343,7 +350,9 @@ def _life(cfg: RunConfig, model: ModelConfig, kids: Children, stores: Stores, pl
     does."""
     locations = stores.locations
     state.phase = "starting trainer + vLLM"
-    train_cfg, rollout_cfg = train_config(cfg, model, locations), rollout_config(cfg, locations)
+    links = placement.link_model(locations, cfg.admission.dp_ranks, cfg.admission.links)
+    train_cfg = train_config(cfg, model, locations, links)
+    rollout_cfg = rollout_config(cfg, locations, [locations[i] for i in placement.home_stores()])
     if resumed is not None:
         docs = resume.prepare(cfg.out, resumed, cfg.admission, locations, cause=cause)
         train_cfg, rollout_cfg = resume.configs(train_cfg, rollout_cfg, resumed, docs, f"{cfg.policy}-")
