@@ -123,6 +123,9 @@ def test_fetch_one_read_per_node_over_kept_channels_in_slice_order(make_group) -
                 table = client.fetch(slices, columns=cols)
                 assert [s.counts() for s in servers] == [(0, 1, 1 + attempt)] * 3
                 assert list(zip(table["group_id"].to_pylist(), table["sample_idx"].to_pylist(), strict=True)) == want
+            for start in range(4):  # beginning at another node changes what is asked first, not what comes back
+                table = client.fetch(slices, columns=cols, start=start)
+                assert list(zip(table["group_id"].to_pylist(), table["sample_idx"].to_pylist(), strict=True)) == want
             for node in locs:  # the same table, schema metadata included, as one DoGet of the node's slices
                 mine = [s for s in slices if s.node == node]
                 by_doget = client._calls.get(node, streams_mod.slices_ticket(mine, cols))
@@ -136,6 +139,16 @@ def test_fetch_one_read_per_node_over_kept_channels_in_slice_order(make_group) -
     finally:
         for s in servers:
             s.shutdown()
+
+
+def test_ranks_reading_at_once_begin_on_different_nodes() -> None:
+    nodes = ["a", "b", "c"]
+    every = dict.fromkeys(nodes, [])
+    assert [streams_mod.staggered(every, nodes, r)[0] for r in range(3)] == nodes  # rank r begins at node r
+    assert [streams_mod.staggered(every, nodes, r + 1) for r in range(2)] == [["b", "c", "a"], ["c", "a", "b"]]
+    some = {"c": [], "a": [], "x": []}  # a node the client does not list is asked last
+    assert [streams_mod.staggered(some, nodes, r) for r in range(4)] == [["a", "c", "x"], ["c", "a", "x"],
+                                                                        ["c", "a", "x"], ["a", "c", "x"]]
 
 
 class _BreakingServer(_CountingServer):

@@ -49,9 +49,11 @@ class TextStep:
                                           vocab_size=cfg.model.vocab_size), depth=cfg.prefetch_depth)
 
     def submit(self, plan: MiniBatchPlan) -> None:
-        """One DoGet per node for the rank's micro-batches, read one at a time on the prefetch thread."""
-        mbs = plan.for_rank(self.env["dp_rank"]).micro_batches
-        tables = self.client.stream([mb.slices for mb in mbs], columns=TRAIN_COLUMNS)
+        """One read per node for each of the rank's micro-batches, made one at a time on the prefetch thread, the
+        ``i``-th beginning at node ``dp_rank + i`` (ranks reading at once begin on different nodes)."""
+        rank = self.env["dp_rank"]
+        mbs = plan.for_rank(rank).micro_batches
+        tables = self.client.stream([mb.slices for mb in mbs], columns=TRAIN_COLUMNS, start=rank)
         self.fetcher.submit((tables, mb) for mb in mbs)
 
     def step(self, plan: MiniBatchPlan, consumed: list[ConsumedEntry]) -> dict[str, Any]:
