@@ -10,12 +10,16 @@ for every arm:
 * ``train_batch``: train-batch admission, ``ppo_rollout_old`` (the baseline);
 * ``mini_batch``: mini-batch admission, ``ppo_rollout_old``;
 * ``mini_batch_decoupled``: mini-batch admission, ``decoupled_ppo``;
-* ``mini_batch_partial``: mini-batch admission, ``decoupled_ppo``, partial rollouts.
+* ``mini_batch_partial``: mini-batch admission, ``decoupled_ppo``, partial rollouts;
+* ``colocated``: the paper's reference: generation waits for each train batch's weights (synchronous, on-policy
+  within the train batch), so its architectural staleness is 0.
 
 Per arm (means over the seeds): the mean reward of each train batch, against the train batch and against the
 wall-clock time its last step ended (both plotted beside the JSON), the final reward (the last five train
-batches pooled), the time each arm takes to reach train_batch's final reward (per seed, then the median; the
-ratio to train_batch's own time is two medians of the same work), and the run's off-policy figures
+batches pooled), the time each arm takes to reach train_batch's final reward (the first train batch where the mean
+of the last five reaches it; per seed, then the median; the ratio to train_batch's own time is two medians of the
+same work), how much of the gap between train_batch and colocated each arm closes (final reward and time), and the
+run's off-policy figures
 (``summary.json``'s ``offpolicy``: importance weight, truncated and clipped fractions, k3 KL, token staleness)
 and architectural staleness. ``--task-success``: the held-out success (``bench.task_success --quick``, prompts
 drawn with :data:`EVAL_SEED`) of the starting checkpoint and of each run's trained weights (``knit run
@@ -48,6 +52,7 @@ ARMS: dict[str, tuple[str, str, bool]] = {
     "mini_batch": ("mini_batch", "ppo_rollout_old", False),
     "mini_batch_decoupled": ("mini_batch", "decoupled_ppo", False),
     "mini_batch_partial": ("mini_batch", "decoupled_ppo", True),
+    "colocated": ("colocated", "ppo_rollout_old", False),
 }
 """Arm -> (admission policy, objective, partial rollouts)."""
 QUICK_ARMS = ("train_batch", "mini_batch_decoupled")
@@ -137,9 +142,23 @@ def _final(reward: Sequence[float]) -> float:
     return sum(tail) / len(tail) if tail else float("nan")
 
 
+def moving_average(values: Sequence[float], window: int = FINAL_WINDOW) -> list[float]:
+    """The mean of the last ``window`` values (fewer at the start) at each position."""
+    return [sum(values[max(0, i + 1 - window):i + 1]) / (i + 1 - max(0, i + 1 - window)) for i in range(len(values))]
+
+
 def time_to_reach(run: dict[str, Any], target: float) -> float | None:
-    """Seconds until the run's reward per train batch first reaches ``target`` (None: never)."""
-    return next((w for r, w in zip(run["reward"], run["wall_s"], strict=False) if r >= target), None)
+    """Seconds until the run's reward, as a moving average of :data:`FINAL_WINDOW` train batches (the window its
+    final reward pools), first reaches ``target`` (None: never). Only full windows count."""
+    smooth = moving_average(run["reward"])
+    return next((w for i, (r, w) in enumerate(zip(smooth, run["wall_s"], strict=False))
+                 if i + 1 >= min(FINAL_WINDOW, len(smooth)) and r >= target), None)
+
+
+def gap_closed(arm: float, base: float, reference: float) -> float | None:
+    """The share of the way from ``base`` (train_batch) to ``reference`` (colocated) that ``arm`` went (None where
+    the two ends agree)."""
+    return None if reference == base else round((arm - base) / (reference - base), 4)
 
 
 def _median(values: Sequence[float]) -> float | None:
@@ -178,6 +197,12 @@ def summarise(runs: dict[str, list[dict[str, Any]]]) -> tuple[dict[str, Any], di
         t = m["time_to_train_batch_final_s"]
         if arm != "train_batch" and t is not None and t_base:
             ratios[f"{arm}_time_to_reward_vs_train_batch"] = round(t / t_base, 4)
+    if "train_batch" in metrics and "colocated" in metrics:  # the paper's question: how much of the gap closes
+        base, ref = metrics["train_batch"]["final_reward"], metrics["colocated"]["final_reward"]
+        for arm, m in metrics.items():
+            closed = gap_closed(m["final_reward"], base, ref)
+            if arm not in ("train_batch", "colocated") and closed is not None:
+                ratios[f"{arm}_final_reward_gap_closed_vs_colocated"] = closed
     return metrics, ratios
 
 

@@ -27,7 +27,7 @@ from launcher.run import COMPARED, RUN_POLICIES, Interrupted, RunConfig, run_pol
 from schemas import documents
 
 MATCH = 0.95
-"""``--match-throughput``: the share of train_batch's trainer-busy time (:func:`trainer_busy`) another policy's
+"""``--match-throughput``: the share of train_batch's throughput (trajectories/s, the summary's) another policy's
 lookahead must reach."""
 
 
@@ -44,8 +44,8 @@ def parse(argv: Sequence[str]) -> tuple[list[RunConfig], argparse.Namespace]:
     parser.add_argument("--match-throughput", action=argparse.BooleanOptionalAction, default=None,
                         help="with --compare (the default there) or --policies: run train_batch first, then each "
                         "other policy (colocated, which waits for each train batch's weights, excepted) at its "
-                        "smallest lookahead (one mini-batch of groups, two, ... up to 2B) that keeps the trainer busy "
-                        f"(not waiting for admission) at least {MATCH * 100:.0f}%% as much as train_batch did; every "
+                        "smallest lookahead (one mini-batch of groups, two, ... up to 2B) whose throughput "
+                        f"(trajectories/s) is at least {MATCH * 100:.0f}%% of train_batch's; every "
                         "try is reported. --no-match-throughput: each policy at its default lookahead")
     parser.add_argument("--policies", type=_policies, default=None, metavar="A,B,...",
                         help=f"run these policies one after another, on the same seeds (of {', '.join(RUN_POLICIES)}; "
@@ -109,35 +109,40 @@ def lookaheads(cfg: RunConfig) -> list[int]:
 
 def _matched(cfg: RunConfig, baseline: dict[str, Any], run_one: Callable[[RunConfig], dict[str, Any]],
              display: progress.Display) -> dict[str, Any]:
-    """``cfg``'s policy at its smallest lookahead (:func:`lookaheads`) that keeps the trainer busy at least
-    :data:`MATCH` as much as ``baseline`` did (:func:`trainer_busy`; each try a whole run, in
-    ``<out>/lookahead<L>``); with none, the try that kept it busiest. The result lists every try under
-    ``lookahead_search`` (with its throughput)."""
-    target = MATCH * trainer_busy(baseline)
+    """``cfg``'s policy at its smallest lookahead (:func:`lookaheads`) whose throughput (trajectories/s) is at least
+    :data:`MATCH` of ``baseline``'s (each try a whole run, in ``<out>/lookahead<L>``); with none, the try of the
+    highest throughput. The result lists every try under ``lookahead_search`` (with its throughput and the share of
+    the training window its trainer was busy)."""
+    target = MATCH * throughput(baseline)
     tries: list[dict[str, Any]] = []
     best: dict[str, Any] | None = None
-    busy = 0.0
+    rate = 0.0
     for lookahead in lookaheads(cfg):
         result = run_one(dataclasses.replace(cfg, lookahead=lookahead, out=cfg.out / f"lookahead{lookahead}"))
-        busy = trainer_busy(result)
-        tries.append({"lookahead": lookahead, "trainer_busy": round(busy, 4),
-                      "trajectories_per_s": result["throughput"]["trajectories_per_s"],
+        rate = throughput(result)
+        busy = round(trainer_busy(result), 4)
+        tries.append({"lookahead": lookahead, "trajectories_per_s": rate, "trainer_busy": busy,
                       "arch_staleness_mean": result["arch_staleness_mean"],
                       "quota_violations": result["quota_violations"]})
-        if best is None or busy > trainer_busy(best):
-            best = result  # a try that keeps up is the busiest so far: every earlier one was under the target
-        if busy >= target:
+        if best is None or rate > throughput(best):
+            best = result  # a try that keeps up is the fastest so far: every earlier one was under the target
+        if rate >= target:
             break
-        display.note(f"[{cfg.policy}] lookahead {lookahead}: trainer busy {busy:.0%} of the time, under {target:.0%} "
+        display.note(f"[{cfg.policy}] lookahead {lookahead}: {rate:.3g} trajectories/s, under {target:.3g} "
                      f"({MATCH:.0%} of train_batch's)")
     assert best is not None  # lookaheads() is never empty: B/K <= 2B
-    return {**best, "lookahead_search": tries, "matched_throughput": busy >= target}
+    return {**best, "lookahead_search": tries, "matched_throughput": rate >= target}
+
+
+def throughput(result: dict[str, Any]) -> float:
+    """A run's throughput as its summary reports it: trajectories trained per second. What ``--match-throughput``
+    matches."""
+    return float(result["throughput"]["trajectories_per_s"])
 
 
 def trainer_busy(result: dict[str, Any]) -> float:
-    """The share of a run's training window the trainer was not waiting for admission (1 - idle / window): what
-    ``--match-throughput`` matches. Where the trainer is the bottleneck it is ~1 at every lookahead, and the
-    throughputs differ by the step time's noise alone; where the rollout is, it falls with the throughput."""
+    """The share of a run's training window the trainer was not waiting for admission (1 - idle / window), reported
+    beside each try's throughput."""
     window = float(result.get("training_window_s") or 0.0)
     return max(0.0, 1.0 - float(result["trainer_idle_s"]) / window) if window > 0 else 0.0
 

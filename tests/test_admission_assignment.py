@@ -61,7 +61,8 @@ def test_ranks_sharing_hosts_with_stores_read_them_locally() -> None:
     sends most of them across."""
     rng = np.random.default_rng(0)
     hosts = [f"h{i}" for i in range(4)]
-    links = LinkModel(node_host={f"n{i}": h for i, h in enumerate(hosts)}, rank_host=tuple(h for h in hosts for _ in "ab"))
+    links = LinkModel(node_host={f"n{i}": h for i, h in enumerate(hosts)},
+                      rank_host=tuple(h for h in hosts for _ in "ab"))
     nodes = [f"n{i % 4}" for i in range(64)]
     costs = rng.integers(500, 600, 64).astype(np.float64)
     cfg = AdmissionConfig(train_batch_groups=64, group_size=1, dp_ranks=8, links=links)

@@ -143,7 +143,7 @@ def test_fetch_one_read_per_node_over_kept_channels_in_slice_order(make_group) -
 
 def test_ranks_reading_at_once_begin_on_different_nodes() -> None:
     nodes = ["a", "b", "c"]
-    every = dict.fromkeys(nodes, [])
+    every = {n: [] for n in nodes}
     assert [streams_mod.staggered(every, nodes, r)[0] for r in range(3)] == nodes  # rank r begins at node r
     assert [streams_mod.staggered(every, nodes, r + 1) for r in range(2)] == [["b", "c", "a"], ["c", "a", "b"]]
     some = {"c": [], "a": [], "x": []}  # a node the client does not list is asked last

@@ -178,7 +178,7 @@ def test_knit_run_policies_and_match_throughput_flags() -> None:
             parse(bad)
 
 
-def test_match_throughput_takes_the_smallest_lookahead_that_keeps_up() -> None:
+def test_match_throughput_takes_the_smallest_lookahead_whose_trajectories_per_s_keep_up() -> None:
     from launcher.main_job import _matched, lookaheads
 
     two = dataclasses.replace(RunConfig().admission, mini_batches=2)
@@ -190,29 +190,30 @@ def test_match_throughput_takes_the_smallest_lookahead_that_keeps_up() -> None:
         def note(self, text: str) -> None:
             pass
 
-    def runner(idle: dict[int, float], throughput: float = 1.0):  # type: ignore[no-untyped-def]
+    def runner(rates: dict[int, float]):  # type: ignore[no-untyped-def]
         ran: list[RunConfig] = []
 
-        def run_one(c: RunConfig) -> dict[str, object]:  # a 100 s training window, idle[L] s of it waiting
+        def run_one(c: RunConfig) -> dict[str, object]:  # rates[L] trajectories/s, a 100 s window, 10 s of it idle
             ran.append(c)
-            return {"throughput": {"trajectories_per_s": throughput}, "trainer_idle_s": idle[c.lookahead_groups],
+            return {"throughput": {"trajectories_per_s": rates[c.lookahead_groups]}, "trainer_idle_s": 10.0,
                     "training_window_s": 100.0, "arch_staleness_mean": c.lookahead_groups / 10,
                     "quota_violations": 0, "config": {"lookahead_groups": c.lookahead_groups}}
         return run_one, ran
 
-    baseline = {"trainer_idle_s": 20.0, "training_window_s": 100.0}  # busy 80%: a lookahead must reach 76%
-    run_one, ran = runner({4: 40.0, 8: 22.0, 12: 10.0, 16: 10.0})
+    baseline = {"throughput": {"trajectories_per_s": 2.0}}  # a lookahead must reach 1.9 trajectories/s
+    run_one, ran = runner({4: 1.5, 8: 1.95, 12: 2.0, 16: 2.0})
     got = _matched(cfg, baseline, run_one, Notes())  # type: ignore[arg-type]
     assert [c.lookahead_groups for c in ran] == [4, 8] and ran[1].out == Path("/tmp/m/mini_batch/lookahead8")
     assert got["config"]["lookahead_groups"] == 8 and got["matched_throughput"]
-    assert [(t["lookahead"], t["trainer_busy"]) for t in got["lookahead_search"]] == [(4, 0.6), (8, 0.78)]
-    run_one, ran = runner({4: 50.0, 8: 25.0, 12: 30.0, 16: 26.0})
+    assert [(t["lookahead"], t["trajectories_per_s"], t["trainer_busy"]) for t in got["lookahead_search"]] == [
+        (4, 1.5, 0.9), (8, 1.95, 0.9)]
+    run_one, ran = runner({4: 1.0, 8: 1.8, 12: 1.7, 16: 1.75})
     got = _matched(cfg, baseline, run_one, Notes())  # type: ignore[arg-type]
     assert len(ran) == 4 and got["config"]["lookahead_groups"] == 8 and not got["matched_throughput"]
-    # trainer-bound: busy at every lookahead, the throughputs apart by noise alone -> the smallest lookahead
-    run_one, ran = runner({4: 0.5, 8: 0.2, 12: 0.1, 16: 0.1}, throughput=0.9)
-    got = _matched(cfg, {"trainer_idle_s": 0.3, "training_window_s": 100.0}, run_one, Notes())  # type: ignore[arg-type]
-    assert len(ran) == 1 and got["config"]["lookahead_groups"] == 4 and got["matched_throughput"]
+    # a trainer busy 90% of the window is not enough: 0.87 of train_batch's trajectories/s does not match
+    run_one, ran = runner({4: 1.74, 8: 2.0, 12: 2.0, 16: 2.0})
+    got = _matched(cfg, baseline, run_one, Notes())  # type: ignore[arg-type]
+    assert len(ran) == 2 and got["config"]["lookahead_groups"] == 8 and got["matched_throughput"]
 
 
 def test_knit_run_model_smollm2_maps_to_the_checkpoint_bf16_sync_and_exact_reward(tmp_path: Path) -> None:
