@@ -15,7 +15,6 @@ Example:
 
 from __future__ import annotations
 
-import dataclasses
 import ipaddress
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -119,13 +118,10 @@ class Placement:
     def link_model(self, locations: Sequence[str], ranks: int, given: LinkModel | None = None) -> LinkModel:
         """Where the store nodes (at ``locations``, in order) and the ``ranks`` trainer ranks sit, for the planner's
         rank split (``AdmissionConfig.links``): a host is a site's address and command prefix. The rates come
-        from ``given``; so do the hosts when it names any (the user said where things are)."""
-        given = given or LinkModel()
-        if given.node_host or given.rank_host:
-            return given
+        from ``given``; so do the hosts when it names any (:meth:`LinkModel.placed`)."""
         trainer = self.trainer if self.ranks_apart else self.trainer * ranks
         nodes = {loc: _host(s) for loc, s in zip(locations, self.stores, strict=True)}
-        return dataclasses.replace(given, node_host=nodes, rank_host=tuple(_host(s) for s in trainer))
+        return (given or LinkModel()).placed(nodes, tuple(_host(s) for s in trainer))
 
     @property
     def ranks_apart(self) -> bool:

@@ -203,7 +203,13 @@ def _life(ray: Any, dep: Deployment, cfg: RunConfig, model: ModelConfig, how: tu
     """Start the trainer ranks (rank ``r`` on the ``r``-th node) and the rollout (on the last node), taking the run
     up again after ``cause`` when ``resumed``, and follow them to the end (:func:`_supervise`)."""
     engine, cpus = how
-    train_cfg, roll_cfg = train_config(cfg, model, dep.locations), rollout_config(cfg, dep.locations)
+    world = cfg.admission.dp_ranks
+    rank_nodes = [dep.nodes[r % len(dep.nodes)] for r in range(world)]
+    store_nodes = [s.node_id for s in dep.stores]
+    links = cfg.admission.links.placed(dict(zip(dep.locations, store_nodes, strict=True)),
+                                       tuple(n["id"] for n in rank_nodes))
+    home = [loc for loc, node in zip(dep.locations, store_nodes, strict=True) if node == dep.nodes[-1]["id"]]
+    train_cfg, roll_cfg = train_config(cfg, model, dep.locations, links), rollout_config(cfg, dep.locations, home)
     if resumed is not None:
         docs = resume.prepare(cfg.out, resumed, cfg.admission, dep.locations, cause=cause)
         train_cfg, roll_cfg = resume.configs(train_cfg, roll_cfg, resumed, docs, f"{cfg.policy}-")
@@ -211,10 +217,8 @@ def _life(ray: Any, dep: Deployment, cfg: RunConfig, model: ModelConfig, how: tu
     documents.write(roll_cfg, cfg.out / "configs" / "rollout.json")
     if train_cfg.max_steps <= 0:  # none left: a resume of a run stopped after its last checkpoint
         return
-    world = cfg.admission.dp_ranks
     dep.ranks = []
-    for r in range(world):
-        n = dep.nodes[r % len(dep.nodes)]
+    for r, n in enumerate(rank_nodes):
         actor = pinned(ray, TrainerRankActor, n["id"], cpus).remote(n["ip"])
         dep.ranks.append(Component(f"trainer rank {r}", n["id"], n["ip"], actor))
     master = dep.ranks[0]

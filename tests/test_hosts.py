@@ -281,6 +281,22 @@ def test_probes_do_not_take_a_restarted_node_for_an_unreachable_one(tmp_path: Pa
 # ---- placement (no hosts) -------------------------------------------------------------------------
 
 
+def test_a_placement_names_the_rollouts_home_stores_and_the_hosts_of_nodes_and_ranks() -> None:
+    from admission.config import LinkModel
+
+    a, b, c = (Site(address=f"198.18.0.{i}", exec_prefix=["ip", "netns", "exec", f"h{i}"]) for i in (2, 3, 4))
+    p = Placement(stores=[a, b], rollout=b, trainer=[a, c])
+    assert p.home_stores() == [1]  # the rollout shares b's host: its groups stay on node 1
+    links = p.link_model(["grpc://n0", "grpc://n1"], 2, LinkModel(default_mbit=200.0))
+    assert links.host_of_node("grpc://n0") == links.host_of_rank(0) != links.host_of_rank(1)
+    assert links.host_of_node("grpc://n1") not in (links.host_of_rank(0), links.host_of_rank(1))
+    assert links.default_mbit == 200.0  # the rates are the user's
+    mine = LinkModel(rank_host=("x", "y"))
+    assert p.link_model(["grpc://n0", "grpc://n1"], 2, mine) is mine  # hosts the user named are kept
+    assert Placement.local(2).home_stores() == [0, 1]
+    assert Placement(stores=[a], rollout=c, trainer=[c]).home_stores() == []  # a rollout host of its own: hashed
+
+
 def test_sites_and_placements_are_checked() -> None:
     with pytest.raises(ValueError, match="must be an IP address"):
         Site(address="localhost")
