@@ -1,6 +1,6 @@
 """Weight sync into a running vLLM engine: Arrow weights tables <-> named tensors.
 
-The weights table (what ``StoreReader.put_weights``/``get_weights`` move) and its codec are
+The weights table (what ``StorePublisher.put_weights``/``StoreWriter.get_weights`` move) and its codec are
 ``schemas.weights``; this module only loads a decoded table into an engine.
 
 ``load_weights_into_llm`` reloads the engine's weights *in place* through vLLM's own
