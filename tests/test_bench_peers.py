@@ -86,12 +86,13 @@ def test_every_path_gives_each_rank_the_same_micro_batches(cluster: dict[str, An
 def _check_keys(w: Workload, specs: list[Any], knit: Any, tq: Any, verls: dict[str, Any]) -> None:
     """The result file's keys at a tiny size: data movement against every peer and the best verl path, the
     calibrated cell's step ratios and compute."""
-    from bench.peers.harness import _calibrated, _steps, summarize
+    from bench.peers.harness import _calibrated, summarize
+    from bench.peers.turns import steps_in_turn
 
     steppers = {"knittrans": lambda s, per_rank, c: knit.step(per_rank, c, 1),
                 "transferqueue": lambda s, per_rank, c: tq.step(per_rank, c, 1),
                 **{v.name: v.step for v in verls.values()}}
-    steps = _steps(steppers, specs, [0.0])
+    steps = steps_in_turn(steppers, specs, [0.0])
     cal_w = Workload(steps=1, groups=2, group_size=4, mini_batches=1, ranks=2, prompt_len=8, response_mean=16,
                      response_max=32, token_budget=1024, seed=5)
     raw = {"specs": {}, "groups_bytes": 1, "driver_payload_bytes_knittrans": 0, "steps": steps, "put": {},
