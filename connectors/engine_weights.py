@@ -107,9 +107,10 @@ def load_weights_into_llm(llm: Any, table: pa.Table) -> int:
             (``VLLM_ENABLE_V1_MULTIPROCESSING=0``) and the tensors are handed over directly.
         table: weights with Hugging Face names; a subset of the parameters is allowed.
 
-    Example:
-        >>> load_weights_into_llm(llm, client.get_weights())  # doctest: +SKIP
-        15
+    Example::
+
+        load_weights_into_llm(llm, client.get_weights())
+        # -> 15
     """
     if table.num_rows == 0:
         msg = "weights table is empty"

@@ -19,9 +19,10 @@ vLLM is not imported here at all: the adapter reads the output objects by attrib
 any engine whose outputs have the same shape. ``require_vllm()`` imports vLLM for code that starts an
 engine and raises an ``ImportError`` naming the extra when it is missing.
 
-Example:
-    >>> batch = group_to_batch(request_output, group_id="w0-17", policy_version=3,  # doctest: +SKIP
-    ...                        data_source="add_small", rewards=[1.0, 0.0, 0.0, 1.0])
+Example::
+
+    batch = group_to_batch(request_output, group_id="w0-17", policy_version=3,
+                           data_source="add_small", rewards=[1.0, 0.0, 0.0, 1.0])
 """
 
 from __future__ import annotations

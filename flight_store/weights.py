@@ -12,7 +12,7 @@ Example:
     >>> slot = WeightsSlot("n0", keep=1)
     >>> slot.accepts(3)
     True
-    >>> freed = slot.set(pa.table({"name": ["w"]}), 3)
+    >>> freed = slot.set(pa.record_batch({"name": ["w"]}), 3)
     >>> slot.accepts(3), slot.get()[1]
     (False, 3)
 """

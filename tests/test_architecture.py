@@ -156,8 +156,8 @@ def imported_modules(importer: str, path: Path, modules: dict[str, Path]) -> set
         if isinstance(node, ast.Import):
             out.update(a.name for a in node.names if a.name in modules)
         elif isinstance(node, ast.ImportFrom):
-            base = ".".join(package[:len(package) - node.level + 1] + [node.module or ""]) if node.level else ""
-            source = (base.rstrip(".") if node.level else node.module) or ""
+            above = package[:len(package) - node.level + 1]
+            source = ".".join([*above, *([node.module] if node.module else [])]) if node.level else node.module or ""
             for alias in node.names:
                 name = f"{source}.{alias.name}"
                 if name in modules:
