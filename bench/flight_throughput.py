@@ -1,4 +1,4 @@
-"""Flight data-plane throughput: DoGet vs memcpy, metadata scans vs payload size, micro-batch latency.
+"""Flight data-plane throughput: payload reads vs memcpy, metadata scans vs payload size, micro-batch latency.
 
 ``python -m bench.flight_throughput [--quick] [--hosts] --out results/flight_throughput.json``
 
@@ -8,12 +8,13 @@ bridge, see ``bench._hosts``), so each byte crosses a real network stack (veth) 
 
 In one run:
 
-(a) DoGet of micro-batch slices (8 trajectories each) totalling >= 256 MiB (quick: 64 MiB) per
+(a) reads of micro-batch slices (8 trajectories each) totalling >= 256 MiB (quick: 64 MiB) per
     pass, best of 3 passes, from a store node in ANOTHER PROCESS (``python -m flight_store --config``
     on a free port), against the baseline: copying the same bytes in-process into newly
     allocated buffers, both kept alive for the pass. The headline is the trainer's path,
     ``StoreReader.stream`` (one read per micro-batch over the node's read channel, read in order);
-    ``doget_per_call_gbps`` is one ``StoreReader.fetch`` per micro-batch, each followed by its copy.
+    ``doget_per_call_gbps`` is one ``StoreReader.fetch`` per micro-batch, each followed by its copy (the
+    ``doget_*`` keys name the payload read, over whichever call the client makes).
     All of (a) runs in a child process with the system allocator and a fixed mmap threshold, so every
     buffer on BOTH sides
     is fresh memory (first-touch pages; the heap below that threshold is recycled normally, see
@@ -117,7 +118,7 @@ def fresh_copy(table: pa.Table, keep: list[pa.Buffer]) -> int:
 def bench_doget(
     client: StoreReader, node: str, total_bytes: int, tokens: int, passes: int, rng: np.random.Generator
 ) -> dict:
-    """(a) DoGet micro-batches of 8 trajectories from the other process, vs an in-process copy.
+    """(a) Read micro-batches of 8 trajectories from the other process, vs an in-process copy.
 
     Two ways of fetching the same micro-batches, each pass:
 
@@ -168,8 +169,9 @@ def bench_doget(
 
 
 def _stream_pass(client: StoreReader, plans: list[list[PlannedSlice]]) -> tuple[float, float, int, int]:
-    """One DoGet streaming every micro-batch, then a copy of all their bytes (a separate timed phase, so the
-    stream cannot run ahead during the copies): ``(stream s, copy s, bytes fetched, bytes copied)``."""
+    """Every micro-batch read in order (``StoreReader.stream``), then a copy of all their bytes (a separate
+    timed phase, so the stream cannot run ahead during the copies):
+    ``(stream s, copy s, bytes fetched, bytes copied)``."""
     t0 = time.perf_counter()
     tables = list(client.stream(plans))
     stream_s = time.perf_counter() - t0
@@ -180,8 +182,8 @@ def _stream_pass(client: StoreReader, plans: list[list[PlannedSlice]]) -> tuple[
 
 
 def _per_call_pass(client: StoreReader, plans: list[list[PlannedSlice]]) -> tuple[float, float]:
-    """One DoGet per micro-batch, each followed right away by the copy of its bytes: ``(fetch s, copy s)``,
-    summed over the micro-batches (fetched tables and copies stay alive for the pass)."""
+    """One ``StoreReader.fetch`` per micro-batch, each followed right away by the copy of its bytes:
+    ``(fetch s, copy s)``, summed over the micro-batches (fetched tables and copies stay alive for the pass)."""
     tables: list[pa.Table] = []
     keep: list[pa.Buffer] = []
     t_get = t_copy = 0.0

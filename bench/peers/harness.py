@@ -2,7 +2,7 @@
 
 What runs (all on loopback, in one Ray session started here):
 
-* **knittrans**: two ``knit serve`` nodes (processes of their own); ranks DoGet their own slices
+* **knittrans**: two ``knit serve`` nodes (processes of their own); ranks read their own slices
   (:mod:`bench.peers.knit`); one micro-batch's read is ``StoreReader.fetch`` (over read channels);
 * **TransferQueue** 0.1.11, the package itself: its controller and two storage units; ranks read
   their rows through its client (:mod:`bench.peers.tq`);
