@@ -308,11 +308,11 @@ Smaller allocations come from the malloc heap, on both sides, and are recycled a
 The trim threshold says so explicitly: fixing ``M_MMAP_THRESHOLD`` also freezes glibc's trim
 threshold at its 128 KiB default (mallopt(3): setting either disables their dynamic adjustment),
 so every ``free`` that leaves more than 128 KiB free at the top of a heap hands it back to the
-kernel (``madvise``/``sbrk``) and the next allocation faults it in again. That hit only the DoGet
-side: gRPC receives into 64 KiB heap slices, ~2.4 MB of them per micro-batch, freed as soon as
-the message is assembled, so each fetch re-faulted much of its receive buffer (measured: ~270
-page faults and ~1.3 ``madvise`` calls more per micro-batch, ~15% of the client's CPU, ~0.5 ms;
-on top of the first touch of the result, which stays: ~580 faults, as many as the copy's). With glibc's
+kernel (``madvise``/``sbrk``) and the next allocation faults it in again. That would hit only the
+reading side: gRPC receives into 64 KiB heap slices, ~2.4 MB of them per micro-batch, freed as soon as
+the message is assembled, so each fetch would re-fault much of its receive buffer (hundreds of page
+faults more per micro-batch, a sizeable share of the client's CPU; on top of the first touch of the
+result, which stays, as many faults as the copy's: docs/benchmarks.md, diagnostic timings). With glibc's
 defaults the trim threshold follows the largest freed mmap (twice it: ~4.8 MB once a 2.4 MB result
 is freed, at most 64 MiB), so a trainer never re-faults these; 64 MiB is that ceiling. Buffers over
 128 KiB -- the DoGet results and the copies -- are still fresh mmaps, unmapped when freed, whatever

@@ -123,7 +123,8 @@ ROW_OVERHEAD = 64 + 4 * len(TRAJECTORY_SCHEMA)
 """Bytes per stored row of the ``sample_idx -> (block, offset)`` index (dict slot and tuple) and of its
 payload sizes (:func:`schemas.native.row_bytes`)."""
 _MAP_FLAGS = mmap.MAP_PRIVATE | getattr(mmap, "MAP_POPULATE", 0)
-"""Private pages, faulted in by the one ``mmap`` call (Linux): filling a 156 KiB block took 59 us instead of 122."""
+"""Private pages, faulted in by the one ``mmap`` call (Linux): one call that maps and faults a block's pages in costs
+about half of faulting them one by one as the block is filled (figures: docs/benchmarks.md, diagnostic timings)."""
 _MMAP_MIN = 16 << 10
 """Blocks of at least this many bytes get pages of their own (see :func:`pack`); smaller ones come from the
 Arrow memory pool."""
@@ -145,7 +146,7 @@ def _size_class(n: int) -> int:
 _SERIALIZE_POOL = pa.system_memory_pool()
 """Where :func:`pack` serializes a batch it then copies into an mmap block: glibc malloc hands the same warm
 chunk to the next write, where the Arrow pool, emptied after every write (:func:`return_free_memory`), faults
-fresh pages in (a 150 KiB group: +15 us instead of +120 us)."""
+fresh pages in, several times the cost for a group of ~150 KiB (docs/benchmarks.md, diagnostic timings)."""
 
 
 def _pool_copy(buf: pa.Buffer) -> pa.Buffer:
@@ -160,17 +161,18 @@ def pack(batch: pa.RecordBatch) -> tuple[Block, int]:
 
     Why: a batch that arrived over gRPC is a set of views into the received message (gRPC's own
     malloc'd memory, larger than the columns kept) plus small buffers validation added, and an
-    in-memory ``RecordBatch`` of the 19-column trajectory schema costs ~9 KiB of C++/Python
-    objects (``ArrayData``, ``Buffer``, control blocks; measured with ``mallinfo2``), ~27% of a
-    32 KiB group. Keeping those pinned memory the budget never saw (peak RSS ~2.2x the budget).
+    in-memory ``RecordBatch`` of the 19-column trajectory schema holds kilobytes of C++/Python
+    objects (``ArrayData``, ``Buffer``, control blocks), a large share of a 32 KiB group. Keeping
+    those would pin memory the budget never sees, well above the budget at peak (figures:
+    docs/benchmarks.md, diagnostic timings).
 
     So the batch is serialized as one encapsulated IPC message (``RecordBatch.serialize``, exact
     size) and :func:`view` reads it back as zero-copy views whenever it is sliced (~15 us). A block
     of at least :data:`_MMAP_MIN` bytes is copied into an anonymous private ``mmap`` of its own:
     releasing the group unmaps it (once no in-flight answer still views it), so its pages go back
-    to the OS at once and the heap never fragments. General-purpose allocators fed ~32 KiB blocks
-    freed in arrival-unrelated order kept 1.3-1.5x the live bytes resident (glibc, mimalloc and
-    jemalloc alike). Smaller blocks stay in the Arrow pool (where a page of their own would waste
+    to the OS at once and the heap never fragments. General-purpose allocators (glibc, mimalloc and
+    jemalloc alike) fed ~32 KiB blocks freed in arrival-unrelated order keep well over the live bytes
+    resident. Smaller blocks stay in the Arrow pool (where a page of their own would waste
     more than the allocator does); if ``mmap`` fails (e.g. the map-count limit) the block stays in
     malloc's heap, where it was serialized.
 

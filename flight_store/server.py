@@ -73,9 +73,9 @@ ANSWER_ROWS = 16384
 """Most rows of one message of a metadata answer (~2 MB): a scan of 100k rows streams, it is not one message."""
 SMALL_ANSWER = 1 << 20
 """A DoGet answer under this many bytes is not accounted as a read nor trimmed after: the forced trim and
-a Python generator per answer cost a large share of a micro-batch's read (see bench.peers' fetch)."""
+a Python generator per answer would cost a large share of a micro-batch's read."""
 _IPC_OPTIONS = pa.ipc.IpcWriteOptions()
-"""Made once: a stream without options reads the environment for its defaults on every answer (~4 us)."""
+"""Made once: a stream without options reads the environment for its defaults on every answer."""
 _STORED_META = {k.decode(): v.decode() for k, v in (TRAJECTORY_SCHEMA.metadata or {}).items()}
 """The schema metadata of every stored batch (:func:`~flight_store.memory.view` reads them as the schema)."""
 _UNOBSERVED = contextlib.nullcontext(RpcBytes())

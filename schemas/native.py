@@ -164,7 +164,8 @@ def checked_natively(batch: pa.RecordBatch, group_id: str) -> Checked | None:
 
     ``_kernels.check_group_batch`` reads the batch through the Arrow C data interface and compares its schema's
     column names and types with the trajectory schema's (:data:`SIGNATURE`, or the same without
-    ``token_versions``); it accepts a subset of what the Python rules accept, in ~10 us instead of ~150. A
+    ``token_versions``); it accepts a subset of what the Python rules accept, an order of magnitude faster than
+    they check it (docs/benchmarks.md, diagnostic timings). A
     ``token_versions`` column left out is filled here, as the rules fill it.
     """
     code, out, sizes = _verdict(batch, group_id, sized=True)

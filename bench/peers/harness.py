@@ -13,8 +13,8 @@ What runs (all on loopback, in one Ray session started here):
   for one micro-batch's read by one DoGet per node (``minimal_flight``, a diagnostic); its reads over one
   long-lived DoExchange per node (``minimal_flight_exchange``) are the floor of knittrans' own read
   channels. Each of the two read comparisons has servers of its own, as knittrans' nodes serve only its
-  reads: a server that has just answered another path's read runs warm, and sharing one made the
-  exchange floor's median read ~5% faster (its caches, not its mechanism).
+  reads: a server that has just answered another path's read runs warm, and sharing one makes the
+  exchange floor's median read faster (its caches, not its mechanism).
 
 The groups are generated once (:func:`bench.cluster.workload.make_group`) and every path is given
 them; the admission planner's plans fix each rank's micro-batches, the same on every path
