@@ -37,8 +37,8 @@ from typing import Any
 
 import pyarrow as pa
 
+from flight_store.blocks import Block
 from flight_store.contents import StoreContents
-from flight_store.memory import Block
 from flight_store.spill import (
     Body,
     Recovery,

@@ -77,7 +77,7 @@ a Python generator per answer would cost a large share of a micro-batch's read."
 _IPC_OPTIONS = pa.ipc.IpcWriteOptions()
 """Made once: a stream without options reads the environment for its defaults on every answer."""
 _STORED_META = {k.decode(): v.decode() for k, v in (TRAJECTORY_SCHEMA.metadata or {}).items()}
-"""The schema metadata of every stored batch (:func:`~flight_store.memory.view` reads them as the schema)."""
+"""The schema metadata of every stored batch (:func:`~flight_store.blocks.view` reads them as the schema)."""
 _UNOBSERVED = contextlib.nullcontext(RpcBytes())
 """What an RPC records into on a node without metrics: one shared record nobody reads (made once: a cold node pays
 for every object a read makes)."""

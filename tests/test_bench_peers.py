@@ -187,7 +187,7 @@ def test_the_minimal_server_with_own_pages_keeps_a_copy_not_the_received_message
     import pyarrow.flight as flight
 
     from bench import minimal_flight
-    from flight_store.memory import view
+    from flight_store.blocks import view
 
     w = Workload(steps=1, groups=2, group_size=4, mini_batches=1, ranks=1, prompt_len=8, response_mean=4096,
                  response_max=8192, token_budget=1 << 16)

@@ -368,7 +368,7 @@ def test_sigkill_during_four_writers_loses_no_acknowledged_group(tmp_path: Path,
 
 def test_a_group_record_is_its_stored_blocks_byte_for_byte(make_group) -> None:  # type: ignore[no-untyped-def]
     """The log writes a group from the blocks the store holds (no second encoding): the same IPC stream."""
-    from flight_store.memory import pack
+    from flight_store.blocks import pack
     from flight_store.spill import decode_batches, encode_batches, stream_of_messages
     from flight_store.validate import normalize_group
     from schemas.arrow import TRAJECTORY_SCHEMA

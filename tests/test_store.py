@@ -15,6 +15,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from flight_store import metadata
+from flight_store.blocks import pack
 from flight_store.config import StoreConfig
 from flight_store.errors import (
     BudgetExceededError,
@@ -26,7 +27,6 @@ from flight_store.errors import (
     UnknownImageError,
     UnknownWeightsError,
 )
-from flight_store.memory import pack
 from flight_store.store import Store
 from flight_store.validate import normalize_group
 from schemas.arrow import METADATA_SCHEMA, TRAJECTORY_SCHEMA
