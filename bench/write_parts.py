@@ -37,7 +37,7 @@ import pyarrow.flight as flight
 
 from bench import minimal_flight
 from bench._common import write_result
-from bench.flight_throughput import make_group
+from bench.store_groups import make_group
 from bench.write_path import interleaved
 from flight_store.blocks import Block, pack
 from flight_store.config import ServerConfig

@@ -27,9 +27,9 @@ pytestmark = pytest.mark.timeout(600)
 def cluster() -> Iterator[dict[str, Any]]:
     import ray
 
-    from bench.flight_throughput import start_store_process
     from bench.peers.harness import ray_env
     from bench.peers.knit import KnitPath
+    from bench.store_groups import start_store_process
 
     w = Workload(steps=1, groups=4, group_size=4, mini_batches=2, ranks=2, prompt_len=32, response_mean=64,
                  response_max=256, token_budget=1024)

@@ -193,7 +193,7 @@ def test_the_write_parts_bench_replaces_one_part_of_each_nodes_write_and_reports
     import numpy as np
 
     from bench import write_parts
-    from bench.flight_throughput import make_group
+    from bench.store_groups import make_group
 
     rng = np.random.default_rng(0)
     good, other = make_group("good", 2, 16, rng), make_group("other", 2, 16, rng)

@@ -77,8 +77,8 @@ def run(w: Workload, computes: Sequence[float], paths: Sequence[str], fetch_roun
     cost per image; ``cal``: the calibrated cell's workload and compute (ms per 1k tokens)."""
     import ray
 
-    from bench.flight_throughput import start_store_process
     from bench.peers.knit import KnitPath
+    from bench.store_groups import start_store_process
 
     total = w.steps + 1  # + one warm-up step
     rng = np.random.default_rng(w.seed)
