@@ -87,12 +87,6 @@ def trajectory_schema(logprobs_mode: str, engine: str = "vllm") -> pa.Schema:
     return TRAJECTORY_SCHEMA.with_metadata(meta)
 
 
-def logprobs_mode_of(schema: pa.Schema) -> str | None:
-    """The logprob mode recorded in ``schema``'s metadata, or ``None`` when absent."""
-    raw = (schema.metadata or {}).get(LOGPROBS_MODE_KEY)
-    return raw.decode() if raw is not None else None
-
-
 def sampled_logprobs(logprobs: Any, token_ids: Sequence[int]) -> np.ndarray:
     """Logprob of the sampled token at each position, float32 ``[len(token_ids)]``.
 

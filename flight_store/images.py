@@ -45,9 +45,6 @@ class ImageTable:
         self._images: dict[bytes, Image] = {}
         self._refs: dict[bytes, int] = {}
 
-    def __contains__(self, key: object) -> bool:
-        return key in self._images
-
     def __len__(self) -> int:
         return len(self._images)
 

@@ -260,11 +260,6 @@ class Store:
             self.memory.free_unused()
         return freed
 
-    def has_group(self, group_id: str) -> bool:
-        """Whether ``group_id`` is stored and not released."""
-        with self._lock:
-            return self._contents.groups.is_live(group_id)
-
     def group_info(self, group_id: str) -> tuple[int, int, list[tuple[int, int]]]:
         """``(rows, bytes, contiguous [start, stop) runs of sample_idx)`` of an unreleased group."""
         with self._lock:
@@ -330,11 +325,6 @@ class Store:
             self.bytes_out += sum(img.nbytes for img in found)
             rows = [img.row for img in found]
         return images_table(rows)
-
-    def has_image(self, key: bytes) -> bool:
-        """Whether the image ``key`` is stored."""
-        with self._lock:
-            return key in self._contents.images
 
     # ---- weights & version ---------------------------------------------------------------------
 
