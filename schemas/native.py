@@ -150,7 +150,10 @@ def _verdict(batch: pa.RecordBatch, group_id: str, *, sized: bool) -> tuple[int,
 def native_verdict(batch: pa.RecordBatch, group_id: str) -> tuple[int, np.ndarray]:
     """The native pass's answer for ``batch`` as the whole of group ``group_id``, and each row's payload bytes (read
     only when accepted; ``token_versions`` counted whether sent or to be filled): :data:`ACCEPTED`,
-    :data:`ACCEPTED_OTHER_FIELDS`, or a reason of :data:`STEPS_ASIDE` or :data:`RULE_COLUMNS`."""
+    :data:`ACCEPTED_OTHER_FIELDS`, or a reason of :data:`STEPS_ASIDE` or :data:`RULE_COLUMNS`.
+
+    The write path calls :func:`checked_natively`; this reason code is what holds the native pass to the Python
+    rules' verdict on every kind of fault (tests/test_native_checks.py), which a bare accept/decline could not."""
     code, out, _ = _verdict(batch, group_id, sized=False)
     return code, out
 
