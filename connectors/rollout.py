@@ -29,9 +29,10 @@ the engine's version when it was dispatched (``policy_version_min``) and when it
 
 ``run_rollout(config)`` runs a worker start to finish as a process does (``python -m connectors``).
 
-Example:
-    >>> cfg = RolloutConfig(model="/models/tiny", stores=["grpc://127.0.0.1:8815"], max_groups=64)
-    >>> report = run_rollout(cfg)  # doctest: +SKIP
+Example::
+
+    cfg = RolloutConfig(model="/models/tiny", stores=["grpc://127.0.0.1:8815"], max_groups=64)
+    report = run_rollout(cfg)
 """
 
 from __future__ import annotations
@@ -105,11 +106,11 @@ class RolloutWorker:
         lookahead: an extra lookahead rule over the stores' stats (True pauses dispatch), checked
             with ``config.max_unreleased_groups`` every ``config.lookahead_poll_s`` seconds.
 
-    Example:
-        >>> cfg = RolloutConfig(model="/models/tiny", stores=["grpc://127.0.0.1:8815"], max_groups=8)
-        >>> with RolloutWorker(cfg) as worker:  # doctest: +SKIP
-        ...     worker.run().groups
-        8
+    Example::
+
+        cfg = RolloutConfig(model="/models/tiny", stores=["grpc://127.0.0.1:8815"], max_groups=8)
+        with RolloutWorker(cfg) as worker:
+            worker.run().groups  # -> 8
     """
 
     def __init__(

@@ -1,9 +1,9 @@
 """The reading role: what a trainer does with the stores (see :mod:`flight_store.client`).
 
 :class:`StoreReader` scans the nodes' metadata (a cursor per node), reads the rows of planned
-slices in plan order, fetches the images they reference, releases consumed groups, and publishes
-what the rollout reads back: weights, the policy version, the demand; it also counts the groups in
-flight (the planner's supply to come).
+slices in plan order, fetches the images they reference, releases consumed groups, tells the rollout
+the planner's demand, and counts the groups in flight (the planner's supply to come). The trainer's
+weights and versions go out through :class:`~flight_store.publishing.StorePublisher`.
 """
 
 from __future__ import annotations
@@ -22,8 +22,8 @@ from flight_store.client import StoreNodes, ViewCache
 from flight_store.errors import NodeUnavailableError, UnknownImageError
 from schemas.arrow import IMAGE_SCHEMA, METADATA_SCHEMA
 from schemas.plan import MicroBatch, MiniBatchPlan, PlannedSlice
-from schemas.replies import DemandReply, InflightReply, PutWeightsReply, ReleaseReply, VersionReply
-from schemas.wire import DemandBody, ImagesTicket, MetadataTicket, PublishVersionBody, PutWeights, ReleaseBody
+from schemas.replies import DemandReply, InflightReply, ReleaseReply
+from schemas.wire import DemandBody, ImagesTicket, MetadataTicket, ReleaseBody
 
 INFLIGHT_COLUMNS = {"group_id": pl.String, "data_source": pl.String, "prompt_id": pl.String,
                     "dispatch_version": pl.Int64, "state": pl.String, "dispatched_at": pl.Float64, "node": pl.String}
@@ -225,17 +225,6 @@ class StoreReader(StoreNodes):
         answers = self._fan_out(self._live(), lambda n: self._calls.action(n, "release", ReleaseReply, body),
                                 partial=partial, what="release")
         return {n: a.released for n, a in answers.items()}
-
-    def put_weights(self, table: pa.Table, version: int, *, node: str | None = None) -> None:
-        """DoPut a weights table (``schemas.weights``) as ``version`` to ``node`` (default: every node)."""
-        desc = PutWeights(version=version).to_bytes()
-        self._fan_out([node] if node is not None else self._live(),
-                      lambda n: self._calls.put(n, desc, table, PutWeightsReply, routed=node is None))
-
-    def publish_version(self, version: int) -> None:
-        """Record the newest policy version on every node."""
-        body = PublishVersionBody(version=version).to_bytes()
-        self._fan_out(self._live(), lambda n: self._calls.action(n, "publish_version", VersionReply, body, routed=True))
 
     def publish_demand(self, classes: Mapping[str, int]) -> None:
         """Tell the rollout, through every reachable node's ``stats``, which classes the trainer needs that

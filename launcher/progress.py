@@ -67,10 +67,11 @@ class LiveState:
 class Display:
     """Progress output of the driver.
 
-    Example:
-        >>> d = Display(plain=True)
-        >>> with d.live("mini_batch", total_groups=24, total_steps=6) as update:  # doctest: +SKIP
-        ...     update(state)
+    Example::
+
+        d = Display(plain=True)
+        with d.live("mini_batch", total_groups=24, total_steps=6) as update:
+            update(state)
     """
 
     def __init__(self, *, plain: bool = False) -> None:

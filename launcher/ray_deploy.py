@@ -35,9 +35,10 @@ nodes there are then. After the last step nothing stops the run: a node lost the
 
 Ray is optional (``pip install knittrans[bench]`` ships it) and imported only here, only when called.
 
-Example:
-    >>> cfg = RunConfig(train_batches=2, out=Path("runs/ray"))  # doctest: +SKIP
-    >>> run_on_ray(cfg, prepare_model(cfg.model_path, model=cfg.model), address="10.0.0.1:6379")  # doctest: +SKIP
+Example::
+
+    cfg = RunConfig(train_batches=2, out=Path("runs/ray"))
+    run_on_ray(cfg, prepare_model(cfg.model_path, model=cfg.model), address="10.0.0.1:6379")
 """
 
 from __future__ import annotations

@@ -96,12 +96,13 @@ class Stores:
         sites: where each node runs (``launcher.placement``; default: here).
         probe_s: seconds between two ``health`` probes of each running node (``None``: none; see the guarantees).
 
-    Example:
-        >>> with Children(out / "logs") as kids:  # doctest: +SKIP
-        ...     stores = Stores(kids, store_configs(cfg), out, max_restarts=3, start_timeout_s=60)
-        ...     stores.start()
-        ...     while training():
-        ...         stores.check()
+    Example::
+
+        with Children(out / "logs") as kids:
+            stores = Stores(kids, store_configs(cfg), out, max_restarts=3, start_timeout_s=60)
+            stores.start()
+            while training():
+                stores.check()
     """
 
     def __init__(self, kids: Children, nodes: list[ServerConfig], out: Path, *, max_restarts: int,

@@ -65,7 +65,7 @@ def test_rank0_planning_stays_bounded_and_plans_as_a_planner_that_keeps_everythi
     assert source.dropped == {"aborted": aborted} and aborted > 30
     assert max_state == 0  # settled ids leave the state in the poll that settles them
     assert max_pending <= (lookahead + 1) * cfg.group_size  # the frame holds the pending groups only
-    assert len(reference.state.admitted) == groups  # what the state used to hold: one id per group
+    assert len(reference.state.admitted) == groups  # a planner never pruned holds one id per group
     assert_frame_equal(pl.read_parquet(path), reference.consumed_frame())
     assert pq.ParquetFile(path).metadata.num_row_groups <= groups * cfg.group_size // 50  # not one per step
     assert sorted(p.name for p in tmp_path.iterdir()) == ["consumed.parquet"]

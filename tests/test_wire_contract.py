@@ -462,7 +462,7 @@ def test_images_go_to_the_groups_node_and_a_consumer_reads_admitted_micro_batche
             keyed = _group(gid, image_keys=pa.array([keys] * G, pa.list_(pa.binary(32))))
             writer.put_group(keyed)
             node = next(s for s in servers if s.location == client.node_for(gid))
-            assert node.store.has_image(keys[0]) and node.store.has_group(gid)
+            assert node.store.images(keys[:1], missing_ok=True).num_rows == 1 and gid in node.store.group_ids()
         (plan,) = planner.update(client.scan_new(), inflight=0)
         read = list(client.read(plan, columns=["group_id", "sample_idx", "image_keys"]))
         assert sorted(t["group_id"][0].as_py() for _, t in read) == ["mm0", "mm1"]

@@ -48,6 +48,8 @@ if TYPE_CHECKING:
     from train.model import Built
 
 if TYPE_CHECKING:
+    from flight_store.client import StoreNodes
+    from flight_store.publishing import StorePublisher
     from flight_store.reading import StoreReader
 
 log = logging.getLogger(__name__)
@@ -189,11 +191,14 @@ def _train(cfg: TrainConfig, env: dict[str, int], kind: Step, client: StoreReade
         if source is not None and cfg.progress_path:  # rank 0
             write_progress(cfg.progress_path, ProgressLine.of(step, source.admitted_groups))
 
-    publisher = Publisher(client, record)
-    try:
-        return _steps(cfg, env, kind, source, report is not None, publisher, record, durable)
-    finally:
-        publisher.close()
+    from flight_store.publishing import StorePublisher
+
+    with StorePublisher.sharing(client) as weights:
+        publisher = Publisher(client, weights, record)
+        try:
+            return _steps(cfg, env, kind, source, report is not None, publisher, record, durable)
+        finally:
+            publisher.close()
 
 
 def _steps(cfg: TrainConfig, env: dict[str, int], kind: Step, source: PlanSource | None, reported: bool,
@@ -250,13 +255,16 @@ def _steps(cfg: TrainConfig, env: dict[str, int], kind: Step, source: PlanSource
     return steps
 
 
-def publish_weights(built: Built, client: StoreReader, version: int, env: dict[str, int], *,
+def publish_weights(built: Built, client: StoreNodes, version: int, env: dict[str, int], *,
                     dtype: str = "params") -> None:
     """Gather the weights (all ranks) and DoPut them to every store (rank 0): :func:`encode_weights`, then
-    ``put_weights``."""
+    ``StorePublisher.put_weights`` over ``client``'s connections."""
+    from flight_store.publishing import StorePublisher
+
     table = encode_weights(built, env, dtype=dtype)
     if table is not None:
-        client.put_weights(table, version)
+        with StorePublisher.sharing(client) as publisher:
+            publisher.put_weights(table, version)
 
 
 def encode_weights(built: Built, env: dict[str, int], *, dtype: str = "params") -> pa.Table | None:
@@ -270,20 +278,21 @@ def encode_weights(built: Built, env: dict[str, int], *, dtype: str = "params") 
 
 
 class Publisher:
-    """Rank 0's publishing of each new version, off the training thread and in order: the weights to every store,
-    then the version, then the step is recorded (``record``), then its groups are released, so whatever a
-    store released was recorded as trained, and a rollout that refills the room a release freed finds the new
-    version. One version at a time: submitting the next waits for the one before.
+    """Rank 0's publishing of each new version, off the training thread and in order: the weights to every store
+    and then the version (``publisher``), then the step is recorded (``record``), then its groups are released
+    (``client``), so whatever a store released was recorded as trained, and a rollout that refills the room a
+    release freed finds the new version. One version at a time: submitting the next waits for the one before.
 
     The recorded step carries ``publish_s`` (what publishing cost the training thread) and ``publish_done_s``
     (the step's end to its version published on every node). An error of a publish is raised at the next
     :meth:`submit` or :meth:`drain`.
     """
 
-    def __init__(self, client: StoreReader, record: Callable[[StepRecord], None]) -> None:
+    def __init__(self, client: StoreReader, publisher: StorePublisher, record: Callable[[StepRecord], None]) -> None:
         from concurrent.futures import ThreadPoolExecutor
 
         self._client = client
+        self._publisher = publisher
         self._record = record
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="knit-publish")
         self._pending: Future[None] | None = None
@@ -304,8 +313,8 @@ class Publisher:
     def _publish(self, table: pa.Table | None, group_ids: list[str], step: StepRecord, started: float,
                  publish_s: float) -> None:
         if table is not None:
-            self._client.put_weights(table, step.version)
-        self._client.publish_version(step.version)
+            self._publisher.put_weights(table, step.version)
+        self._publisher.publish_version(step.version)
         self._record(step.published(publish_s, time.perf_counter() - started))
         self._client.release(group_ids)  # frees images no unreleased group references
 

@@ -126,7 +126,8 @@ class PlanSource:
 
     @property
     def pending_rows(self) -> int:
-        """Metadata rows kept: those of groups neither admitted nor dropped (yet)."""
+        """Metadata rows kept: those of groups neither admitted nor dropped (yet). Read by no code path; it is
+        what a caller checks to see the source's memory stay bounded over a long run (tests/test_train_bounded.py)."""
         return 0 if self._frame is None else self._frame.height
 
     def poll(self, current_version: int, *, waiting: bool = False) -> list[MiniBatchPlan]:
