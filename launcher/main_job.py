@@ -25,6 +25,7 @@ from launcher.model import RUN_MODELS, prepare_model
 from launcher.ray_deploy import RayNodeLostError, run_on_ray
 from launcher.run import COMPARED, RUN_POLICIES, Interrupted, RunConfig, run_policy
 from schemas import documents
+from train.tracking import check_installed
 
 MATCH = 0.95
 """``--match-throughput``: the share of train_batch's trainer-busy time (:func:`trainer_busy`) another policy's
@@ -80,6 +81,10 @@ def parse(argv: Sequence[str]) -> tuple[list[RunConfig], argparse.Namespace]:
     except ValueError as exc:
         parser.error(str(exc))
     cfg.out, cfg.model_dir = cfg.out.resolve(), cfg.model_path.resolve()
+    try:
+        check_installed(cfg.tracking)  # before a run that would only warn about it
+    except ImportError as exc:
+        parser.error(str(exc))
     if args.compare and args.policies:
         parser.error("--compare and --policies: give one of them")
     policies = COMPARED if args.compare else args.policies
