@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import struct
 import subprocess
 import sys
@@ -45,6 +46,7 @@ def tensorboard_scalars(folder: Path) -> dict[str, list[tuple[int, float]]]:
 
 def mlflow_metrics(store: Path, experiment: str = "knittrans") -> dict[str, list[tuple[int, float]]]:
     """``name -> [(step, value)]`` of the one run of ``experiment`` in the file store ``store`` (``MlflowClient``)."""
+    os.environ.setdefault("MLFLOW_ALLOW_FILE_STORE", "true")  # MLflow 3 reads a file store only when allowed
     from mlflow.tracking import MlflowClient
 
     client = MlflowClient(tracking_uri=store.resolve().as_uri())
@@ -224,8 +226,9 @@ def test_a_step_logs_its_figures_under_the_summary_names(tmp_path: Path, store_n
               "step_time_s": 2.0, "exposed_wait_s": [0.5, 0.25], "fetch_s": [0.01, 0.03], "publish_s": 0.1,
               "is_weight_mean": 1.01, "token_staleness_mean": 0.5, "token_staleness_max": None}
     first = tracker.figures(record, planner_s=0.25, admitted=2)
-    assert first["reward_mean/math"] == 0.5 and first["reward_mean/code"] == 0.5
-    assert first["reward_std/math"] == pytest.approx(0.7071, abs=1e-4) and first["reward_std/code"] == 0.0
+    assert first["reward_mean_by_source/math"] == 0.5 and first["reward_mean_by_source/code"] == 0.5
+    assert first["reward_std_by_source/math"] == pytest.approx(0.7071, abs=1e-4)
+    assert first["reward_std_by_source/code"] == 0.0
     assert first["arch_staleness_mean"] == 1.0 and first["arch_staleness_max"] == 2
     assert first["generation_span_mean"] == 0.5 and first["offpolicy/token_staleness_mean"] == 0.5
     assert "offpolicy/token_staleness_max" not in first and first["offpolicy/is_weight_mean"] == 1.01
@@ -280,6 +283,6 @@ def test_knit_run_quick_writes_tensorboard_mlflow_and_wandb(tmp_path: Path, monk
         assert len(scalars[name]) == steps, (name, sorted(scalars))
         assert len(metrics[name]) == steps, (name, sorted(metrics))
         assert sum(name in h for h in history) == steps, name
-    assert any(k.startswith("reward_mean/") for k in scalars)  # per data source
+    assert any(k.startswith("reward_mean_by_source/") for k in scalars)  # per data source
     assert [s for s, _ in scalars["loss"]] == list(range(steps)) == [h["_step"] for h in history]
     assert "step 0: " in trainer_log  # the console tracker's line

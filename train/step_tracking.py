@@ -6,7 +6,9 @@ own reads the stores' counters and logs the step, so neither a slow tracker nor 
 
 The figures of a step (``summary.json``'s name where it has one; ``a/b`` is its key ``b`` under ``a``):
 
-* ``reward_mean``, ``reward_std``, and per data source ``reward_mean/<source>``, ``reward_std/<source>``;
+* ``reward_mean``, ``reward_std``, and per data source ``reward_mean_by_source/<source>`` and
+  ``reward_std_by_source/<source>`` (no name is both a figure and the prefix of others: MLflow's file store
+  keeps each figure in a file under its name);
 * staleness of the step's trajectories (``admission.staleness``): ``arch_staleness_mean``,
   ``arch_staleness_max``, ``arch_staleness_token_weighted``, ``generation_span_mean``, ``total_staleness_mean``,
   ``signed_staleness_mean``; the token staleness ``offpolicy/token_staleness_mean`` and ``_max``;
@@ -72,8 +74,8 @@ def rows_figures(consumed: pl.DataFrame) -> dict[str, float]:
         per = consumed.group_by("data_source").agg(pl.col("reward").mean().alias("mean"),
                                                    pl.col("reward").std().fill_null(0.0).alias("std"))
         for source, mean, std in per.iter_rows():
-            out[f"reward_mean/{source}"] = float(mean)
-            out[f"reward_std/{source}"] = float(std)
+            out[f"reward_mean_by_source/{source}"] = float(mean)
+            out[f"reward_std_by_source/{source}"] = float(std)
     return out
 
 
