@@ -225,7 +225,7 @@ class StepTracker:
 def start_tracker(cfg: TrainConfig, source: PlanSource) -> StepTracker:
     """Rank 0's tracker of a trainer run: the trackers of ``cfg.tracking`` writing in its ``tracking_dir``, else
     the folder of ``progress_path``, else ``tracking``; the stores' counters read on a client of its own (no
-    retries: a store that does not answer leaves its figures out of that step); ``source``'s consumed rows
+    retries, 5 s: a store that does not answer leaves its figures out of that step); ``source``'s consumed rows
     observed (after its ``on_settled`` callback)."""
     from flight_store.reading import StoreReader
     from schemas import documents
@@ -233,7 +233,9 @@ def start_tracker(cfg: TrainConfig, source: PlanSource) -> StepTracker:
     folder = cfg.tracking.tracking_dir or (os.path.dirname(os.path.abspath(cfg.progress_path)) if cfg.progress_path
                                            else "tracking")
     tracking = Tracking(cfg.tracking, folder=folder, params=json.loads(documents.dump(cfg)))
-    reader = StoreReader.from_config(cfg.stores, dataclasses.replace(cfg.client, retries=0))
+    log.info("tracking each step to %s (run %s in %s)", ", ".join(tracking.active) or "no tracker", tracking.name,
+             tracking.folder)
+    reader = StoreReader.from_config(cfg.stores, dataclasses.replace(cfg.client, retries=0, timeout_s=5.0))
     tracker = StepTracker(tracking, stats=lambda: reader.stats(partial=True), planner_s=lambda: source.planner_s,
                           admitted=lambda: source.admitted_groups)
     tracker.on_close = reader.close

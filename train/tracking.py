@@ -42,8 +42,8 @@ class TrackingConfig:
     """Where a run's per-step figures go (``knit run`` and ``knit train`` take it as ``--logger`` and its kin).
 
     Example:
-        >>> TrackingConfig(logger=["console", "tensorboard"]).files
-        True
+        >>> TrackingConfig(logger=["console", "tensorboard"]).logger
+        ['console', 'tensorboard']
         >>> TrackingConfig(logger=["neptune"])
         Traceback (most recent call last):
         ...
@@ -71,11 +71,6 @@ class TrackingConfig:
         if not self.project.strip():
             msg = f"TrackingConfig.project={self.project!r} must name a project"
             raise ValueError(msg)
-
-    @property
-    def files(self) -> bool:
-        """Whether a tracker that writes files (all but console) is asked for."""
-        return any(name != "console" for name in self.logger)
 
 
 def missing_packages(config: TrackingConfig) -> list[str]:
