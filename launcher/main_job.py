@@ -200,6 +200,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             urls = result.get("metrics_urls") or []
             if urls:
                 display.note(f"[{cfg.policy}] Prometheus metrics were served at {', '.join(urls)}")
+            files = [name for name in cfg.tracking.logger if name != "console"]
+            if files:  # where each step's figures went (train.step_tracking)
+                display.note(f"[{cfg.policy}] {', '.join(files)}: each step's figures in "
+                             f"{cfg.tracking.tracking_dir or cfg.out}")
             return result
 
         for cfg in configs:

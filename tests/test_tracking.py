@@ -286,3 +286,4 @@ def test_knit_run_quick_writes_tensorboard_mlflow_and_wandb(tmp_path: Path, monk
     assert any(k.startswith("reward_mean_by_source/") for k in scalars)  # per data source
     assert [s for s, _ in scalars["loss"]] == list(range(steps)) == [h["_step"] for h in history]
     assert "step 0: " in trainer_log  # the console tracker's line
+    assert f"tensorboard, mlflow, wandb: each step's figures in {out}" in res.stdout
