@@ -29,6 +29,9 @@ The result keeps each run's record (``per_run``: curves, off-policy figures, hel
 ``<arm>-s<seed>``), so runs of hours are not lost with their folders: ``--reuse F.json`` (repeatable) takes the runs
 an earlier result holds (same train-batch count) instead of running them again.
 
+``--logger tensorboard,wandb,mlflow``: each run's per-step curves go to the trackers too (``knit run --logger``), one
+tracker run per arm and seed.
+
 ``--quick``: one seed, 3 train batches, the arms ``train_batch`` and ``mini_batch_decoupled``: a check that the
 bench runs end to end, far too short to answer the question.
 """
@@ -65,10 +68,10 @@ EVAL_SEED = 10_000
 
 
 def run_arm(arm: str, seed: int, train_batches: int, out: Path, model_dir: Path | None, timeout_s: float, *,
-            checkpoint_every: int = 0) -> Path:
+            checkpoint_every: int = 0, logger: str | None = None) -> Path:
     """One ``knit run`` of ``arm``; returns its run folder (the policy's folder holds the trainer's reports). A folder
     that already holds the finished run (``summary.json``: an earlier invocation with the same ``--runs``) is
-    read, not run again."""
+    read, not run again. ``logger``: the run's trackers (``knit run --logger``), its curves named by its folder."""
     if (out / "summary.json").is_file():
         return out
     policy, objective, partial = ARMS[arm]
@@ -78,6 +81,8 @@ def run_arm(arm: str, seed: int, train_batches: int, out: Path, model_dir: Path 
            "--partial-rollouts" if partial else "--no-partial-rollouts", "--export-hf"]
     if model_dir is not None:
         cmd += ["--model-dir", str(model_dir)]
+    if logger:
+        cmd += ["--logger", logger, "--project", "knittrans-learning"]
     done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=timeout_s + 120, check=False)
     if done.returncode != 0:
         msg = f"knit run of {arm} (seed {seed}) exited {done.returncode}:\n{done.stdout[-3000:]}{done.stderr[-3000:]}"
@@ -242,6 +247,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap.add_argument("--checkpoint-every", type=int, default=0,
                     help="the runs' checkpoint interval (default 0: only at the end; a checkpoint of SmolLM2 costs "
                     "about half a step on this machine, and a learning curve needs no resume)")
+    ap.add_argument("--logger", default=None, metavar="A,B,...",
+                    help="each run's trackers (knit run --logger: console, tensorboard, wandb, mlflow; W&B project and "
+                    "MLflow experiment knittrans-learning), each run named <arm>-s<seed>: every arm's curves side by "
+                    "side, e.g. tensorboard --logdir RUNS")
     ap.add_argument("--out", required=True)
     args = ap.parse_args(argv)
     arms = list(QUICK_ARMS) if args.quick else [a.strip() for a in args.arms.split(",")]
@@ -267,7 +276,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                 record = reused[key]
             else:
                 folder = run_arm(arm, seed, batches, root / key, args.model_dir, args.timeout_s,
-                                 checkpoint_every=args.checkpoint_every)
+                                 checkpoint_every=args.checkpoint_every, logger=args.logger)
                 if args.task_success:  # the trained policy on fresh prompts
                     task_success(str(folder / "final_hf"), folder / AFTER)
                 record = read_arm(folder)

@@ -142,6 +142,7 @@ def train(argv: Sequence[str]) -> int:
     """``knit train``: the Megatron-core trainer (``--nproc`` local ranks, or one rank under torchrun)."""
     from train.config import ModelConfig, TrainConfig
     from train.launch import LOG_FORMAT, launch
+    from train.tracking import check_installed
 
     def extra(p: argparse.ArgumentParser) -> None:
         p.add_argument("--nproc", type=int, default=1, help="ranks to start locally when not under torchrun")
@@ -153,6 +154,11 @@ def train(argv: Sequence[str]) -> int:
 
     config, args = _parse_config("knit train", "Megatron-core GRPO trainer fed by knittrans stores.", TrainConfig,
                                  argv, extra=extra, base=base)
+    try:
+        check_installed(config.tracking)
+    except ImportError as exc:
+        print(f"knit train: {exc}", file=sys.stderr)
+        return 2
     logging.basicConfig(level=logging.INFO, format=LOG_FORMAT.replace("{rank}", os.environ.get("RANK", "0")))
     try:
         launch(config, nproc=args.nproc)  # SIGTERM stops the local ranks too

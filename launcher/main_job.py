@@ -25,6 +25,7 @@ from launcher.model import RUN_MODELS, prepare_model
 from launcher.ray_deploy import RayNodeLostError, run_on_ray
 from launcher.run import COMPARED, RUN_POLICIES, Interrupted, RunConfig, run_policy
 from schemas import documents
+from train.tracking import check_installed
 
 MATCH = 0.95
 """``--match-throughput``: the share of train_batch's throughput (trajectories/s, the summary's) another policy's
@@ -80,6 +81,10 @@ def parse(argv: Sequence[str]) -> tuple[list[RunConfig], argparse.Namespace]:
     except ValueError as exc:
         parser.error(str(exc))
     cfg.out, cfg.model_dir = cfg.out.resolve(), cfg.model_path.resolve()
+    try:
+        check_installed(cfg.tracking)  # before a run that would only warn about it
+    except ImportError as exc:
+        parser.error(str(exc))
     if args.compare and args.policies:
         parser.error("--compare and --policies: give one of them")
     policies = COMPARED if args.compare else args.policies
@@ -200,6 +205,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             urls = result.get("metrics_urls") or []
             if urls:
                 display.note(f"[{cfg.policy}] Prometheus metrics were served at {', '.join(urls)}")
+            files = [name for name in cfg.tracking.logger if name != "console"]
+            if files:  # where each step's figures went (train.step_tracking)
+                display.note(f"[{cfg.policy}] {', '.join(files)}: each step's figures in "
+                             f"{cfg.tracking.tracking_dir or cfg.out}")
             return result
 
         for cfg in configs:

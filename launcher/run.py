@@ -63,6 +63,7 @@ from launcher.progress import LiveState
 from launcher.stores import Stores
 from schemas import documents
 from train.config import ModelConfig, ObjectiveConfig, OptimConfig, ParallelConfig, TrainConfig
+from train.tracking import TrackingConfig
 
 log = logging.getLogger(__name__)
 
@@ -165,6 +166,9 @@ class RunConfig:
     max_rollout_restarts: int = 3
     """Times the driver takes the run up again after its rollout process died (its prompts in flight go out
     again) before the run fails."""
+    tracking: TrackingConfig = field(default_factory=TrackingConfig)
+    """Experiment tracking of each step (the trainer's rank 0 logs it): ``--logger console,tensorboard,wandb,mlflow``,
+    writing in the run folder unless ``--tracking-dir`` says otherwise."""
 
     def __post_init__(self) -> None:
         quotas = self.admission.quotas
@@ -249,7 +253,7 @@ def store_configs(cfg: RunConfig, placement: Placement | None = None) -> list[Se
 
 def train_config(cfg: RunConfig, model: ModelConfig, stores: list[str], links: LinkModel | None = None) -> TrainConfig:
     """The trainer's config: the run's admission (with the hosts of the nodes and ranks, ``links``) and optimizer,
-    publishing weights, reports in the run folder."""
+    publishing weights, reports and tracking in the run folder."""
     admission = cfg.admission if links is None else dataclasses.replace(cfg.admission, links=links)
     return TrainConfig(
         stores=stores, model=model, admission=admission, optim=cfg.optim, loss=cfg.loss,
@@ -260,6 +264,7 @@ def train_config(cfg: RunConfig, model: ModelConfig, stores: list[str], links: L
         consumed_path=str(cfg.out / "consumed.parquet"), checkpoint_dir=str(cfg.out / resume.CHECKPOINTS),
         checkpoint_every=cfg.checkpoint_every, trained_path=str(cfg.out / ledger.EVENTS / ledger.TRAINED_EVENTS),
         export_hf_dir=str(cfg.out / "final_hf") if cfg.export_hf else None,
+        tracking=dataclasses.replace(cfg.tracking, tracking_dir=cfg.tracking.tracking_dir or str(cfg.out)),
     )
 
 

@@ -22,6 +22,7 @@ from typing import Any, Literal
 from admission.config import AdmissionConfig
 from flight_store.config import ClientConfig
 from train.hf_config import SHAPE_FIELDS, hf_shape, read_hf_config
+from train.tracking import TrackingConfig
 
 PackMode = Literal["padded", "thd"]
 
@@ -329,6 +330,8 @@ class TrainConfig:
     """Write a checkpoint after every this many optimizer steps (0: only when the run ends)."""
     trained_path: str | None = None
     """Rank 0 appends the groups each step trained and the groups dropped here (``train.trained_log``)."""
+    tracking: TrackingConfig = field(default_factory=TrackingConfig)
+    """Rank 0's experiment tracking: ``--logger`` (console, tensorboard, wandb, mlflow) and where they write."""
     resume_path: str | None = None
     """A resume document (``launcher.resume``): the planner's state at the checkpoint of step
     ``initial_version`` in ``checkpoint_dir``, which is loaded (model and optimizer) before the first step."""

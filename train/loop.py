@@ -19,8 +19,9 @@ each step; the off-policy ones and the token staleness, ``train.offpolicy``) plu
 thread: encoding, and waiting for the version before) and ``publish_done_s`` (rank 0: the step's end to its
 version published on every node; rank 0 records a step then, before releasing its groups).
 Rank 0 appends a :class:`ProgressLine` per step (``progress_path``) and the planner's consumed trajectories
-as they are admitted (``consumed_path``, ``train.planning.ConsumedLog``). Every record goes to disk as the
-run goes: the loop keeps nothing per step or per group in memory.
+as they are admitted (``consumed_path``, ``train.planning.ConsumedLog``), and sends each step's figures to the
+trackers (``TrainConfig.tracking``, ``train.step_tracking``). Every record goes to disk as the run goes: the loop
+keeps nothing per step or per group in memory.
 """
 
 from __future__ import annotations
@@ -42,6 +43,7 @@ from schemas.plan import MiniBatchPlan
 from train.config import TrainConfig
 from train.offpolicy import with_token_staleness
 from train.planning import PlannerLike, PlanSource, StepFigures
+from train.step_tracking import StepTracker, start_tracker
 
 if TYPE_CHECKING:
     from train.checkpointing import Checkpointer
@@ -156,13 +158,14 @@ def run(cfg: TrainConfig, *, planner: PlannerLike | None = None) -> int:
             source = PlanSource(client, planner, supply_from_stores=cfg.supply_from_stores,
                                 consumed_log=stack.enter_context(ConsumedLog(cfg.consumed_path)))
             source.on_settled = trained.settled if trained is not None else None
+        tracker = stack.enter_context(start_tracker(cfg, source)) if source is not None else None
         durable = checkpointing.Checkpointer(cfg, kind.built, trained)
         if source is not None:
             source.stop_requested = durable.stop_requested
         log.info("rank %d ready: %s", env["rank"], env)
         if cfg.publish_weights:  # the rollout starts from the trainer's weights (version initial_version)
             publish_weights(kind.built, client, cfg.initial_version, env, dtype=cfg.publish_dtype)
-        steps = _train(cfg, env, kind, client, source, report, durable)
+        steps = _train(cfg, env, kind, client, source, report, durable, tracker)
         if cfg.save_dir:
             model.save_checkpoint(kind.built.gpt, cfg.save_dir)
         if cfg.export_hf_dir:
@@ -182,12 +185,14 @@ def _build_step(cfg: TrainConfig, env: dict[str, int], client: StoreReader) -> S
 
 
 def _train(cfg: TrainConfig, env: dict[str, int], kind: Step, client: StoreReader, source: PlanSource | None,
-           report: RankReport | None, durable: Checkpointer) -> int:
+           report: RankReport | None, durable: Checkpointer, tracker: StepTracker | None) -> int:
     """The loop: plan (rank 0, broadcast), submit fetches, step, publish the version, release the groups."""
 
     def record(step: StepRecord) -> None:
         if report is not None:
             report.add(step)
+        if tracker is not None:  # rank 0
+            tracker.log(step.to_json())
         if source is not None and cfg.progress_path:  # rank 0
             write_progress(cfg.progress_path, ProgressLine.of(step, source.admitted_groups))
 

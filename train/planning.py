@@ -112,6 +112,8 @@ class PlanSource:
         """Where the consumed trajectories go (by default: only their per-step figures)."""
         self.admitted_groups = 0
         """Groups admitted so far."""
+        self.planner_s = 0.0
+        """Seconds spent in the planner's ``update`` so far."""
         self.dropped: Counter[str] = Counter()
         """Groups dropped so far, per reason."""
         self.on_settled: Callable[[pl.DataFrame, pl.DataFrame], None] | None = None
@@ -145,10 +147,12 @@ class PlanSource:
             return []
         inflight, running = self._supply() if self._from_stores else (self._inflight, True)
         self.exact_updates += self._from_stores and inflight is not None
+        t0 = time.perf_counter()
         plans = self._planner.update(self._frame, inflight=inflight, current_version=current_version)
         if not plans and inflight is not None and not running:
             plans = self._planner.update(self._frame, inflight=None, current_version=current_version)
             self.stall_releases += bool(plans)
+        self.planner_s += time.perf_counter() - t0
         self._settle()
         if isinstance(inflight, pl.DataFrame):
             self._publish_demand(inflight if waiting and not plans else None)
