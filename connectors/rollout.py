@@ -36,7 +36,6 @@ Example:
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import signal
@@ -64,6 +63,8 @@ from connectors.weight_sync import WeightSync
 from connectors.writer import GroupWriter
 from schemas.images import images_to_table
 from schemas.ledger import Reissue, RolloutResume
+from schemas.run_folder import write_document
+from schemas.run_records import RolloutRecord
 from schemas.wire import DispatchedGroup
 
 if TYPE_CHECKING:
@@ -434,5 +435,5 @@ def run_rollout(config: RolloutConfig, *, engine: RolloutEngine | None = None) -
     with RolloutWorker(config, engine=engine) as worker, _stop_on_signals(worker):
         report = worker.run()
     if config.report_path:
-        Path(config.report_path).write_text(json.dumps(report.to_dict(), indent=1))
+        write_document(RolloutRecord.model_validate(report.to_dict()), config.report_path)
     return report

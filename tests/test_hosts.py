@@ -222,7 +222,7 @@ def test_a_store_host_cut_off_is_recorded_as_unreachable_and_back(make_hosts, tm
         assert cut_at - 1.0 <= outage.died_at <= cut_at + 2  # (a probe sent just before the cut may miss)
         assert outage.back_at is not None and restored_at <= outage.back_at <= restored_at + 10
         assert outage.died_at <= found_at < restored_at <= outage.back_at  # one outage spans the whole cut
-        assert outage.to_dict()["cause"] == "unreachable"
+        assert outage.record().cause == "unreachable"
 
 
 def test_a_store_host_cut_off_longer_than_the_start_timeout_is_lost_for_good(make_hosts, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
