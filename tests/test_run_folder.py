@@ -320,6 +320,18 @@ def test_no_import_cycle_counting_imports_inside_functions(package: str) -> None
     assert _cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]  # the search finds one
 
 
-def test_the_frames_schemas_and_adapters_are_the_contract() -> None:
+def _polars(schema: pa.Schema) -> dict[str, Any]:
+    return dict(pl.from_arrow(schema.empty_table()).schema)  # type: ignore[union-attr]
+
+
+def test_the_frames_the_planner_and_the_store_build_are_the_contracts() -> None:
+    """The planner's consumed frame and the store reader's in-flight frame have the columns and types of the run
+    folder's schemas, so what ``consumed.parquet`` holds is what the readers check it against."""
+    from admission.planner import CONSUMED_SCHEMA
+    from flight_store.reading import INFLIGHT_COLUMNS
+    from launcher.ledger import LEDGER_SCHEMA
+
+    assert _polars(CONSUMED_FRAME) == dict(CONSUMED_SCHEMA)
+    assert _polars(INFLIGHT_FRAME) == dict(INFLIGHT_COLUMNS)
+    assert _polars(LEDGER_FRAME) == dict(LEDGER_SCHEMA)
     assert isinstance(ROLLOUT_EVENT, TypeAdapter) and isinstance(TRAINED_EVENT, TypeAdapter)
-    assert "arch_staleness" in CONSUMED_FRAME.names and LEDGER_FRAME.field("trained_step").type == pa.int64()
