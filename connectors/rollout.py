@@ -45,7 +45,6 @@ from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import UTC, datetime
-from pathlib import Path
 from typing import TYPE_CHECKING
 
 import pyarrow as pa
@@ -63,7 +62,7 @@ from connectors.weight_sync import WeightSync
 from connectors.writer import GroupWriter
 from schemas.images import images_to_table
 from schemas.ledger import Reissue, RolloutResume
-from schemas.run_folder import write_document
+from schemas.run_folder import read_document, write_document
 from schemas.run_records import RolloutRecord
 from schemas.wire import DispatchedGroup
 
@@ -142,7 +141,7 @@ class RolloutWorker:
                 else mixed_prompts(config.data_sources, seed=config.seed, chunk=config.mix_chunk)
             )
         self._events = RolloutEvents(config.events_path)
-        resume = (RolloutResume.model_validate_json(Path(config.resume_path).read_text()) if config.resume_path
+        resume = (read_document(RolloutResume, config.resume_path) if config.resume_path
                   else None)
         again: list[tuple[Reissue, Prompt]] = []
         if resume is not None:  # the stream goes on after the prompts drawn before; some go out again first

@@ -154,9 +154,9 @@ def prepare(out: Path, res: Resumption, admission: AdmissionConfig, locations: l
     folder = out / "resume"
     folder.mkdir(exist_ok=True)
     trainer = folder / f"trainer.life{res.life}.json"
-    trainer.write_text(TrainerResume(life=res.life, step=res.step, planner=planner.to_dict()).model_dump_json())
+    run_folder.write_document(TrainerResume(life=res.life, step=res.step, planner=planner.to_dict()), trainer)
     rollout = folder / f"rollout.life{res.life}.json"
-    rollout.write_text(RolloutResume(life=res.life, drawn=h.drawn, reissue=reissue).model_dump_json())
+    run_folder.write_document(RolloutResume(life=res.life, drawn=h.drawn, reissue=reissue), rollout)
     append_line(out / RESUMES, ResumeRecord(life=res.life, step=res.step, launched_at=res.launched_at, cause=cause,
                                             prompts_drawn=h.drawn, groups_kept=keep, rolled_back=len(h.rolled_back),
                                             reissued=dict(Counter(r.reason for r in reissue))))

@@ -13,6 +13,7 @@ Example:
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any
 
@@ -204,8 +205,6 @@ def read_summary(path: str | Path) -> RunSummary:
     Raises:
         RunFolderError: the file is missing, damaged, of another version, or lacks a field.
     """
-    import json
-
     p = Path(path)
     try:
         version = json.loads(p.read_bytes()).get("contract_version")
