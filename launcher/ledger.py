@@ -1,18 +1,17 @@
 """The prompt ledger of a run folder: every prompt, every attempt at it, and whether the surviving weights trained it.
 
 Built from the append-only event logs the processes write (``schemas.ledger``'s events, read through
-``schemas.run_folder``): the rollout's
-(``events/rollout.jsonl``: each prompt drawn, each group dispatched), the trainer's (``events/trained.jsonl``:
-the groups each step trained, the groups dropped, and the launcher's ``resume`` lines) and the stores'
-metadata (``metadata.parquet``: which groups came back, with which status).
+``schemas.run_folder``): the rollout's (``events/rollout.jsonl``: each prompt drawn, each group dispatched), the
+trainer's (``events/trained.jsonl``: the groups each step trained, the groups dropped, and the launcher's
+``resume`` lines) and the stores' metadata (``metadata.parquet``: which groups came back, with which status).
 
 Which trained steps survive: a ``resume`` line with step ``S`` means the weights were restored from the
 checkpoint of step ``S``, so the step lines before it with a step ``>= S`` were taken by weights that are
 gone; their groups are *rolled back* (released, never trained again) and their prompts dispatched again.
 Every other step line counts. So "each prompt trained once" is checked against the weights that survive.
 
-``ledger.parquet``: one row per prompt and attempt, ``schemas.run_frames.LEDGER_FRAME``. The check is one polars query
-(:func:`exceptions`): each prompt has exactly one attempt with a ``trained_step``.
+``ledger.parquet``: one row per prompt and attempt, ``schemas.run_frames.LEDGER_FRAME``. The check is one polars
+query (:func:`exceptions`): each prompt has exactly one attempt with a ``trained_step``.
 
 Example::
 

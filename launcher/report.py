@@ -1,9 +1,10 @@
 """The report of a ``knit run``: per-policy figures from the run folder, ``summary.json`` and PNG plots.
 
-Inputs (written by the processes of the run, see ``launcher.run``): ``trainer_rank{r}.json`` (per-step
-metrics and what each rank received), ``consumed.parquet`` (the planner's consumed trajectories with
-their architectural staleness), ``progress.jsonl``, ``rollout.json``, ``metadata.parquet`` (the
-stores' metadata at the end), ``store_stats.json``.
+Inputs (written by the processes of the run, see ``launcher.run``; read through ``schemas.run_folder`` as
+their models): ``trainer_rank{r}.json`` (``RankReportDocument``: per-step records and what each rank received),
+``consumed.parquet`` (``CONSUMED_FRAME``: the planner's consumed trajectories with their architectural staleness),
+``rollout.json`` (``RolloutRecord``), ``resumes.jsonl`` (``ResumeRecord``). The figures are a
+``schemas.run_summary.PolicySummary``; :func:`write_summary` writes ``summary.json`` (``RunSummary``).
 
 Figures per policy (``policy_summary``):
 
