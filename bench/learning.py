@@ -48,6 +48,10 @@ from pathlib import Path
 from typing import Any
 
 from bench._common import pyplot, write_result
+from bench.task_success import read_successes
+from schemas import run_folder
+from schemas.run_records import RankReportDocument
+from schemas.run_summary import read_summary
 
 ROOT = Path(__file__).resolve().parents[1]
 ARMS: dict[str, tuple[str, str, bool]] = {
@@ -72,7 +76,7 @@ def run_arm(arm: str, seed: int, train_batches: int, out: Path, model_dir: Path 
     """One ``knit run`` of ``arm``; returns its run folder (the policy's folder holds the trainer's reports). A folder
     that already holds the finished run (``summary.json``: an earlier invocation with the same ``--runs``) is
     read, not run again. ``logger``: the run's trackers (``knit run --logger``), its curves named by its folder."""
-    if (out / "summary.json").is_file():
+    if (out / run_folder.SUMMARY).is_file():
         return out
     policy, objective, partial = ARMS[arm]
     cmd = [sys.executable, "-m", "launcher", "run", "--plain", "--model", "smollm2-135m", "--policy", policy,
@@ -105,23 +109,21 @@ def task_success(model: str, out: Path) -> dict[str, float]:
 
 def _successes(path: Path) -> dict[str, float]:
     """The success per data source of a ``bench.task_success`` result."""
-    metrics = json.loads(path.read_text())["metrics"]
-    return {k: round(float(v), 4) for k, v in metrics.items() if k.endswith("_success")}
+    return {k: round(v, 4) for k, v in read_successes(path).items()}
 
 
 def read_arm(folder: Path) -> dict[str, Any]:
     """One run's curves and figures: reward per train batch, the wall time each train batch ended, off-policy."""
-    summary = json.loads((folder / "summary.json").read_text())
-    (result,) = summary["policies"].values()
-    steps = json.loads((folder / "trainer_rank0.json").read_text())["steps"]
-    start = min(s["t_end"] - s["step_time_s"] for s in steps)
+    (result,) = read_summary(folder / run_folder.SUMMARY).policies.values()
+    steps = run_folder.read_document(RankReportDocument, folder / "trainer_rank0.json").steps
+    start = min(s.t_end - s.step_time_s for s in steps)
     ends: dict[int, float] = {}
     for s in steps:
-        ends[s["train_batch"]] = max(ends.get(s["train_batch"], 0.0), s["t_end"] - start)
-    reward = [float(r) for r in result["reward_per_train_batch"]]
+        ends[s.train_batch] = max(ends.get(s.train_batch, 0.0), s.t_end - start)
+    reward = [float(r) for r in result.reward_per_train_batch]
     after = folder / AFTER
     return {"reward": reward, "wall_s": [ends[b] for b in sorted(ends)][:len(reward)],
-            "offpolicy": result.get("offpolicy", {}), "arch_staleness_mean": result.get("arch_staleness_mean"),
+            "offpolicy": result.offpolicy.model_dump(), "arch_staleness_mean": result.arch_staleness_mean,
             "task_success_after": _successes(after) if after.is_file() else None}
 
 

@@ -37,7 +37,6 @@ Example::
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import signal
@@ -47,7 +46,6 @@ from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import UTC, datetime
-from pathlib import Path
 from typing import TYPE_CHECKING
 
 import pyarrow as pa
@@ -66,6 +64,8 @@ from connectors.writer import GroupWriter
 from schemas import routing
 from schemas.images import images_to_table
 from schemas.ledger import Reissue, RolloutResume
+from schemas.run_folder import read_document, write_document
+from schemas.run_records import RolloutRecord
 from schemas.wire import DispatchedGroup
 
 if TYPE_CHECKING:
@@ -143,7 +143,7 @@ class RolloutWorker:
                 else mixed_prompts(config.data_sources, seed=config.seed, chunk=config.mix_chunk)
             )
         self._events = RolloutEvents(config.events_path)
-        resume = (RolloutResume.model_validate_json(Path(config.resume_path).read_text()) if config.resume_path
+        resume = (read_document(RolloutResume, config.resume_path) if config.resume_path
                   else None)
         again: list[tuple[Reissue, Prompt]] = []
         if resume is not None:  # the stream goes on after the prompts drawn before; some go out again first
@@ -436,5 +436,5 @@ def run_rollout(config: RolloutConfig, *, engine: RolloutEngine | None = None) -
     with RolloutWorker(config, engine=engine) as worker, _stop_on_signals(worker):
         report = worker.run()
     if config.report_path:
-        Path(config.report_path).write_text(json.dumps(report.to_dict(), indent=1))
+        write_document(RolloutRecord.model_validate(report.to_dict()), config.report_path)
     return report

@@ -133,14 +133,6 @@ def test_schemas_never_name_flight() -> None:
         assert "pyarrow.flight" not in path.read_text(), path
 
 
-KNOWN_CYCLES: list[frozenset[str]] = [
-    # train.loop's ConsumedEntry, read by the trainers' steps: moves into schemas/ on its own branch, which
-    # removes this cycle; delete this entry when that branch merges.
-    frozenset({"train.loop", "train.trainer", "train.mm_trainer"}),
-]
-"""Import cycles known and being broken elsewhere; any other cycle fails the test."""
-
-
 def project_modules() -> dict[str, Path]:
     """Every module of the project's packages, by dotted name."""
     return {module_name(path): path for package in PACKAGES for path in sorted((ROOT / package).rglob("*.py"))}
@@ -214,7 +206,7 @@ def cycles(graph: dict[str, set[str]]) -> list[frozenset[str]]:
 
 
 def test_no_import_cycle_local_imports_included() -> None:
-    unknown = [sorted(c) for c in cycles(import_graph()) if c not in KNOWN_CYCLES]
+    unknown = [sorted(c) for c in cycles(import_graph())]
     assert not unknown, f"modules that import each other (imports inside functions counted): {unknown}"
 
 

@@ -256,11 +256,6 @@ class StepFigures:
     reward_mean: float | None
     """Mean reward of the step's trajectories."""
 
-    def to_json(self) -> dict[str, float | int | None]:
-        """The figures as the progress line's fields."""
-        return {"arch_staleness_mean": self.arch_staleness_mean, "arch_staleness_max": self.arch_staleness_max,
-                "reward_mean": self.reward_mean}
-
 
 class ConsumedLog:
     """Rank 0's record of the trajectories the planner admitted, kept on disk rather than in memory.

@@ -18,7 +18,7 @@ The figures of a step (``summary.json``'s name where it has one; ``a/b`` is its 
   start-up) and ``exposed_wait_s/0`` (rank 0's step loop blocked on data);
 * the step's time split ``step_s/step``, ``step_s/compute`` (the step less its exposed wait),
   ``step_s/publish_blocking``, ``step_s/published_after``; ``transfer_latency_ms/mean`` (fetch per micro-batch);
-* the off-policy figures ``offpolicy/<key>`` (``train.offpolicy.OFFPOLICY_KEYS``);
+* the off-policy figures ``offpolicy/<key>`` (``schemas.run_records.OFFPOLICY_KEYS``);
 * ``planner_s``: seconds the planner spent planning since the step before;
 * per store node ``store/<node>/memory_used``, ``memory_rss``, ``bytes`` (payload held), and its put and fetch
   rates since the step before, ``bytes_in_per_s``, ``bytes_out_per_s``, ``rows_stored_per_s``;
@@ -39,7 +39,7 @@ from typing import TYPE_CHECKING, Any
 
 import polars as pl
 
-from train.offpolicy import OFFPOLICY_KEYS
+from schemas.run_records import OFFPOLICY_KEYS
 from train.tracking import Tracking
 
 if TYPE_CHECKING:

@@ -21,15 +21,13 @@ import logging
 import time
 from collections.abc import Iterator
 from functools import partial
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from flight_store.reading import StoreReader
 from schemas.plan import MicroBatch, MiniBatchPlan
+from schemas.run_records import ConsumedEntry, RowEntry
 from train.config import PackMode, TrainConfig
 from train.packing import TRAIN_COLUMNS, pack_tensors
-
-if TYPE_CHECKING:
-    from train.loop import ConsumedEntry
 
 log = logging.getLogger(__name__)
 
@@ -79,7 +77,8 @@ class TextStep:
                 fetch_s.append(got.fetch_s)
                 nbytes += got.value["bytes"]
                 modes.add(got.value["logprobs_mode"])
-                consumed.extend(["row", plan.step, g, i] for g, i in got.value.get("keys", []))
+                consumed.extend(RowEntry(step=plan.step, group_id=g, sample_idx=i)
+                                for g, i in got.value.get("keys", []))
                 yield backbone.to_device(got.value["tensors"], dev)
 
         def forward_step(data_iterator: Iterator[dict[str, Any]], gpt: Any) -> tuple[Any, Any]:
