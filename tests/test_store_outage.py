@@ -26,6 +26,7 @@ from connectors.rollout import RolloutWorker
 from flight_store.config import ClusterMember, ServerConfig, StoreConfig
 from flight_store.errors import NodeUnavailableError
 from flight_store.net import free_port
+from flight_store.publishing import StorePublisher
 from flight_store.reading import StoreReader
 from flight_store.writing import StoreWriter
 from launcher.children import Children
@@ -70,7 +71,8 @@ def test_a_killed_node_comes_back_on_its_port_with_every_acknowledged_group(  # 
             held = before.filter(before["node"] == node0)["group_id"].unique().to_list()
             assert held, "routing gave node0 no group"
             client.release([held[0]])
-            client.publish_version(3)
+            with StorePublisher.sharing(client) as publisher:
+                publisher.publish_version(3)
 
             killed = _kill(tmp_path, "store0")
             _wait_down(stores, 0)
@@ -138,7 +140,8 @@ def test_the_rollout_writes_through_a_store_restart(tmp_path: Path) -> None:
                             group_id_prefix="t-")
         result: dict[str, Any] = {}
         with StoreReader(locs, retries=20, backoff=0.05, timeout=5) as client, StoreWriter.sharing(client) as writer:
-            client.publish_version(2)
+            with StorePublisher.sharing(client) as publisher:
+                publisher.publish_version(2)
             worker = KillsAStore(cfg, client=writer, engine=FakeEngine(max_steps=3))
 
             def run() -> None:
