@@ -138,7 +138,7 @@ def _mini_batch(groups: _Groups, step: int, t: int, k: int, names: list[str],
     cut[1:] = ((key[1:] != key[:-1]) | (item_group[1:] != item_group[:-1]) | (node[1:] != node[:-1])
                | (sample[1:] != sample[:-1] + 1))
     heads = np.flatnonzero(cut)
-    tails = np.r_[heads[1:], row.size] - 1
+    tails = np.r_[heads[1:], row.size][: heads.size] - 1
     slices = _trusted(PlannedSlice, [
         {"node": a, "group_id": b, "start": s, "stop": e} for a, b, s, e in zip(
             map(groups.node_names.__getitem__, node[heads].tolist()),

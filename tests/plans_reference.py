@@ -1,7 +1,7 @@
 """The plan builder as a plain reference: per-row Python, first-fit decreasing per rank, validated models.
 
-``tests/test_admission_plans.py`` checks that :func:`admission.plans.build_plans` and
-:func:`admission.packing.pack_micro_batches` give exactly what these give.
+``tests/test_admission_plans.py`` checks that :func:`admission.plans.build_plans`,
+:func:`admission.packing.pack_micro_batches` and the planner's consumed frame are exactly what these give.
 """
 
 from __future__ import annotations
@@ -14,7 +14,9 @@ import polars as pl
 
 from admission.assignment import assign_groups
 from admission.config import AdmissionConfig
-from admission.packing import trajectory_cost
+from admission.packing import advantage_expr, trajectory_cost
+from admission.planner import CONSUMED_SCHEMA
+from admission.staleness import staleness_exprs
 from schemas.plan import MicroBatch, MiniBatchPlan, PlannedSlice, RankPlan
 
 Batch = tuple[int, int, int, list[str]]
@@ -109,3 +111,41 @@ def micro_batch(by_group: dict[str, dict[str, list[Any]]], rows: list[tuple[str,
         advs.append(float(grp["adv"][j]))
         tokens += int(grp["tok"][j])
     return MicroBatch(slices=slices, advantages=advs, tokens=tokens, oversized=oversized)
+
+
+def plans_and_consumed(meta: pl.DataFrame, cands: pl.DataFrame, batches: list[Batch], config: AdmissionConfig,
+                       current_version: int) -> tuple[list[MiniBatchPlan], pl.DataFrame]:
+    """The planner's plans and consumed frame through :func:`build_plans`, with a join per table."""
+    if not batches:
+        return [], pl.DataFrame(schema=CONSUMED_SCHEMA)
+    assign = [(name, step, t, k) for step, t, k, names in batches for name in names]
+    a = pl.DataFrame({"group_id": [x[0] for x in assign], "step": [x[1] for x in assign],
+                      "train_batch": [x[2] for x in assign], "position": [x[3] for x in assign]},
+                     schema={"group_id": pl.String, "step": pl.Int64, "train_batch": pl.Int64, "position": pl.Int64})
+    g = pl.col("group_id")
+    has_bytes = "bytes" in meta.columns
+    nbytes = pl.col("bytes").cast(pl.Int64) if has_bytes else pl.col("_tok")
+    rows = (
+        meta.filter(g.is_in(a["group_id"].implode()))
+        .select(["group_id", "node", "sample_idx", "policy_version", "policy_version_min", "prompt_len",
+                 "response_len", "reward", *(["bytes"] if has_bytes else [])])
+        .with_columns(pl.col("reward").cast(pl.Float64),
+                      advantage_expr(config.grpo).cast(pl.Float64).alias("advantage"),
+                      (pl.col("prompt_len").cast(pl.Int64) + pl.col("response_len").cast(pl.Int64)).alias("_tok"))
+        .with_columns(nbytes.alias("_bytes"))
+        .sort(["group_id", "sample_idx"])
+    )
+    plans, rank_of = build_plans(rows, batches, config)
+    ranks_frame = pl.DataFrame({"group_id": list(rank_of), "dp_rank": list(rank_of.values())},
+                               schema={"group_id": pl.String, "dp_rank": pl.Int64})
+    consumed = (
+        rows.join(a, on="group_id").join(ranks_frame, on="group_id")
+        .with_columns(pl.lit(current_version, dtype=pl.Int64).alias("admitted_at_version"))
+        .with_columns(staleness_exprs(config.mini_batches))
+        .select([pl.col(c).cast(dt) for c, dt in CONSUMED_SCHEMA.items()])
+        .sort(["step", "group_id", "sample_idx"])
+    )
+    if config.quota_columns:
+        qv = cands.select(["group_id", *config.quota_columns])
+        consumed = consumed.join(qv, on="group_id", how="left").sort(["step", "group_id", "sample_idx"])
+    return plans, consumed
