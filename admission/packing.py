@@ -22,7 +22,7 @@ import polars as pl
 from admission.config import GrpoConfig
 
 _SEALED = np.iinfo(np.int64).max // 4
-"""Load of an oversized micro-batch: no other trajectory fits beside it."""
+"""Taken from an oversized micro-batch's room: no other trajectory fits beside it."""
 
 
 def advantage_expr(grpo: GrpoConfig, *, reward: str = "reward", group: str = "group_id") -> pl.Expr:
@@ -85,41 +85,57 @@ def _first_fit(rank: np.ndarray, local: np.ndarray, tokens: np.ndarray, counts: 
                budget: int) -> tuple[np.ndarray, np.ndarray]:
     """First-fit decreasing on every rank at once: the bin of each item and each rank's bin count.
 
-    Row ``i`` of the matrices is the rank with the ``i``-th most items, so the ranks that have an item at
-    sorted position ``p`` are the first rows; unopened bins have load 0, so the first bin an item fits is
-    an open one or the next to open.
+    Row ``i`` of the room matrix (tokens each bin has left) is the rank with the ``i``-th most items, so the
+    ranks that have an item at sorted position ``p`` are its first rows; an unopened bin has the whole budget,
+    so the first bin an item fits is an open one or the next to open.
     """
     ranks = counts.size
-    order = np.lexsort((local, -tokens, rank))  # per rank, longest first, ties in rank order
+    order = _longest_first(rank, local, tokens)
     row_rank = np.argsort(-counts, kind="stable")
     row_of = np.empty(ranks, dtype=np.int64)
     row_of[row_rank] = np.arange(ranks)
     width = int(counts.max())
     pos = np.arange(rank.size) - (np.cumsum(counts) - counts)[rank[order]]  # place in the rank's sorted order
     rows = row_of[rank[order]]
-    sorted_tok = np.zeros((ranks, width), dtype=np.int64)
-    sorted_tok[rows, pos] = tokens[order]
+    sorted_tok = np.zeros((width, ranks), dtype=np.int64)  # [position, row]
+    sorted_tok[pos, rows] = tokens[order]
     active = np.searchsorted(-counts[row_rank], -np.arange(width), side="left")  # rows with an item at p
-    loads = np.zeros((ranks, width + 1), dtype=np.int64)
+    any_over = (sorted_tok > budget).any(axis=1)
+    room = np.full((ranks, width + 1), budget, dtype=np.int64)
+    flat = room.reshape(-1)
+    base = np.arange(ranks, dtype=np.int64) * (width + 1)
     opened = np.zeros(ranks, dtype=np.int64)
-    bin_at = np.zeros((ranks, width), dtype=np.int64)
+    bin_at = np.zeros((width, ranks), dtype=np.int64)
+    w = 1
     for p in range(width):
         k = int(active[p])
-        t = sorted_tok[:k, p]
-        w = int(opened[:k].max()) + 1
-        b = np.argmax(loads[:k, :w] + t[:, None] <= budget, axis=1)
-        over = t > budget
-        rows_k = np.arange(k)
-        if over.any():
-            b = np.where(over, opened[:k], b)
-            loads[rows_k, b] += np.where(over, _SEALED, t)
+        t = sorted_tok[p, :k]
+        b = np.argmax(room[:k, :w] >= t[:, None], axis=1)
+        at = base[:k]
+        if any_over[p]:
+            over = t > budget
+            b[over] = opened[:k][over]
+            at = at + b
+            flat[at] -= np.where(over, _SEALED, t)
         else:
-            loads[rows_k, b] += t
+            at = at + b
+            flat[at] -= t
         np.maximum(opened[:k], b + 1, out=opened[:k])
-        bin_at[:k, p] = b
+        bin_at[p, :k] = b
+        w = max(w, int(b.max()) + 2)
     micro = np.empty(rank.size, dtype=np.int64)
-    micro[order] = bin_at[rows, pos]
+    micro[order] = bin_at[pos, rows]
     return micro, opened[row_of]
+
+
+def _longest_first(rank: np.ndarray, local: np.ndarray, tokens: np.ndarray) -> np.ndarray:
+    """The items by rank, then decreasing tokens, then rank order: a stable sort of one integer key where the
+    key fits 63 bits (the items are rank-major, so stability keeps the rank order), else a lexical sort."""
+    lo, hi = int(tokens.min()), int(tokens.max())
+    span = hi - lo + 1
+    if int(rank[-1]) + 1 < (1 << 62) // span:
+        return np.argsort(rank * span + (hi - tokens), kind="stable")
+    return np.lexsort((local, -tokens, rank))
 
 
 def _equalise(rank: np.ndarray, local: np.ndarray, tokens: np.ndarray, micro: np.ndarray, bins: np.ndarray,

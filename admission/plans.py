@@ -47,13 +47,15 @@ _set = object.__setattr__
 
 
 class _Groups:
-    """The admitted groups' rows as arrays: one run of rows per group, in frame order within the group."""
+    """The admitted groups' rows as arrays: one run of rows per group, the groups in id order (so a group's
+    index orders groups as their ids do), the rows of a group in frame order."""
 
     def __init__(self, rows: pl.DataFrame, config: AdmissionConfig) -> None:
-        starts, names = _runs(rows)
-        if len(set(names)) != len(names):  # a group's rows apart: gather them, keeping their order
+        starts, ids = _runs(rows)
+        if not ids.is_sorted():  # groups apart or out of id order: gather them in id order, rows in their order
             rows = rows.sort("group_id", maintain_order=True)
-            starts, names = _runs(rows)
+            starts, ids = _runs(rows)
+        names: list[str] = ids.to_list()
         self.names = names
         self.index = {n: i for i, n in enumerate(names)}
         self.start = starts
@@ -77,13 +79,13 @@ class _Groups:
         self.nbytes = (np.add.reduceat(nbytes, starts) if starts.size else np.zeros(0)).astype(np.float64)
 
 
-def _runs(rows: pl.DataFrame) -> tuple[np.ndarray, list[str]]:
+def _runs(rows: pl.DataFrame) -> tuple[np.ndarray, pl.Series]:
     """The first row of each run of equal ``group_id`` and the run's id."""
     if rows.height == 0:
-        return np.zeros(0, dtype=np.int64), []
+        return np.zeros(0, dtype=np.int64), rows["group_id"]
     run = rows.select(pl.col("group_id").rle_id())["group_id"].to_numpy()
     starts = np.flatnonzero(np.r_[True, run[1:] != run[:-1]]).astype(np.int64)
-    return starts, rows["group_id"].gather(starts).to_list()
+    return starts, rows["group_id"].gather(starts)
 
 
 def build_plans(rows: pl.DataFrame, batches: Sequence[Batch],
@@ -118,9 +120,7 @@ def _mini_batch(groups: _Groups, step: int, t: int, k: int, names: list[str],
     group_rank = np.empty(m, dtype=np.int64)
     group_rank[np.concatenate(members) if members else []] = np.repeat(np.arange(len(split)),
                                                                       [mem.size for mem in members])
-    by_name = np.empty(m, dtype=np.int64)
-    by_name[sorted(range(m), key=names.__getitem__)] = np.arange(m)
-    order = np.lexsort((by_name, group_rank))  # groups by rank, then id
+    order = np.lexsort((gi, group_rank))  # groups by rank, then id
     group_rank = group_rank[order]
     rank_of = {names[i]: r for i, r in zip(order.tolist(), group_rank.tolist(), strict=True)}
     g = gi[order]
