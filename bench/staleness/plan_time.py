@@ -59,7 +59,8 @@ def plan_ms_p50_100k(reps: int = 30) -> float:
 
 def scale_frame(seed: int = 0) -> pl.DataFrame:
     """Metadata of :data:`SCALE_GROUPS` complete groups of :data:`SCALE_GROUP_SIZE` rows on
-    :data:`SCALE_NODES` store nodes (each group on one node, drawn uniformly), with payload bytes."""
+    :data:`SCALE_NODES` store nodes (each group on one node; every node holds 4 or 5 groups, in random order), with
+    payload bytes."""
     rng = np.random.default_rng(seed)
     ng, g = SCALE_GROUPS, SCALE_GROUP_SIZE
     n = ng * g
@@ -67,7 +68,7 @@ def scale_frame(seed: int = 0) -> pl.DataFrame:
     prompt = rng.integers(64, 512, n).astype(np.int32)
     response = rng.integers(50, 4000, n).astype(np.int32)
     return pl.DataFrame({
-        "seq": np.arange(n), "node": np.repeat(nodes[rng.integers(0, SCALE_NODES, ng)], g),
+        "seq": np.arange(n), "node": np.repeat(nodes[rng.permutation(np.arange(ng) % SCALE_NODES)], g),
         "group_id": np.repeat(np.array([f"g{i:06d}" for i in range(ng)]), g),
         "sample_idx": np.tile(np.arange(g, dtype=np.int32), ng), "policy_version": np.zeros(n, dtype=np.int64),
         "prompt_len": prompt, "response_len": response, "reward": rng.random(n).astype(np.float32),
@@ -105,3 +106,12 @@ def plan_ms_p50_scale(assignment: Assignment = "links", reps: int = 20) -> float
             msg = f"expected one admitted mini-batch of {SCALE_GROUPS} groups, got {len(res.plans)}"
             raise RuntimeError(msg)
     return float(statistics.median(ts))
+
+
+def plan_time_metrics(reps: int | None = None) -> dict[str, float]:
+    """The decision times ``bench.staleness`` reports: ``plan_ms_p50_100k`` (p50 of 30 decisions),
+    ``plan_ms_p50_scale`` (the rank split by links) and ``plan_ms_p50_scale_tokens`` (by tokens; p50 of 20 each);
+    ``reps`` decisions each when given."""
+    return {"plan_ms_p50_100k": plan_ms_p50_100k(reps or 30),
+            "plan_ms_p50_scale": plan_ms_p50_scale("links", reps or 20),
+            "plan_ms_p50_scale_tokens": plan_ms_p50_scale("tokens", reps or 20)}
