@@ -100,7 +100,7 @@ def _first_fit(rank: np.ndarray, local: np.ndarray, tokens: np.ndarray, counts: 
     sorted_tok = np.zeros((width, ranks), dtype=np.int64)  # [position, row]
     sorted_tok[pos, rows] = tokens[order]
     active = np.searchsorted(-counts[row_rank], -np.arange(width), side="left")  # rows with an item at p
-    any_over = [bool(x) for x in (sorted_tok > budget).any(axis=1)]
+    any_over = np.asarray((sorted_tok > budget).any(axis=1), dtype=bool).tolist()
     room = np.full((ranks, width + 1), budget, dtype=np.int64)
     flat = room.reshape(-1)
     base = np.arange(ranks, dtype=np.int64) * (width + 1)
