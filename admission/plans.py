@@ -153,8 +153,9 @@ def _mini_batch(groups: _Groups, step: int, t: int, k: int, names: list[str],
     advantages = groups.advantage[row].tolist()
     at = row_at.tolist()
     micro_batches = _trusted(MicroBatch, [
-        {"slices": slices[slice_at[j]:slice_at[j + 1]], "advantages": advantages[at[j]:at[j + 1]],
-         "tokens": tokens[j], "oversized": oversized[j]} for j in range(n_micro)])
+        {"slices": a, "advantages": b, "tokens": c, "oversized": d} for a, b, c, d in zip(
+            map(slices.__getitem__, map(slice, slice_at[:-1], slice_at[1:])),
+            map(advantages.__getitem__, map(slice, at[:-1], at[1:])), tokens, oversized, strict=True)])
     rank_plans = _trusted(RankPlan, [{"dp_rank": r, "micro_batches": micro_batches[r * count:(r + 1) * count]}
                                      for r in range(ranks)])
     plan = _trusted(MiniBatchPlan, [{"step": step, "train_batch": t, "position": k, "group_ids": list(names),
