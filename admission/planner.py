@@ -354,11 +354,11 @@ def _plans_and_consumed(meta: pl.DataFrame, cands: pl.DataFrame, batches: list[B
         meta.filter(g.is_in(pl.Series(names, dtype=pl.String).implode()))
         .select(["group_id", "node", "sample_idx", "policy_version", "policy_version_min", "prompt_len",
                  "response_len", "reward", *(["bytes"] if has_bytes else [])])
-        .sort(["group_id", "sample_idx"])  # first: the windows over a sorted group_id are cheaper
         .with_columns(pl.col("reward").cast(pl.Float64),
                       advantage_expr(config.grpo).cast(pl.Float64).alias("advantage"),
                       (pl.col("prompt_len").cast(pl.Int64) + pl.col("response_len").cast(pl.Int64)).alias("_tok"))
         .with_columns(nbytes.alias("_bytes"))
+        .sort(["group_id", "sample_idx"])  # after the advantages: a group's mean and std sum its rows in frame order
     )
     plans, rank_of = build_plans(rows, batches, config)
     a = pl.DataFrame({"group_id": names,
