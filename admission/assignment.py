@@ -15,7 +15,7 @@ and makes the busiest link's bytes / rate as small as a greedy pass gets it:
    hosts with a rank under the cap;
 4. else, as LPT would, to the least-loaded rank.
 
-Guarantees (``tests/test_admission_properties.py``): whole groups per rank, every group on one rank; every
+Guarantees (``tests/test_admission_assignment.py``): whole groups per rank, every group on one rank; every
 rank gets a group when there are at least D groups; no rank's cost above ``1.05 x`` LPT's largest; the
 busiest link's bytes / rate never above LPT's split (the LPT split is returned when the greedy one is not
 better). Pure: numpy and the standard library only.
