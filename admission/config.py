@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Literal
 
 Policy = Literal["train_batch", "mini_batch", "colocated", "streaming"]
@@ -165,6 +165,13 @@ class LinkModel:
         if not all(isinstance(h, str) and h for h in (*self.node_host.values(), *self.rank_host)):
             msg = f"LinkModel: host names must be non-empty strings, got {dict(self.node_host)} / {self.rank_host}"
             raise ValueError(msg)
+
+    def placed(self, node_host: Mapping[str, str], rank_host: tuple[str, ...]) -> LinkModel:
+        """This model with the hosts a deployment knows, unless this one names hosts already (a user who said where
+        things are is taken at their word); the rates stay."""
+        if self.node_host or self.rank_host:
+            return self
+        return replace(self, node_host=dict(node_host), rank_host=tuple(rank_host))
 
     def host_of_node(self, node: str) -> str:
         """The host of store node ``node`` (the node itself when none is listed)."""

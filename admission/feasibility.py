@@ -166,6 +166,8 @@ def solve_composition(
         return None
     if size == 0 and total == 0:
         return np.zeros(c, dtype=np.int64)
+    if c == 1 and not need:  # no quotas, one class: the checks above are the whole program
+        return np.array([size], dtype=np.int64)
     optimize, sparse = _scipy()
     (rows, cols, vals), lo, hi = _constraints(c, class_values, need, total, size)
     a = sparse.coo_array((vals, (rows, cols)), shape=(len(lo), 2 * c)).tocsr()

@@ -85,7 +85,8 @@ import polars as pl
 
 from admission.config import AdmissionConfig
 from admission.feasibility import InflightSupply, QuotaClasses, quota_classes, solve_composition
-from admission.packing import Batch, advantage_expr, build_plans
+from admission.packing import advantage_expr
+from admission.plans import Batch, build_plans
 from admission.staleness import per_step, staleness_exprs, summary
 from admission.state import PlannerState
 from schemas.plan import MiniBatchPlan
@@ -145,8 +146,6 @@ def _group_table(meta: pl.DataFrame, config: AdmissionConfig,
     done = state.admitted | state.dropped
     if done:
         meta = meta.filter(~pl.col("group_id").is_in(pl.Series(list(done), dtype=pl.String).implode()))
-    if meta["node"].n_unique() > 1:  # a group two nodes hold (a write routed again) is planned from one of them
-        meta = meta.filter(pl.col("node") == pl.col("node").min().over("group_id"))
     f = config.filters
     status = pl.col("status")
     aggs: list[pl.Expr] = [
@@ -166,7 +165,12 @@ def _group_table(meta: pl.DataFrame, config: AdmissionConfig,
     else:
         aggs.append(pl.lit(False).alias("bad_finish"))
     aggs += [pl.col(c).first().cast(pl.String) for c in config.quota_columns]
-    g = meta.group_by("group_id").agg(aggs)
+    g = meta.group_by("group_id").agg(*aggs, (pl.col("node").min() != pl.col("node").max()).alias("two_nodes"))
+    if g["two_nodes"].any():  # a group two nodes hold (a write routed again) is planned from one of them
+        meta = meta.filter(pl.col("node") == pl.col("node").min().over("group_id"))
+        g = meta.group_by("group_id").agg(aggs)
+    else:
+        g = g.drop("two_nodes")
     gsize = config.group_size
     bad = g.filter(pl.col("n_idx") != pl.col("n"))
     if bad.height:
@@ -203,12 +207,12 @@ class _Work:
 
     def admit(self, parts: list[list[int]], cand_keys: list[tuple[str, ...]], config: AdmissionConfig) -> None:
         """Record mini-batches of candidates in order: steps, quota use, roll-over to the next train batch."""
+        cols = config.quota_columns
         for part in parts:
             self.batches.append((self.t * config.mini_batches + self.k, self.t, self.k, part))
-            for i in part:
-                for qi, col in enumerate(config.quota_columns):
-                    kk = (col, cand_keys[i][qi])
-                    self.used[kk] = self.used.get(kk, 0) + 1
+            for qi, col in enumerate(cols):
+                for v in (cand_keys[i][qi] for i in part):
+                    self.used[(col, v)] = self.used.get((col, v), 0) + 1
             self.k += 1
             if self.k == config.mini_batches:
                 self.t, self.k, self.used = self.t + 1, 0, {}
@@ -256,8 +260,8 @@ def _admit(cands: pl.DataFrame, cand_keys: list[tuple[str, ...]], classes: Quota
                               total=total, size=size, weight=weight)
         if x is None:
             return
-        chosen = sorted(int(i) for c in range(n_cls) if x[c]  # candidate order = oldest first
-                        for i in np.flatnonzero(alive & (classes.of == c))[: int(x[c])])
+        chosen = np.sort(np.concatenate([np.flatnonzero(alive & (classes.of == c))[: int(x[c])]  # oldest first
+                                         for c in range(n_cls) if x[c]])).tolist()
         alive[chosen] = False
         if config.policy == "mini_batch":
             w.admit([chosen], cand_keys, config)
@@ -342,36 +346,39 @@ def _plans_and_consumed(meta: pl.DataFrame, cands: pl.DataFrame, batches: list[B
     """The plans of the admitted mini-batches and one consumed row per admitted trajectory."""
     if not batches:
         return [], pl.DataFrame(schema=CONSUMED_SCHEMA)
-    assign = [(name, step, t, k) for step, t, k, names in batches for name in names]
-    a = pl.DataFrame({"group_id": [x[0] for x in assign], "step": [x[1] for x in assign],
-                      "train_batch": [x[2] for x in assign], "position": [x[3] for x in assign]},
-                     schema={"group_id": pl.String, "step": pl.Int64, "train_batch": pl.Int64, "position": pl.Int64})
+    names = [name for *_, part in batches for name in part]
     g = pl.col("group_id")
     has_bytes = "bytes" in meta.columns  # without it, a row's tokens stand for its bytes in the link model
     nbytes = pl.col("bytes").cast(pl.Int64) if has_bytes else pl.col("_tok")
     rows = (
-        meta.filter(g.is_in(a["group_id"].implode()))
+        meta.filter(g.is_in(pl.Series(names, dtype=pl.String).implode()))
         .select(["group_id", "node", "sample_idx", "policy_version", "policy_version_min", "prompt_len",
                  "response_len", "reward", *(["bytes"] if has_bytes else [])])
         .with_columns(pl.col("reward").cast(pl.Float64),
                       advantage_expr(config.grpo).cast(pl.Float64).alias("advantage"),
                       (pl.col("prompt_len").cast(pl.Int64) + pl.col("response_len").cast(pl.Int64)).alias("_tok"))
         .with_columns(nbytes.alias("_bytes"))
-        .sort(["group_id", "sample_idx"])
+        .sort(["group_id", "sample_idx"])  # after the advantages: a group's mean and std sum its rows in frame order
     )
     plans, rank_of = build_plans(rows, batches, config)
-    ranks_frame = pl.DataFrame({"group_id": list(rank_of), "dp_rank": list(rank_of.values())},
-                               schema={"group_id": pl.String, "dp_rank": pl.Int64})
-    consumed = (
-        rows.join(a, on="group_id").join(ranks_frame, on="group_id")
+    a = pl.DataFrame({"group_id": names,
+                      "step": [step for step, _, _, part in batches for _ in part],
+                      "train_batch": [t for _, t, _, part in batches for _ in part],
+                      "position": [k for _, _, k, part in batches for _ in part],
+                      "dp_rank": [rank_of[n] for n in names]},
+                     schema={"group_id": pl.String, "step": pl.Int64, "train_batch": pl.Int64, "position": pl.Int64,
+                             "dp_rank": pl.Int64})
+    consumed = (  # rows come sorted by group and sample: a stable sort by step makes (step, group, sample)
+        rows.join(a, on="group_id", maintain_order="left")
         .with_columns(pl.lit(current_version, dtype=pl.Int64).alias("admitted_at_version"))
         .with_columns(staleness_exprs(config.mini_batches))
         .select([pl.col(c).cast(dt) for c, dt in CONSUMED_SCHEMA.items()])
-        .sort(["step", "group_id", "sample_idx"])
     )
+    if len(batches) > 1:
+        consumed = consumed.sort("step", maintain_order=True)
     if config.quota_columns:
         qv = cands.select(["group_id", *config.quota_columns])
-        consumed = consumed.join(qv, on="group_id", how="left")
+        consumed = consumed.join(qv, on="group_id", how="left", maintain_order="left")
     return plans, consumed
 
 

@@ -1,4 +1,4 @@
-"""Flight data-plane throughput: DoGet vs memcpy, metadata scans vs payload size, micro-batch latency.
+"""Flight data-plane throughput: payload reads vs memcpy, metadata scans vs payload size, micro-batch latency.
 
 ``python -m bench.flight_throughput [--quick] [--hosts] --out results/flight_throughput.json``
 
@@ -8,12 +8,13 @@ bridge, see ``bench._hosts``), so each byte crosses a real network stack (veth) 
 
 In one run:
 
-(a) DoGet of micro-batch slices (8 trajectories each) totalling >= 256 MiB (quick: 64 MiB) per
+(a) reads of micro-batch slices (8 trajectories each) totalling >= 256 MiB (quick: 64 MiB) per
     pass, best of 3 passes, from a store node in ANOTHER PROCESS (``python -m flight_store --config``
     on a free port), against the baseline: copying the same bytes in-process into newly
     allocated buffers, both kept alive for the pass. The headline is the trainer's path,
     ``StoreReader.stream`` (one read per micro-batch over the node's read channel, read in order);
-    ``doget_per_call_gbps`` is one ``StoreReader.fetch`` per micro-batch, each followed by its copy.
+    ``doget_per_call_gbps`` is one ``StoreReader.fetch`` per micro-batch, each followed by its copy (the
+    ``doget_*`` keys name the payload read, over whichever call the client makes).
     All of (a) runs in a child process with the system allocator and a fixed mmap threshold, so every
     buffer on BOTH sides
     is fresh memory (first-touch pages; the heap below that threshold is recycled normally, see
@@ -45,56 +46,15 @@ import numpy as np
 import pyarrow as pa
 
 from bench._common import pyplot, timer, write_result
-from bench._hosts import network_mode, run_in_hosts, start_node
-from flight_store.config import ServerConfig, StoreConfig
+from bench._hosts import network_mode, run_in_hosts
+from bench.store_groups import BYTES_PER_TOKEN, make_group, start_store_process
 from flight_store.node import NodeProcess
 from flight_store.reading import StoreReader
 from flight_store.server import StoreServer
 from flight_store.writing import StoreWriter
-from schemas.arrow import TRAJECTORY_SCHEMA
 from schemas.plan import PlannedSlice
 
 MIB = 1 << 20
-BYTES_PER_TOKEN = 9  # response_ids int32 + response_logprobs float32 + loss_mask uint8
-
-
-def make_group(group_id: str, size: int, response_tokens: int, rng: np.random.Generator) -> pa.RecordBatch:
-    """A trajectory batch built straight from numpy (fast; no per-row Python objects)."""
-    n_tok = size * response_tokens
-    offsets = pa.array(np.arange(0, n_tok + 1, response_tokens, dtype=np.int32))
-    prompt = 16
-    p_offsets = pa.array(np.arange(0, size * prompt + 1, prompt, dtype=np.int32))
-    now = np.datetime64("2026-01-01T00:00:00", "us")
-    cols = {
-        "group_id": pa.array([group_id] * size),
-        "sample_idx": pa.array(np.arange(size, dtype=np.int32)),
-        "policy_version": pa.array(np.zeros(size, dtype=np.int64)),
-        "policy_version_min": pa.array(np.zeros(size, dtype=np.int64)),
-        "data_source": pa.array(["bench"] * size),
-        "prompt_len": pa.array(np.full(size, prompt, dtype=np.int32)),
-        "response_len": pa.array(np.full(size, response_tokens, dtype=np.int32)),
-        "reward": pa.array(rng.random(size, dtype=np.float32)),
-        "finish_reason": pa.array(["stop"] * size),
-        "status": pa.array(["completed"] * size),
-        "num_images": pa.array(np.zeros(size, dtype=np.int16)),
-        "created_at": pa.array(np.full(size, now)),
-        "completed_at": pa.array(np.full(size, now)),
-        "bytes": pa.array(np.zeros(size, dtype=np.int64)),
-        "prompt_ids": pa.ListArray.from_arrays(p_offsets, pa.array(rng.integers(0, 32000, size * prompt, np.int32))),
-        "response_ids": pa.ListArray.from_arrays(offsets, pa.array(rng.integers(0, 32000, n_tok, np.int32))),
-        "response_logprobs": pa.ListArray.from_arrays(offsets, pa.array(-rng.random(n_tok, dtype=np.float32))),
-        "loss_mask": pa.ListArray.from_arrays(offsets, pa.array(np.ones(n_tok, dtype=np.uint8))),
-        "image_keys": pa.array([[]] * size, type=pa.list_(pa.binary(32))),
-        "token_versions": pa.ListArray.from_arrays(offsets, pa.array(np.zeros(n_tok, dtype=np.int32))),
-    }
-    return pa.RecordBatch.from_pydict(cols, schema=TRAJECTORY_SCHEMA)
-
-
-def start_store_process(memory_budget: int | None = None) -> NodeProcess:
-    """A store node (port 0) in a subprocess (in the store host during a ``--hosts`` run)."""
-    return start_node(ServerConfig(log_level="WARNING", store=StoreConfig(memory_budget=memory_budget or None)))
-
-
 def fresh_copy(table: pa.Table, keep: list[pa.Buffer]) -> int:
     """Copy every buffer of ``table`` into newly allocated Arrow buffers (kept in ``keep``); returns bytes.
 
@@ -117,7 +77,7 @@ def fresh_copy(table: pa.Table, keep: list[pa.Buffer]) -> int:
 def bench_doget(
     client: StoreReader, node: str, total_bytes: int, tokens: int, passes: int, rng: np.random.Generator
 ) -> dict:
-    """(a) DoGet micro-batches of 8 trajectories from the other process, vs an in-process copy.
+    """(a) Read micro-batches of 8 trajectories from the other process, vs an in-process copy.
 
     Two ways of fetching the same micro-batches, each pass:
 
@@ -168,8 +128,9 @@ def bench_doget(
 
 
 def _stream_pass(client: StoreReader, plans: list[list[PlannedSlice]]) -> tuple[float, float, int, int]:
-    """One DoGet streaming every micro-batch, then a copy of all their bytes (a separate timed phase, so the
-    stream cannot run ahead during the copies): ``(stream s, copy s, bytes fetched, bytes copied)``."""
+    """Every micro-batch read in order (``StoreReader.stream``), then a copy of all their bytes (a separate
+    timed phase, so the stream cannot run ahead during the copies):
+    ``(stream s, copy s, bytes fetched, bytes copied)``."""
     t0 = time.perf_counter()
     tables = list(client.stream(plans))
     stream_s = time.perf_counter() - t0
@@ -180,8 +141,8 @@ def _stream_pass(client: StoreReader, plans: list[list[PlannedSlice]]) -> tuple[
 
 
 def _per_call_pass(client: StoreReader, plans: list[list[PlannedSlice]]) -> tuple[float, float]:
-    """One DoGet per micro-batch, each followed right away by the copy of its bytes: ``(fetch s, copy s)``,
-    summed over the micro-batches (fetched tables and copies stay alive for the pass)."""
+    """One ``StoreReader.fetch`` per micro-batch, each followed right away by the copy of its bytes:
+    ``(fetch s, copy s)``, summed over the micro-batches (fetched tables and copies stay alive for the pass)."""
     tables: list[pa.Table] = []
     keep: list[pa.Buffer] = []
     t_get = t_copy = 0.0
@@ -306,11 +267,11 @@ Smaller allocations come from the malloc heap, on both sides, and are recycled a
 The trim threshold says so explicitly: fixing ``M_MMAP_THRESHOLD`` also freezes glibc's trim
 threshold at its 128 KiB default (mallopt(3): setting either disables their dynamic adjustment),
 so every ``free`` that leaves more than 128 KiB free at the top of a heap hands it back to the
-kernel (``madvise``/``sbrk``) and the next allocation faults it in again. That hit only the DoGet
-side: gRPC receives into 64 KiB heap slices, ~2.4 MB of them per micro-batch, freed as soon as
-the message is assembled, so each fetch re-faulted much of its receive buffer (measured: ~270
-page faults and ~1.3 ``madvise`` calls more per micro-batch, ~15% of the client's CPU, ~0.5 ms;
-on top of the first touch of the result, which stays: ~580 faults, as many as the copy's). With glibc's
+kernel (``madvise``/``sbrk``) and the next allocation faults it in again. That would hit only the
+reading side: gRPC receives into 64 KiB heap slices, ~2.4 MB of them per micro-batch, freed as soon as
+the message is assembled, so each fetch would re-fault much of its receive buffer (hundreds of page
+faults more per micro-batch, a sizeable share of the client's CPU; on top of the first touch of the
+result, which stays, as many faults as the copy's: docs/benchmarks.md, diagnostic timings). With glibc's
 defaults the trim threshold follows the largest freed mmap (twice it: ~4.8 MB once a 2.4 MB result
 is freed, at most 64 MiB), so a trainer never re-faults these; 64 MiB is that ceiling. Buffers over
 128 KiB -- the DoGet results and the copies -- are still fresh mmaps, unmapped when freed, whatever

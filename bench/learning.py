@@ -10,12 +10,16 @@ for every arm:
 * ``train_batch``: train-batch admission, ``ppo_rollout_old`` (the baseline);
 * ``mini_batch``: mini-batch admission, ``ppo_rollout_old``;
 * ``mini_batch_decoupled``: mini-batch admission, ``decoupled_ppo``;
-* ``mini_batch_partial``: mini-batch admission, ``decoupled_ppo``, partial rollouts.
+* ``mini_batch_partial``: mini-batch admission, ``decoupled_ppo``, partial rollouts;
+* ``colocated``: the paper's reference: generation waits for each train batch's weights (synchronous, on-policy
+  within the train batch), so its architectural staleness is 0.
 
 Per arm (means over the seeds): the mean reward of each train batch, against the train batch and against the
 wall-clock time its last step ended (both plotted beside the JSON), the final reward (the last five train
-batches pooled), the time each arm takes to reach train_batch's final reward (per seed, then the median; the
-ratio to train_batch's own time is two medians of the same work), and the run's off-policy figures
+batches pooled), the time each arm takes to reach train_batch's final reward (the first train batch where the mean
+of the last five reaches it; per seed, then the median; the ratio to train_batch's own time is two medians of the
+same work), how much of the gap between train_batch and colocated each arm closes (final reward and time), and the
+run's off-policy figures
 (``summary.json``'s ``offpolicy``: importance weight, truncated and clipped fractions, k3 KL, token staleness)
 and architectural staleness. ``--task-success``: the held-out success (``bench.task_success --quick``, prompts
 drawn with :data:`EVAL_SEED`) of the starting checkpoint and of each run's trained weights (``knit run
@@ -24,6 +28,9 @@ drawn with :data:`EVAL_SEED`) of the starting checkpoint and of each run's train
 The result keeps each run's record (``per_run``: curves, off-policy figures, held-out success, keyed
 ``<arm>-s<seed>``), so runs of hours are not lost with their folders: ``--reuse F.json`` (repeatable) takes the runs
 an earlier result holds (same train-batch count) instead of running them again.
+
+``--logger tensorboard,wandb,mlflow``: each run's per-step curves go to the trackers too (``knit run --logger``), one
+tracker run per arm and seed.
 
 ``--quick``: one seed, 3 train batches, the arms ``train_batch`` and ``mini_batch_decoupled``: a check that the
 bench runs end to end, far too short to answer the question.
@@ -41,6 +48,10 @@ from pathlib import Path
 from typing import Any
 
 from bench._common import pyplot, write_result
+from bench.task_success import read_successes
+from schemas import run_folder
+from schemas.run_records import RankReportDocument
+from schemas.run_summary import read_summary
 
 ROOT = Path(__file__).resolve().parents[1]
 ARMS: dict[str, tuple[str, str, bool]] = {
@@ -48,6 +59,7 @@ ARMS: dict[str, tuple[str, str, bool]] = {
     "mini_batch": ("mini_batch", "ppo_rollout_old", False),
     "mini_batch_decoupled": ("mini_batch", "decoupled_ppo", False),
     "mini_batch_partial": ("mini_batch", "decoupled_ppo", True),
+    "colocated": ("colocated", "ppo_rollout_old", False),
 }
 """Arm -> (admission policy, objective, partial rollouts)."""
 QUICK_ARMS = ("train_batch", "mini_batch_decoupled")
@@ -60,11 +72,11 @@ EVAL_SEED = 10_000
 
 
 def run_arm(arm: str, seed: int, train_batches: int, out: Path, model_dir: Path | None, timeout_s: float, *,
-            checkpoint_every: int = 0) -> Path:
+            checkpoint_every: int = 0, logger: str | None = None) -> Path:
     """One ``knit run`` of ``arm``; returns its run folder (the policy's folder holds the trainer's reports). A folder
     that already holds the finished run (``summary.json``: an earlier invocation with the same ``--runs``) is
-    read, not run again."""
-    if (out / "summary.json").is_file():
+    read, not run again. ``logger``: the run's trackers (``knit run --logger``), its curves named by its folder."""
+    if (out / run_folder.SUMMARY).is_file():
         return out
     policy, objective, partial = ARMS[arm]
     cmd = [sys.executable, "-m", "launcher", "run", "--plain", "--model", "smollm2-135m", "--policy", policy,
@@ -73,6 +85,8 @@ def run_arm(arm: str, seed: int, train_batches: int, out: Path, model_dir: Path 
            "--partial-rollouts" if partial else "--no-partial-rollouts", "--export-hf"]
     if model_dir is not None:
         cmd += ["--model-dir", str(model_dir)]
+    if logger:
+        cmd += ["--logger", logger, "--project", "knittrans-learning"]
     done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=timeout_s + 120, check=False)
     if done.returncode != 0:
         msg = f"knit run of {arm} (seed {seed}) exited {done.returncode}:\n{done.stdout[-3000:]}{done.stderr[-3000:]}"
@@ -95,23 +109,21 @@ def task_success(model: str, out: Path) -> dict[str, float]:
 
 def _successes(path: Path) -> dict[str, float]:
     """The success per data source of a ``bench.task_success`` result."""
-    metrics = json.loads(path.read_text())["metrics"]
-    return {k: round(float(v), 4) for k, v in metrics.items() if k.endswith("_success")}
+    return {k: round(v, 4) for k, v in read_successes(path).items()}
 
 
 def read_arm(folder: Path) -> dict[str, Any]:
     """One run's curves and figures: reward per train batch, the wall time each train batch ended, off-policy."""
-    summary = json.loads((folder / "summary.json").read_text())
-    (result,) = summary["policies"].values()
-    steps = json.loads((folder / "trainer_rank0.json").read_text())["steps"]
-    start = min(s["t_end"] - s["step_time_s"] for s in steps)
+    (result,) = read_summary(folder / run_folder.SUMMARY).policies.values()
+    steps = run_folder.read_document(RankReportDocument, folder / "trainer_rank0.json").steps
+    start = min(s.t_end - s.step_time_s for s in steps)
     ends: dict[int, float] = {}
     for s in steps:
-        ends[s["train_batch"]] = max(ends.get(s["train_batch"], 0.0), s["t_end"] - start)
-    reward = [float(r) for r in result["reward_per_train_batch"]]
+        ends[s.train_batch] = max(ends.get(s.train_batch, 0.0), s.t_end - start)
+    reward = [float(r) for r in result.reward_per_train_batch]
     after = folder / AFTER
     return {"reward": reward, "wall_s": [ends[b] for b in sorted(ends)][:len(reward)],
-            "offpolicy": result.get("offpolicy", {}), "arch_staleness_mean": result.get("arch_staleness_mean"),
+            "offpolicy": result.offpolicy.model_dump(), "arch_staleness_mean": result.arch_staleness_mean,
             "task_success_after": _successes(after) if after.is_file() else None}
 
 
@@ -137,9 +149,23 @@ def _final(reward: Sequence[float]) -> float:
     return sum(tail) / len(tail) if tail else float("nan")
 
 
+def moving_average(values: Sequence[float], window: int = FINAL_WINDOW) -> list[float]:
+    """The mean of the last ``window`` values (fewer at the start) at each position."""
+    return [sum(values[max(0, i + 1 - window):i + 1]) / (i + 1 - max(0, i + 1 - window)) for i in range(len(values))]
+
+
 def time_to_reach(run: dict[str, Any], target: float) -> float | None:
-    """Seconds until the run's reward per train batch first reaches ``target`` (None: never)."""
-    return next((w for r, w in zip(run["reward"], run["wall_s"], strict=False) if r >= target), None)
+    """Seconds until the run's reward, as a moving average of :data:`FINAL_WINDOW` train batches (the window its
+    final reward pools), first reaches ``target`` (None: never). Only full windows count."""
+    smooth = moving_average(run["reward"])
+    return next((w for i, (r, w) in enumerate(zip(smooth, run["wall_s"], strict=False))
+                 if i + 1 >= min(FINAL_WINDOW, len(smooth)) and r >= target), None)
+
+
+def gap_closed(arm: float, base: float, reference: float) -> float | None:
+    """The share of the way from ``base`` (train_batch) to ``reference`` (colocated) that ``arm`` went (None where
+    the two ends agree)."""
+    return None if reference == base else round((arm - base) / (reference - base), 4)
 
 
 def _median(values: Sequence[float]) -> float | None:
@@ -178,6 +204,12 @@ def summarise(runs: dict[str, list[dict[str, Any]]]) -> tuple[dict[str, Any], di
         t = m["time_to_train_batch_final_s"]
         if arm != "train_batch" and t is not None and t_base:
             ratios[f"{arm}_time_to_reward_vs_train_batch"] = round(t / t_base, 4)
+    if "train_batch" in metrics and "colocated" in metrics:  # the paper's question: how much of the gap closes
+        base, ref = metrics["train_batch"]["final_reward"], metrics["colocated"]["final_reward"]
+        for arm, m in metrics.items():
+            closed = gap_closed(m["final_reward"], base, ref)
+            if arm not in ("train_batch", "colocated") and closed is not None:
+                ratios[f"{arm}_final_reward_gap_closed_vs_colocated"] = closed
     return metrics, ratios
 
 
@@ -217,6 +249,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap.add_argument("--checkpoint-every", type=int, default=0,
                     help="the runs' checkpoint interval (default 0: only at the end; a checkpoint of SmolLM2 costs "
                     "about half a step on this machine, and a learning curve needs no resume)")
+    ap.add_argument("--logger", default=None, metavar="A,B,...",
+                    help="each run's trackers (knit run --logger: console, tensorboard, wandb, mlflow; W&B project and "
+                    "MLflow experiment knittrans-learning), each run named <arm>-s<seed>: every arm's curves side by "
+                    "side, e.g. tensorboard --logdir RUNS")
     ap.add_argument("--out", required=True)
     args = ap.parse_args(argv)
     arms = list(QUICK_ARMS) if args.quick else [a.strip() for a in args.arms.split(",")]
@@ -242,7 +278,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                 record = reused[key]
             else:
                 folder = run_arm(arm, seed, batches, root / key, args.model_dir, args.timeout_s,
-                                 checkpoint_every=args.checkpoint_every)
+                                 checkpoint_every=args.checkpoint_every, logger=args.logger)
                 if args.task_success:  # the trained policy on fresh prompts
                     task_success(str(folder / "final_hf"), folder / AFTER)
                 record = read_arm(folder)

@@ -8,7 +8,7 @@ last batch marked (:func:`open_channel`, :func:`send`, :func:`receive`). It runs
 own (:func:`start`), as the store nodes it is compared with do.
 
 With ``own_pages`` its DoPut copies each received batch into memory of its own, as a store node does
-(:func:`flight_store.memory.pack`: one block in pages of its own, the received message let go), and
+(:func:`flight_store.blocks.pack`: one block in pages of its own, the received message let go), and
 does nothing else: the floor of a write for a store that owns its memory, without a rule check or
 an index (a diagnostic of ``bench.write_path``).
 """
@@ -24,7 +24,7 @@ from typing import Any
 import pyarrow as pa
 import pyarrow.flight as flight
 
-from flight_store.memory import Block, pack, view
+from flight_store.blocks import Block, pack, view
 from flight_store.net import free_port
 
 

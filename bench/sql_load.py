@@ -33,7 +33,7 @@ from typing import Any
 import numpy as np
 
 from bench._common import write_result
-from bench.flight_throughput import make_group, start_store_process
+from bench.store_groups import make_group, start_store_process
 from flight_store.writing import StoreWriter
 
 GROUPS_PER_CALL = 4

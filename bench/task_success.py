@@ -9,6 +9,7 @@ says whether RL has something to learn from: a success rate of 0 gives no signal
 ``metrics.<source>_success`` (share of samples right), ``metrics.<source>_groups_with_signal`` (share of
 prompt groups with both right and wrong samples: the groups GRPO learns from), and
 ``ratios.<source>_vs_add_small_success``. ``--quick``: 32 prompts per source, else 128; G = 4.
+:func:`read_successes` reads a result back (``bench.learning`` keeps one in each run folder it trains).
 """
 
 from __future__ import annotations
@@ -16,11 +17,34 @@ from __future__ import annotations
 import argparse
 import os
 import random
+from pathlib import Path
 from typing import Any
 
+from pydantic import BaseModel, ConfigDict
+
 from bench._common import write_result
+from schemas.run_folder import read_document
 
 SOURCES = ("add_small", "add_large", "mul_large")
+
+
+class TaskSuccessResult(BaseModel):
+    """A ``bench.task_success`` result as it is read back: its metrics (the other fields are kept, unread)."""
+
+    model_config = ConfigDict(extra="allow", frozen=True)
+
+    metrics: dict[str, float | str]
+    """``<source>_success``, ``<source>_groups_with_signal`` (shares) and ``<source>_example`` (a sample's text)."""
+
+
+def read_successes(path: str | Path) -> dict[str, float]:
+    """The success per data source (``<source>_success``) of the result at ``path``.
+
+    Raises:
+        schemas.run_folder.RunFolderError: the file is missing, damaged, or holds no ``metrics``.
+    """
+    metrics = read_document(TaskSuccessResult, path).metrics
+    return {k: float(v) for k, v in metrics.items() if k.endswith("_success")}
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:

@@ -43,7 +43,7 @@ DTYPES = ("params", "bfloat16")
 def _trainer(location: str, model_dir: str, out: str, done: str, per_dtype: int) -> None:
     import torch
 
-    from flight_store.reading import StoreReader
+    from flight_store.publishing import StorePublisher
     from flight_store.writing import StoreWriter
     from train import mcore_compat, model
     from train.config import ModelConfig, ParallelConfig
@@ -54,7 +54,7 @@ def _trainer(location: str, model_dir: str, out: str, done: str, per_dtype: int)
     built = type("Built", (), {"gpt": gpt})()
     gen = torch.Generator().manual_seed(0)
     rows: list[dict[str, Any]] = []
-    with StoreReader(location, timeout=120.0) as client, StoreWriter.sharing(client) as rollout:
+    with StorePublisher(location, timeout=120.0) as client, StoreWriter.sharing(client) as rollout:
         for version, dtype in enumerate((d for d in DTYPES for _ in range(per_dtype)), start=1):
             with torch.no_grad():
                 for p in gpt.parameters():

@@ -8,7 +8,7 @@ only (:data:`VARIANTS`):
 
 * ``as_is``: nothing replaced;
 * ``no_store``: ``Store.put_group`` stores nothing (what is left: the DoPut's protocol and the node's framing);
-* ``copy_only``: each received batch copied into pages of its own (:func:`flight_store.memory.pack`, as the node
+* ``copy_only``: each received batch copied into pages of its own (:func:`flight_store.blocks.pack`, as the node
   does) and kept, nothing checked or indexed;
 * ``check_free``: the batch passed on unchecked (no rule check, no ``bytes`` column), committed as usual;
 * ``commit_free``: checked and copied as usual, the blocks kept in a dict (no group table, metadata log or memory
@@ -37,10 +37,10 @@ import pyarrow.flight as flight
 
 from bench import minimal_flight
 from bench._common import write_result
-from bench.flight_throughput import make_group
+from bench.store_groups import make_group
 from bench.write_path import interleaved
+from flight_store.blocks import Block, pack
 from flight_store.config import ServerConfig
-from flight_store.memory import Block, pack
 from flight_store.node import NodeProcess
 from flight_store.store import StoreConfig
 from flight_store.writing import StoreWriter

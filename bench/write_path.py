@@ -41,7 +41,7 @@ import pyarrow.flight as flight
 
 from bench import minimal_flight
 from bench._common import write_result
-from bench.flight_throughput import make_group, start_store_process
+from bench.store_groups import make_group, start_store_process
 from flight_store.store import Store, StoreConfig
 from flight_store.writing import StoreWriter
 

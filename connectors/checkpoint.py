@@ -23,10 +23,11 @@ whole and is reused as it is (``prepare_checkpoint``); a conversion takes ~30 s 
 
 Needs ``torch``, ``transformers``, ``gguf`` and ``accelerate`` (``pip install knittrans[vllm]``).
 
-Example:
-    >>> path = prepare_checkpoint("runs/.models")  # doctest: +SKIP
-    >>> (path / "config.json").exists()  # doctest: +SKIP
-    True
+Example::
+
+    path = prepare_checkpoint("runs/.models")
+    (path / "config.json").exists()
+    # -> True
 """
 
 from __future__ import annotations

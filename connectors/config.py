@@ -13,7 +13,7 @@ from connectors.tasks import ARITHMETIC_TASKS, REWARDS, is_reward_spec
 from flight_store.config import ClientConfig
 
 DEFAULT_DATA_SOURCES: dict[str, float] = {"add_small": 0.5, "mul_large": 0.5}
-Placement = Literal["local", "hash"]
+GroupPlacement = Literal["local", "hash"]
 PLACEMENTS: tuple[str, ...] = ("local", "hash")
 """Where a rollout worker's groups are written (``RolloutConfig.placement``)."""
 """The built-in task mix: an easy short source and a hard long one, half each (``knit run``'s quota too)."""
@@ -92,7 +92,7 @@ class RolloutConfig:
 
     With ``weight_sync``, any newer published version (also one published before the worker started)
     is loaded."""
-    placement: Placement = "local"
+    placement: GroupPlacement = "local"
     """Where the worker's groups are written: ``local`` names one of ``home_nodes`` in each group id
     (``<node id>/<rest>``, the hash of the rest choosing among several), so routing gives that node and the
     payload stays on this host until a rank reads it; ``hash`` (and ``local`` without a home node alive)

@@ -1,6 +1,6 @@
 """Weight sync into a running vLLM engine: Arrow weights tables <-> named tensors.
 
-The weights table (what ``StoreReader.put_weights``/``get_weights`` move) and its codec are
+The weights table (what ``StorePublisher.put_weights``/``StoreWriter.get_weights`` move) and its codec are
 ``schemas.weights``; this module only loads a decoded table into an engine.
 
 ``load_weights_into_llm`` reloads the engine's weights *in place* through vLLM's own
@@ -107,9 +107,10 @@ def load_weights_into_llm(llm: Any, table: pa.Table) -> int:
             (``VLLM_ENABLE_V1_MULTIPROCESSING=0``) and the tensors are handed over directly.
         table: weights with Hugging Face names; a subset of the parameters is allowed.
 
-    Example:
-        >>> load_weights_into_llm(llm, client.get_weights())  # doctest: +SKIP
-        15
+    Example::
+
+        load_weights_into_llm(llm, client.get_weights())
+        # -> 15
     """
     if table.num_rows == 0:
         msg = "weights table is empty"

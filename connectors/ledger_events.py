@@ -20,14 +20,12 @@ Example:
 
 from __future__ import annotations
 
-import json
-import os
-import threading
 from collections.abc import Iterator
 
 from connectors.dispatch import Drawn
 from connectors.tasks import Prompt
-from schemas.ledger import Reissue, RolloutResume
+from schemas.ledger import Dispatch, Draw, Reissue, RolloutEvent, RolloutResume, Written
+from schemas.run_folder import LineWriter
 
 __all__ = ["RolloutEvents", "resume_stream"]
 
@@ -37,36 +35,26 @@ class RolloutEvents:
     logs the groups written)."""
 
     def __init__(self, path: str | None) -> None:
-        self._file = None
-        self._lock = threading.Lock()
-        if path is not None:
-            os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-            self._file = open(path, "a")  # noqa: SIM115 - open for the worker's life, closed by close()
+        self._log = LineWriter(path)
 
     def drawn(self, drawn: Drawn) -> None:
         """A prompt was drawn from the stream (it has a place and a first group id)."""
-        self._write({"kind": "draw", "index": drawn.index, "prompt_id": drawn.prompt_id, "group_id": drawn.group_id})
+        self._write(Draw(index=drawn.index, prompt_id=drawn.prompt_id, group_id=drawn.group_id))
 
     def dispatched(self, drawn: Drawn, version: int) -> None:
         """A group of a prompt goes to the engine now, generated from ``version``'s weights."""
-        self._write({"kind": "dispatch", "index": drawn.index, "prompt_id": drawn.prompt_id, "attempt": drawn.attempt,
-                     "group_id": drawn.group_id, "version": version, "reason": drawn.reason})
+        self._write(Dispatch(index=drawn.index, prompt_id=drawn.prompt_id, attempt=drawn.attempt,
+                             group_id=drawn.group_id, version=version, reason=drawn.reason))
 
     def written(self, group_id: str, node: str) -> None:
         """The store node ``node`` (its location) took the group ``group_id``."""
-        self._write({"kind": "written", "group_id": group_id, "node": node})
+        self._write(Written(group_id=group_id, node=node))
 
-    def _write(self, event: dict[str, object]) -> None:
-        with self._lock:
-            if self._file is not None:
-                self._file.write(json.dumps(event) + "\n")
-                self._file.flush()
+    def _write(self, event: RolloutEvent) -> None:
+        self._log.write(event)
 
     def close(self) -> None:
-        with self._lock:
-            if self._file is not None:
-                self._file.close()
-                self._file = None
+        self._log.close()
 
 
 def resume_stream(prompts: Iterator[Prompt], doc: RolloutResume) -> tuple[Iterator[Prompt], list[tuple[Reissue,

@@ -22,8 +22,9 @@ the check: the last decision and counts stay, and the groups written since keep 
 takes the stores' counts again.
 
 Example:
-    >>> stats = {"grpc://a:1": {"groups": {"stored": 3}}}
-    >>> LookaheadLimit(lambda: stats, limit=3, poll_s=0.0).allows(running=0)
+    >>> from schemas.replies import GroupCounts
+    >>> held = NodeStats.model_construct(groups=GroupCounts(stored=3, released=0, inflight=0), demand={})
+    >>> LookaheadLimit(lambda: {"grpc://a:1": held}, limit=3, poll_s=0.0).allows(running=0)
     False
 """
 

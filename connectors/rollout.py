@@ -29,14 +29,14 @@ the engine's version when it was dispatched (``policy_version_min``) and when it
 
 ``run_rollout(config)`` runs a worker start to finish as a process does (``python -m connectors``).
 
-Example:
-    >>> cfg = RolloutConfig(model="/models/tiny", stores=["grpc://127.0.0.1:8815"], max_groups=64)
-    >>> report = run_rollout(cfg)  # doctest: +SKIP
+Example::
+
+    cfg = RolloutConfig(model="/models/tiny", stores=["grpc://127.0.0.1:8815"], max_groups=64)
+    report = run_rollout(cfg)
 """
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import signal
@@ -46,7 +46,6 @@ from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import UTC, datetime
-from pathlib import Path
 from typing import TYPE_CHECKING
 
 import pyarrow as pa
@@ -65,6 +64,8 @@ from connectors.writer import GroupWriter
 from schemas import routing
 from schemas.images import images_to_table
 from schemas.ledger import Reissue, RolloutResume
+from schemas.run_folder import read_document, write_document
+from schemas.run_records import RolloutRecord
 from schemas.wire import DispatchedGroup
 
 if TYPE_CHECKING:
@@ -105,11 +106,11 @@ class RolloutWorker:
         lookahead: an extra lookahead rule over the stores' stats (True pauses dispatch), checked
             with ``config.max_unreleased_groups`` every ``config.lookahead_poll_s`` seconds.
 
-    Example:
-        >>> cfg = RolloutConfig(model="/models/tiny", stores=["grpc://127.0.0.1:8815"], max_groups=8)
-        >>> with RolloutWorker(cfg) as worker:  # doctest: +SKIP
-        ...     worker.run().groups
-        8
+    Example::
+
+        cfg = RolloutConfig(model="/models/tiny", stores=["grpc://127.0.0.1:8815"], max_groups=8)
+        with RolloutWorker(cfg) as worker:
+            worker.run().groups  # -> 8
     """
 
     def __init__(
@@ -142,7 +143,7 @@ class RolloutWorker:
                 else mixed_prompts(config.data_sources, seed=config.seed, chunk=config.mix_chunk)
             )
         self._events = RolloutEvents(config.events_path)
-        resume = (RolloutResume.model_validate_json(Path(config.resume_path).read_text()) if config.resume_path
+        resume = (read_document(RolloutResume, config.resume_path) if config.resume_path
                   else None)
         again: list[tuple[Reissue, Prompt]] = []
         if resume is not None:  # the stream goes on after the prompts drawn before; some go out again first
@@ -435,5 +436,5 @@ def run_rollout(config: RolloutConfig, *, engine: RolloutEngine | None = None) -
     with RolloutWorker(config, engine=engine) as worker, _stop_on_signals(worker):
         report = worker.run()
     if config.report_path:
-        Path(config.report_path).write_text(json.dumps(report.to_dict(), indent=1))
+        write_document(RolloutRecord.model_validate(report.to_dict()), config.report_path)
     return report

@@ -66,8 +66,9 @@ def build_tiny_llama(
         dtype: torch dtype name of the saved weights ("float32" keeps logprob comparisons exact).
         seed: seeds the tokenizer corpus and the weight init.
 
-    Example:
-        >>> path = build_tiny_llama("/tmp/tiny", layers=2, hidden=64, heads=4, kv_heads=2)  # doctest: +SKIP
+    Example::
+
+        path = build_tiny_llama("/tmp/tiny", layers=2, hidden=64, heads=4, kv_heads=2)
     """
     _check_shape(hidden=hidden, heads=heads, kv_heads=kv_heads, vocab=vocab)
     try:

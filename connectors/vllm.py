@@ -19,9 +19,10 @@ vLLM is not imported here at all: the adapter reads the output objects by attrib
 any engine whose outputs have the same shape. ``require_vllm()`` imports vLLM for code that starts an
 engine and raises an ``ImportError`` naming the extra when it is missing.
 
-Example:
-    >>> batch = group_to_batch(request_output, group_id="w0-17", policy_version=3,  # doctest: +SKIP
-    ...                        data_source="add_small", rewards=[1.0, 0.0, 0.0, 1.0])
+Example::
+
+    batch = group_to_batch(request_output, group_id="w0-17", policy_version=3,
+                           data_source="add_small", rewards=[1.0, 0.0, 0.0, 1.0])
 """
 
 from __future__ import annotations
@@ -84,12 +85,6 @@ def trajectory_schema(logprobs_mode: str, engine: str = "vllm") -> pa.Schema:
     meta[LOGPROBS_MODE_KEY] = logprobs_mode.encode()
     meta[ENGINE_KEY] = engine.encode()
     return TRAJECTORY_SCHEMA.with_metadata(meta)
-
-
-def logprobs_mode_of(schema: pa.Schema) -> str | None:
-    """The logprob mode recorded in ``schema``'s metadata, or ``None`` when absent."""
-    raw = (schema.metadata or {}).get(LOGPROBS_MODE_KEY)
-    return raw.decode() if raw is not None else None
 
 
 def sampled_logprobs(logprobs: Any, token_ids: Sequence[int]) -> np.ndarray:

@@ -11,10 +11,11 @@ restarts it): the engine keeps generating with its weights and the next poll ask
 
 ``version`` is what the rollout tags its groups with: the version of the weights the engine runs.
 
-Example:
-    >>> sync = WeightSync(client, engine, version=0, poll_s=1.0, load=True)  # doctest: +SKIP
-    >>> sync.poll(force=True); sync.version  # doctest: +SKIP
-    3
+Example::
+
+    sync = WeightSync(client, engine, version=0, poll_s=1.0, load=True)
+    sync.poll(force=True); sync.version
+    # -> 3
 """
 
 from __future__ import annotations

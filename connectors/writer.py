@@ -12,10 +12,11 @@ Guarantees:
 
 The writer times its DoPuts (``write_s``) and records when each group was written (``write_times``).
 
-Example:
-    >>> writer = GroupWriter(client)  # doctest: +SKIP
-    >>> writer.put_images(images, node); writer.put_group(batch, node)  # doctest: +SKIP
-    >>> writer.close()  # flushes; raises the first failed write  # doctest: +SKIP
+Example::
+
+    writer = GroupWriter(client)
+    writer.put_images(images, node); writer.put_group(batch, node)
+    writer.close()  # flushes; raises the first failed write
 """
 
 from __future__ import annotations

@@ -22,6 +22,7 @@ from flight_store.errors import (
     WrongNodeError,
 )
 from flight_store.node import serve
+from flight_store.publishing import StorePublisher
 from flight_store.reading import StoreReader
 from flight_store.server import StoreServer
 from flight_store.store import Store
@@ -40,6 +41,7 @@ __all__ = [
     "StoreAdmin",
     "StoreConfig",
     "StoreNodes",
+    "StorePublisher",
     "StoreReader",
     "StoreServer",
     "StoreWriter",

@@ -3,10 +3,11 @@
 * :class:`~flight_store.writing.StoreWriter`: what a rollout engine uses (write groups and images,
   register groups in flight, read the weights it serves);
 * :class:`~flight_store.reading.StoreReader`: what a trainer uses (scan metadata, read the rows of
-  planned slices, release, publish weights, versions and demand, count the groups in flight);
+  planned slices, release, publish the demand, count the groups in flight);
+* :class:`~flight_store.publishing.StorePublisher`: what a trainer publishes (weights, policy versions);
 * :class:`StoreAdmin`: what an operator asks (health, cluster membership).
 
-All three stand on :class:`StoreNodes`: the connections (TLS, bearer token), routing, retries,
+All four stand on :class:`StoreNodes`: the connections (TLS, bearer token), routing, retries,
 ``stats``, ``get_version`` and ``close``. Two roles over the same nodes may share one set of
 connections (:meth:`StoreNodes.sharing`).
 

@@ -39,7 +39,7 @@ class StoreConfig:
     """Bytes of memory the node's groups, images and weights may hold; ``None`` = unlimited.
 
     What counts is resident memory, not ``RecordBatch.nbytes``: each stored batch's block (its
-    whole pages, see :func:`flight_store.memory.pack`) plus an estimate of its objects and index
+    whole pages, see :func:`flight_store.blocks.pack`) plus an estimate of its objects and index
     entries, and the memory writes in flight hold (copies of their batches; their server thread, see
     :meth:`flight_store.store.Store.incoming`). A write is committed only if the stored groups,
     the new group and the other writes in flight fit together."""

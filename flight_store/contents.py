@@ -18,10 +18,11 @@ from collections.abc import Iterable, Mapping, Sequence
 import numpy as np
 import pyarrow as pa
 
+from flight_store.blocks import Block, pack
 from flight_store.dispatched import DispatchTable
 from flight_store.groups import GroupTable
 from flight_store.images import Image, ImageTable
-from flight_store.memory import Block, MemoryAccount, pack
+from flight_store.memory import MemoryAccount
 from flight_store.metadata import MetadataLog
 from flight_store.weights import WeightsSlot
 
@@ -55,7 +56,7 @@ class StoreContents:
         meta: dict[str, str] | None = None, seq: int | None = None, image_keys: frozenset[bytes] | None = None,
         sizes: Sequence[np.ndarray | None] = (),
     ) -> int:
-        """Add the validated batches of the new group ``group_id`` (and their :func:`~flight_store.memory.pack`).
+        """Add the validated batches of the new group ``group_id`` (and their :func:`~flight_store.blocks.pack`).
 
         Their metadata rows get the next ``seq`` (or from ``seq``: a compacted log restores gaps), copied out of
         the blocks when the log next settles (:meth:`~flight_store.metadata.MetadataLog.settle`); the images

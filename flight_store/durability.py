@@ -23,8 +23,8 @@ twice what is live, it is rewritten atomically with only the live state: a ``sta
 Weights are the exception to the one log: each version is written once to its own file beside it
 (``weights-<version>.log``, one frame, fsynced and renamed into place before the commit), removed once
 superseded, and loaded after the log on replay. A weights table is hundreds of MB at each optimizer
-step; in the log, every compaction would copy the kept versions again (measured on SmolLM2-135M in
-bfloat16, 269 MB a version: the log wrote about twice the weights' bytes per version).
+step; in the log, every compaction would copy the kept versions again, about twice the weights' bytes
+written per version (docs/benchmarks.md, measured by the tests).
 """
 
 from __future__ import annotations
@@ -37,8 +37,8 @@ from typing import Any
 
 import pyarrow as pa
 
+from flight_store.blocks import Block
 from flight_store.contents import StoreContents
-from flight_store.memory import Block
 from flight_store.spill import (
     Body,
     Recovery,

@@ -2,7 +2,7 @@
 
 Each prompt group is written whole, once (one DoPut stream), and kept as the record batches that
 arrived (normalised to ``TRAJECTORY_SCHEMA``), each in one block of its own
-(:func:`flight_store.memory.pack`), plus a row index ``sample_idx -> (batch, offset)``, so a slice
+(:func:`flight_store.blocks.pack`), plus a row index ``sample_idx -> (batch, offset)``, so a slice
 request is served by zero-copy ``RecordBatch.slice`` of the batch viewed in its block (never a
 filter or take over one big table; only tiny multi-slice answers may be coalesced into one small
 copy, see :func:`project`). A released group drops its blocks and index but keeps a digest of each
@@ -23,8 +23,8 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
+from flight_store.blocks import Block, view
 from flight_store.errors import ConflictError, GroupReleasedError, SchemaMismatchError, UnknownGroupError
-from flight_store.memory import Block, view
 from schemas.arrow import TRAJECTORY_SCHEMA
 from schemas.native import row_bytes
 from schemas.trajectory_rules import offset_lengths
@@ -41,7 +41,7 @@ class Group:
 
     blocks: list[Block] = field(default_factory=list)
     """One buffer per stored batch: the batch as an encapsulated IPC message (see
-    :func:`~flight_store.memory.pack`)."""
+    :func:`~flight_store.blocks.pack`)."""
     index: dict[int, tuple[int, int]] = field(default_factory=dict)
     row_bytes: list[np.ndarray] = field(default_factory=list)
     """Per stored batch: payload bytes of each row and column (:func:`row_bytes`), for ``bytes_out``."""
@@ -49,7 +49,7 @@ class Group:
     """Payload bytes (``RecordBatch.nbytes``) of the stored rows."""
     held: int = 0
     """Memory counted against the budget (blocks plus object and index overhead, see
-    :func:`~flight_store.memory.pack`)."""
+    :func:`~flight_store.blocks.pack`)."""
     image_keys: frozenset[bytes] = frozenset()
     """Images the group references (the shared empty frozenset when none)."""
     meta: dict[str, str] = field(default_factory=dict)
@@ -180,7 +180,7 @@ VIEWS_KEPT = 256
 (a released group's at once). A view costs ~6 us to make from its block and a projection ~5 us more,
 per stored batch and read: most of a micro-batch read's server time, as a group's rows are read by
 several micro-batches and ranks. Bounded, as each view is a small allocation in the arena of the
-thread that made it (see :func:`~flight_store.memory.view`)."""
+thread that made it (see :func:`~flight_store.blocks.view`)."""
 
 
 def runs(sample_idx: Iterable[int]) -> list[tuple[int, int]]:
@@ -345,7 +345,7 @@ class GroupTable:
         (all when ``None``), the payload bytes of each, and the writer metadata all their groups share.
 
         Each run of consecutive rows of one stored batch is one ``RecordBatch.slice`` (a view, no
-        copy). A stored batch is read (:func:`~flight_store.memory.view`), projected and its rows' bytes
+        copy). A stored batch is read (:func:`~flight_store.blocks.view`), projected and its rows' bytes
         summed once, and kept for the next reads (:data:`VIEWS_KEPT`).
         """
         cols = None if columns is None else tuple(map(_COLUMN_INDEX.__getitem__, columns))

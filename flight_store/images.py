@@ -1,7 +1,7 @@
 """The image table of a store: images keyed by content hash, stored once, shared by reference.
 
 Each distinct image row (``IMAGE_SCHEMA``) is kept in a block of its own
-(:func:`flight_store.memory.pack`), whatever the number of groups and responses naming it. An
+(:func:`flight_store.blocks.pack`), whatever the number of groups and responses naming it. An
 image is reference-counted by the unreleased groups whose ``image_keys`` name it: releasing the
 last of them frees it (an image put before any group names it stays until then).
 
@@ -15,8 +15,8 @@ from dataclasses import dataclass
 
 import pyarrow as pa
 
+from flight_store.blocks import Block, pack, view
 from flight_store.errors import UnknownImageError
-from flight_store.memory import Block, pack, view
 from flight_store.validate import normalize_images
 from schemas.arrow import IMAGE_SCHEMA
 
@@ -29,7 +29,7 @@ class Image:
     nbytes: int
     """Payload bytes of the row."""
     held: int
-    """Memory counted against the budget (see :func:`~flight_store.memory.pack`)."""
+    """Memory counted against the budget (see :func:`~flight_store.blocks.pack`)."""
 
     @property
     def row(self) -> pa.RecordBatch:
@@ -44,9 +44,6 @@ class ImageTable:
         self.node_name = node_name
         self._images: dict[bytes, Image] = {}
         self._refs: dict[bytes, int] = {}
-
-    def __contains__(self, key: object) -> bool:
-        return key in self._images
 
     def __len__(self) -> int:
         return len(self._images)

@@ -7,7 +7,8 @@ members not down, so a lost node's groups go to the nodes alive and the version 
 
 * the version only grows: a view not newer than the node's changes nothing (the launcher may tell the nodes in
   any order, and a node started again from its config learns the current view from the next one it is told);
-* a group is this node's when routing over the members not down gives it this node's id; a node refuses any
+* a group is this node's when routing over the members not down (the home node its id names, else rendezvous
+  hashing) gives it this node's id; a node refuses any
   other (:class:`~flight_store.errors.WrongNodeError`, naming the owner) so two writers never put one group on
   two nodes under one view;
 * a view that marks every member down routes over all of them (a cluster of nobody routes nowhere).
@@ -76,6 +77,7 @@ class Membership:
         owner = routing.owner(group_id, routed)
         if owner != self.self_id:
             where = next(m.location for m in self.members if m.id == owner)
-            msg = (f"group {group_id!r} belongs to node {owner} ({where}), not to node {self.self_id}: "
-                   f"routing {ROUTING} over the cluster's ids not down (see the cluster action)")
+            how = "its id names that node" if routing.home(group_id, routed) == owner else "rendezvous hashing"
+            msg = (f"group {group_id!r} belongs to node {owner} ({where}), not to node {self.self_id}: {how} "
+                   f"(routing {ROUTING} over the cluster's ids not down; see the cluster action)")
             raise WrongNodeError(msg, group_id=group_id, owner=owner, location=where)

@@ -1,11 +1,9 @@
-"""The store's memory: allocator tuning, the blocks stored batches live in, the budget and the RSS guard.
+"""The store's memory: allocator tuning, the budget and the RSS guard (the blocks stored batches live in:
+:mod:`flight_store.blocks`).
 
 * **allocators**: :func:`cap_malloc_arenas` and :func:`return_free_memory` keep glibc malloc and the
   Arrow pool from holding freed memory while a node with a memory budget serves dozens of concurrent
   RPCs (a node without one leaves them alone: :meth:`MemoryAccount.free_unused`);
-* **blocks**: :func:`pack` copies a record batch into ONE exactly sized block of its own (an
-  encapsulated IPC message, in pages of its own when large) and :func:`view` reads it back as
-  zero-copy views;
 * **accounting**: :class:`MemoryAccount` counts what the stored data holds (``used``), what writes
   in flight hold (``in_flight``) and the payload bytes, refuses what does not fit the budget
   (:meth:`MemoryAccount.reserve`) and, with the RSS guard, what the process's resident memory
@@ -26,13 +24,11 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import TypeAlias, cast
+from typing import cast
 
-import numpy as np
 import pyarrow as pa
 
 from flight_store.errors import BudgetExceededError, CapacityExceededError, WriteTimedOutError
-from schemas.arrow import TRAJECTORY_SCHEMA
 
 log = logging.getLogger(__name__)
 
@@ -109,104 +105,6 @@ def return_free_memory(*, force: bool = False) -> None:
         _malloc_trim(0)
     finally:
         _trim_lock.release()
-
-
-# ---- blocks --------------------------------------------------------------------------------------
-
-Block: TypeAlias = mmap.mmap | pa.Buffer
-"""One stored batch as an encapsulated IPC message (see :func:`pack`)."""
-
-BLOCK_OVERHEAD = 1024
-"""Bytes of Python objects per stored block besides its memory: the mmap (or buffer) object, the group
-record, its dict entry and key, the index dict and block list (measured: ~0.6 KiB a group)."""
-ROW_OVERHEAD = 64 + 4 * len(TRAJECTORY_SCHEMA)
-"""Bytes per stored row of the ``sample_idx -> (block, offset)`` index (dict slot and tuple) and of its
-payload sizes (:func:`schemas.native.row_bytes`)."""
-_MAP_FLAGS = mmap.MAP_PRIVATE | getattr(mmap, "MAP_POPULATE", 0)
-"""Private pages, faulted in by the one ``mmap`` call (Linux): filling a 156 KiB block took 59 us instead of 122."""
-_MMAP_MIN = 16 << 10
-"""Blocks of at least this many bytes get pages of their own (see :func:`pack`); smaller ones come from the
-Arrow memory pool."""
-
-
-def _pages(n: int) -> int:
-    """``n`` rounded up to whole pages."""
-    return -(-n // mmap.PAGESIZE) * mmap.PAGESIZE
-
-
-def _size_class(n: int) -> int:
-    """``n`` rounded up the way a size-class allocator (mimalloc, jemalloc) does: 4 classes per power of two."""
-    if n <= 64:
-        return 64
-    step = max(16, 1 << ((n - 1).bit_length() - 3))
-    return -(-n // step) * step
-
-
-_SERIALIZE_POOL = pa.system_memory_pool()
-"""Where :func:`pack` serializes a batch it then copies into an mmap block: glibc malloc hands the same warm
-chunk to the next write, where the Arrow pool, emptied after every write (:func:`return_free_memory`), faults
-fresh pages in (a 150 KiB group: +15 us instead of +120 us)."""
-
-
-def _pool_copy(buf: pa.Buffer) -> pa.Buffer:
-    """``buf`` copied into the Arrow memory pool."""
-    out = pa.allocate_buffer(buf.size)
-    np.frombuffer(out, dtype=np.uint8)[:] = np.frombuffer(buf, dtype=np.uint8)
-    return out
-
-
-def pack(batch: pa.RecordBatch) -> tuple[Block, int]:
-    """``batch`` copied into ONE block of memory of its own; returns the block and the bytes it holds.
-
-    Why: a batch that arrived over gRPC is a set of views into the received message (gRPC's own
-    malloc'd memory, larger than the columns kept) plus small buffers validation added, and an
-    in-memory ``RecordBatch`` of the 19-column trajectory schema costs ~9 KiB of C++/Python
-    objects (``ArrayData``, ``Buffer``, control blocks; measured with ``mallinfo2``), ~27% of a
-    32 KiB group. Keeping those pinned memory the budget never saw (peak RSS ~2.2x the budget).
-
-    So the batch is serialized as one encapsulated IPC message (``RecordBatch.serialize``, exact
-    size) and :func:`view` reads it back as zero-copy views whenever it is sliced (~15 us). A block
-    of at least :data:`_MMAP_MIN` bytes is copied into an anonymous private ``mmap`` of its own:
-    releasing the group unmaps it (once no in-flight answer still views it), so its pages go back
-    to the OS at once and the heap never fragments. General-purpose allocators fed ~32 KiB blocks
-    freed in arrival-unrelated order kept 1.3-1.5x the live bytes resident (glibc, mimalloc and
-    jemalloc alike). Smaller blocks stay in the Arrow pool (where a page of their own would waste
-    more than the allocator does); if ``mmap`` fails (e.g. the map-count limit) the block stays in
-    malloc's heap, where it was serialized.
-
-    Bytes held: the whole pages of an mmap block (or the pool block rounded to its size class),
-    plus :data:`BLOCK_OVERHEAD` and :data:`ROW_OVERHEAD` per row.
-    """
-    # a block to be copied into pages of its own is serialized where the next write finds warm memory; its
-    # buffers' size tells which (a message is at most ~2 KiB of metadata and padding more than an unsliced
-    # batch's buffers; a slice's buffers may be larger than its message: checked below)
-    warm = batch.get_total_buffer_size() >= _MMAP_MIN // 2  # ~1 us, where the exact size costs ~10
-    message = batch.serialize(memory_pool=_SERIALIZE_POOL if warm else None)
-    large = message.size >= _MMAP_MIN
-    if warm and not large:  # a small slice of a large batch: its block belongs in the Arrow pool
-        message = _pool_copy(message)
-    block, size = message, _size_class(message.size)
-    if large:
-        try:
-            region = mmap.mmap(-1, message.size, flags=_MAP_FLAGS)
-        except OSError:
-            log.warning("mmap of a %d-byte block failed; keeping it in the heap", message.size)
-        else:
-            region.write(message)
-            block, size = region, _pages(message.size)
-    return block, size + BLOCK_OVERHEAD + ROW_OVERHEAD * batch.num_rows
-
-
-def view(block: Block, schema: pa.Schema) -> pa.RecordBatch:
-    """The batch :func:`pack` stored in ``block``, as zero-copy views into it.
-
-    An mmap block is wrapped in a ``pa.Buffer`` only here, for as long as the views live: a
-    wrapper kept per stored block is a small C++ allocation in the arena of whichever gRPC thread
-    stored it, and ~2000 of those scattered over glibc's per-thread arenas pinned pages that
-    ``malloc_trim`` could not give back. The views keep the mmap alive (buffer export) until they
-    are gone, even if the group is released meanwhile.
-    """
-    return pa.ipc.read_record_batch(pa.py_buffer(block) if isinstance(block, mmap.mmap) else block, schema)
 
 
 # ---- accounting ----------------------------------------------------------------------------------

@@ -14,7 +14,7 @@ Not thread-safe by itself: the store calls a :class:`MetadataLog` under its lock
 
 Example:
     >>> from schemas.records import TrajectoryRecord, records_to_batch
-    >>> from flight_store.memory import pack
+    >>> from flight_store.blocks import pack
     >>> from flight_store.validate import normalize_group
     >>> log = MetadataLog()
     >>> batch = records_to_batch([TrajectoryRecord(group_id="g0", sample_idx=i, policy_version=0,
@@ -34,8 +34,8 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
+from flight_store.blocks import Block, view
 from flight_store.errors import SchemaMismatchError
-from flight_store.memory import Block, view
 from schemas.arrow import METADATA_COLUMNS, METADATA_SCHEMA, TRAJECTORY_SCHEMA
 
 LOG_SCHEMA = pa.schema([f for f in METADATA_SCHEMA if f.name != "released"], metadata=METADATA_SCHEMA.metadata)
@@ -95,7 +95,7 @@ class MetadataLog:
 
     def append(self, blocks: Sequence[Block], rows: int, seq: int | None = None) -> int:
         """Number the ``rows`` rows of a group stored in ``blocks`` (packed trajectory batches, see
-        :func:`~flight_store.memory.pack`) from ``seq`` (default the next number); returns the first row's ``seq``.
+        :func:`~flight_store.blocks.pack`) from ``seq`` (default the next number); returns the first row's ``seq``.
 
         Their metadata columns are copied out of ``blocks`` by the next :meth:`settle`: the caller keeps the
         blocks until then (the store settles before it releases a group)."""

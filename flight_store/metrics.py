@@ -82,9 +82,9 @@ class StoreMetrics:
         self.registry.register(_StateCollector())  # type: ignore[arg-type]
 
     @contextmanager
-    def observe(self, rpc: str) -> Iterator[Record]:
+    def observe(self, rpc: str) -> Iterator[RpcBytes]:
         """Time one RPC; the caller adds the bytes it moved to the yielded record."""
-        rec = Record()
+        rec = RpcBytes()
         t0 = time.perf_counter()
         outcome = "ok"
         try:
@@ -113,7 +113,7 @@ class StoreMetrics:
             self._server = None
 
 
-class Record:
+class RpcBytes:
     """The bytes one RPC moved (the server adds to it; :meth:`StoreMetrics.observe` counts it)."""
 
     __slots__ = ("bytes_in", "bytes_out")

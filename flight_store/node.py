@@ -88,9 +88,10 @@ class NodeProcess:
     stdout stays open for further lines (:attr:`proc`). :meth:`stop` sends SIGTERM and waits, then
     kills it if it does not stop.
 
-    Example:
-        >>> with NodeProcess(ServerConfig(log_level="WARNING")) as node:  # doctest: +SKIP
-        ...     StoreAdmin(node.location).health()
+    Example::
+
+        with NodeProcess(ServerConfig(log_level="WARNING")) as node:
+            StoreAdmin(node.location).health()
     """
 
     def __init__(self, config: ServerConfig, workdir: Path | None = None, *,

@@ -1,9 +1,9 @@
 """The reading role: what a trainer does with the stores (see :mod:`flight_store.client`).
 
 :class:`StoreReader` scans the nodes' metadata (a cursor per node), reads the rows of planned
-slices in plan order, fetches the images they reference, releases consumed groups, and publishes
-what the rollout reads back: weights, the policy version, the demand; it also counts the groups in
-flight (the planner's supply to come).
+slices in plan order, fetches the images they reference, releases consumed groups, tells the rollout
+the planner's demand, and counts the groups in flight (the planner's supply to come). The trainer's
+weights and versions go out through :class:`~flight_store.publishing.StorePublisher`.
 """
 
 from __future__ import annotations
@@ -22,8 +22,8 @@ from flight_store.client import StoreNodes, ViewCache
 from flight_store.errors import NodeUnavailableError, UnknownImageError
 from schemas.arrow import IMAGE_SCHEMA, METADATA_SCHEMA
 from schemas.plan import MicroBatch, MiniBatchPlan, PlannedSlice
-from schemas.replies import DemandReply, InflightReply, PutWeightsReply, ReleaseReply, VersionReply
-from schemas.wire import DemandBody, ImagesTicket, MetadataTicket, PublishVersionBody, PutWeights, ReleaseBody
+from schemas.replies import DemandReply, InflightReply, ReleaseReply
+from schemas.wire import DemandBody, ImagesTicket, MetadataTicket, ReleaseBody
 
 INFLIGHT_COLUMNS = {"group_id": pl.String, "data_source": pl.String, "prompt_id": pl.String,
                     "dispatch_version": pl.Int64, "state": pl.String, "dispatched_at": pl.Float64, "node": pl.String}
@@ -120,8 +120,13 @@ class StoreReader(StoreNodes):
 
     # ---- payload -------------------------------------------------------------------------------
 
-    def fetch(self, slices: Sequence[PlannedSlice], columns: Sequence[str] | None = None) -> pa.Table:
+    def fetch(self, slices: Sequence[PlannedSlice], columns: Sequence[str] | None = None, *,
+              start: int = 0) -> pa.Table:
         """The rows of ``slices``, in the order of ``slices``: one request per node, all nodes at once.
+
+        The nodes are asked in the client's node order from its ``start``-th node on (modulo their number), so
+        ranks reading at once with different ``start`` (rank ``r``'s ``i``-th micro-batch: ``r + i``) begin on
+        different nodes.
 
         Each node is asked over a read channel (a long-lived DoExchange, kept between fetches: no call
         per read). A node whose channel breaks (the node restarted, the channel's deadline passed) is read
@@ -132,7 +137,8 @@ class StoreReader(StoreNodes):
         if not slices:
             return streams.empty_table(cols)
         per_node = streams.by_node(slices)
-        tickets = {n: streams.slices_ticket(ss, cols) for n, ss in per_node.items()}
+        order = streams.staggered(per_node, self._nodes, start)
+        tickets = {n: streams.slices_ticket(per_node[n], cols) for n in order}
         for n in per_node:
             self._calls.client(n)
 
@@ -142,13 +148,15 @@ class StoreReader(StoreNodes):
         return streams.in_order(slices, self._calls.read(tickets, cols, by_doget))
 
     def stream(
-        self, micro_batches: Sequence[Sequence[PlannedSlice]], columns: Sequence[str] | None = None
+        self, micro_batches: Sequence[Sequence[PlannedSlice]], columns: Sequence[str] | None = None, *,
+        start: int = 0,
     ) -> Iterator[pa.Table]:
         """The rows of each micro-batch's slices, one table per micro-batch in order: each micro-batch is one
-        :meth:`fetch` (one request per node over its read channel), made when the caller asks for its table."""
+        :meth:`fetch` (one request per node over its read channel, the ``i``-th from node ``start + i`` on), made
+        when the caller asks for its table. A trainer rank passes its DP rank as ``start``."""
         cols = list(columns) if columns is not None else None
-        for m in micro_batches:
-            yield self.fetch(m, cols)
+        for i, m in enumerate(micro_batches):
+            yield self.fetch(m, cols, start=start + i)
 
     def read(self, plan: MiniBatchPlan, dp_rank: int | None = None,
              columns: Sequence[str] | None = None) -> Iterator[tuple[MicroBatch, pa.Table]]:
@@ -158,8 +166,9 @@ class StoreReader(StoreNodes):
         :meth:`stream` does.
         """
         ranks = plan.ranks if dp_rank is None else [plan.for_rank(dp_rank)]
-        mbs = [mb for rank in ranks for mb in rank.micro_batches]
-        yield from zip(mbs, self.stream([mb.slices for mb in mbs], columns), strict=True)
+        for rank in ranks:
+            mbs = rank.micro_batches
+            yield from zip(mbs, self.stream([mb.slices for mb in mbs], columns, start=rank.dp_rank), strict=True)
 
     def _get_retrying(self, node: str, ticket: bytes, group_ids: list[str]) -> pa.Table:
         """:meth:`NodeCalls.get`; a node still unavailable after its retries is named with the groups it held."""
@@ -216,17 +225,6 @@ class StoreReader(StoreNodes):
         answers = self._fan_out(self._live(), lambda n: self._calls.action(n, "release", ReleaseReply, body),
                                 partial=partial, what="release")
         return {n: a.released for n, a in answers.items()}
-
-    def put_weights(self, table: pa.Table, version: int, *, node: str | None = None) -> None:
-        """DoPut a weights table (``schemas.weights``) as ``version`` to ``node`` (default: every node)."""
-        desc = PutWeights(version=version).to_bytes()
-        self._fan_out([node] if node is not None else self._live(),
-                      lambda n: self._calls.put(n, desc, table, PutWeightsReply, routed=node is None))
-
-    def publish_version(self, version: int) -> None:
-        """Record the newest policy version on every node."""
-        body = PublishVersionBody(version=version).to_bytes()
-        self._fan_out(self._live(), lambda n: self._calls.action(n, "publish_version", VersionReply, body, routed=True))
 
     def publish_demand(self, classes: Mapping[str, int]) -> None:
         """Tell the rollout, through every reachable node's ``stats``, which classes the trainer needs that

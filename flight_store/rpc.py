@@ -17,7 +17,7 @@ import pyarrow.flight as flight
 
 from flight_store.errors import KnitError, LimitExceededError, SchemaMismatchError, WireDecodeError, error_info
 from flight_store.memory import Incoming
-from flight_store.writes import Write
+from flight_store.write_slots import Write
 from schemas.wire import WireError, WireLimitError
 
 log = logging.getLogger(__name__)

@@ -33,11 +33,11 @@ from flight_store.errors import KnitError, SchemaMismatchError, error_info
 from flight_store.groups import check_columns, writer_meta
 from flight_store.membership import Membership
 from flight_store.memory import Incoming
-from flight_store.metrics import Record, StoreMetrics
+from flight_store.metrics import RpcBytes, StoreMetrics
 from flight_store.rpc import TokenAuthFactory, descriptor_bytes, error_json, guard, receive
 from flight_store.secrets import read_public, read_secret, read_token_file
 from flight_store.store import Store
-from flight_store.writes import WriteSlots
+from flight_store.write_slots import WriteSlots
 from schemas import replies
 from schemas.arrow import SCHEMA_VERSION, TRAJECTORY_SCHEMA
 from schemas.read_channel import encode_read_end, slices_by_hand
@@ -73,12 +73,12 @@ ANSWER_ROWS = 16384
 """Most rows of one message of a metadata answer (~2 MB): a scan of 100k rows streams, it is not one message."""
 SMALL_ANSWER = 1 << 20
 """A DoGet answer under this many bytes is not accounted as a read nor trimmed after: the forced trim and
-a Python generator per answer cost a large share of a micro-batch's read (see bench.peers' fetch)."""
+a Python generator per answer would cost a large share of a micro-batch's read."""
 _IPC_OPTIONS = pa.ipc.IpcWriteOptions()
-"""Made once: a stream without options reads the environment for its defaults on every answer (~4 us)."""
+"""Made once: a stream without options reads the environment for its defaults on every answer."""
 _STORED_META = {k.decode(): v.decode() for k, v in (TRAJECTORY_SCHEMA.metadata or {}).items()}
-"""The schema metadata of every stored batch (:func:`~flight_store.memory.view` reads them as the schema)."""
-_UNOBSERVED = contextlib.nullcontext(Record())
+"""The schema metadata of every stored batch (:func:`~flight_store.blocks.view` reads them as the schema)."""
+_UNOBSERVED = contextlib.nullcontext(RpcBytes())
 """What an RPC records into on a node without metrics: one shared record nobody reads (made once: a cold node pays
 for every object a read makes)."""
 SMALL_ANSWER_SLICES = 16
@@ -149,8 +149,8 @@ class StoreServer(flight.FlightServerBase):
         """The ``cluster`` action's answer (:meth:`Membership.view`)."""
         return self.membership.view()
 
-    def _observe(self, rpc: str) -> contextlib.AbstractContextManager[Record]:
-        """The RPC's :class:`Record`, timed and counted when the node serves metrics (a plain one otherwise)."""
+    def _observe(self, rpc: str) -> contextlib.AbstractContextManager[RpcBytes]:
+        """The RPC's :class:`RpcBytes`, timed and counted when the node serves metrics (a plain one otherwise)."""
         return _UNOBSERVED if self.metrics is None else self.metrics.observe(rpc)
 
     # ---- DoPut ---------------------------------------------------------------------------------
@@ -168,7 +168,7 @@ class StoreServer(flight.FlightServerBase):
         writer.write(pa.py_buffer(answer.to_bytes()))
 
     def _put(self, context: flight.ServerCallContext, descriptor: flight.FlightDescriptor,
-             reader: flight.MetadataRecordBatchReader, rec: Record) -> replies.Reply:
+             reader: flight.MetadataRecordBatchReader, rec: RpcBytes) -> replies.Reply:
         """One DoPut: decode, take a writer slot, receive batch by batch (each counted as it arrives), store."""
         doc = decode_descriptor(descriptor_bytes(descriptor))
         if isinstance(doc, GroupRef):
@@ -194,7 +194,7 @@ class StoreServer(flight.FlightServerBase):
                                    stored=self.store.put_weights(table, doc.version, incoming=incoming))
 
     def _put_groups(self, context: flight.ServerCallContext, doc: PutGroups,
-                    reader: flight.MetadataRecordBatchReader, rec: Record) -> replies.PutGroupsReply:
+                    reader: flight.MetadataRecordBatchReader, rec: RpcBytes) -> replies.PutGroupsReply:
         """A bulk DoPut: receive the whole stream, then validate and commit each group on its own."""
         total = sum(g.rows for g in doc.groups)
         what = f"{len(doc.groups)} groups"
@@ -210,7 +210,7 @@ class StoreServer(flight.FlightServerBase):
             return replies.PutGroupsReply(stored=stored, refused=why)
 
     @contextlib.contextmanager
-    def _received(self, context: flight.ServerCallContext, reader: flight.MetadataRecordBatchReader, rec: Record,
+    def _received(self, context: flight.ServerCallContext, reader: flight.MetadataRecordBatchReader, rec: RpcBytes,
                   what: str, rows: int | None, group: str | None) -> Iterator[tuple[list[pa.RecordBatch], Incoming]]:
         """A DoPut's whole stream, received in a writer slot, each batch counted against the budget as it
         arrives (``rows``: the most it may carry; ``group``: a group's write, checked early against the budget)."""

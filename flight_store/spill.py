@@ -124,7 +124,7 @@ class SpillLog:
         if created:
             _fsync_dir(self.directory)
 
-    def records(self, *, recovery: Recovery = "refuse") -> list[Record]:
+    def records(self, *, recovery: Recovery = "refuse") -> list[Frame]:
         """Every intact record, in log order; a torn tail is dropped, corruption refused (see the module)."""
         with self._lock:
             self._file.seek(0)
@@ -144,7 +144,7 @@ class SpillLog:
             raise SpillCorruptionError(msg, path=str(self.path), offset=offset)
         return self._salvage(data)
 
-    def _salvage(self, data: bytes) -> list[Record]:
+    def _salvage(self, data: bytes) -> list[Frame]:
         """Keep every intact frame of a damaged log (resynchronising past damage); the original moves aside."""
         records, skipped = salvage(data)
         aside = self.path.with_name(f"{LOG_NAME}.corrupt-{time.strftime('%Y%m%d-%H%M%S')}")
@@ -211,7 +211,7 @@ class SpillLog:
         _fsync_dir(self.directory)
         return path.stat().st_size
 
-    def read_files(self, pattern: str, *, recovery: Recovery = "refuse") -> list[tuple[Path, Record]]:
+    def read_files(self, pattern: str, *, recovery: Recovery = "refuse") -> list[tuple[Path, Frame]]:
         """The records of the files written by :meth:`write_file` whose names match ``pattern`` (a glob), by name.
 
         A file whose one frame is not whole and intact is corruption (it was renamed into place only once
@@ -258,7 +258,7 @@ def _fsync_dir(directory: Path) -> None:
 
 
 @dataclass(frozen=True, slots=True)
-class Record:
+class Frame:
     """One intact frame: where it starts, its header and its body."""
 
     offset: int
@@ -290,7 +290,7 @@ def frame_size(header: dict[str, Any], body: Body = b"") -> int:
     return _FRAME.size + len(json.dumps(header, separators=(",", ":")).encode()) + body_size(body)
 
 
-def _read_frame(data: bytes, pos: int) -> tuple[Record | None, int, str]:
+def _read_frame(data: bytes, pos: int) -> tuple[Frame | None, int, str]:
     """The frame at ``pos``: ``(record, end, "")``, or ``(None, pos, reason)`` (reason ``"torn"`` for a cut)."""
     if len(data) - pos < _FRAME.size:
         return None, pos, "torn"
@@ -307,12 +307,12 @@ def _read_frame(data: bytes, pos: int) -> tuple[Record | None, int, str]:
         header = json.loads(data[start:start + hlen])
     except ValueError:
         return None, pos, "an unreadable header"
-    return Record(offset=pos, header=header, body=data[start + hlen:end]), end, ""
+    return Frame(offset=pos, header=header, body=data[start + hlen:end]), end, ""
 
 
-def scan(data: bytes) -> tuple[list[Record], int, tuple[int, str] | None]:
+def scan(data: bytes) -> tuple[list[Frame], int, tuple[int, str] | None]:
     """The whole frames of ``data`` from its start, where they end, and the first damage that is not a torn tail."""
-    records: list[Record] = []
+    records: list[Frame] = []
     pos = 0
     while pos < len(data):
         record, end, reason = _read_frame(data, pos)
@@ -325,9 +325,9 @@ def scan(data: bytes) -> tuple[list[Record], int, tuple[int, str] | None]:
     return records, pos, None
 
 
-def salvage(data: bytes) -> tuple[list[Record], list[tuple[int, int]]]:
+def salvage(data: bytes) -> tuple[list[Frame], list[tuple[int, int]]]:
     """Every intact frame of ``data``, resynchronising on the next magic after damage; and the skipped ranges."""
-    records: list[Record] = []
+    records: list[Frame] = []
     skipped: list[tuple[int, int]] = []
     pos = 0
     while pos < len(data):

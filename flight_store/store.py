@@ -4,7 +4,7 @@
 :mod:`~flight_store.groups` (each group's batches, served as zero-copy slices),
 :mod:`~flight_store.metadata` (the append-only log, ``seq`` = position), :mod:`~flight_store.images`
 (content-keyed, reference-counted), :mod:`~flight_store.weights` (the newest tables and the published
-version), :mod:`~flight_store.memory` (blocks, budget, writes in flight, RSS guard),
+version), :mod:`~flight_store.blocks` and :mod:`~flight_store.memory` (blocks, budget, writes in flight, RSS guard),
 :mod:`~flight_store.durability` (the spill log), :mod:`~flight_store.supply` (groups in flight, demand)
 and :mod:`~flight_store.contents` (the one commit path that changes them).
 
@@ -34,12 +34,13 @@ import pyarrow.compute as pc
 
 from flight_store import groups as _groups
 from flight_store import metadata as _metadata
+from flight_store.blocks import pack
 from flight_store.config import StoreConfig
 from flight_store.contents import StoreContents
 from flight_store.durability import Journal
 from flight_store.errors import KnitError, LimitExceededError, SchemaMismatchError
 from flight_store.images import images_table
-from flight_store.memory import Incoming, MemoryAccount, pack
+from flight_store.memory import Incoming, MemoryAccount
 from flight_store.supply import Supply
 from flight_store.validate import normalize_group, normalize_group_sized, normalize_groups, normalize_images
 from flight_store.weights import one_batch
@@ -259,11 +260,6 @@ class Store:
             self.memory.free_unused()
         return freed
 
-    def has_group(self, group_id: str) -> bool:
-        """Whether ``group_id`` is stored and not released."""
-        with self._lock:
-            return self._contents.groups.is_live(group_id)
-
     def group_info(self, group_id: str) -> tuple[int, int, list[tuple[int, int]]]:
         """``(rows, bytes, contiguous [start, stop) runs of sample_idx)`` of an unreleased group."""
         with self._lock:
@@ -329,11 +325,6 @@ class Store:
             self.bytes_out += sum(img.nbytes for img in found)
             rows = [img.row for img in found]
         return images_table(rows)
-
-    def has_image(self, key: bytes) -> bool:
-        """Whether the image ``key`` is stored."""
-        with self._lock:
-            return key in self._contents.images
 
     # ---- weights & version ---------------------------------------------------------------------
 

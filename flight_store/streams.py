@@ -36,6 +36,17 @@ def by_node(slices: Iterable[PlannedSlice]) -> dict[str, list[PlannedSlice]]:
     return per_node
 
 
+def staggered(per_node: Mapping[str, object], nodes: Sequence[str], start: int) -> list[str]:
+    """The nodes of ``per_node`` in the order of ``nodes`` rotated to begin at ``nodes[start % len(nodes)]`` (nodes
+    ``nodes`` does not list last, in their order): where a read begins, so that readers with different ``start``
+    begin on different nodes."""
+    if not nodes:
+        return list(per_node)
+    k = start % len(nodes)
+    ring = [n for n in (*nodes[k:], *nodes[:k]) if n in per_node]
+    return ring + [n for n in per_node if n not in set(ring)]
+
+
 def group_ids(slices: Iterable[PlannedSlice]) -> list[str]:
     """The distinct group ids of ``slices``, in order."""
     return list(dict.fromkeys(s.group_id for s in slices))

@@ -3,7 +3,7 @@
 Both only move forward: a weights table not newer than the latest stored one is ignored, and so is
 a published policy version older than the stored one. The newest ``keep`` versions are kept
 (``StoreConfig.weights_versions``); storing one more frees the oldest. Each table is copied into a
-block of its own (:func:`flight_store.memory.pack`), so it holds exactly what the budget counts.
+block of its own (:func:`flight_store.blocks.pack`), so it holds exactly what the budget counts.
 
 Not thread-safe by itself: the store calls a :class:`WeightsSlot` under its lock.
 
@@ -12,7 +12,7 @@ Example:
     >>> slot = WeightsSlot("n0", keep=1)
     >>> slot.accepts(3)
     True
-    >>> freed = slot.set(pa.table({"name": ["w"]}), 3)
+    >>> freed = slot.set(pa.record_batch({"name": ["w"]}), 3)
     >>> slot.accepts(3), slot.get()[1]
     (False, 3)
 """
@@ -25,8 +25,8 @@ from dataclasses import dataclass
 
 import pyarrow as pa
 
+from flight_store.blocks import Block, pack, view
 from flight_store.errors import UnknownWeightsError
-from flight_store.memory import Block, pack, view
 
 log = logging.getLogger(__name__)
 

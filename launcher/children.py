@@ -86,9 +86,10 @@ class Children:
     Raises (when made): ``lifeline.RunFolderInUseError`` (the launcher that used ``log_dir`` still runs) or
     ``lifeline.LeftoverProcessesError`` (processes of the run folder that cannot be stopped here, named).
 
-    Example:
-        >>> with Children(Path("/tmp/logs")) as kids:  # doctest: +SKIP
-        ...     kids.start("trainer", [sys.executable, "-m", "train", "--config", "train.json"])
+    Example::
+
+        with Children(Path("/tmp/logs")) as kids:
+            kids.start("trainer", [sys.executable, "-m", "train", "--config", "train.json"])
     """
 
     def __init__(self, log_dir: Path) -> None:

@@ -142,6 +142,7 @@ def train(argv: Sequence[str]) -> int:
     """``knit train``: the Megatron-core trainer (``--nproc`` local ranks, or one rank under torchrun)."""
     from train.config import ModelConfig, TrainConfig
     from train.launch import LOG_FORMAT, launch
+    from train.tracking import check_installed
 
     def extra(p: argparse.ArgumentParser) -> None:
         p.add_argument("--nproc", type=int, default=1, help="ranks to start locally when not under torchrun")
@@ -153,6 +154,11 @@ def train(argv: Sequence[str]) -> int:
 
     config, args = _parse_config("knit train", "Megatron-core GRPO trainer fed by knittrans stores.", TrainConfig,
                                  argv, extra=extra, base=base)
+    try:
+        check_installed(config.tracking)
+    except ImportError as exc:
+        print(f"knit train: {exc}", file=sys.stderr)
+        return 2
     logging.basicConfig(level=logging.INFO, format=LOG_FORMAT.replace("{rank}", os.environ.get("RANK", "0")))
     try:
         launch(config, nproc=args.nproc)  # SIGTERM stops the local ranks too
@@ -186,6 +192,8 @@ def rollout(argv: Sequence[str]) -> int:
 def report(argv: Sequence[str]) -> int:
     """``knit report RUN_DIR``: the prompt ledger in one line, the resumes, the checkpoints' cost."""
     from launcher import ledger, resume
+    from schemas import run_folder
+    from schemas.run_frames import LEDGER_FRAME
 
     parser = argparse.ArgumentParser(prog="knit report", description="Say whether a knit run trained each prompt "
                                      "once (its ledger.parquet, built from the run's event logs), how each resume "
@@ -199,16 +207,22 @@ def report(argv: Sequence[str]) -> int:
         return 2
     exact = True
     for out in folders:
-        table = ledger.build(out)
-        table.write_parquet(out / "ledger.parquet")
+        try:
+            if (out / run_folder.RUN_CONFIG).exists():
+                run_folder.check_run_folder(out)
+            table = ledger.build(out)
+        except run_folder.RunFolderError as exc:
+            print(f"knit report: {exc}", file=sys.stderr)
+            return 2
+        run_folder.write_frame(table.to_arrow(), out / run_folder.LEDGER, LEDGER_FRAME)
         exact = exact and ledger.exceptions(table).height == 0
         print(f"{out}: {ledger.summary_line(table)}")
         for r in resume.resumes(out):
-            start = f"the checkpoint of step {r['step']}" if r["step"] else "the initial weights (no checkpoint)"
-            first = (f"first step published {r['first_step_s']} s after launch" if r["first_step_s"] is not None
+            start = f"the checkpoint of step {r.step}" if r.step else "the initial weights (no checkpoint)"
+            first = (f"first step published {r.first_step_s} s after launch" if r.first_step_s is not None
                      else "stopped before it published a step")
-            print(f"  resume {r['life']}: from {start}, {first}; re-issued {r['reissued'] or 'none'}, kept "
-                  f"{r['groups_kept']} stored groups, rolled back {r['rolled_back']} trained groups")
+            print(f"  resume {r.life}: from {start}, {first}; re-issued {r.reissued or 'none'}, kept "
+                  f"{r.groups_kept} stored groups, rolled back {r.rolled_back} trained groups")
         cost = [s for _, s in ledger.read_history(out).checkpoints]
         if cost:
             print(f"  checkpoints: {len(cost)}, median {sorted(cost)[len(cost) // 2]:.3f} s, max {max(cost):.3f} s")

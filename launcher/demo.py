@@ -10,6 +10,7 @@ import time
 import numpy as np
 import polars as pl
 
+from flight_store.publishing import StorePublisher
 from flight_store.reading import StoreReader
 from flight_store.server import StoreServer
 from flight_store.writing import StoreWriter
@@ -42,7 +43,8 @@ def run_demo(*, groups: int = 16, group_size: int = 4, seed: int = 0) -> int:
     rng = np.random.default_rng(seed)
     t0 = time.perf_counter()
     with StoreServer() as n0, StoreServer() as n1, \
-            StoreWriter([n0.location, n1.location]) as writer, StoreReader.sharing(writer) as client:
+            StoreWriter([n0.location, n1.location]) as writer, StoreReader.sharing(writer) as client, \
+            StorePublisher.sharing(writer) as publisher:
         # write: one DoPut per prompt group, placed by a stable hash of its id
         for g in range(groups):
             source = ("math", "code", "chat")[g % 3]
@@ -69,7 +71,7 @@ def run_demo(*, groups: int = 16, group_size: int = 4, seed: int = 0) -> int:
         # fetch: one request per node (over read channels), rows in plan order; then release what was consumed
         batch = client.fetch(slices, columns=["group_id", "sample_idx", "response_ids", "loss_mask"])
         released = client.release([s.group_id for s in slices])
-        client.publish_version(1)
+        publisher.publish_version(1)
 
         print(f"knit demo: {len(client.nodes)} store nodes, {meta.height} trajectories in {groups} groups")
         print(by_source)

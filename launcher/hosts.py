@@ -26,12 +26,13 @@ Guarantees:
 * where namespaces cannot be made (not Linux, no ``ip``, no CAP_NET_ADMIN) :class:`HostsUnavailableError`
   says why, before anything is created.
 
-Example:
-    >>> with Hosts(2) as hosts:  # doctest: +SKIP
-    ...     server = hosts[0].popen([sys.executable, "-m", "http.server", "--bind", hosts[0].address, "8000"])
-    ...     hosts[1].popen(["curl", f"http://{hosts[0].address}:8000/"]).wait()
-    ...     hosts[0].link_bytes()
-    LinkBytes(rx=..., tx=...)
+Example::
+
+    with Hosts(2) as hosts:
+        server = hosts[0].popen([sys.executable, "-m", "http.server", "--bind", hosts[0].address, "8000"])
+        hosts[1].popen(["curl", f"http://{hosts[0].address}:8000/"]).wait()
+        hosts[0].link_bytes()
+    # -> LinkBytes(rx=..., tx=...)
 """
 
 from __future__ import annotations
@@ -262,10 +263,11 @@ class Hosts:
         HostsCommandError: an ``ip`` command failed during setup (everything made so far is removed).
         ValueError: ``n`` out of range.
 
-    Example:
-        >>> with Hosts(4) as hosts:  # doctest: +SKIP
-        ...     hosts[0].address, hosts.driver_address
-        ('198.18.7.1', '198.18.7.254')
+    Example::
+
+        with Hosts(4) as hosts:
+            hosts[0].address, hosts.driver_address
+        # -> ('198.18.7.1', '198.18.7.254')
     """
 
     def __init__(self, n: int, *, settle_s: float = 5.0) -> None:

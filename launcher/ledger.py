@@ -1,17 +1,17 @@
 """The prompt ledger of a run folder: every prompt, every attempt at it, and whether the surviving weights trained it.
 
-Built from the append-only event logs the processes write (``schemas.ledger``): the rollout's
-(``events/rollout.jsonl``: each prompt drawn, each group dispatched), the trainer's (``events/trained.jsonl``:
-the groups each step trained, the groups dropped, and the launcher's ``resume`` lines) and the stores'
-metadata (``metadata.parquet``: which groups came back, with which status).
+Built from the append-only event logs the processes write (``schemas.ledger``'s events, read through
+``schemas.run_folder``): the rollout's (``events/rollout.jsonl``: each prompt drawn, each group dispatched), the
+trainer's (``events/trained.jsonl``: the groups each step trained, the groups dropped, and the launcher's
+``resume`` lines) and the stores' metadata (``metadata.parquet``: which groups came back, with which status).
 
 Which trained steps survive: a ``resume`` line with step ``S`` means the weights were restored from the
 checkpoint of step ``S``, so the step lines before it with a step ``>= S`` were taken by weights that are
 gone; their groups are *rolled back* (released, never trained again) and their prompts dispatched again.
 Every other step line counts. So "each prompt trained once" is checked against the weights that survive.
 
-``ledger.parquet``: one row per prompt and attempt, :data:`LEDGER_SCHEMA`. The check is one polars query
-(:func:`exceptions`): each prompt has exactly one attempt with a ``trained_step``.
+``ledger.parquet``: one row per prompt and attempt, ``schemas.run_frames.LEDGER_FRAME``. The check is one polars
+query (:func:`exceptions`): each prompt has exactly one attempt with a ``trained_step``.
 
 Example::
 
@@ -25,29 +25,50 @@ from __future__ import annotations
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import cast
 
 import polars as pl
+import pyarrow as pa
 
-from schemas.ledger import read_events
+from schemas import run_folder
+from schemas.ledger import (
+    ROLLOUT_EVENT,
+    TRAINED_EVENT,
+    Checkpoint,
+    Dispatch,
+    Draw,
+    Dropped,
+    NodeLost,
+    Resume,
+    TrainedStep,
+    Written,
+)
+from schemas.run_frames import LEDGER_FRAME, METADATA_FRAME
+from schemas.run_summary import LedgerFigures
 
-LEDGER_SCHEMA: dict[str, Any] = {
-    "prompt_id": pl.String, "attempt": pl.Int64, "group_id": pl.String, "dispatched_version": pl.Int64,
-    "completed": pl.Boolean, "trained_step": pl.Int64, "dropped_reason": pl.String, "life": pl.Int64,
-    "dispatch_reason": pl.String,
-}
-"""The ledger's columns: the prompt, its attempt (0 = the first dispatch), the group that attempt wrote, the policy
-version it was dispatched under, whether the stores hold it with every sample completed, the surviving step that
-trained it (null: none) and, when none did, why (``rolled_back``, a planner drop reason such as ``aborted``,
-``interrupted`` for a group the run stopped before it was written, ``node_lost`` for one written to a store node
-lost for good); ``life``: the start of the run that
-dispatched it (0 = the first); ``dispatch_reason``: why an attempt after the first went out (``aborted``,
-``interrupted``, ``rolled_back``, ``node_lost``, ``rollout_lost``, ...)."""
+LEDGER_SCHEMA: pl.Schema = pl.from_arrow(LEDGER_FRAME.empty_table()).schema  # type: ignore[union-attr]
+"""The ledger's columns as polars types (``schemas.run_frames.LEDGER_FRAME`` says what each holds)."""
 
-EVENTS = "events"
-"""The run folder's sub-folder of event logs."""
-ROLLOUT_EVENTS = "rollout.jsonl"
-TRAINED_EVENTS = "trained.jsonl"
+EVENTS = run_folder.EVENTS
+ROLLOUT_EVENTS = run_folder.ROLLOUT_EVENTS
+TRAINED_EVENTS = run_folder.TRAINED_EVENTS
+
+
+@dataclass(frozen=True, slots=True)
+class Attempt:
+    """A dispatch event with the life of the run that made it."""
+
+    dispatch: Dispatch
+    life: int
+    """The start of the run that dispatched it (0 = the first)."""
+
+    @property
+    def prompt_id(self) -> str:
+        return self.dispatch.prompt_id
+
+    @property
+    def group_id(self) -> str:
+        return self.dispatch.group_id
 
 
 @dataclass(slots=True)
@@ -56,7 +77,7 @@ class History:
 
     draws: dict[str, tuple[int, str]] = field(default_factory=dict)
     """prompt_id -> (its place in the stream, its first group id)."""
-    dispatches: list[dict[str, Any]] = field(default_factory=list)
+    dispatches: list[Attempt] = field(default_factory=list)
     """Each dispatch event, with the ``life`` that made it."""
     trained: dict[str, int] = field(default_factory=dict)
     """group_id -> the surviving step that trained it."""
@@ -66,7 +87,7 @@ class History:
     """Groups trained by steps a resume rolled back."""
     dropped: dict[str, str] = field(default_factory=dict)
     """group_id -> why the planner dropped it."""
-    steps: dict[int, dict[str, Any]] = field(default_factory=dict)
+    steps: dict[int, TrainedStep] = field(default_factory=dict)
     """step -> its surviving step event (rank 0's ``metrics``, ``t_end``, ``version``)."""
     checkpoints: list[tuple[int, float]] = field(default_factory=list)
     """(step, seconds) of each checkpoint written."""
@@ -84,37 +105,41 @@ class History:
 
 
 def read_history(out: Path) -> History:
-    """Read the event logs of the run folder ``out``."""
+    """Read the event logs of the run folder ``out``.
+
+    Raises:
+        schemas.run_folder.RunFolderError: a line of a log is damaged or lacks a field.
+    """
     h = History()
     life = 0
-    for e in read_events(out / EVENTS / ROLLOUT_EVENTS):
-        if e["kind"] == "resume":
-            life = int(e["life"])
-        elif e["kind"] == "draw":
-            h.draws.setdefault(e["prompt_id"], (int(e["index"]), e["group_id"]))
-        elif e["kind"] == "dispatch":
-            h.dispatches.append(e | {"life": life})
-        elif e["kind"] == "written":
-            h.written[e["group_id"]] = e["node"]
-        elif e["kind"] == "node_lost":
-            h.lost.add(e["location"])
-    for e in read_events(out / EVENTS / TRAINED_EVENTS):
-        if e["kind"] == "step":
-            h.steps[int(e["step"])] = e
-            for gid, quotas in e["groups"].items():
-                h.trained[gid] = int(e["step"])
+    for e in run_folder.read_lines(ROLLOUT_EVENT, out / EVENTS / ROLLOUT_EVENTS):
+        if isinstance(e, Resume):
+            life = e.life
+        elif isinstance(e, Draw):
+            h.draws.setdefault(e.prompt_id, (e.index, e.group_id))
+        elif isinstance(e, Dispatch):
+            h.dispatches.append(Attempt(e, life))
+        elif isinstance(e, Written):
+            h.written[e.group_id] = e.node
+        elif isinstance(e, NodeLost):
+            h.lost.add(e.location)
+    for t in run_folder.read_lines(TRAINED_EVENT, out / EVENTS / TRAINED_EVENTS):
+        if isinstance(t, TrainedStep):
+            h.steps[t.step] = t
+            for gid, quotas in t.groups.items():
+                h.trained[gid] = t.step
                 h.quotas[gid] = quotas
-        elif e["kind"] == "dropped":
-            h.dropped.update(e["groups"])
-        elif e["kind"] == "checkpoint":
-            h.checkpoints.append((int(e["step"]), float(e["seconds"])))
-        elif e["kind"] == "resume":
-            h.lives = int(e["life"]) + 1
-            gone = [g for g, s in h.trained.items() if s >= int(e["step"])]
+        elif isinstance(t, Dropped):
+            h.dropped.update(t.groups)
+        elif isinstance(t, Checkpoint):
+            h.checkpoints.append((t.step, t.seconds))
+        elif isinstance(t, Resume):
+            h.lives = t.life + 1
+            gone = [g for g, s in h.trained.items() if s >= t.step]
             h.rolled_back.update(gone)
             for g in gone:
                 del h.trained[g]
-            h.steps = {s: ev for s, ev in h.steps.items() if s < int(e["step"])}
+            h.steps = {s: ev for s, ev in h.steps.items() if s < t.step}
     return h
 
 
@@ -138,16 +163,16 @@ def build(out: Path, metadata: pl.DataFrame | None = None) -> pl.DataFrame:
     """The ledger of the run folder ``out`` (``metadata``: the stores' metadata, else ``metadata.parquet``)."""
     h = read_history(out)
     if metadata is None:
-        path = out / "metadata.parquet"
-        metadata = pl.read_parquet(path) if path.exists() else pl.DataFrame(schema={"group_id": pl.String,
-                                                                                      "status": pl.String})
+        path = out / run_folder.METADATA
+        metadata = (_frame(run_folder.read_frame(path, METADATA_FRAME, required=("group_id", "status")))
+                    if path.exists() else pl.DataFrame(schema={"group_id": pl.String, "status": pl.String}))
     status = group_status(metadata)
-    rows = [{"prompt_id": d["prompt_id"], "attempt": int(d["attempt"]), "group_id": d["group_id"],
-             "dispatched_version": int(d["version"]), "completed": status.get(d["group_id"], False),
-             "trained_step": h.trained.get(d["group_id"]),
-             "dropped_reason": None if d["group_id"] in h.trained else _why_not(d["group_id"], h, status),
-             "life": int(d["life"]), "dispatch_reason": d.get("reason")} for d in h.dispatches]
-    dispatched = {d["prompt_id"] for d in h.dispatches}
+    rows = [{"prompt_id": a.prompt_id, "attempt": a.dispatch.attempt, "group_id": a.group_id,
+             "dispatched_version": a.dispatch.version, "completed": status.get(a.group_id, False),
+             "trained_step": h.trained.get(a.group_id),
+             "dropped_reason": None if a.group_id in h.trained else _why_not(a.group_id, h, status),
+             "life": a.life, "dispatch_reason": a.dispatch.reason} for a in h.dispatches]
+    dispatched = {a.prompt_id for a in h.dispatches}
     rows += [{"prompt_id": pid, "attempt": None, "group_id": gid, "dispatched_version": None, "completed": False,
               "trained_step": None, "dropped_reason": "never_dispatched", "life": None,
               "dispatch_reason": None}
@@ -155,12 +180,16 @@ def build(out: Path, metadata: pl.DataFrame | None = None) -> pl.DataFrame:
     return pl.DataFrame(rows, schema=LEDGER_SCHEMA).sort(["prompt_id", "attempt"], nulls_last=True)
 
 
+def _frame(table: pa.Table) -> pl.DataFrame:
+    return cast(pl.DataFrame, pl.from_arrow(table))  # a table makes a frame (a series comes from an array)
+
+
 def group_status(metadata: pl.DataFrame) -> dict[str, bool]:
     """group_id -> whether every stored sample of it completed."""
     if metadata.height == 0:
         return {}
     per = metadata.group_by("group_id").agg((pl.col("status") == "completed").all().alias("ok"))
-    return dict(zip(per["group_id"].to_list(), per["ok"].to_list(), strict=True))
+    return dict(per.select("group_id", "ok").iter_rows())
 
 
 def exceptions(ledger: pl.DataFrame) -> pl.DataFrame:
@@ -174,27 +203,28 @@ def exceptions(ledger: pl.DataFrame) -> pl.DataFrame:
 
 def summary_line(ledger: pl.DataFrame) -> str:
     """One line: ``ledger: N prompts, each trained once``, or the exceptions by name."""
-    n = ledger["prompt_id"].n_unique()
+    n = ledger.get_column("prompt_id").n_unique()
     bad = exceptions(ledger)
     if bad.height == 0:
         return f"ledger: {n} prompts, each trained once"
-    twice = bad.filter(pl.col("trained") > 1)["prompt_id"].to_list()
+    twice = bad.filter(pl.col("trained") > 1).get_column("prompt_id").to_list()
     never = bad.filter(pl.col("trained") == 0)
-    why = Counter(r[-1] if r else "unknown" for r in never["reasons"].to_list())
+    why = Counter(r[-1] if r else "unknown" for r in never.get_column("reasons").to_list())
     parts = [f"ledger: {n} prompts, {n - bad.height} trained once"]
     if never.height:
         parts.append(f"never trained {never.height} ({', '.join(f'{k}: {v}' for k, v in sorted(why.items()))}): "
-                     + ", ".join(never["prompt_id"].head(10).to_list()) + (" ..." if never.height > 10 else ""))
+                     + ", ".join(never.get_column("prompt_id").head(10).to_list())
+                     + (" ..." if never.height > 10 else ""))
     if twice:
         parts.append(f"trained more than once {len(twice)}: " + ", ".join(twice[:10]) + (" ..." if len(twice) > 10
                                                                                          else ""))
     return "; ".join(parts)
 
 
-def figures(ledger: pl.DataFrame) -> dict[str, Any]:
+def figures(ledger: pl.DataFrame) -> LedgerFigures:
     """The ledger's counts for the run summary."""
     bad = exceptions(ledger)
-    again = ledger.filter(pl.col("attempt") > 0)["dispatch_reason"].fill_null("unknown").to_list()
-    return {"prompts": ledger["prompt_id"].n_unique(), "attempts": ledger.height,
-            "exact": bad.height == 0, "exceptions": bad["prompt_id"].to_list(),
-            "attempts_again_by_reason": dict(Counter(again)), "summary": summary_line(ledger)}
+    again = ledger.filter(pl.col("attempt") > 0).get_column("dispatch_reason").fill_null("unknown").to_list()
+    return LedgerFigures(prompts=ledger.get_column("prompt_id").n_unique(), attempts=ledger.height,
+                         exact=bad.height == 0, exceptions=bad.get_column("prompt_id").to_list(),
+                         attempts_again_by_reason=dict(Counter(again)), summary=summary_line(ledger))

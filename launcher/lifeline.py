@@ -139,11 +139,12 @@ class Keeper:
     """The launcher's side of the keeper: a process that SIGKILLs the children's process groups if the launcher
     dies before it says goodbye (:meth:`close`).
 
-    Example:
-        >>> keeper = Keeper()  # doctest: +SKIP
-        >>> keeper.watch(child.pid)  # its process group, which it leads  # doctest: +SKIP
-        >>> keeper.forget(child.pid)  # stopped by the launcher  # doctest: +SKIP
-        >>> keeper.close()  # doctest: +SKIP
+    Example::
+
+        keeper = Keeper()
+        keeper.watch(child.pid)  # its process group, which it leads
+        keeper.forget(child.pid)  # stopped by the launcher
+        keeper.close()
     """
 
     def __init__(self, env: dict[str, str] | None = None, cwd: Path | None = None) -> None:

@@ -24,10 +24,12 @@ from launcher.lifeline import LeftoverProcessesError, RunFolderInUseError
 from launcher.model import RUN_MODELS, prepare_model
 from launcher.ray_deploy import RayNodeLostError, run_on_ray
 from launcher.run import COMPARED, RUN_POLICIES, Interrupted, RunConfig, run_policy
-from schemas import documents
+from schemas import run_folder
+from schemas.run_summary import LookaheadTry, PolicySummary
+from train.tracking import check_installed
 
 MATCH = 0.95
-"""``--match-throughput``: the share of train_batch's trainer-busy time (:func:`trainer_busy`) another policy's
+"""``--match-throughput``: the share of train_batch's throughput (trajectories/s, the summary's) another policy's
 lookahead must reach."""
 
 
@@ -44,8 +46,8 @@ def parse(argv: Sequence[str]) -> tuple[list[RunConfig], argparse.Namespace]:
     parser.add_argument("--match-throughput", action=argparse.BooleanOptionalAction, default=None,
                         help="with --compare (the default there) or --policies: run train_batch first, then each "
                         "other policy (colocated, which waits for each train batch's weights, excepted) at its "
-                        "smallest lookahead (one mini-batch of groups, two, ... up to 2B) that keeps the trainer busy "
-                        f"(not waiting for admission) at least {MATCH * 100:.0f}%% as much as train_batch did; every "
+                        "smallest lookahead (one mini-batch of groups, two, ... up to 2B) whose throughput "
+                        f"(trajectories/s) is at least {MATCH * 100:.0f}%% of train_batch's; every "
                         "try is reported. --no-match-throughput: each policy at its default lookahead")
     parser.add_argument("--policies", type=_policies, default=None, metavar="A,B,...",
                         help=f"run these policies one after another, on the same seeds (of {', '.join(RUN_POLICIES)}; "
@@ -70,8 +72,8 @@ def parse(argv: Sequence[str]) -> tuple[list[RunConfig], argparse.Namespace]:
         if args.compare or args.policies:
             parser.error("--resume takes up one run: no --compare or --policies")
         try:
-            return [documents.read(RunConfig, args.resume.resolve() / "run_config.json")], args
-        except (OSError, ValueError) as exc:
+            return [run_folder.read_run_config(RunConfig, args.resume.resolve() / run_folder.RUN_CONFIG)], args
+        except (OSError, ValueError) as exc:  # RunFolderError names the file and the field
             parser.error(f"--resume {args.resume}: {exc}")
     model = RUN_MODELS.get(getattr(args, "cfg__model", "tiny"))  # its defaults, under the flags given
     base = dict(model.run_defaults if model else {}) | ({"train_batches": QUICK_TRAIN_BATCHES} if args.quick else {})
@@ -80,6 +82,10 @@ def parse(argv: Sequence[str]) -> tuple[list[RunConfig], argparse.Namespace]:
     except ValueError as exc:
         parser.error(str(exc))
     cfg.out, cfg.model_dir = cfg.out.resolve(), cfg.model_path.resolve()
+    try:
+        check_installed(cfg.tracking)  # before a run that would only warn about it
+    except ImportError as exc:
+        parser.error(str(exc))
     if args.compare and args.policies:
         parser.error("--compare and --policies: give one of them")
     policies = COMPARED if args.compare else args.policies
@@ -107,43 +113,47 @@ def lookaheads(cfg: RunConfig) -> list[int]:
     return list(range(step, top + 1, step))
 
 
-def _matched(cfg: RunConfig, baseline: dict[str, Any], run_one: Callable[[RunConfig], dict[str, Any]],
-             display: progress.Display) -> dict[str, Any]:
-    """``cfg``'s policy at its smallest lookahead (:func:`lookaheads`) that keeps the trainer busy at least
-    :data:`MATCH` as much as ``baseline`` did (:func:`trainer_busy`; each try a whole run, in
-    ``<out>/lookahead<L>``); with none, the try that kept it busiest. The result lists every try under
-    ``lookahead_search`` (with its throughput)."""
-    target = MATCH * trainer_busy(baseline)
-    tries: list[dict[str, Any]] = []
-    best: dict[str, Any] | None = None
-    busy = 0.0
+def _matched(cfg: RunConfig, baseline: PolicySummary, run_one: Callable[[RunConfig], PolicySummary],
+             display: progress.Display) -> PolicySummary:
+    """``cfg``'s policy at its smallest lookahead (:func:`lookaheads`) whose throughput (trajectories/s) is at least
+    :data:`MATCH` of ``baseline``'s (each try a whole run, in ``<out>/lookahead<L>``); with none, the try of the
+    highest throughput. The result lists every try under ``lookahead_search`` (with its throughput and the share of
+    the training window its trainer was busy)."""
+    target = MATCH * throughput(baseline)
+    tries: list[LookaheadTry] = []
+    best: PolicySummary | None = None
+    rate = 0.0
     for lookahead in lookaheads(cfg):
         result = run_one(dataclasses.replace(cfg, lookahead=lookahead, out=cfg.out / f"lookahead{lookahead}"))
-        busy = trainer_busy(result)
-        tries.append({"lookahead": lookahead, "trainer_busy": round(busy, 4),
-                      "trajectories_per_s": result["throughput"]["trajectories_per_s"],
-                      "arch_staleness_mean": result["arch_staleness_mean"],
-                      "quota_violations": result["quota_violations"]})
-        if best is None or busy > trainer_busy(best):
-            best = result  # a try that keeps up is the busiest so far: every earlier one was under the target
-        if busy >= target:
+        rate = throughput(result)
+        tries.append(LookaheadTry(lookahead=lookahead, trainer_busy=round(trainer_busy(result), 4),
+                                  trajectories_per_s=rate, arch_staleness_mean=result.arch_staleness_mean,
+                                  quota_violations=result.quota_violations))
+        if best is None or rate > throughput(best):
+            best = result  # a try that keeps up is the fastest so far: every earlier one was under the target
+        if rate >= target:
             break
-        display.note(f"[{cfg.policy}] lookahead {lookahead}: trainer busy {busy:.0%} of the time, under {target:.0%} "
+        display.note(f"[{cfg.policy}] lookahead {lookahead}: {rate:.3g} trajectories/s, under {target:.3g} "
                      f"({MATCH:.0%} of train_batch's)")
     assert best is not None  # lookaheads() is never empty: B/K <= 2B
-    return {**best, "lookahead_search": tries, "matched_throughput": busy >= target}
+    return best.model_copy(update={"lookahead_search": tries, "matched_throughput": rate >= target})
 
 
-def trainer_busy(result: dict[str, Any]) -> float:
-    """The share of a run's training window the trainer was not waiting for admission (1 - idle / window): what
-    ``--match-throughput`` matches. Where the trainer is the bottleneck it is ~1 at every lookahead, and the
-    throughputs differ by the step time's noise alone; where the rollout is, it falls with the throughput."""
-    window = float(result.get("training_window_s") or 0.0)
-    return max(0.0, 1.0 - float(result["trainer_idle_s"]) / window) if window > 0 else 0.0
+def throughput(result: PolicySummary) -> float:
+    """A run's throughput as its summary reports it: trajectories trained per second. What ``--match-throughput``
+    matches."""
+    return result.throughput.trajectories_per_s
+
+
+def trainer_busy(result: PolicySummary) -> float:
+    """The share of a run's training window the trainer was not waiting for admission (1 - idle / window), reported
+    beside each try's throughput."""
+    window = result.training_window_s
+    return max(0.0, 1.0 - result.trainer_idle_s / window) if window > 0 else 0.0
 
 
 def _run_on_ray(cfg: RunConfig, model: Any, args: argparse.Namespace, stop: threading.Event,
-                update: Any) -> dict[str, Any]:
+                update: Any) -> PolicySummary:
     return run_on_ray(cfg, model, address=args.ray, engine=args.engine, stop=stop, on_update=update,
                       resumed=resume.begin(cfg.out) if args.resume else None)
 
@@ -162,7 +172,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     previous = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
     display = progress.Display(plain=args.plain)
-    results: dict[str, dict[str, Any]] = {}
+    results: dict[str, PolicySummary] = {}
     try:
         first = configs[0]
         adm = first.admission
@@ -171,7 +181,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                      f"run folder {out}")
         model = prepare_model(first.model_path, seed=first.seed, model=first.model)
 
-        def run_one(cfg: RunConfig) -> dict[str, Any]:
+        def run_one(cfg: RunConfig) -> PolicySummary:
             if stop.is_set():
                 raise Interrupted
             display.note(f"[{cfg.policy}] lookahead {cfg.lookahead_groups} groups; logs in {cfg.out / 'logs'}")
@@ -179,22 +189,26 @@ def main(argv: Sequence[str] | None = None) -> int:
                 result = (run_policy(cfg, model, stop=stop, on_update=update,
                                      resumed=resume.begin(cfg.out) if args.resume else None) if args.ray is None
                           else _run_on_ray(cfg, model, args, stop, update))
-            if "ledger" in result:
-                display.note(f"[{cfg.policy}] {result['ledger']['summary']}")
-            for o in result["store_outages"]:
-                if o.get("lost_at") is not None:
-                    display.note(f"[{cfg.policy}] store {o['node']} ({o['store']}) was lost for good; its groups not "
+            if result.ledger is not None:
+                display.note(f"[{cfg.policy}] {result.ledger.summary}")
+            for o in result.store_outages:
+                if o.lost_at is not None:
+                    display.note(f"[{cfg.policy}] store {o.node} ({o.store}) was lost for good; its groups not "
                                  "trained were generated again")
                     continue
-                if o.get("cause") == "unreachable":
-                    display.note(f"[{cfg.policy}] store {o['node']} ({o['store']}) did not answer for {o['down_s']} s "
+                if o.cause == "unreachable":
+                    display.note(f"[{cfg.policy}] store {o.node} ({o.store}) did not answer for {o.down_s} s "
                                  "while its process ran (its host was cut off)")
                     continue
-                display.note(f"[{cfg.policy}] store {o['node']} ({o['store']}) exited with {o['exit_code']}; "
-                             f"started again {o['restarts']} time(s), back after {o['down_s']} s")
-            urls = result.get("metrics_urls") or []
+                display.note(f"[{cfg.policy}] store {o.node} ({o.store}) exited with {o.exit_code}; "
+                             f"started again {o.restarts} time(s), back after {o.down_s} s")
+            urls = result.metrics_urls
             if urls:
                 display.note(f"[{cfg.policy}] Prometheus metrics were served at {', '.join(urls)}")
+            files = [name for name in cfg.tracking.logger if name != "console"]
+            if files:  # where each step's figures went (train.step_tracking)
+                display.note(f"[{cfg.policy}] {', '.join(files)}: each step's figures in "
+                             f"{cfg.tracking.tracking_dir or cfg.out}")
             return result
 
         for cfg in configs:

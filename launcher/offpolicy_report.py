@@ -8,27 +8,34 @@ and the token staleness. :func:`figures` summarises them for ``summary.json`` un
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-from train.offpolicy import summary
+from schemas.run_records import OFFPOLICY_KEYS, StepLine
+from schemas.run_summary import OffPolicyFigures
 
 
-def figures(steps: Sequence[Mapping[str, Any]], objective: str | None) -> dict[str, Any]:
-    """``{"offpolicy": {...}}``: the objective the run trained with and its steps' off-policy figures."""
-    return {"offpolicy": {"objective": objective, **summary(steps)}}
+def figures(steps: Sequence[StepLine], objective: str | None) -> OffPolicyFigures:
+    """The objective the run trained with and its steps' off-policy figures: each metric's mean over the steps
+    (``_max`` ones: their maximum), None where no step had it."""
+    out: dict[str, float | None] = {}
+    for key in OFFPOLICY_KEYS:
+        values = [float(v) for v in (getattr(s, key) for s in steps) if v is not None]
+        out[key] = (round(max(values) if key.endswith("_max") else sum(values) / len(values), 6)
+                    if values else None)
+    return OffPolicyFigures(objective=objective, **out)
 
 
-def plot(plt: Any, save: Callable[[Any, Path], Path], steps: Sequence[Mapping[str, Any]], path: Path,
+def plot(plt: Any, save: Callable[[Any, Path], Path], steps: Sequence[StepLine], path: Path,
          name: str) -> Path:
     """Per step: the token staleness (mean and max, versions) on the left axis; the importance weight's mean,
     the truncated and clipped fractions and the k3 KL on the right."""
     fig, ax = plt.subplots(figsize=(7, 3.5))
-    x = [s["step"] for s in steps]
+    x = [s.step for s in steps]
 
     def series(key: str) -> list[float]:
-        return [float("nan") if s.get(key) is None else float(s[key]) for s in steps]
+        return [float("nan") if v is None else float(v) for v in (getattr(s, key) for s in steps)]
 
     ax.plot(x, series("token_staleness_mean"), "o-", color="tab:blue", label="token staleness, mean")
     ax.plot(x, series("token_staleness_max"), "o--", color="tab:blue", alpha=0.5, label="token staleness, max")

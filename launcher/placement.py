@@ -19,6 +19,8 @@ import ipaddress
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+from admission.config import LinkModel
+
 
 @dataclass(kw_only=True, slots=True)
 class Site:
@@ -108,7 +110,25 @@ class Placement:
             msg = f"Placement has {len(self.trainer)} trainer sites: give 1 (all ranks there) or dp_ranks={dp_ranks}"
             raise ValueError(msg)
 
+    def home_stores(self) -> list[int]:
+        """The store nodes (by index) on the rollout's host: the nodes its groups are written to with ``local``
+        placement (``RolloutConfig.home_nodes``)."""
+        return [i for i, s in enumerate(self.stores) if _host(s) == _host(self.rollout)]
+
+    def link_model(self, locations: Sequence[str], ranks: int, given: LinkModel | None = None) -> LinkModel:
+        """Where the store nodes (at ``locations``, in order) and the ``ranks`` trainer ranks sit, for the planner's
+        rank split (``AdmissionConfig.links``): a host is a site's address and command prefix. The rates come
+        from ``given``; so do the hosts when it names any (:meth:`LinkModel.placed`)."""
+        trainer = self.trainer if self.ranks_apart else self.trainer * ranks
+        nodes = {loc: _host(s) for loc, s in zip(locations, self.stores, strict=True)}
+        return (given or LinkModel()).placed(nodes, tuple(_host(s) for s in trainer))
+
     @property
     def ranks_apart(self) -> bool:
         """Whether each trainer rank runs as a process of its own at its own site."""
         return len(self.trainer) > 1
+
+
+def _host(site: Site) -> str:
+    """A name for the machine (or network namespace) a site is on."""
+    return " ".join([*site.exec_prefix, site.address])

@@ -16,8 +16,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from schemas.run_folder import RunFolderError, parse
+from schemas.run_records import ProgressLine
+
 if TYPE_CHECKING:
     from schemas.replies import NodeStats
+    from schemas.run_summary import RunSummary
 
 
 @dataclass(slots=True)
@@ -30,31 +34,33 @@ class LiveState:
     consumed: int = 0
     version: int = 0
     stores_down: list[str] = field(default_factory=list)
-    steps: list[dict[str, Any]] = field(default_factory=list)
+    steps: list[ProgressLine] = field(default_factory=list)
     started: float = field(default_factory=time.monotonic)
 
     @property
     def staleness_mean(self) -> float:
-        rows = sum(s.get("rows", 0) for s in self.steps if "arch_staleness_mean" in s)
+        rows = sum(s.rows for s in self.steps if s.arch_staleness_mean is not None)
         if not rows:
             return 0.0
-        return sum(s["arch_staleness_mean"] * s["rows"] for s in self.steps if "arch_staleness_mean" in s) / rows
+        return sum(s.arch_staleness_mean * s.rows for s in self.steps if s.arch_staleness_mean is not None) / rows
 
     @property
     def staleness_max(self) -> int:
-        return max((int(s.get("arch_staleness_max", 0)) for s in self.steps), default=0)
+        return max((s.arch_staleness_max or 0 for s in self.steps), default=0)
 
     def read_progress(self, path: Path) -> None:
         """Take the trainer's new progress lines (one JSON object per optimizer step)."""
         if not path.exists():
             return
-        for line in path.read_text().splitlines()[len(self.steps):]:
-            try:
-                self.steps.append(json.loads(line))
-            except json.JSONDecodeError:
+        for n, line in enumerate(path.read_text().splitlines(keepends=True)[len(self.steps):], start=len(self.steps)):
+            if not line.endswith("\n"):
                 break  # a line being written: read it next time
+            try:
+                self.steps.append(parse(ProgressLine, json.loads(line), path, line=n + 1))
+            except (ValueError, RunFolderError):
+                break
         if self.steps:
-            self.admitted = max(self.admitted, int(self.steps[-1].get("admitted_groups") or 0))
+            self.admitted = max(self.admitted, self.steps[-1].admitted_groups)
             self.phase = "training"
 
     def read_stats(self, stats: dict[str, NodeStats]) -> None:
@@ -67,10 +73,11 @@ class LiveState:
 class Display:
     """Progress output of the driver.
 
-    Example:
-        >>> d = Display(plain=True)
-        >>> with d.live("mini_batch", total_groups=24, total_steps=6) as update:  # doctest: +SKIP
-        ...     update(state)
+    Example::
+
+        d = Display(plain=True)
+        with d.live("mini_batch", total_groups=24, total_steps=6) as update:
+            update(state)
     """
 
     def __init__(self, *, plain: bool = False) -> None:
@@ -123,7 +130,7 @@ class Display:
             bars.update(admitted, completed=state.admitted)
             bars.update(consumed, completed=state.consumed)
             bars.update(steps, completed=len(state.steps))
-            loss = state.steps[-1]["loss"] if state.steps else float("nan")
+            loss = state.steps[-1].loss if state.steps else float("nan")
             status.plain = (f"{policy}: {state.phase} | policy version v{state.version} | arch. staleness so far: "
                             f"mean {state.staleness_mean:.2f}, max {state.staleness_max} | last loss {loss:.4f}"
                             f"{_down(state)}")
@@ -131,13 +138,13 @@ class Display:
         with Live(Group(bars, status), console=self.console, refresh_per_second=4, transient=False):
             yield update
 
-    def summary(self, doc: dict[str, Any]) -> None:
+    def summary(self, doc: RunSummary) -> None:
         """The summary table (rows: figures; columns: policies), then the staleness reduction."""
         from rich.table import Table
 
         from launcher.report import table_rows
 
-        results = doc["policies"]
+        results = doc.policies
         table = Table(title="knit run: summary")
         table.add_column("")
         for name in results:
@@ -147,9 +154,9 @@ class Display:
         for i, (label, _) in enumerate(first):
             table.add_row(label, *(per[name][i][1] for name in results))
         self.console.print(table)
-        if "arch_staleness_reduction" in doc:
-            self.console.print(f"architectural staleness: mini_batch is {100 * doc['arch_staleness_reduction']:.1f}% "
-                               f"lower than train_batch (throughput ratio {doc.get('throughput_ratio')})",
+        if doc.arch_staleness_reduction is not None:
+            self.console.print(f"architectural staleness: mini_batch is {100 * doc.arch_staleness_reduction:.1f}% "
+                               f"lower than train_batch (throughput ratio {doc.throughput_ratio})",
                                highlight=False)
 
 

@@ -35,14 +35,16 @@ nodes there are then. After the last step nothing stops the run: a node lost the
 
 Ray is optional (``pip install knittrans[bench]`` ships it) and imported only here, only when called.
 
-Example:
-    >>> cfg = RunConfig(train_batches=2, out=Path("runs/ray"))  # doctest: +SKIP
-    >>> run_on_ray(cfg, prepare_model(cfg.model_path, model=cfg.model), address="10.0.0.1:6379")  # doctest: +SKIP
+Example::
+
+    cfg = RunConfig(train_batches=2, out=Path("runs/ray"))
+    run_on_ray(cfg, prepare_model(cfg.model_path, model=cfg.model), address="10.0.0.1:6379")
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import logging
 import pickle
@@ -62,11 +64,19 @@ from launcher import report, resume
 from launcher.placement import Placement, Site
 from launcher.progress import LiveState
 from launcher.ray_actors import Engine, RolloutActor, StoreNodeActor, TrainerRankActor, local_ip_towards, pinned
-from launcher.ray_deployment import Component, Deployment, RayDeployError, RayNodeLostError, RayUnavailableError
+from launcher.ray_deployment import (
+    Component,
+    Deployment,
+    RayDeployError,
+    RayNode,
+    RayNodeLostError,
+    RayUnavailableError,
+)
 from launcher.ray_stores import RayStoreRestartError, RayStores
 from launcher.run import Interrupted, RunConfig, WorkerLost, rollout_config, store_configs, train_config
-from schemas import documents
+from schemas import documents, run_folder
 from schemas.replies import NodeStats
+from schemas.run_summary import PolicySummary, RayFigures
 from train.config import ModelConfig
 
 __all__ = ["RayDeployError", "RayNodeLostError", "RayUnavailableError", "run_on_ray"]
@@ -87,7 +97,7 @@ class _WorkersLost(WorkerLost):
     """A node without a trainer rank was lost for good (``node``), or the rollout failed on a live node: take the run
     up again from the last checkpoint."""
 
-    def __init__(self, cause: str, detail: str, node: dict[str, Any] | None = None) -> None:
+    def __init__(self, cause: str, detail: str, node: RayNode | None = None) -> None:
         super().__init__(cause, detail)
         self.node = node
 
@@ -95,7 +105,7 @@ class _WorkersLost(WorkerLost):
 def run_on_ray(cfg: RunConfig, model: ModelConfig, *, address: str = "auto", engine: Engine = "vllm",
                stop: threading.Event | None = None, on_update: Callable[[LiveState], None] | None = None,
                cpus_per_actor: float = 0.5, node_loss_grace_s: float = 30.0, min_nodes: int = 1,
-               wait_nodes_s: float = 60.0, resumed: resume.Resumption | None = None) -> dict[str, Any]:
+               wait_nodes_s: float = 60.0, resumed: resume.Resumption | None = None) -> PolicySummary:
     """Run one policy on the Ray cluster at ``address`` (``auto``: the one this machine belongs to).
 
     The stores get ``cfg.num_stores``-independent placement: one per Ray node with CPUs. ``engine="fake"`` runs
@@ -126,8 +136,8 @@ def run_on_ray(cfg: RunConfig, model: ModelConfig, *, address: str = "auto", eng
         shutil.rmtree(cfg.out / "stores", ignore_errors=True)  # and its spill logs
     else:
         resume.note_gone(cfg.out, range(len(nodes), earlier))
-    documents.write(cfg, cfg.out / "run_config.json")
-    dep = Deployment(nodes=[{"id": n["NodeID"], "ip": n["NodeManagerAddress"]} for n in nodes])
+    run_folder.write_run_config(cfg, cfg.out / run_folder.RUN_CONFIG)
+    dep = Deployment(nodes=nodes)
     state = LiveState()
     t0 = time.time()
     try:
@@ -151,20 +161,21 @@ def run_on_ray(cfg: RunConfig, model: ModelConfig, *, address: str = "auto", eng
     resume_figures = resume.finish(cfg.out, metadata)  # the lives' per-step files joined first
     result = report.policy_summary(cfg.out, config=json.loads(documents.dump(cfg)) | {
         "lookahead_groups": cfg.lookahead_groups}, wall_s=time.time() - t0, metrics_urls=[],
-        outages=[o.to_dict() for o in dep.keeper.outages] if dep.keeper else [])
-    result |= resume_figures
-    result["ray"] = {"nodes": dep.nodes, "lost": dep.lost, "placement": {c.name: c.node_ip for c in dep.components},
-                     "driver_bytes": dep.driver_bytes}
-    (cfg.out / "policy_summary.json").write_text(json.dumps(result, indent=1, default=str))
+        outages=[o.record() for o in dep.keeper.outages] if dep.keeper else [])
+    ray_figures = RayFigures(nodes=[{"id": n.id, "ip": n.ip} for n in dep.nodes], lost=dep.lost,
+                             placement={c.name: c.node_ip for c in dep.components},
+                             driver_bytes=dataclasses.asdict(dep.driver_bytes))
+    result = result.model_copy(update={**resume_figures, "ray": ray_figures})
+    report.write_policy_summary(cfg.out, result)
     return result
 
 
-def _alive_nodes(ray: Any, address: str, min_nodes: int, wait_s: float) -> list[dict[str, Any]]:
+def _alive_nodes(ray: Any, address: str, min_nodes: int, wait_s: float) -> list[RayNode]:
     """The alive Ray nodes with CPUs, by IP, once there are ``min_nodes`` of them (waiting up to ``wait_s``)."""
     deadline = time.monotonic() + wait_s
     while True:
-        nodes = sorted((n for n in ray.nodes() if n["Alive"] and n["Resources"].get("CPU", 0) > 0),
-                       key=lambda n: socket.inet_aton(n["NodeManagerAddress"]))
+        nodes = sorted((n for n in map(RayNode.of, ray.nodes()) if n.alive and n.cpus > 0),
+                       key=lambda n: socket.inet_aton(n.ip))
         if len(nodes) >= min_nodes:
             return nodes
         if time.monotonic() > deadline:
@@ -178,8 +189,8 @@ def _start_stores(ray: Any, dep: Deployment, cfg: RunConfig, cpus: float) -> Non
     """One store node per Ray node: ports asked of each node, then the configs ``knit run`` builds, with those ports
     (each written to ``configs/store{i}.json``)."""
     for i, n in enumerate(dep.nodes):
-        actor = pinned(ray, StoreNodeActor, n["id"], cpus).remote(n["ip"])
-        dep.stores.append(Component(f"store node{i}", n["id"], n["ip"], actor))
+        actor = pinned(ray, StoreNodeActor, n.id, cpus).remote(n.ip)
+        dep.stores.append(Component(f"store node{i}", n.id, n.ip, actor))
     ports = ray.get([s.actor.ports.remote() for s in dep.stores], timeout=120)
     sites = [Site(address=s.node_ip, exec_prefix=["ray"], name=s.node_ip) for s in dep.stores]
     configs = store_configs(cfg, Placement(stores=sites, rollout=sites[0], trainer=[sites[0]]))
@@ -203,7 +214,13 @@ def _life(ray: Any, dep: Deployment, cfg: RunConfig, model: ModelConfig, how: tu
     """Start the trainer ranks (rank ``r`` on the ``r``-th node) and the rollout (on the last node), taking the run
     up again after ``cause`` when ``resumed``, and follow them to the end (:func:`_supervise`)."""
     engine, cpus = how
-    train_cfg, roll_cfg = train_config(cfg, model, dep.locations), rollout_config(cfg, dep.locations)
+    world = cfg.admission.dp_ranks
+    rank_nodes = [dep.nodes[r % len(dep.nodes)] for r in range(world)]
+    store_nodes = [s.node_id for s in dep.stores]
+    links = cfg.admission.links.placed(dict(zip(dep.locations, store_nodes, strict=True)),
+                                       tuple(n.id for n in rank_nodes))
+    home = [loc for loc, node in zip(dep.locations, store_nodes, strict=True) if node == dep.nodes[-1].id]
+    train_cfg, roll_cfg = train_config(cfg, model, dep.locations, links), rollout_config(cfg, dep.locations, home)
     if resumed is not None:
         docs = resume.prepare(cfg.out, resumed, cfg.admission, dep.locations, cause=cause)
         train_cfg, roll_cfg = resume.configs(train_cfg, roll_cfg, resumed, docs, f"{cfg.policy}-")
@@ -211,12 +228,10 @@ def _life(ray: Any, dep: Deployment, cfg: RunConfig, model: ModelConfig, how: tu
     documents.write(roll_cfg, cfg.out / "configs" / "rollout.json")
     if train_cfg.max_steps <= 0:  # none left: a resume of a run stopped after its last checkpoint
         return
-    world = cfg.admission.dp_ranks
     dep.ranks = []
-    for r in range(world):
-        n = dep.nodes[r % len(dep.nodes)]
-        actor = pinned(ray, TrainerRankActor, n["id"], cpus).remote(n["ip"])
-        dep.ranks.append(Component(f"trainer rank {r}", n["id"], n["ip"], actor))
+    for r, n in enumerate(rank_nodes):
+        actor = pinned(ray, TrainerRankActor, n.id, cpus).remote(n.ip)
+        dep.ranks.append(Component(f"trainer rank {r}", n.id, n.ip, actor))
     master = dep.ranks[0]
     port = ray.get(master.actor.rendezvous_port.remote(), timeout=120)
     for r, c in enumerate(dep.ranks):
@@ -224,7 +239,7 @@ def _life(ray: Any, dep: Deployment, cfg: RunConfig, model: ModelConfig, how: tu
                "MASTER_ADDR": master.node_ip, "MASTER_PORT": str(port)}
         c.ref = c.actor.run.remote(train_cfg, env)
     n = dep.nodes[-1]
-    dep.rollout = Component("rollout", n["id"], n["ip"], pinned(ray, RolloutActor, n["id"], cpus).remote())
+    dep.rollout = Component("rollout", n.id, n.ip, pinned(ray, RolloutActor, n.id, cpus).remote())
     dep.rollout.ref = dep.rollout.actor.run.remote(roll_cfg, engine)
     with StoreReader(dep.locations, timeout=5.0) as client:
         _supervise(ray, dep, cfg, client, state, stop, on_update, grace_s)
@@ -243,7 +258,7 @@ def _supervise(ray: Any, dep: Deployment, cfg: RunConfig, client: StoreReader, s
             comp = pending.pop(ref)
             try:
                 value = ray.get(ref)
-                dep.driver_bytes["actor_returns"] += len(pickle.dumps(value))
+                dep.driver_bytes.actor_returns += len(pickle.dumps(value))
             except Exception as exc:
                 if not _restarted(dep, comp, exc, pending):
                     _failed(ray, dep, cfg, comp, exc, last_stats, grace_s)
@@ -259,15 +274,15 @@ def _supervise(ray: Any, dep: Deployment, cfg: RunConfig, client: StoreReader, s
                 _node_lost(dep, cfg, lost, last_stats, cause="Ray marked the node dead")
         with contextlib.suppress(Exception):  # a slow or lost node: the checks above decide
             stats = client.stats()
-            dep.driver_bytes["stats"] += sum(len(s.to_bytes()) for s in stats.values())
+            dep.driver_bytes.stats += sum(len(s.to_bytes()) for s in stats.values())
             last_stats.update(stats)
             state.read_stats(stats)
-        state.read_progress(cfg.out / "progress.jsonl")
+        state.read_progress(cfg.out / run_folder.PROGRESS)
         if on_update:
             on_update(state)
     if dep.rollout is not None and dep.rollout.ref in pending:  # it wrote every group: it ends on its own
         with contextlib.suppress(Exception):
-            dep.driver_bytes["actor_returns"] += len(pickle.dumps(ray.get(dep.rollout.ref, timeout=60)))
+            dep.driver_bytes.actor_returns += len(pickle.dumps(ray.get(dep.rollout.ref, timeout=60)))
 
 
 def _restarted(dep: Deployment, comp: Component, exc: Exception, pending: dict[Any, Component]) -> bool:
@@ -282,10 +297,10 @@ def _restarted(dep: Deployment, comp: Component, exc: Exception, pending: dict[A
     return False
 
 
-def _lost_node(ray: Any, dep: Deployment) -> dict[str, Any] | None:
+def _lost_node(ray: Any, dep: Deployment) -> RayNode | None:
     """A node of the run's components that Ray marks dead (and that was not already given up)."""
     used = {c.node_id for c in dep.components} - set(dep.lost)
-    return next((n for n in ray.nodes() if n["NodeID"] in used and not n["Alive"]), None)
+    return next((n for n in map(RayNode.of, ray.nodes()) if n.id in used and not n.alive), None)
 
 
 def _failed(ray: Any, dep: Deployment, cfg: RunConfig, comp: Component, exc: Exception,
@@ -305,15 +320,15 @@ def _failed(ray: Any, dep: Deployment, cfg: RunConfig, comp: Component, exc: Exc
     raise RayDeployError(msg) from exc
 
 
-def _node_lost(dep: Deployment, cfg: RunConfig, node: dict[str, Any], last_stats: dict[str, NodeStats],
+def _node_lost(dep: Deployment, cfg: RunConfig, node: RayNode, last_stats: dict[str, NodeStats],
                *, cause: str) -> None:
     """A node of the run is lost for good: its stores' groups not trained will go out again. With a trainer rank on
     it, or no store left, the run stops (:func:`_raise_lost`); else the run is taken up again on the nodes left."""
-    node_id = node["NodeID"]
+    node_id = node.id
     _note_stores_lost(dep, cfg, node_id)
     if any(c.node_id == node_id for c in dep.ranks) or all(s.node_id == node_id for s in dep.live_stores):
         _raise_lost(dep, cfg, node, last_stats, cause=cause)
-    raise _WorkersLost("node_lost", f"Ray node {node['NodeManagerAddress']} ({', '.join(dep.on(node_id))}) is lost "
+    raise _WorkersLost("node_lost", f"Ray node {node.ip} ({', '.join(dep.on(node_id))}) is lost "
                                     f"for good ({cause})", node)
 
 
@@ -324,18 +339,18 @@ def _note_stores_lost(dep: Deployment, cfg: RunConfig, node_id: str) -> None:
             resume.note_lost(cfg.out, str(dep.keeper.configs[i].node_name), dep.locations[i])
 
 
-def _forget(dep: Deployment, node: dict[str, Any]) -> None:
+def _forget(dep: Deployment, node: RayNode) -> None:
     """Leave the lost ``node`` out: its stores down in every cluster view from now on, nothing placed on it again."""
-    dep.lost.append(node["NodeID"])
-    dep.nodes = [n for n in dep.nodes if n["id"] != node["NodeID"]]
+    dep.lost.append(node.id)
+    dep.nodes = [n for n in dep.nodes if n.id != node.id]
     if dep.keeper is not None:
-        dep.keeper.lose([i for i, s in enumerate(dep.stores) if s.node_id == node["NodeID"]])
+        dep.keeper.lose([i for i, s in enumerate(dep.stores) if s.node_id == node.id])
 
 
-def _raise_lost(dep: Deployment, cfg: RunConfig, node: dict[str, Any], last_stats: dict[str, NodeStats],
+def _raise_lost(dep: Deployment, cfg: RunConfig, node: RayNode, last_stats: dict[str, NodeStats],
                 *, cause: str) -> None:
     """Account for the lost node, save what the surviving stores hold, raise :class:`RayNodeLostError`."""
-    ip, node_id = node["NodeManagerAddress"], node["NodeID"]
+    ip, node_id = node.ip, node.id
     lost_locations = [loc for s, loc in zip(dep.stores, dep.locations, strict=True) if s.node_id == node_id]
     held = [last_stats[loc].groups for loc in lost_locations if loc in last_stats]
     accounting = {
@@ -349,7 +364,7 @@ def _raise_lost(dep: Deployment, cfg: RunConfig, node: dict[str, Any], last_stat
     with contextlib.suppress(Exception):
         _collect(dep, cfg, skip=lost_locations)
     (cfg.out / "lost_node.json").write_text(json.dumps(accounting, indent=1))
-    raise RayNodeLostError(ip, node_id, accounting["components"], accounting)
+    raise RayNodeLostError(ip, node_id, dep.on(node_id), accounting)
 
 
 def _collect(dep: Deployment, cfg: RunConfig, *, skip: Collection[str] = ()) -> tuple[pl.DataFrame, list[str]]:
@@ -362,8 +377,8 @@ def _collect(dep: Deployment, cfg: RunConfig, *, skip: Collection[str] = ()) -> 
         metadata = client.scan_metadata(partial=True)
         failed = set(client.last_failed_nodes)
         stats = client.stats(partial=True)
-    dep.driver_bytes["metadata"] += int(metadata.estimated_size())
-    metadata.write_parquet(cfg.out / "metadata.parquet")
+    dep.driver_bytes.metadata += int(metadata.estimated_size())
+    metadata.write_parquet(cfg.out / run_folder.METADATA)
     (cfg.out / "store_stats.json").write_text(json.dumps({n: s.model_dump(by_alias=True) for n, s in stats.items()},
                                                           indent=1))
     return metadata, [loc for loc in locations if loc in failed or loc not in stats]
@@ -386,8 +401,8 @@ def _final_metadata(ray: Any, dep: Deployment, cfg: RunConfig, grace_s: float) -
         lost = _lost_node(ray, dep)
         while lost is not None:
             log.warning("Ray node %s (%s) was lost after the last step; its stores are left out of the final metadata",
-                        lost["NodeManagerAddress"], ", ".join(dep.on(lost["NodeID"])))
-            _note_stores_lost(dep, cfg, lost["NodeID"])
+                        lost.ip, ", ".join(dep.on(lost.id)))
+            _note_stores_lost(dep, cfg, lost.id)
             _forget(dep, lost)
             lost = _lost_node(ray, dep)
         for s in dep.live_stores:  # serve() returns only when the store is stopped: one that returned failed

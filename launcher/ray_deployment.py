@@ -3,6 +3,7 @@ errors :func:`launcher.ray_deploy.run_on_ray` raises."""
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -31,6 +32,37 @@ class RayNodeLostError(RuntimeError):
                          f"{lost} unconsumed group(s) it held are lost; the run was stopped")
 
 
+@dataclass(frozen=True, slots=True)
+class RayNode:
+    """A Ray node as the driver sees it (one entry of ``ray.nodes()``)."""
+
+    id: str
+    """Ray's node id."""
+    ip: str
+    """The address its raylet advertises."""
+    alive: bool
+    cpus: float
+    """The CPU slots it offers (0: a head kept for the GCS and the driver)."""
+
+    @classmethod
+    def of(cls, raw: Mapping[str, Any]) -> RayNode:
+        """The node ``ray.nodes()`` describes by ``raw`` (Ray's own keys)."""
+        return cls(id=raw["NodeID"], ip=raw["NodeManagerAddress"], alive=bool(raw["Alive"]),
+                   cpus=float(raw.get("Resources", {}).get("CPU", 0)))
+
+
+@dataclass(slots=True)
+class DriverBytes:
+    """Bytes the driver received, by what carried them (none of it payload)."""
+
+    actor_returns: int = 0
+    """Pickled values the actors returned."""
+    metadata: int = 0
+    """The stores' metadata collected at the end."""
+    stats: int = 0
+    """The stores' counters polled while the run goes."""
+
+
 @dataclass(slots=True)
 class Component:
     name: str
@@ -46,8 +78,8 @@ class Component:
 class Deployment:
     """What the driver holds: handles, node ids and addresses, configs; nothing of the payload."""
 
-    nodes: list[dict[str, Any]]
-    """The Ray nodes the run places on (``id``, ``ip``); a node lost for good is taken out."""
+    nodes: list[RayNode]
+    """The Ray nodes the run places on; a node lost for good is taken out."""
     stores: list[Component] = field(default_factory=list)
     rollout: Component | None = None
     ranks: list[Component] = field(default_factory=list)
@@ -55,7 +87,7 @@ class Deployment:
     keeper: RayStores | None = None  # keeps the store actors up
     lost: list[str] = field(default_factory=list)
     """Ray ids of the nodes lost for good (their stores stay down in the cluster view)."""
-    driver_bytes: dict[str, int] = field(default_factory=lambda: {"actor_returns": 0, "metadata": 0, "stats": 0})
+    driver_bytes: DriverBytes = field(default_factory=lambda: DriverBytes())
 
     @property
     def components(self) -> list[Component]:

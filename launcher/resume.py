@@ -40,7 +40,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import json
 import shutil
 import time
 from collections import Counter
@@ -57,9 +56,32 @@ from connectors.config import RolloutConfig
 from flight_store.config import ServerConfig
 from flight_store.reading import StoreReader
 from flight_store.writing import StoreWriter
-from launcher.ledger import EVENTS, ROLLOUT_EVENTS, TRAINED_EVENTS, History, group_status, read_history, unstored
-from schemas import documents
-from schemas.ledger import Reissue, RolloutResume, TrainerResume, append_event, read_events
+from launcher import ledger
+from launcher.ledger import (
+    EVENTS,
+    ROLLOUT_EVENTS,
+    TRAINED_EVENTS,
+    Attempt,
+    History,
+    group_status,
+    read_history,
+    unstored,
+)
+from schemas import documents, run_folder
+from schemas.ledger import (
+    TRAINED_EVENT,
+    NodeLost,
+    Reissue,
+    Resume,
+    ResumeRecord,
+    RolloutResume,
+    TrainedStep,
+    TrainerResume,
+)
+from schemas.run_folder import CONSUMED, PROGRESS, RESUMES, ROLLOUT_REPORT, append_line, read_lines
+from schemas.run_frames import CONSUMED_FRAME, LEDGER_FRAME
+from schemas.run_records import CONSUMED_ENTRY, ProgressLine, RankEnv, RankReportDocument, RowEntry, StepLine
+from schemas.run_summary import CheckpointSeconds
 from train.checkpointing import latest_step
 from train.config import TrainConfig
 
@@ -67,8 +89,6 @@ CHECKPOINTS = "checkpoints"
 """The run folder's checkpoint folder."""
 HISTORY = "history"
 """The run folder's per-step files of earlier lives, cut back to the surviving steps."""
-RESUMES = "resumes.jsonl"
-"""One line per resume: life, step, when it was launched, what it re-issued (the report's seams)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -85,8 +105,7 @@ class Resumption:
 
 def fresh(out: Path) -> None:
     """Clear what an earlier run in ``out`` left that a new run must not take for its own."""
-    for name in ("progress.jsonl", "consumed.parquet", "consumed.parquet.arrows", "rollout.json", RESUMES,
-                 "ledger.parquet"):
+    for name in (PROGRESS, CONSUMED, f"{CONSUMED}.arrows", ROLLOUT_REPORT, RESUMES, run_folder.LEDGER):
         (out / name).unlink(missing_ok=True)
     for p in out.glob("trainer_rank*.json*"):
         p.unlink()
@@ -99,11 +118,13 @@ def begin(out: Path) -> Resumption:
 
     Raises:
         FileNotFoundError: ``out`` holds no run (no ``run_config.json``).
+        schemas.run_folder.RunFolderError: ``out`` holds a run of another contract version, or a damaged record.
     """
-    if not (out / "run_config.json").is_file():
-        msg = f"{out} holds no knit run to resume (no run_config.json)"
+    if not (out / run_folder.RUN_CONFIG).is_file():
+        msg = f"{out} holds no knit run to resume (no {run_folder.RUN_CONFIG})"
         raise FileNotFoundError(msg)
-    life = sum(1 for e in read_events(out / EVENTS / TRAINED_EVENTS) if e["kind"] == "resume") + 1
+    run_folder.check_run_folder(out)
+    life = sum(1 for e in read_lines(TRAINED_EVENT, out / EVENTS / TRAINED_EVENTS) if isinstance(e, Resume)) + 1
     res = Resumption(life=life, step=latest_step(out / CHECKPOINTS) or 0, launched_at=time.time())
     salvage(out, res.step)
     return res
@@ -117,7 +138,7 @@ def prepare(out: Path, res: Resumption, admission: AdmissionConfig, locations: l
     ``rollout_lost``)."""
     for name in (TRAINED_EVENTS, ROLLOUT_EVENTS):
         (out / EVENTS).mkdir(parents=True, exist_ok=True)
-        append_event(out / EVENTS / name, {"kind": "resume", "life": res.life, "step": res.step})
+        append_line(out / EVENTS / name, Resume(life=res.life, step=res.step))
     h = read_history(out)
     with StoreReader(locations, timeout=30.0, retries=20) as client:
         status = group_status(client.metadata().collect())
@@ -133,13 +154,12 @@ def prepare(out: Path, res: Resumption, admission: AdmissionConfig, locations: l
     folder = out / "resume"
     folder.mkdir(exist_ok=True)
     trainer = folder / f"trainer.life{res.life}.json"
-    trainer.write_text(TrainerResume(life=res.life, step=res.step, planner=planner.to_dict()).model_dump_json())
+    run_folder.write_document(TrainerResume(life=res.life, step=res.step, planner=planner.to_dict()), trainer)
     rollout = folder / f"rollout.life{res.life}.json"
-    rollout.write_text(RolloutResume(life=res.life, drawn=h.drawn, reissue=reissue).model_dump_json())
-    append_event(out / RESUMES, {"life": res.life, "step": res.step, "launched_at": res.launched_at, "cause": cause,
-                                 "prompts_drawn": h.drawn, "groups_kept": keep,
-                                 "rolled_back": len(h.rolled_back),
-                                 "reissued": dict(Counter(r.reason for r in reissue))})
+    run_folder.write_document(RolloutResume(life=res.life, drawn=h.drawn, reissue=reissue), rollout)
+    append_line(out / RESUMES, ResumeRecord(life=res.life, step=res.step, launched_at=res.launched_at, cause=cause,
+                                            prompts_drawn=h.drawn, groups_kept=keep, rolled_back=len(h.rolled_back),
+                                            reissued=dict(Counter(r.reason for r in reissue))))
     return trainer, rollout
 
 
@@ -147,8 +167,7 @@ def note_lost(out: Path, node: str, location: str) -> None:
     """Record in the rollout's event log that the store node ``node`` (at ``location``) is lost for good: the groups
     written there and not trained are dispatched again at the next :func:`prepare` (``node_lost``)."""
     (out / EVENTS).mkdir(parents=True, exist_ok=True)
-    append_event(out / EVENTS / ROLLOUT_EVENTS, {"kind": "node_lost", "node": node, "location": location,
-                                                 "at": round(time.time(), 3)})
+    append_line(out / EVENTS / ROLLOUT_EVENTS, NodeLost(node=node, location=location, at=round(time.time(), 3)))
 
 
 def note_gone(out: Path, indices: range) -> None:
@@ -165,15 +184,15 @@ def settle(h: History, status: dict[str, bool], *, unwritten: str = "interrupted
     """The prompts to dispatch again (in stream order) and the number of stored groups kept for the planner;
     ``unwritten``: the reason of a prompt whose latest group no store holds and none was lost with
     (:func:`launcher.ledger.unstored`)."""
-    attempts: dict[str, list[dict[str, Any]]] = {}
+    attempts: dict[str, list[Attempt]] = {}
     for d in h.dispatches:
-        attempts.setdefault(d["prompt_id"], []).append(d)
+        attempts.setdefault(d.prompt_id, []).append(d)
     reissue: list[Reissue] = []
     kept = 0
     last = latest(h)
     for pid, (index, _) in sorted(h.draws.items(), key=lambda kv: kv[1][0]):
         tries = attempts.get(pid, [])
-        if any(d["group_id"] in h.trained for d in tries):
+        if any(d.group_id in h.trained for d in tries):
             continue
         gid = last[pid]
         if gid in h.rolled_back:
@@ -191,13 +210,13 @@ def settle(h: History, status: dict[str, bool], *, unwritten: str = "interrupted
 
 def latest(h: History) -> dict[str, str]:
     """prompt_id -> the group of its latest attempt (its first group id when it was drawn and never dispatched)."""
-    return {pid: first for pid, (_, first) in h.draws.items()} | {d["prompt_id"]: d["group_id"] for d in h.dispatches}
+    return {pid: first for pid, (_, first) in h.draws.items()} | {d.prompt_id: d.group_id for d in h.dispatches}
 
 
 def superseded(h: History) -> set[str]:
     """The groups of the attempts at a prompt before its latest, not trained: never planned (a node lost for good
     that a later launcher brings back holds groups whose prompts were regenerated)."""
-    return {d["group_id"] for d in h.dispatches} - set(latest(h).values()) - set(h.trained)
+    return {d.group_id for d in h.dispatches} - set(latest(h).values()) - set(h.trained)
 
 
 def planner_state(h: History, step: int, admission: AdmissionConfig, dropped: list[str]) -> PlannerState:
@@ -224,80 +243,79 @@ def salvage(out: Path, step: int) -> None:
     the trained log's step event and the consumed trajectories (:func:`_recover`)."""
     hist = out / HISTORY
     hist.mkdir(exist_ok=True)
-    frames = [f for f in (_read_parquet(hist / "consumed.parquet"), _read_parquet(out / "consumed.parquet"),
-                          _read_stream(out / "consumed.parquet.arrows")) if f is not None]
+    frames = [f for f in (_read_consumed(hist / CONSUMED), _read_consumed(out / CONSUMED),
+                          _read_stream(out / f"{CONSUMED}.arrows")) if f is not None]
     consumed = pl.concat(frames, how="diagonal_relaxed").filter(pl.col("step") < step) if frames else None
     if consumed is not None:
-        consumed.write_parquet(hist / "consumed.parquet")
+        consumed.write_parquet(hist / CONSUMED)
     events = {s: e for s, e in read_history(out).steps.items() if s < step}
-    progress = out / "progress.jsonl"
-    kept = [json.loads(ln) for ln in progress.read_text().splitlines(keepends=True)
-            if ln.endswith("\n")] if progress.exists() else []
-    kept = [ln for ln in kept if ln["step"] < step]
-    have = {ln["step"] for ln in kept}
+    kept = [ln for ln in read_lines(ProgressLine, out / PROGRESS) if ln.step < step]
+    have = {ln.step for ln in kept}
     kept += [_recover(e, consumed)[0] for s, e in events.items() if s not in have]
-    progress.write_text("".join(json.dumps(ln) + "\n" for ln in sorted(kept, key=lambda ln: ln["step"])))
+    run_folder.write_lines(out / PROGRESS, sorted(kept, key=lambda ln: ln.step))
     for rank_doc in sorted({p.name.split(".json")[0] for p in out.glob("trainer_rank*.json*")}):
         doc = _rank_doc(out, rank_doc, hist)
-        doc["steps"] = [s for s in doc["steps"] if s["step"] < step]
-        doc["consumed"] = [c for c in doc["consumed"] if c[1] < step]
+        doc.steps = [s for s in doc.steps if s.step < step]
+        doc.consumed = [c for c in doc.consumed if c.step < step]
         if rank_doc == "trainer_rank0":
-            have = {s["step"] for s in doc["steps"]}
+            have = {s.step for s in doc.steps}
             for s, e in events.items():
                 if s not in have:
                     _, record, rows = _recover(e, consumed)
-                    doc["steps"].append(record)
-                    doc["consumed"] += rows
-            doc["steps"].sort(key=lambda s: s["step"])
-        (hist / f"{rank_doc}.json").write_text(json.dumps(doc))
+                    doc.steps.append(record)
+                    doc.consumed += rows
+            doc.steps.sort(key=lambda s: s.step)
+        run_folder.write_document(doc, hist / f"{rank_doc}.json", indent=None)
         for p in out.glob(f"{rank_doc}.json*"):
             p.unlink()
-    for p in (out / "consumed.parquet", out / "consumed.parquet.arrows", out / "rollout.json"):
+    for p in (out / CONSUMED, out / f"{CONSUMED}.arrows", out / ROLLOUT_REPORT):
         p.unlink(missing_ok=True)
 
 
-def _recover(event: dict[str, Any], consumed: pl.DataFrame | None) -> tuple[dict[str, Any], dict[str, Any],
-                                                                             list[list[Any]]]:
+def _recover(event: TrainedStep, consumed: pl.DataFrame | None) -> tuple[ProgressLine, StepLine, list[RowEntry]]:
     """A step's progress line, rank 0's record and rank 0's received rows, from its trained-log event and the
     consumed trajectories (what the planner admitted into it; the step trained exactly those)."""
-    m, step = event["metrics"], int(event["step"])
+    m, step = event.metrics, event.step
     rows = consumed.filter(pl.col("step") == step) if consumed is not None else pl.DataFrame()
-    record = {**m, "version": event["version"], "plan_wait_s": 0.0, "t_end": event["t_end"]}
-    line = {"step": step, "train_batch": m["train_batch"], "position": m["position"], "version": event["version"],
-            "loss": m["loss"], "rows": m["rows"], "abs_logp_diff": m["abs_logp_diff"], "plan_wait_s": 0.0,
-            "step_time_s": m["step_time_s"], "t_end": event["t_end"],
-            "admitted_groups": consumed.filter(pl.col("step") <= step)["group_id"].n_unique()
-            if consumed is not None else 0}
+    record = StepLine.model_validate({**m.model_dump(), "version": event.version, "plan_wait_s": 0.0,
+                                      "t_end": event.t_end})
+    figures: dict[str, Any] = {}
+    received: list[RowEntry] = []
     if rows.height:
-        line |= {"arch_staleness_mean": rows["arch_staleness"].mean(),
-                 "arch_staleness_max": rows["arch_staleness"].max(), "reward_mean": rows["reward"].mean()}
-        rank0 = rows.filter(pl.col("dp_rank") == 0)
-        received = [["row", step, g, i] for g, i in zip(rank0["group_id"], rank0["sample_idx"], strict=True)]
-    else:
-        received = []
+        staleness = rows.get_column("arch_staleness")
+        figures = {"arch_staleness_mean": staleness.mean(), "arch_staleness_max": staleness.max(),
+                   "reward_mean": rows.get_column("reward").mean()}
+        rank0 = rows.filter(pl.col("dp_rank") == 0).select("group_id", "sample_idx")
+        received = [RowEntry(step=step, group_id=g, sample_idx=i) for g, i in rank0.iter_rows()]
+    admitted = (consumed.filter(pl.col("step") <= step).get_column("group_id").n_unique()
+                if consumed is not None else 0)
+    line = ProgressLine(step=step, train_batch=m.train_batch, position=m.position, version=event.version,
+                        loss=m.loss, rows=m.rows, abs_logp_diff=m.abs_logp_diff, plan_wait_s=0.0,
+                        step_time_s=m.step_time_s, t_end=event.t_end, admitted_groups=admitted, **figures)
     return line, record, received
 
 
-def _rank_doc(out: Path, name: str, hist: Path) -> dict[str, Any]:
+def _rank_doc(out: Path, name: str, hist: Path) -> RankReportDocument:
     """A rank's report of the earlier lives: ``history/`` plus the last life's document or side files."""
-    doc: dict[str, Any] = {"env": {"rank": int(name.removeprefix("trainer_rank"))}, "steps": [], "consumed": []}
+    doc = RankReportDocument(env=RankEnv(rank=int(name.removeprefix("trainer_rank"))))
     if (hist / f"{name}.json").exists():
-        doc = json.loads((hist / f"{name}.json").read_text())
+        doc = run_folder.read_document(RankReportDocument, hist / f"{name}.json")
     whole = out / f"{name}.json"
     if whole.exists():
-        last = json.loads(whole.read_text())
-        doc["env"] = last["env"]
-        doc["steps"] += last["steps"]
-        doc["consumed"] += last["consumed"]
-    for part in ("steps", "consumed"):
-        side = out / f"{name}.json.{part}.jsonl"
-        if side.exists():
-            doc[part] += [json.loads(ln) for ln in side.read_text().splitlines(keepends=True) if ln.endswith("\n")]
+        last = run_folder.read_document(RankReportDocument, whole)
+        doc.env = last.env
+        doc.steps += last.steps
+        doc.consumed += last.consumed
+    doc.steps += read_lines(StepLine, out / f"{name}.json.steps.jsonl")
+    doc.consumed += read_lines(CONSUMED_ENTRY, out / f"{name}.json.consumed.jsonl")
     return doc
 
 
-def _read_parquet(path: Path) -> pl.DataFrame | None:
-    return pl.read_parquet(path) if path.exists() else None
+def _read_consumed(path: Path) -> pl.DataFrame | None:
+    """``consumed.parquet`` (its ``step`` column checked), or None when there is none."""
+    if not path.exists():
+        return None
+    return pl.from_arrow(run_folder.read_frame(path, CONSUMED_FRAME, required=("step",)))  # type: ignore[return-value]
 
 
 def _read_stream(path: Path) -> pl.DataFrame | None:
@@ -317,19 +335,17 @@ def merge(out: Path) -> None:
     if not hist.is_dir():
         return
     for old in hist.glob("trainer_rank*.json"):
-        doc = json.loads(old.read_text())
+        doc = run_folder.read_document(RankReportDocument, old)
         new = out / old.name
         if new.exists():
-            last = json.loads(new.read_text())
-            doc = {"env": last["env"] or doc["env"], "steps": doc["steps"] + last["steps"],
-                   "consumed": doc["consumed"] + last["consumed"]}
-        new.write_text(json.dumps(doc))
+            last = run_folder.read_document(RankReportDocument, new)
+            doc = RankReportDocument(env=last.env, steps=doc.steps + last.steps, consumed=doc.consumed + last.consumed)
+        run_folder.write_document(doc, new, indent=None)
         old.unlink()  # the run's file holds it now
-    frames = [f for f in (_read_parquet(hist / "consumed.parquet"), _read_parquet(out / "consumed.parquet"))
-              if f is not None]
+    frames = [f for f in (_read_consumed(hist / CONSUMED), _read_consumed(out / CONSUMED)) if f is not None]
     if frames:
-        pl.concat(frames, how="diagonal_relaxed").sort("step").write_parquet(out / "consumed.parquet")
-    (hist / "consumed.parquet").unlink(missing_ok=True)
+        pl.concat(frames, how="diagonal_relaxed").sort("step").write_parquet(out / CONSUMED)
+    (hist / CONSUMED).unlink(missing_ok=True)
 
 
 def configs(train: TrainConfig, rollout: RolloutConfig, res: Resumption, docs: tuple[Path, Path],
@@ -344,25 +360,23 @@ def configs(train: TrainConfig, rollout: RolloutConfig, res: Resumption, docs: t
 
 def finish(out: Path, metadata: pl.DataFrame) -> dict[str, Any]:
     """At the end of a life: the run's files joined (:func:`merge`), ``ledger.parquet`` written; returns the
-    summary's ledger, resume and checkpoint figures."""
-    from launcher import ledger
-
+    summary's ledger, resume and checkpoint figures (``schemas.run_summary.PolicySummary``'s fields)."""
     merge(out)
     table = ledger.build(out, metadata)
-    table.write_parquet(out / "ledger.parquet")
+    run_folder.write_frame(table.to_arrow(), out / run_folder.LEDGER, LEDGER_FRAME)
     cost = [s for _, s in read_history(out).checkpoints]
     return {"ledger": ledger.figures(table), "resumes": resumes(out),
-            "checkpoint_s": {"count": len(cost), "median": round(sorted(cost)[len(cost) // 2], 4) if cost else None,
-                             "max": round(max(cost), 4) if cost else None}}
+            "checkpoint_s": CheckpointSeconds(count=len(cost),
+                                              median=round(sorted(cost)[len(cost) // 2], 4) if cost else None,
+                                              max=round(max(cost), 4) if cost else None)}
 
 
-def resumes(out: Path) -> list[dict[str, Any]]:
+def resumes(out: Path) -> list[ResumeRecord]:
     """The resumes of the run folder ``out`` with the seconds each took from launch to its first step."""
-    lines = list(read_events(out / RESUMES))
-    progress = out / "progress.jsonl"
-    steps = [json.loads(ln) for ln in progress.read_text().splitlines()] if progress.exists() else []
+    lines = list(read_lines(ResumeRecord, out / RESUMES))
+    steps = list(read_lines(ProgressLine, out / PROGRESS))
     for i, r in enumerate(lines):  # a life's first step: before the next resume was launched
-        end = lines[i + 1]["launched_at"] if i + 1 < len(lines) else float("inf")
-        first = next((s for s in steps if r["launched_at"] < s["t_end"] < end), None)
-        r["first_step_s"] = round(first["t_end"] - r["launched_at"], 2) if first else None
+        end = lines[i + 1].launched_at if i + 1 < len(lines) else float("inf")
+        first = next((s for s in steps if r.launched_at < s.t_end < end), None)
+        r.first_step_s = round(first.t_end - r.launched_at, 2) if first else None
     return lines

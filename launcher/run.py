@@ -48,10 +48,9 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
-from admission.config import AdmissionConfig, Policy, Quota
-from connectors.config import DEFAULT_DATA_SOURCES, RolloutConfig
+from admission.config import AdmissionConfig, LinkModel, Policy, Quota
+from connectors.config import DEFAULT_DATA_SOURCES, GroupPlacement, RolloutConfig
 from flight_store.config import ClusterMember, ServerConfig, StoreConfig
 from flight_store.net import free_ports
 from flight_store.reading import StoreReader
@@ -61,8 +60,10 @@ from launcher.model import MODELS_DIR, RUN_MODELS, RunModelName
 from launcher.placement import Placement
 from launcher.progress import LiveState
 from launcher.stores import Stores
-from schemas import documents
+from schemas import documents, run_folder
+from schemas.run_summary import PolicySummary
 from train.config import ModelConfig, ObjectiveConfig, OptimConfig, ParallelConfig, TrainConfig
+from train.tracking import TrackingConfig
 
 log = logging.getLogger(__name__)
 
@@ -139,6 +140,9 @@ class RunConfig:
     """Reward: a built-in name (``digits``: shaped, learnable by the tiny model; ``exact``) or module:function."""
     num_stores: int = 2
     """Store nodes to start."""
+    placement: GroupPlacement = "local"
+    """Where the rollout writes each group: ``local`` on a store node of its own host (the group id names it),
+    ``hash`` on the node rendezvous hashing picks (``schemas.routing``)."""
     idle_timeout_s: float = 180.0
     """The trainer stops when no mini-batch becomes admissible for this long (covers vLLM start-up)."""
     timeout_s: float = 900.0
@@ -162,6 +166,9 @@ class RunConfig:
     max_rollout_restarts: int = 3
     """Times the driver takes the run up again after its rollout process died (its prompts in flight go out
     again) before the run fails."""
+    tracking: TrackingConfig = field(default_factory=TrackingConfig)
+    """Experiment tracking of each step (the trainer's rank 0 logs it): ``--logger console,tensorboard,wandb,mlflow``,
+    writing in the run folder unless ``--tracking-dir`` says otherwise."""
 
     def __post_init__(self) -> None:
         quotas = self.admission.quotas
@@ -244,28 +251,33 @@ def store_configs(cfg: RunConfig, placement: Placement | None = None) -> list[Se
             for i, (s, (port, metrics)) in enumerate(zip(sites, ports, strict=True))]
 
 
-def train_config(cfg: RunConfig, model: ModelConfig, stores: list[str]) -> TrainConfig:
-    """The trainer's config: the run's admission and optimizer, publishing weights, reports in the run folder."""
+def train_config(cfg: RunConfig, model: ModelConfig, stores: list[str], links: LinkModel | None = None) -> TrainConfig:
+    """The trainer's config: the run's admission (with the hosts of the nodes and ranks, ``links``) and optimizer,
+    publishing weights, reports and tracking in the run folder."""
+    admission = cfg.admission if links is None else dataclasses.replace(cfg.admission, links=links)
     return TrainConfig(
-        stores=stores, model=model, admission=cfg.admission, optim=cfg.optim, loss=cfg.loss,
+        stores=stores, model=model, admission=admission, optim=cfg.optim, loss=cfg.loss,
         parallel=ParallelConfig(backend="gloo", timeout_s=max(600.0, 2 * cfg.idle_timeout_s)),
         publish_weights=True, publish_dtype=RUN_MODELS[cfg.model].publish_dtype, max_steps=cfg.steps,
         idle_timeout_s=cfg.idle_timeout_s, seed=cfg.seed,
-        report_path=str(cfg.out / "trainer_rank{rank}.json"), progress_path=str(cfg.out / "progress.jsonl"),
-        consumed_path=str(cfg.out / "consumed.parquet"), checkpoint_dir=str(cfg.out / resume.CHECKPOINTS),
+        report_path=str(cfg.out / "trainer_rank{rank}.json"), progress_path=str(cfg.out / run_folder.PROGRESS),
+        consumed_path=str(cfg.out / run_folder.CONSUMED), checkpoint_dir=str(cfg.out / resume.CHECKPOINTS),
         checkpoint_every=cfg.checkpoint_every, trained_path=str(cfg.out / ledger.EVENTS / ledger.TRAINED_EVENTS),
         export_hf_dir=str(cfg.out / "final_hf") if cfg.export_hf else None,
+        tracking=dataclasses.replace(cfg.tracking, tracking_dir=cfg.tracking.tracking_dir or str(cfg.out)),
     )
 
 
-def rollout_config(cfg: RunConfig, stores: list[str]) -> RolloutConfig:
-    """The rollout's config: weight sync on, the lookahead limit set, G and the seed from the run."""
+def rollout_config(cfg: RunConfig, stores: list[str], home_nodes: list[str] | None = None) -> RolloutConfig:
+    """The rollout's config: weight sync on, the lookahead limit set, G and the seed from the run, its groups placed
+    on ``home_nodes`` (the stores on its host) as ``cfg.placement`` says."""
     return RolloutConfig(
-        model=str(cfg.model_path), stores=stores, group_size=cfg.admission.group_size, max_tokens=cfg.max_tokens,
+        model=str(cfg.model_path), stores=stores, placement=cfg.placement, home_nodes=home_nodes or [],
+        group_size=cfg.admission.group_size, max_tokens=cfg.max_tokens,
         seed=cfg.seed, prompts_per_wave=cfg.admission.train_batch_groups, max_groups=cfg.total_groups,
         max_unreleased_groups=cfg.lookahead_groups, lookahead_counts_running=True, lookahead_poll_s=0.1,
         weight_sync=True, wait_initial_weights_s=cfg.idle_timeout_s, version_poll_s=0.1, reward=cfg.reward,
-        max_model_len=512, group_id_prefix=f"{cfg.policy}-", report_path=str(cfg.out / "rollout.json"),
+        max_model_len=512, group_id_prefix=f"{cfg.policy}-", report_path=str(cfg.out / run_folder.ROLLOUT_REPORT),
         commit_ahead=cfg.admission.train_batch_groups, mix_chunk=cfg.admission.train_batch_groups,
         data_sources=dict(cfg.data_sources), partial_rollouts=cfg.partial_rollouts,
         events_path=str(cfg.out / ledger.EVENTS / ledger.ROLLOUT_EVENTS),
@@ -279,7 +291,7 @@ def rollout_config(cfg: RunConfig, stores: list[str]) -> RolloutConfig:
 
 def run_policy(cfg: RunConfig, model: ModelConfig, *, stop: threading.Event,
                on_update: Callable[[LiveState], None] | None = None,
-               placement: Placement | None = None, resumed: resume.Resumption | None = None) -> dict[str, Any]:
+               placement: Placement | None = None, resumed: resume.Resumption | None = None) -> PolicySummary:
     """Run one policy end to end; returns the run's results (``launcher.report.policy_summary``).
 
     ``placement`` says where each process runs (default: :meth:`Placement.local`); ``resumed``: take a stopped
@@ -289,7 +301,7 @@ def run_policy(cfg: RunConfig, model: ModelConfig, *, stop: threading.Event,
     cfg.out.mkdir(parents=True, exist_ok=True)
     if resumed is None:
         resume.fresh(cfg.out)
-        documents.write(cfg, cfg.out / "run_config.json")
+        run_folder.write_run_config(cfg, cfg.out / run_folder.RUN_CONFIG)
     state = LiveState()  # the display knows the policy and the totals (main_job)
     t0 = time.time()
     with Children(cfg.out / "logs") as kids:
@@ -317,7 +329,7 @@ def run_policy(cfg: RunConfig, model: ModelConfig, *, stop: threading.Event,
         with StoreReader(locations, timeout=30.0, retries=20) as client:  # fresh connections, none in reconnect backoff
             metadata = client.metadata().collect()
             stats = client.stats()
-        metadata.write_parquet(cfg.out / "metadata.parquet")
+        metadata.write_parquet(cfg.out / run_folder.METADATA)
         resume_figures = resume.finish(cfg.out, metadata)
         (cfg.out / "store_stats.json").write_text(json.dumps({n: s.model_dump(by_alias=True) for n, s in stats.items()},
                                                               indent=1))
@@ -325,10 +337,9 @@ def run_policy(cfg: RunConfig, model: ModelConfig, *, stop: threading.Event,
     quotas = [(q.column, n) for q, n in zip(cfg.admission.quotas, cfg.admission.quota_counts(), strict=True)]
     result = report.policy_summary(cfg.out, config=json.loads(documents.dump(cfg)) | {
         "lookahead_groups": cfg.lookahead_groups}, wall_s=time.time() - t0, metrics_urls=urls,
-        outages=[o.to_dict() for o in stores.outages], quotas=quotas)
-    result["interrupted"] = interrupted
-    result |= resume_figures
-    (cfg.out / "policy_summary.json").write_text(json.dumps(result, indent=1, default=str))
+        outages=[o.record() for o in stores.outages], quotas=quotas)
+    result = result.model_copy(update={"interrupted": interrupted, **resume_figures})
+    report.write_policy_summary(cfg.out, result)
     report.plot_policy(cfg.out, result)
     if interrupted:
         raise Interrupted
@@ -343,7 +354,9 @@ def _life(cfg: RunConfig, model: ModelConfig, kids: Children, stores: Stores, pl
     does."""
     locations = stores.locations
     state.phase = "starting trainer + vLLM"
-    train_cfg, rollout_cfg = train_config(cfg, model, locations), rollout_config(cfg, locations)
+    links = placement.link_model(locations, cfg.admission.dp_ranks, cfg.admission.links)
+    train_cfg = train_config(cfg, model, locations, links)
+    rollout_cfg = rollout_config(cfg, locations, [locations[i] for i in placement.home_stores()])
     if resumed is not None:
         docs = resume.prepare(cfg.out, resumed, cfg.admission, locations, cause=cause)
         train_cfg, rollout_cfg = resume.configs(train_cfg, rollout_cfg, resumed, docs, f"{cfg.policy}-")
@@ -390,7 +403,7 @@ def _supervise(cfg: RunConfig, kids: Children, stores: Stores, workers: tuple[li
             state.read_stats(client.stats())
         except Exception as exc:  # a slow answer is not fatal for a progress display
             log.debug("stats failed: %s", exc)
-        state.read_progress(cfg.out / "progress.jsonl")
+        state.read_progress(cfg.out / run_folder.PROGRESS)
         if on_update:
             on_update(state)
 

@@ -38,7 +38,6 @@ import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 from flight_store.client import StoreAdmin
 from flight_store.config import ServerConfig
@@ -46,6 +45,7 @@ from launcher.children import Child, Children
 from launcher.placement import Site
 from launcher.supervise import ClusterViews
 from schemas import documents
+from schemas.run_summary import StoreOutage
 
 log = logging.getLogger(__name__)
 
@@ -75,13 +75,15 @@ class Outage:
     lost_at: float | None = None
     """When the driver gave the node up for good (None: not lost; ``back_at`` stays None then)."""
 
-    def to_dict(self) -> dict[str, Any]:
-        """The outage as the report shows it, with ``down_s`` (None while it is not back)."""
+    def record(self) -> StoreOutage:
+        """The outage as the report shows it (``schemas.run_summary.StoreOutage``), with ``down_s`` (None while it
+        is not back)."""
         down = None if self.back_at is None else round(self.back_at - self.died_at, 3)
-        return {"store": self.store, "node": self.node, "location": self.location, "exit_code": self.exit_code,
-                "died_at": round(self.died_at, 3), "back_at": None if self.back_at is None else round(self.back_at, 3),
-                "down_s": down, "restarts": self.restarts, "cause": self.cause,
-                "lost_at": None if self.lost_at is None else round(self.lost_at, 3)}
+        return StoreOutage(store=self.store, node=self.node, location=self.location, exit_code=self.exit_code,
+                           died_at=round(self.died_at, 3),
+                           back_at=None if self.back_at is None else round(self.back_at, 3), down_s=down,
+                           restarts=self.restarts, cause=self.cause,
+                           lost_at=None if self.lost_at is None else round(self.lost_at, 3))
 
 
 class Stores:
@@ -96,12 +98,13 @@ class Stores:
         sites: where each node runs (``launcher.placement``; default: here).
         probe_s: seconds between two ``health`` probes of each running node (``None``: none; see the guarantees).
 
-    Example:
-        >>> with Children(out / "logs") as kids:  # doctest: +SKIP
-        ...     stores = Stores(kids, store_configs(cfg), out, max_restarts=3, start_timeout_s=60)
-        ...     stores.start()
-        ...     while training():
-        ...         stores.check()
+    Example::
+
+        with Children(out / "logs") as kids:
+            stores = Stores(kids, store_configs(cfg), out, max_restarts=3, start_timeout_s=60)
+            stores.start()
+            while training():
+                stores.check()
     """
 
     def __init__(self, kids: Children, nodes: list[ServerConfig], out: Path, *, max_restarts: int,

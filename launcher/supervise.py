@@ -51,10 +51,11 @@ class ClusterViews:
 
     Thread-safe: the driver and a prober thread both call it.
 
-    Example:
-        >>> views = ClusterViews(["grpc://10.0.0.1:8815", "grpc://10.0.0.2:8815"])  # doctest: +SKIP
-        >>> views.set_down(["node1"])  # doctest: +SKIP
-        2
+    Example::
+
+        views = ClusterViews(["grpc://10.0.0.1:8815", "grpc://10.0.0.2:8815"])
+        views.set_down(["node1"])
+        # -> 2
     """
 
     def __init__(self, locations: list[str], *, ids: list[str] | None = None, version: int = 1) -> None:

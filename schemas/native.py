@@ -150,7 +150,10 @@ def _verdict(batch: pa.RecordBatch, group_id: str, *, sized: bool) -> tuple[int,
 def native_verdict(batch: pa.RecordBatch, group_id: str) -> tuple[int, np.ndarray]:
     """The native pass's answer for ``batch`` as the whole of group ``group_id``, and each row's payload bytes (read
     only when accepted; ``token_versions`` counted whether sent or to be filled): :data:`ACCEPTED`,
-    :data:`ACCEPTED_OTHER_FIELDS`, or a reason of :data:`STEPS_ASIDE` or :data:`RULE_COLUMNS`."""
+    :data:`ACCEPTED_OTHER_FIELDS`, or a reason of :data:`STEPS_ASIDE` or :data:`RULE_COLUMNS`.
+
+    The write path calls :func:`checked_natively`; this reason code is what holds the native pass to the Python
+    rules' verdict on every kind of fault (tests/test_native_checks.py), which a bare accept/decline could not."""
     code, out, _ = _verdict(batch, group_id, sized=False)
     return code, out
 
@@ -164,7 +167,8 @@ def checked_natively(batch: pa.RecordBatch, group_id: str) -> Checked | None:
 
     ``_kernels.check_group_batch`` reads the batch through the Arrow C data interface and compares its schema's
     column names and types with the trajectory schema's (:data:`SIGNATURE`, or the same without
-    ``token_versions``); it accepts a subset of what the Python rules accept, in ~10 us instead of ~150. A
+    ``token_versions``); it accepts a subset of what the Python rules accept, an order of magnitude faster than
+    they check it (docs/benchmarks.md, diagnostic timings). A
     ``token_versions`` column left out is filled here, as the rules fill it.
     """
     code, out, sizes = _verdict(batch, group_id, sized=True)

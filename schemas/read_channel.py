@@ -54,7 +54,8 @@ def slices_by_hand(raw: bytes) -> tuple[list[tuple[str, int, int]], list[str] | 
     bytes, which :func:`~schemas.wire.decode_ticket` then decides on (and names what is wrong).
 
     Why: a read channel decodes one ticket per micro-batch, and on a node that waited between reads (its
-    caches cold) the model's validation took ~50-80 us of a ~600 us read; this takes about half. Canonical
+    caches cold) the model's validation is a noticeable share of a read; this costs about half of it
+    (figures: docs/benchmarks.md, diagnostic timings). Canonical
     form (the bytes re-encoded are the bytes received) proves no key is repeated, which ``json.loads`` would
     hide. ``tests/test_schemas.py`` holds the two decoders to the same verdicts.
     """

@@ -21,7 +21,7 @@ Example:
     >>> owner("step0-p0", ["node0", "node1", "node2"]), owner("g1", ["node0", "node1", "node2"])
     ('node1', 'node2')
     >>> owner(home_id("node0", "g1"), ["node0", "node1", "node2"]), owner("node0/g1", ["node1", "node2"])
-    ('node0', 'node1')
+    ('node0', 'node2')
 """
 
 from __future__ import annotations

@@ -147,8 +147,8 @@ def encode(tensors: Iterable[WeightTensor], *, chunk_bytes: int | None = None) -
 
 def _binary(datas: list[Any]) -> pa.LargeBinaryArray:
     """``datas`` (bytes, buffers, memoryviews) as one large_binary array, their bytes copied once into one Arrow
-    buffer. Not ``pa.array(datas)``: over memoryviews of torch tensors that kept every tensor's bytes resident
-    after the array and the tensors were gone (one weights version per published step, pyarrow 26)."""
+    buffer. Not ``pa.array(datas)``: over memoryviews of torch tensors it keeps every tensor's bytes resident
+    after the array and the tensors are gone (pyarrow 26), one weights version per published step."""
     offsets = np.zeros(len(datas) + 1, dtype=np.int64)
     np.cumsum([memoryview(d).nbytes for d in datas], out=offsets[1:])
     data = pa.allocate_buffer(int(offsets[-1]))

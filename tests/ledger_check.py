@@ -8,11 +8,13 @@ ledger ``knit run`` writes (``ledger.parquet``): the same rule in one table, wit
 
 from __future__ import annotations
 
-import json
 from collections import Counter
 from pathlib import Path
 
 import polars as pl
+
+from schemas.run_folder import read_document
+from schemas.run_records import RolloutRecord
 
 
 def each_prompt_trained_once(out: Path, *, group_size: int) -> dict[str, int]:
@@ -21,7 +23,7 @@ def each_prompt_trained_once(out: Path, *, group_size: int) -> dict[str, int]:
     under a later attempt's group id)."""
     meta = pl.read_parquet(out / "metadata.parquet")
     consumed = pl.read_parquet(out / "consumed.parquet")
-    first_id = json.loads((out / "rollout.json").read_text()).get("redispatched", {})
+    first_id = read_document(RolloutRecord, out / "rollout.json").redispatched
     trained = consumed.group_by("group_id").agg(rows=pl.len(), distinct=pl.col("sample_idx").n_unique())
     twice = trained.filter(pl.col("rows") != pl.col("distinct"))
     assert twice.is_empty(), f"rows trained twice: {twice}"

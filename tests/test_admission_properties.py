@@ -16,7 +16,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from polars.testing import assert_frame_equal
 
-from admission import AdmissionConfig, Filters, Planner, Quota
+from admission import AdmissionConfig, Filters, LinkModel, Planner, Quota
 from schemas.plan import MiniBatchPlan
 
 SOURCES = ("a", "b")
@@ -53,6 +53,9 @@ def scenarios(draw: st.DrawFn) -> Scenario:
         quotas=tuple(quotas), policy=draw(st.sampled_from(["mini_batch", "train_batch", "colocated"])),
         max_staleness=draw(st.one_of(st.none(), st.integers(0, 3))),
         filters=Filters(drop_uniform_reward=draw(st.booleans())),
+        assignment=draw(st.sampled_from(["links", "tokens"])),
+        links=LinkModel(node_host={"n0": "h0", "n1": draw(st.sampled_from(["h0", "h1"]))},
+                        rank_host=tuple(draw(st.sampled_from(["h0", "h1", "h2"])) for _ in range(d))),
     )
     n = draw(st.integers(b, 4 * b + 2))
     classes = [(draw(st.sampled_from(SOURCES)), draw(st.sampled_from(LEVELS))) for _ in range(n)]

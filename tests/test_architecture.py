@@ -11,11 +11,16 @@ Import statements are not the only arrows: a ``"package.module:function"`` strin
 time, or ``[sys.executable, "-m", "package.module"]``, reaches another module just the same. Every
 such string in the project's code is added to the import graph as an import of the module that
 names it, and must keep the same contracts (and name a module that exists).
+
+No two modules import each other, directly or around a loop, counting every ``import`` wherever it sits (inside a
+function or under ``TYPE_CHECKING`` too): a local import hides an arrow from import-linter, not from the design.
+And no two classes of the project share a name.
 """
 
 from __future__ import annotations
 
 import ast
+import collections
 import itertools
 import re
 import tomllib
@@ -126,3 +131,102 @@ def test_schemas_never_name_flight() -> None:
     (the planner's ban on all of pyarrow is its contract's)."""
     for path in (ROOT / "schemas").rglob("*.py"):
         assert "pyarrow.flight" not in path.read_text(), path
+
+
+def project_modules() -> dict[str, Path]:
+    """Every module of the project's packages, by dotted name."""
+    return {module_name(path): path for package in PACKAGES for path in sorted((ROOT / package).rglob("*.py"))}
+
+
+def imported_modules(importer: str, path: Path, modules: dict[str, Path]) -> set[str]:
+    """The project's modules ``importer`` (at ``path``) imports, every ``import``/``from`` statement wherever it
+    sits; ``from pkg import name`` counts as importing ``pkg.name`` when that is a module (a native one, not in
+    ``modules``, adds no arrow), as importing ``pkg`` otherwise."""
+    out: set[str] = set()
+    package = importer.split(".") if path.name == "__init__.py" else importer.split(".")[:-1]
+    for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+        if isinstance(node, ast.Import):
+            out.update(a.name for a in node.names if a.name in modules)
+        elif isinstance(node, ast.ImportFrom):
+            above = package[:len(package) - node.level + 1]
+            source = ".".join([*above, *([node.module] if node.module else [])]) if node.level else node.module or ""
+            for alias in node.names:
+                name = f"{source}.{alias.name}"
+                if name in modules:
+                    out.add(name)
+                elif not list((ROOT / Path(*source.split("."))).glob(f"{alias.name}.*")) and source in modules:
+                    out.add(source)
+    return out
+
+
+def import_graph() -> dict[str, set[str]]:
+    modules = project_modules()
+    return {name: imported_modules(name, path, modules) for name, path in modules.items()}
+
+
+def cycles(graph: dict[str, set[str]]) -> list[frozenset[str]]:
+    """The strongly connected components of more than one module (or a module importing itself): Tarjan's."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    found: list[frozenset[str]] = []
+
+    def visit(root: str) -> None:  # iterative: no recursion limit on a deep graph
+        work = [(root, iter(sorted(graph[root])))]
+        index[root] = low[root] = len(index)
+        stack.append(root)
+        while work:
+            v, edges = work[-1]
+            w = next(edges, None)
+            if w is not None:
+                if w not in index:
+                    index[w] = low[w] = len(index)
+                    stack.append(w)
+                    work.append((w, iter(sorted(graph[w]))))
+                elif w in stack:
+                    low[v] = min(low[v], index[w])
+                continue
+            work.pop()
+            if work:
+                low[work[-1][0]] = min(low[work[-1][0]], low[v])
+            if low[v] == index[v]:
+                comp = []
+                while True:
+                    w = stack.pop()
+                    comp.append(w)
+                    if w == v:
+                        break
+                if len(comp) > 1 or v in graph[v]:
+                    found.append(frozenset(comp))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return found
+
+
+def test_no_import_cycle_local_imports_included() -> None:
+    unknown = [sorted(c) for c in cycles(import_graph())]
+    assert not unknown, f"modules that import each other (imports inside functions counted): {unknown}"
+
+
+def test_a_cycle_is_caught_wherever_its_import_sits(tmp_path: Path) -> None:
+    """The check can fail: an import inside a function closes a loop as much as one at the top."""
+    modules = {"pkg.a": tmp_path / "a.py", "pkg.b": tmp_path / "b.py", "pkg.c": tmp_path / "c.py"}
+    modules["pkg.a"].write_text("from pkg.b import f\n")
+    modules["pkg.b"].write_text("def f():\n    from pkg import c\n")
+    modules["pkg.c"].write_text("if TYPE_CHECKING:\n    import pkg.a\n")
+    graph = {name: imported_modules(name, path, modules) for name, path in modules.items()}
+    assert graph == {"pkg.a": {"pkg.b"}, "pkg.b": {"pkg.c"}, "pkg.c": {"pkg.a"}}
+    assert cycles(graph) == [frozenset(modules)]
+    assert cycles({"x": {"y"}, "y": set()}) == []
+
+
+def test_one_class_per_name() -> None:
+    """Two classes of one name in the project read as one thing in a traceback or a docstring's reference."""
+    defined: dict[str, list[str]] = collections.defaultdict(list)
+    for name, path in project_modules().items():
+        for node in ast.parse(path.read_text(), filename=str(path)).body:
+            if isinstance(node, ast.ClassDef):
+                defined[node.name].append(name)
+    assert not {c: ms for c, ms in defined.items() if len(ms) > 1}

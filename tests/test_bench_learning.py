@@ -15,21 +15,27 @@ def _run(reward: list[float], wall: list[float], staleness: float) -> dict[str, 
             "offpolicy": {"is_weight_mean": 1.0, "token_staleness_mean": staleness}}
 
 
-def test_time_to_train_batch_s_final_reward_and_its_ratio() -> None:
+def test_time_to_train_batch_s_final_reward_on_a_moving_average_and_the_gap_colocated_closes() -> None:
     runs = {
         "train_batch": [_run([0.1] * 5 + [0.3] * 5, [10.0 * (b + 1) for b in range(10)], 1.5),
                         _run([0.1] * 6 + [0.5] * 4, [12.0 * (b + 1) for b in range(10)], 1.5)],
         "mini_batch_decoupled": [_run([0.1, 0.4] + [0.5] * 8, [8.0 * (b + 1) for b in range(10)], 0.5),
                                  _run([0.2] * 10, [8.0 * (b + 1) for b in range(10)], 0.5)],
+        "colocated": [_run([0.5] * 10, [20.0 * (b + 1) for b in range(10)], 0.0),
+                      _run([0.5] * 10, [20.0 * (b + 1) for b in range(10)], 0.0)],
     }
     metrics, ratios = summarise(runs)
     base = metrics["train_batch"]
     assert base["final_reward"] == pytest.approx((0.3 * 5 + 0.1 + 0.5 * 4) / 10)  # the last 5, seed-mean
-    # seed 0 reaches its final 0.3 at batch 5 (60 s); seed 1 reaches (0.1 + 4 * 0.5) / 5 = 0.42 at batch 6 (84 s)
-    assert base["time_to_train_batch_final_s"] == pytest.approx(72.0)
-    fast = metrics["mini_batch_decoupled"]
-    assert fast["seeds_reaching_train_batch_final"] == 1 and fast["time_to_train_batch_final_s"] == 16.0
-    assert ratios == {"mini_batch_decoupled_time_to_reward_vs_train_batch": round(16.0 / 72.0, 4)}
+    # the mean of the last five first reaches the seed's final: seed 0's 0.3 at batch 10 (100 s), seed 1's
+    # (0.1 + 4 * 0.5) / 5 = 0.42 at batch 10 too (120 s); a single batch of 0.5 at batch 7 does not count
+    assert base["time_to_train_batch_final_s"] == pytest.approx(110.0)
+    fast = metrics["mini_batch_decoupled"]  # seed 0's first full window (batches 1-5) averages 0.4 >= 0.3: 40 s
+    assert fast["seeds_reaching_train_batch_final"] == 1 and fast["time_to_train_batch_final_s"] == 40.0
+    gap = (fast["final_reward"] - base["final_reward"]) / (0.5 - base["final_reward"])
+    assert ratios == {"mini_batch_decoupled_time_to_reward_vs_train_batch": round(40.0 / 110.0, 4),
+                      "colocated_time_to_reward_vs_train_batch": round(100.0 / 110.0, 4),
+                      "mini_batch_decoupled_final_reward_gap_closed_vs_colocated": round(gap, 4)}
     assert fast["offpolicy"]["token_staleness_mean"] == [0.5, 0.5]
     assert time_to_reach(runs["train_batch"][0], 0.9) is None
 

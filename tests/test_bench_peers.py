@@ -27,9 +27,9 @@ pytestmark = pytest.mark.timeout(600)
 def cluster() -> Iterator[dict[str, Any]]:
     import ray
 
-    from bench.flight_throughput import start_store_process
     from bench.peers.harness import ray_env
     from bench.peers.knit import KnitPath
+    from bench.store_groups import start_store_process
 
     w = Workload(steps=1, groups=4, group_size=4, mini_batches=2, ranks=2, prompt_len=32, response_mean=64,
                  response_max=256, token_budget=1024)
@@ -86,12 +86,13 @@ def test_every_path_gives_each_rank_the_same_micro_batches(cluster: dict[str, An
 def _check_keys(w: Workload, specs: list[Any], knit: Any, tq: Any, verls: dict[str, Any]) -> None:
     """The result file's keys at a tiny size: data movement against every peer and the best verl path, the
     calibrated cell's step ratios and compute."""
-    from bench.peers.harness import _calibrated, _steps, summarize
+    from bench.peers.harness import _calibrated, summarize
+    from bench.peers.turns import steps_in_turn
 
     steppers = {"knittrans": lambda s, per_rank, c: knit.step(per_rank, c, 1),
                 "transferqueue": lambda s, per_rank, c: tq.step(per_rank, c, 1),
                 **{v.name: v.step for v in verls.values()}}
-    steps = _steps(steppers, specs, [0.0])
+    steps = steps_in_turn(steppers, specs, [0.0])
     cal_w = Workload(steps=1, groups=2, group_size=4, mini_batches=1, ranks=2, prompt_len=8, response_mean=16,
                      response_max=32, token_budget=1024, seed=5)
     raw = {"specs": {}, "groups_bytes": 1, "driver_payload_bytes_knittrans": 0, "steps": steps, "put": {},
@@ -186,7 +187,7 @@ def test_the_minimal_server_with_own_pages_keeps_a_copy_not_the_received_message
     import pyarrow.flight as flight
 
     from bench import minimal_flight
-    from flight_store.memory import view
+    from flight_store.blocks import view
 
     w = Workload(steps=1, groups=2, group_size=4, mini_batches=1, ranks=1, prompt_len=8, response_mean=4096,
                  response_max=8192, token_budget=1 << 16)

@@ -16,6 +16,7 @@ from flight_store import streams as streams_mod
 from flight_store.client import StoreAdmin
 from flight_store.config import ServerConfig
 from flight_store.errors import NodeUnavailableError, SchemaMismatchError, UnknownGroupError, UnknownImageError
+from flight_store.publishing import StorePublisher
 from flight_store.reading import StoreReader
 from flight_store.server import StoreServer
 from flight_store.writing import StoreWriter
@@ -123,6 +124,9 @@ def test_fetch_one_read_per_node_over_kept_channels_in_slice_order(make_group) -
                 table = client.fetch(slices, columns=cols)
                 assert [s.counts() for s in servers] == [(0, 1, 1 + attempt)] * 3
                 assert list(zip(table["group_id"].to_pylist(), table["sample_idx"].to_pylist(), strict=True)) == want
+            for start in range(4):  # beginning at another node changes what is asked first, not what comes back
+                table = client.fetch(slices, columns=cols, start=start)
+                assert list(zip(table["group_id"].to_pylist(), table["sample_idx"].to_pylist(), strict=True)) == want
             for node in locs:  # the same table, schema metadata included, as one DoGet of the node's slices
                 mine = [s for s in slices if s.node == node]
                 by_doget = client._calls.get(node, streams_mod.slices_ticket(mine, cols))
@@ -136,6 +140,16 @@ def test_fetch_one_read_per_node_over_kept_channels_in_slice_order(make_group) -
     finally:
         for s in servers:
             s.shutdown()
+
+
+def test_ranks_reading_at_once_begin_on_different_nodes() -> None:
+    nodes = ["a", "b", "c"]
+    every = {n: [] for n in nodes}
+    assert [streams_mod.staggered(every, nodes, r)[0] for r in range(3)] == nodes  # rank r begins at node r
+    assert [streams_mod.staggered(every, nodes, r + 1) for r in range(2)] == [["b", "c", "a"], ["c", "a", "b"]]
+    some = {"c": [], "a": [], "x": []}  # a node the client does not list is asked last
+    assert [streams_mod.staggered(some, nodes, r) for r in range(4)] == [["a", "c", "x"], ["c", "a", "x"],
+                                                                        ["c", "a", "x"], ["a", "c", "x"]]
 
 
 class _BreakingServer(_CountingServer):
@@ -269,14 +283,16 @@ def test_stream_reads_a_node_by_doget_when_its_read_channel_breaks(store_nodes, 
 def test_images_release_version_and_weights(store_nodes, make_group) -> None:
     servers = store_nodes(2)
     locs = [s.location for s in servers]
-    with StoreReader(locs) as client, StoreWriter.sharing(client) as writer:
+    with StoreReader(locs) as client, StoreWriter.sharing(client) as writer, \
+            StorePublisher.sharing(client) as publisher:
         table, keys = images_to_table([np.full((2, 4, 4), v, dtype=np.uint8) for v in range(3)])
         with pytest.raises(ValueError, match="group_ids"):
             writer.put_images(table)  # images go to the node(s) of the groups that reference them
         a, b = (next(g for g in (f"g{i}" for i in range(99)) if client.node_for(g) == n) for n in locs)
         assert writer.put_images(table, group_ids=[a]) == 3
         assert writer.put_images(table.slice(1), group_ids=[a, b]) == 2  # node of a has them; node of b stores 2
-        assert servers[0].store.has_image(keys[0]) and not servers[1].store.has_image(keys[0])
+        held = [s.store.images([keys[0]], missing_ok=True).num_rows for s in servers[:2]]
+        assert held == [1, 0]
         got = client.fetch_images([keys[2], keys[0], keys[2], keys[1]])  # found wherever they are, once each
         assert got.column("image_key").to_pylist() == [keys[2], keys[0], keys[1]]
         assert client.fetch_images([keys[1]], nodes={keys[1]: locs[1]}).num_rows == 1
@@ -287,12 +303,12 @@ def test_images_release_version_and_weights(store_nodes, make_group) -> None:
         assert client.release([a, b, "never"]) == {locs[0]: 1, locs[1]: 1}
         assert client.release([a]) == {locs[0]: 0, locs[1]: 0}
         assert client.get_version() == 0
-        client.publish_version(7)
+        publisher.publish_version(7)
         assert client.get_version() == 7
         weights = pa.table(
             {"name": ["w1", "w2"], "shape": [[2], [1]], "dtype": ["float32"] * 2, "data": [b"\0" * 8, b"\1" * 4]}
         )
-        client.put_weights(weights, 3)
+        publisher.put_weights(weights, 3)
         for loc in locs:
             assert writer.get_weights(node=loc).equals(weights.cast(WEIGHTS_SCHEMA))  # stored as the schema says
         assert writer.get_weights(3).num_rows == 2

@@ -27,6 +27,7 @@ from connectors.fake_engine import FakeEngine
 from connectors.lookahead import LookaheadLimit, StoreStats, unreleased_groups
 from connectors.rollout import RolloutConfig, RolloutWorker, run_rollout
 from connectors.tasks import Prompt
+from flight_store.publishing import StorePublisher
 from flight_store.reading import StoreReader
 from flight_store.store import Store
 from flight_store.writing import StoreWriter
@@ -65,8 +66,9 @@ def _all_rows(client: StoreReader, frame: pl.DataFrame, columns: list[str]) -> p
 def test_worker_streams_scored_groups_to_two_nodes(store_nodes, async_writes: bool) -> None:  # type: ignore[no-untyped-def]
     servers = store_nodes(2)
     nodes = [s.location for s in servers]
-    with StoreReader(nodes) as client, StoreWriter.sharing(client) as writer:
-        client.publish_version(3)
+    with StoreReader(nodes) as client, StoreWriter.sharing(client) as writer, \
+            StorePublisher.sharing(client) as publisher:
+        publisher.publish_version(3)
         engine = FakeEngine(max_steps=5)
         seen_during_run: list[int] = []
 
@@ -200,10 +202,11 @@ def test_rollout_waits_for_and_loads_the_initial_weights(store_nodes) -> None:  
     (server,) = store_nodes(1)
     table = pa.table({"name": ["w"], "shape": [[1]], "dtype": ["float32"], "data": [b"\0\0\0\0"]},
                      schema=WEIGHTS_SCHEMA)
-    with StoreReader(server.location) as client, StoreWriter.sharing(client) as writer:
+    with StoreReader(server.location) as client, StoreWriter.sharing(client) as writer, \
+            StorePublisher.sharing(client) as publisher:
         engine = FakeEngine(max_steps=2)
         cfg = _config([server.location], max_groups=2, weight_sync=True, wait_initial_weights_s=20.0)
-        timer = threading.Timer(0.5, lambda: client.put_weights(table, 0))  # the trainer publishes v0 later
+        timer = threading.Timer(0.5, lambda: publisher.put_weights(table, 0))  # the trainer publishes v0 later
         timer.start()
         report = RolloutWorker(cfg, client=writer, engine=engine).run()
         timer.join()
@@ -251,9 +254,10 @@ def test_weight_sync_loads_published_weights_and_tags_versions(store_nodes) -> N
                         "data": [np.float32([1, 2]).tobytes()]},
                        schema=pa.schema([("name", pa.string()), ("shape", pa.list_(pa.int32())),
                                          ("dtype", pa.string()), ("data", pa.large_binary())]))
-    with StoreReader(server.location) as client, StoreWriter.sharing(client) as writer:
-        client.put_weights(weights, 2)
-        client.publish_version(2)
+    with StoreReader(server.location) as client, StoreWriter.sharing(client) as writer, \
+            StorePublisher.sharing(client) as publisher:
+        publisher.put_weights(weights, 2)
+        publisher.publish_version(2)
         engine = FakeEngine()
         report = RolloutWorker(_config([server.location], max_groups=4, weight_sync=True), client=writer,
                                engine=engine).run()
@@ -360,8 +364,9 @@ def test_real_vllm_round_trip_is_exact_and_streams_to_two_nodes(store_nodes, tin
                         dump_raw=str(raw_path), weight_sync=True, initial_version=7, version_poll_s=0.05)
     cmd = [sys.executable, "-m", "connectors", "--config", str(documents.write(cfg, tmp_path / "rollout.json"))]
     polls: list[tuple[float, int]] = []
-    with StoreReader(nodes) as client:
-        client.publish_version(7)
+    with StoreReader(nodes) as client, \
+            StorePublisher.sharing(client) as publisher:
+        publisher.publish_version(7)
         with subprocess.Popen(cmd, cwd=ROOT, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                               text=True) as proc:
             lines: list[str] = []
@@ -373,8 +378,8 @@ def test_real_vllm_round_trip_is_exact_and_streams_to_two_nodes(store_nodes, tin
                 n = client.scan_metadata(columns=["group_id"])["group_id"].n_unique()
                 polls.append((time.time(), n))
                 if n and not published:  # the trainer publishes new weights while the rollout runs
-                    client.put_weights(_perturbed_weights(tiny_model), 8)
-                    client.publish_version(8)
+                    publisher.put_weights(_perturbed_weights(tiny_model), 8)
+                    publisher.publish_version(8)
                     published = True
                 time.sleep(0.05)
             if proc.poll() is None:
@@ -538,9 +543,10 @@ def _weights_driver(model: str, location: str, out: str) -> None:
     from flight_store.reading import StoreReader
     from flight_store.writing import StoreWriter
 
-    with StoreReader(location) as client, StoreWriter.sharing(client) as writer:
-        client.put_weights(from_tensors(new.items(), torch), 1)
-        client.publish_version(1)
+    with StoreReader(location) as client, StoreWriter.sharing(client) as writer, \
+            StorePublisher.sharing(client) as publisher:
+        publisher.put_weights(from_tensors(new.items(), torch), 1)
+        publisher.publish_version(1)
         table = writer.get_weights(client.get_version())
     loaded = load_weights_into_llm(llm, table)
     p2, r2, lp2 = vllm_run()

@@ -33,7 +33,6 @@ from connectors.vllm import (
     LOGPROBS_MODE_KEY,
     aborted_batch,
     group_to_batch,
-    logprobs_mode_of,
     require_vllm,
     sampled_logprobs,
 )
@@ -101,7 +100,6 @@ def test_group_to_batch_columns_match_the_output() -> None:
     batch = group_to_batch(out, group_id="g7", policy_version=5, policy_version_min=4, data_source="add_small",
                            rewards=[1.0, 0.0, 0.5], created_at=t0, logprobs_mode="processed_logprobs")
     assert batch.schema.remove_metadata().equals(TRAJECTORY_SCHEMA.remove_metadata())
-    assert logprobs_mode_of(batch.schema) == "processed_logprobs"
     assert batch.schema.metadata[LOGPROBS_MODE_KEY] == b"processed_logprobs"
     d = batch.to_pydict()
     assert d["sample_idx"] == [0, 1, 2]

@@ -56,7 +56,7 @@ def test_restart_restores_groups_seq_images_weights_version(tmp_path: Path, make
     got = pa.Table.from_batches(again.slices([("b", 0, 3)], columns=["sample_idx", "response_ids"]))
     assert got.column("sample_idx").to_pylist() == [0, 1, 2]
     assert got.column("response_ids").to_pylist() == make_group("b", size=3).column("response_ids").to_pylist()
-    assert again.has_image(key) and again.images([key]).column("data")[0].as_py() == img.tobytes()
+    assert again.images([key]).column("data")[0].as_py() == img.tobytes()
     weights, version = again.weights()
     assert version == 7 and weights.column("data").to_pylist() == [b"\x01\x02"]
     assert again.get_version() == 5
@@ -68,10 +68,11 @@ def test_restart_restores_groups_seq_images_weights_version(tmp_path: Path, make
     again.put_group("d", [make_group("d", size=2)])
     assert _meta(again)[-2:] == [(9, "d", 0), (10, "d", 1)]
     again.release(["c"])
-    assert not again.has_image(key)
+    assert again.images([key], missing_ok=True).num_rows == 0
     again.close()
     third = Store(StoreConfig(spill_dir=str(tmp_path)))
-    assert third.group_ids() == ["b", "d"] and not third.has_image(key) and len(_meta(third)) == 11
+    assert third.group_ids() == ["b", "d"] and len(_meta(third)) == 11
+    assert third.images([key], missing_ok=True).num_rows == 0
     third.close()
 
 
@@ -368,7 +369,7 @@ def test_sigkill_during_four_writers_loses_no_acknowledged_group(tmp_path: Path,
 
 def test_a_group_record_is_its_stored_blocks_byte_for_byte(make_group) -> None:  # type: ignore[no-untyped-def]
     """The log writes a group from the blocks the store holds (no second encoding): the same IPC stream."""
-    from flight_store.memory import pack
+    from flight_store.blocks import pack
     from flight_store.spill import decode_batches, encode_batches, stream_of_messages
     from flight_store.validate import normalize_group
     from schemas.arrow import TRAJECTORY_SCHEMA

@@ -222,7 +222,7 @@ def test_a_store_host_cut_off_is_recorded_as_unreachable_and_back(make_hosts, tm
         assert cut_at - 1.0 <= outage.died_at <= cut_at + 2  # (a probe sent just before the cut may miss)
         assert outage.back_at is not None and restored_at <= outage.back_at <= restored_at + 10
         assert outage.died_at <= found_at < restored_at <= outage.back_at  # one outage spans the whole cut
-        assert outage.to_dict()["cause"] == "unreachable"
+        assert outage.record().cause == "unreachable"
 
 
 def test_a_store_host_cut_off_longer_than_the_start_timeout_is_lost_for_good(make_hosts, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
@@ -279,6 +279,22 @@ def test_probes_do_not_take_a_restarted_node_for_an_unreachable_one(tmp_path: Pa
 
 
 # ---- placement (no hosts) -------------------------------------------------------------------------
+
+
+def test_a_placement_names_the_rollouts_home_stores_and_the_hosts_of_nodes_and_ranks() -> None:
+    from admission.config import LinkModel
+
+    a, b, c = (Site(address=f"198.18.0.{i}", exec_prefix=["ip", "netns", "exec", f"h{i}"]) for i in (2, 3, 4))
+    p = Placement(stores=[a, b], rollout=b, trainer=[a, c])
+    assert p.home_stores() == [1]  # the rollout shares b's host: its groups stay on node 1
+    links = p.link_model(["grpc://n0", "grpc://n1"], 2, LinkModel(default_mbit=200.0))
+    assert links.host_of_node("grpc://n0") == links.host_of_rank(0) != links.host_of_rank(1)
+    assert links.host_of_node("grpc://n1") not in (links.host_of_rank(0), links.host_of_rank(1))
+    assert links.default_mbit == 200.0  # the rates are the user's
+    mine = LinkModel(rank_host=("x", "y"))
+    assert p.link_model(["grpc://n0", "grpc://n1"], 2, mine) is mine  # hosts the user named are kept
+    assert Placement.local(2).home_stores() == [0, 1]
+    assert Placement(stores=[a], rollout=c, trainer=[c]).home_stores() == []  # a rollout host of its own: hashed
 
 
 def test_sites_and_placements_are_checked() -> None:
@@ -402,7 +418,7 @@ def hosts_run(tmp_path_factory: pytest.TempPathFactory) -> HostsRun:
 
         def run() -> None:
             try:
-                result.update(run_policy(cfg, model, stop=stop, placement=placement))
+                result.update(run_policy(cfg, model, stop=stop, placement=placement).model_dump())
             except BaseException as exc:  # reported by the test
                 errors.append(exc)
 
@@ -505,8 +521,10 @@ def test_a_store_host_cut_off_mid_run_the_run_goes_on_and_the_report_shows_it(ho
     children = {c["name"]: c for c in json.loads((out / "logs" / "children.json").read_text())}
     assert children["store1"]["restarts"] == 0  # its process ran throughout: nothing restarted
     from launcher.report import table_rows
+    from schemas.run_summary import PolicySummary
 
-    assert f"node1: {outage['down_s']} cut off" in dict(table_rows(r))["store restarts (down s)"]
+    rows = dict(table_rows(PolicySummary.model_validate(r)))
+    assert f"node1: {outage['down_s']} cut off" in rows["store restarts (down s)"]
     steps = [json.loads(line) for line in (out / "progress.jsonl").read_text().splitlines()]
     assert steps[-1]["t_end"] > hosts_run.restored_at  # the cut was mid-run: training went on after it
     assert r["trajectories_consumed"] == BATCHES * B * G and r["rollout"]["aborted_groups"] == 0

@@ -8,6 +8,7 @@ from typing import Any
 import pytest
 
 from flight_store.errors import WireDecodeError, WrongNodeError
+from flight_store.publishing import StorePublisher
 from flight_store.reading import StoreReader
 from flight_store.writing import StoreWriter
 from schemas.replies import ACTION_REPLIES, DispatchReply
@@ -258,7 +259,8 @@ def test_a_synchronous_rollout_generates_each_train_batch_with_the_weights_it_st
     cfg = RolloutConfig(model="unused", stores=[server.location], group_size=2, max_groups=3 * b,
                         prompts_per_wave=4, commit_ahead=b, version_poll_s=0.0, group_id_prefix="s-",
                         synchronous=(b, k))
-    with StoreReader(server.location) as client, StoreWriter.sharing(client) as writer:
+    with StoreReader(server.location) as client, StoreWriter.sharing(client) as writer, \
+            StorePublisher.sharing(client) as publisher:
         worker = RolloutWorker(cfg, client=writer, engine=FakeEngine(max_steps=1))
         thread = threading.Thread(target=worker.run, daemon=True)
         thread.start()
@@ -268,11 +270,11 @@ def test_a_synchronous_rollout_generates_each_train_batch_with_the_weights_it_st
             return int(client.stats()[server.location].groups.stored)
 
         assert stored_after(0.5) == b  # train batch 1 waits for version 2
-        client.publish_version(1)
+        publisher.publish_version(1)
         assert stored_after(0.5) == b  # not yet: its train batch starts from version 2
-        client.publish_version(2)
+        publisher.publish_version(2)
         assert stored_after(0.5) == 2 * b
-        client.publish_version(4)
+        publisher.publish_version(4)
         thread.join(timeout=10)
         assert not thread.is_alive()
         meta = client.scan_metadata().sort("seq")

@@ -26,6 +26,7 @@ from launcher.model import check_shapes, trainer_model
 from launcher.report import policy_summary, table_rows, write_summary
 from launcher.run import RunConfig, rollout_config, train_config
 from schemas import documents
+from schemas.run_summary import PolicySummary, Throughput
 from train.config import ModelConfig, TrainConfig
 from train.hf_llama import hf_llama_config
 
@@ -178,7 +179,7 @@ def test_knit_run_policies_and_match_throughput_flags() -> None:
             parse(bad)
 
 
-def test_match_throughput_takes_the_smallest_lookahead_that_keeps_up() -> None:
+def test_match_throughput_takes_the_smallest_lookahead_whose_trajectories_per_s_keep_up() -> None:
     from launcher.main_job import _matched, lookaheads
 
     two = dataclasses.replace(RunConfig().admission, mini_batches=2)
@@ -190,29 +191,31 @@ def test_match_throughput_takes_the_smallest_lookahead_that_keeps_up() -> None:
         def note(self, text: str) -> None:
             pass
 
-    def runner(idle: dict[int, float], throughput: float = 1.0):  # type: ignore[no-untyped-def]
+    def runner(rates: dict[int, float]):  # type: ignore[no-untyped-def]
         ran: list[RunConfig] = []
 
-        def run_one(c: RunConfig) -> dict[str, object]:  # a 100 s training window, idle[L] s of it waiting
+        def run_one(c: RunConfig) -> PolicySummary:  # rates[L] trajectories/s, a 100 s window, 10 s of it idle
             ran.append(c)
-            return {"throughput": {"trajectories_per_s": throughput}, "trainer_idle_s": idle[c.lookahead_groups],
-                    "training_window_s": 100.0, "arch_staleness_mean": c.lookahead_groups / 10,
-                    "quota_violations": 0, "config": {"lookahead_groups": c.lookahead_groups}}
+            return PolicySummary(throughput=Throughput(trajectories_per_s=rates[c.lookahead_groups], tokens_per_s=0.0),
+                                 trainer_idle_s=10.0, training_window_s=100.0,
+                                 arch_staleness_mean=c.lookahead_groups / 10, quota_violations=0,
+                                 config={"lookahead_groups": c.lookahead_groups})
         return run_one, ran
 
-    baseline = {"trainer_idle_s": 20.0, "training_window_s": 100.0}  # busy 80%: a lookahead must reach 76%
-    run_one, ran = runner({4: 40.0, 8: 22.0, 12: 10.0, 16: 10.0})
+    baseline = PolicySummary(throughput=Throughput(trajectories_per_s=2.0, tokens_per_s=0.0))  # 1.9 needed
+    run_one, ran = runner({4: 1.5, 8: 1.95, 12: 2.0, 16: 2.0})
     got = _matched(cfg, baseline, run_one, Notes())  # type: ignore[arg-type]
     assert [c.lookahead_groups for c in ran] == [4, 8] and ran[1].out == Path("/tmp/m/mini_batch/lookahead8")
-    assert got["config"]["lookahead_groups"] == 8 and got["matched_throughput"]
-    assert [(t["lookahead"], t["trainer_busy"]) for t in got["lookahead_search"]] == [(4, 0.6), (8, 0.78)]
-    run_one, ran = runner({4: 50.0, 8: 25.0, 12: 30.0, 16: 26.0})
+    assert got.config["lookahead_groups"] == 8 and got.matched_throughput
+    assert [(t.lookahead, t.trajectories_per_s, t.trainer_busy) for t in got.lookahead_search or []] == [
+        (4, 1.5, 0.9), (8, 1.95, 0.9)]
+    run_one, ran = runner({4: 1.0, 8: 1.8, 12: 1.7, 16: 1.75})
     got = _matched(cfg, baseline, run_one, Notes())  # type: ignore[arg-type]
-    assert len(ran) == 4 and got["config"]["lookahead_groups"] == 8 and not got["matched_throughput"]
-    # trainer-bound: busy at every lookahead, the throughputs apart by noise alone -> the smallest lookahead
-    run_one, ran = runner({4: 0.5, 8: 0.2, 12: 0.1, 16: 0.1}, throughput=0.9)
-    got = _matched(cfg, {"trainer_idle_s": 0.3, "training_window_s": 100.0}, run_one, Notes())  # type: ignore[arg-type]
-    assert len(ran) == 1 and got["config"]["lookahead_groups"] == 4 and got["matched_throughput"]
+    assert len(ran) == 4 and got.config["lookahead_groups"] == 8 and not got.matched_throughput
+    # a trainer busy 90% of the window is not enough: 0.87 of train_batch's trajectories/s does not match
+    run_one, ran = runner({4: 1.74, 8: 2.0, 12: 2.0, 16: 2.0})
+    got = _matched(cfg, baseline, run_one, Notes())  # type: ignore[arg-type]
+    assert len(ran) == 2 and got.config["lookahead_groups"] == 8 and got.matched_throughput
 
 
 def test_knit_run_model_smollm2_maps_to_the_checkpoint_bf16_sync_and_exact_reward(tmp_path: Path) -> None:
@@ -345,7 +348,8 @@ def _fake_run(folder: Path, arch: list[int], rewards: list[float]) -> None:
                              "signed_staleness": arch})
     consumed.write_parquet(folder / "consumed.parquet")
     for rank in (0, 1):
-        steps = [{"step": s, "version": s + 1, "loss": 0.1, "rows": n // 2, "abs_logp_diff": 1e-7,
+        steps = [{"step": s, "train_batch": 0, "position": s, "version": s + 1, "loss": 0.1, "rows": n // 2,
+                  "abs_logp_diff": 1e-7,
                   "fetch_s": [0.01], "exposed_wait_s": [0.002], "bytes_fetched": 1000, "step_time_s": 0.5,
                   "publish_s": 0.05, "plan_wait_s": 1.0, "t_end": 100.0 + s, "is_weight_mean": 1.0 + s,
                   "is_weight_max": 2.0 + s, "token_staleness_mean": 0.5 * s, "token_staleness_max": s}
@@ -361,28 +365,28 @@ def test_report_from_a_run_folder(tmp_path: Path) -> None:
     results = {}
     for name in ("train_batch", "mini_batch"):
         r = policy_summary(tmp_path / name, config={"policy": name, "loss": {"objective": "tis"}}, wall_s=3.0)
-        assert r["offpolicy"] == {"objective": "tis", "is_weight_mean": 1.5, "is_weight_max": 3.0,
-                                  "is_truncated_frac": None, "clip_frac": None, "kl_behaviour_k3": None,
-                                  "token_staleness_mean": 0.25, "token_staleness_max": 1.0}
-        assert r["trajectories_consumed"] == 4 and r["rows_received"] == 4 and r["duplicate_rows"] == 0
-        assert r["bytes_per_rank"] == {"0": 2000, "1": 2000}
-        assert r["driver_payload_bytes"] == 0
-        assert r["trainer_idle_s"] == 1.0  # step 0's wait is start-up
-        assert r["training_window_s"] == pytest.approx(1.5)
-        assert r["reward_per_train_batch"] == [0.5]
+        assert r.offpolicy.model_dump() == {"objective": "tis", "is_weight_mean": 1.5, "is_weight_max": 3.0,
+                                            "is_truncated_frac": None, "clip_frac": None, "kl_behaviour_k3": None,
+                                            "token_staleness_mean": 0.25, "token_staleness_max": 1.0}
+        assert r.trajectories_consumed == 4 and r.rows_received == 4 and r.duplicate_rows == 0
+        assert r.bytes_per_rank == {"0": 2000, "1": 2000}
+        assert r.driver_payload_bytes == 0
+        assert r.trainer_idle_s == 1.0  # step 0's wait is start-up
+        assert r.training_window_s == pytest.approx(1.5)
+        assert r.reward_per_train_batch == [0.5]
         assert len(table_rows(r)) > 10
         results[name] = r
-    assert results["mini_batch"]["arch_staleness_mean"] == 0.5 and results["mini_batch"]["arch_staleness_max"] == 1
+    assert results["mini_batch"].arch_staleness_mean == 0.5 and results["mini_batch"].arch_staleness_max == 1
     doc = write_summary(tmp_path, results)
-    assert doc["arch_staleness_reduction"] == 0.75
+    assert doc.arch_staleness_reduction == 0.75
     saved = json.loads((tmp_path / "summary.json").read_text())
     assert saved["policies"]["train_batch"]["arch_staleness_mean"] == 2.0
     assert (tmp_path / "staleness_compare.png").stat().st_size > 1000
     assert (tmp_path / "reward_compare.png").stat().st_size > 1000
-    window = results["mini_batch"]["reward_first5"]
-    assert window["mean"] == 0.5 and window["train_batches"] == 1
-    assert window["ci95"] == pytest.approx(1.96 * float(pl.Series([0.0, 1.0, 0.5, 0.5]).std()) / 2, abs=1e-4)
-    assert results["mini_batch"]["reward_ci95_per_train_batch"] == [round(window["ci95"], 4)]
+    window = results["mini_batch"].reward_first5
+    assert window is not None and window.mean == 0.5 and window.train_batches == 1
+    assert window.ci95 == pytest.approx(1.96 * float(pl.Series([0.0, 1.0, 0.5, 0.5]).std()) / 2, abs=1e-4)
+    assert results["mini_batch"].reward_ci95_per_train_batch == [round(window.ci95, 4)]
 
     from launcher.report import plot_policy
 

@@ -12,14 +12,14 @@ then holds no data, but its code paths and its gRPC server threads have run once
 polars, gRPC loaded; compute kernels and IPC code paged in), so the growth measured is what holding and
 moving data costs.
 
-What keeps it there (``flight_store.memory``): every stored batch is copied out of the received gRPC message into
-one block of its own pages (unmapped on release, so nothing fragments); the budget counts what a group really
-holds (whole pages plus object/index overhead) and what writes in flight hold; the Arrow pool and glibc malloc
-hand freed memory back; and a node process (``python -m flight_store``) also refuses writes while its process's
-RSS is more than the budget above its start (``StoreConfig.rss_guard``), which bounds what no count sees (gRPC
-buffers, thread stacks, allocator caches). Measured growth: 0.73-0.88x the budget on a quiet 2-core machine, up
-to 0.89x with both cores busy with other work (without the guard: 1.07-1.17x quiet, up to 1.26x loaded; before
-the block copies: 2.1-2.6x).
+What keeps it there (``flight_store.blocks``, ``flight_store.memory``): every stored batch is copied out of the
+received gRPC message into one block of its own pages (unmapped on release, so nothing fragments); the budget
+counts what a group really holds (whole pages plus object/index overhead) and what writes in flight hold; the Arrow
+pool and glibc malloc hand freed memory back; and a node process (``python -m flight_store``) also refuses writes
+while its process's RSS is more than the budget above its start (``StoreConfig.rss_guard``), which bounds what no
+count sees (gRPC buffers, thread stacks, allocator caches). Measured growth: 0.73-0.88x the budget on a quiet
+2-core machine, up to 0.89x with both cores busy with other work (without the guard: 1.07-1.17x quiet, up to 1.26x
+loaded; keeping the received buffers rather than block copies: 2.1-2.6x).
 """
 
 from __future__ import annotations

@@ -17,6 +17,7 @@ from flight_store.client import StoreAdmin
 from flight_store.config import ClusterMember, ServerConfig
 from flight_store.errors import NodeUnavailableError, WireDecodeError
 from flight_store.net import free_port
+from flight_store.publishing import StorePublisher
 from flight_store.reading import StoreReader
 from flight_store.writing import StoreWriter
 from schemas.plan import PlannedSlice
@@ -147,7 +148,8 @@ def test_a_node_marked_down_moves_its_groups_to_the_nodes_alive_and_back(store_n
     locs = [s.location for s in servers]
     lost = locs[1]
     with StoreWriter(locs, timeout=5, retries=20, backoff=0.05) as writer, StoreReader.sharing(writer) as reader, \
-            StoreAdmin(locs) as admin:
+            StoreAdmin(locs) as admin, \
+            StorePublisher.sharing(writer) as publisher:
         theirs = [g for g in (f"g{i}" for i in range(60)) if writer.node_for(g) == lost][:6]
         assert writer.put_group(group(theirs[0])) == lost and writer.cluster_view().version == 1
         servers[1].shutdown()  # lost: nobody has said so yet, so a routed write retries it ...
@@ -169,7 +171,7 @@ def test_a_node_marked_down_moves_its_groups_to_the_nodes_alive_and_back(store_n
                                                 dispatch_version=0)]) == []
         # readers leave the lost node out: strict calls answer at once without it
         assert set(reader.scan_new(columns=["group_id"])["group_id"]) == set(theirs[1:4])
-        reader.publish_version(1)
+        publisher.publish_version(1)
         assert reader.get_version() == 1 and set(reader.stats()) == {locs[0], locs[2]}
         assert reader.inflight().groups["group_id"].to_list() == [theirs[4]]
         # a view not newer changes nothing; an unknown id is refused, named

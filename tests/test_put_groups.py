@@ -30,7 +30,7 @@ def test_groups_land_on_their_nodes_and_read_back(store_nodes, make_group, sprea
         result = client.put_groups(batches)
         assert result.refused == {} and result.stored == {g: client.node_for(g) for g in ids}
         for s in servers:
-            held = {g for g in ids if s.store.has_group(g)}
+            held = {g for g in ids if g in s.store.group_ids()}
             assert held == {g for g in ids if client.node_for(g) == s.location}
         for g, b in zip(ids, batches, strict=True):
             got = _group(client, g, 3, list(PACK_COLUMNS))
@@ -49,7 +49,7 @@ def test_a_bad_group_is_refused_alone_and_named(store_nodes, make_group) -> None
         assert set(result.stored) == {"a", "b", "old2"}  # an identical rewrite counts as stored
         assert isinstance(result.refused["gap"], SchemaMismatchError) and "sample_idx" in str(result.refused["gap"])
         assert isinstance(result.refused["old"], ConflictError) and not result.refused["old"].retryable
-        assert not server.store.has_group("gap")
+        assert "gap" not in server.store.group_ids()
         assert _group(client, "old", 2).column("response_len").to_pylist() == [8, 8]  # the first write stays
 
 
@@ -193,7 +193,7 @@ def test_the_write_parts_bench_replaces_one_part_of_each_nodes_write_and_reports
     import numpy as np
 
     from bench import write_parts
-    from bench.flight_throughput import make_group
+    from bench.store_groups import make_group
 
     rng = np.random.default_rng(0)
     good, other = make_group("good", 2, 16, rng), make_group("other", 2, 16, rng)

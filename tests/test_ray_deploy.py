@@ -54,7 +54,7 @@ from launcher import resume
 from launcher.model import trainer_model
 from launcher.ray_deploy import RayNodeLostError, run_on_ray
 from launcher.run import RunConfig
-from schemas import documents
+from schemas import run_folder
 
 a = json.loads(sys.argv[1])
 out = Path(a["out"])
@@ -62,7 +62,7 @@ cfg = RunConfig(admission=AdmissionConfig(train_batch_groups=a["B"], group_size=
                                           dp_ranks=a["D"], token_budget=4096),
                 train_batches=a["batches"], max_tokens=32, idle_timeout_s=90, timeout_s=150, out=out, metrics=False)
 if a["resume"]:  # as knit run --resume RUN_DIR --ray: the config the run was started with
-    cfg = documents.read(RunConfig, out / "run_config.json")
+    cfg = run_folder.read_run_config(RunConfig, out / "run_config.json")
 if a["hold"]:  # the test's moment: every rank returned, the final metadata not collected yet
     import time
     from launcher import ray_deploy
@@ -81,7 +81,7 @@ try:
 except RayNodeLostError as exc:
     print("LOST " + json.dumps({"message": str(exc), "node_ip": exc.node_ip, "components": exc.components}), flush=True)
     sys.exit(3)
-print("RESULT " + json.dumps(result, default=str), flush=True)
+print("RESULT " + result.model_dump_json(), flush=True)
 """
 
 

@@ -23,12 +23,14 @@ import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import polars as pl
 import pytest
 
 from launcher import ledger, resume
-from schemas.ledger import append_event
+from schemas.ledger import ROLLOUT_EVENT, TRAINED_EVENT
+from schemas.run_folder import append_line, read_lines
 
 ROOT = Path(__file__).resolve().parents[1]
 B, G, K, BATCHES = 4, 4, 2, 3
@@ -37,10 +39,20 @@ B, G, K, BATCHES = 4, 4, 2, 3
 # ---- the pure rules -------------------------------------------------------------------------------------------
 
 
-def _write(out: Path, name: str, events: list[dict[str, object]]) -> None:
-    (out / ledger.EVENTS).mkdir(parents=True, exist_ok=True)
+METRICS = {"train_batch": 0, "position": 0, "loss": 0.5, "rows": 4, "abs_logp_diff": 0.0, "step_time_s": 0.1}
+"""A step's metrics where the rule under test does not read them."""
+
+
+def _adapter(name: str) -> Any:
+    return ROLLOUT_EVENT if name == ledger.ROLLOUT_EVENTS else TRAINED_EVENT
+
+
+def _write(out: Path, name: str, events: list[dict[str, Any]]) -> None:
+    """Append ``events`` (a step's metrics and time filled in where a test leaves them out) through the codec."""
     for e in events:
-        append_event(out / ledger.EVENTS / name, e)
+        if e["kind"] == "step":
+            e = {"metrics": METRICS | {"step": e["step"]}, "t_end": 100.0 + e["step"]} | e
+        append_line(out / ledger.EVENTS / name, _adapter(name).validate_python(e))
 
 
 def _dispatch(i: int, attempt: int = 0, gid: str | None = None, reason: str | None = None) -> dict[str, object]:
@@ -147,10 +159,8 @@ def _start(*args: str) -> subprocess.Popen[str]:
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
 
 
-def _events(out: Path, name: str) -> list[dict[str, object]]:
-    from schemas.ledger import read_events
-
-    return list(read_events(out / ledger.EVENTS / name))
+def _events(out: Path, name: str) -> list[dict[str, Any]]:
+    return [e.model_dump() for e in read_lines(_adapter(name), out / ledger.EVENTS / name)]
 
 
 def _wait_for(proc: subprocess.Popen[str], what: str, ready: Callable[[], bool], within_s: float = 240) -> None:
@@ -243,7 +253,8 @@ def test_salvage_rebuilds_a_surviving_step_whose_publish_a_kill_cut_short(tmp_pa
     progress = [{"step": 1, "train_batch": 0, "position": 1, "version": 2, "loss": 0.4, "rows": 4,
                  "abs_logp_diff": 0.0, "plan_wait_s": 0.0, "step_time_s": 0.1, "t_end": 101.0, "admitted_groups": 2}]
     (tmp_path / "progress.jsonl").write_text("".join(json.dumps(p) + "\n" for p in progress))
-    (tmp_path / "trainer_rank0.json.steps.jsonl").write_text(json.dumps(metrics | {"step": 1, "version": 2}) + "\n")
+    record = metrics | {"step": 1, "position": 1, "version": 2, "plan_wait_s": 0.0, "t_end": 101.0}
+    (tmp_path / "trainer_rank0.json.steps.jsonl").write_text(json.dumps(record) + "\n")
     (tmp_path / "trainer_rank0.json.consumed.jsonl").write_text(json.dumps(["row", 1, "g1", 0]) + "\n")
     pl.DataFrame({"step": [0, 0, 1, 2], "group_id": ["g0", "g0", "g1", "g2"], "sample_idx": [0, 1, 0, 0],
                   "dp_rank": [0, 1, 0, 0], "arch_staleness": [0, 0, 1, 0], "reward": [1.0, 0.0, 1.0, 1.0]}

@@ -110,6 +110,11 @@ def test_knit_run_quick_loop(model_dir: Path, tmp_path: Path) -> None:
 
     meta = pl.read_parquet(out / "metadata.parquet")
     assert meta.height == rows and meta["node"].n_unique() == 2  # both store nodes held groups
+    # local placement (the default): the rollout shares the host with both nodes, so each id names its home node,
+    # and each home's groups sit on one node
+    homes = meta.select(pl.col("group_id").str.extract(r"^(node\d)/", 1).alias("home"), "node")
+    assert homes["home"].null_count() == 0
+    assert homes.unique().height == 2 and homes["home"].n_unique() == 2
 
 
 def _start_training(out: Path, model_dir: Path, batches: int, *extra: str, within_s: float) -> subprocess.Popen[str]:

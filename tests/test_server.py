@@ -20,6 +20,7 @@ from flight_store.errors import (
     UnknownImageError,
     WireDecodeError,
 )
+from flight_store.publishing import StorePublisher
 from flight_store.reading import StoreReader
 from flight_store.writing import StoreWriter
 from schemas.plan import PlannedSlice
@@ -191,12 +192,13 @@ def test_actions_list_and_answers(store_nodes, make_group) -> None:
     raw = flight.connect(server.location)
     described = {a.type: a.description for a in raw.list_actions()}
     assert described == ACTION_DESCRIPTIONS
-    with StoreReader(server.location) as client, StoreWriter.sharing(client) as writer:
+    with StoreReader(server.location) as client, StoreWriter.sharing(client) as writer, \
+            StorePublisher.sharing(client) as publisher:
         writer.put_group(make_group("g", size=3))
         stats = client.stats()[server.location]
         assert stats.rows == 3 and stats.groups == GroupCounts(stored=1, released=0, inflight=0)
         assert stats.memory_budget == 1 << 30 and stats.memory_used > 0
-        client.publish_version(4)
+        publisher.publish_version(4)
         assert json.loads(next(iter(raw.do_action(flight.Action("get_version", b"")))).body.to_pybytes()) == {
             "version": 4
         }

@@ -33,6 +33,7 @@ import numpy as np
 import pytest
 
 from flight_store.net import free_port
+from flight_store.publishing import StorePublisher
 
 ROOT = Path(__file__).resolve().parents[1]
 CACHE = ROOT / "runs" / ".models"
@@ -263,16 +264,17 @@ def _megatron(location: str, model_dir: str, out: str) -> None:
         for p in gpt.parameters():
             p.add_(0.05 * p.abs().mean() * torch.randn(p.shape, generator=gen))
     result["logprobs"] = trainer_logprobs()
-    with StoreReader(location) as client, StoreWriter.sharing(client) as writer:
+    with StoreReader(location) as client, StoreWriter.sharing(client) as writer, \
+            StorePublisher.sharing(client) as publisher:
         t0 = time.perf_counter()
         publish_weights(types.SimpleNamespace(gpt=gpt), client, 1, env)
-        client.publish_version(1)
+        publisher.publish_version(1)
         result["publish_s"] = time.perf_counter() - t0
         table = writer.get_weights(1)
         result["tensors"], result["bytes"] = table.num_rows, table.nbytes
         # the same weights again as version 2, bfloat16 on the wire (TrainConfig.publish_dtype)
         publish_weights(types.SimpleNamespace(gpt=gpt), client, 2, env, dtype="bfloat16")
-        client.publish_version(2)
+        publisher.publish_version(2)
         table = writer.get_weights(2)
         result["bytes_bf16"], result["dtypes_bf16"] = table.nbytes, sorted(set(table.column("dtype").to_pylist()))
     Path(out).write_text(json.dumps(result))

@@ -17,6 +17,7 @@ from pathlib import Path
 import pyarrow as pa
 
 from flight_store.config import ServerConfig, StoreConfig
+from flight_store.publishing import StorePublisher
 from flight_store.reading import StoreReader
 from flight_store.writing import StoreWriter
 from schemas.records import TrajectoryRecord, records_to_batch
@@ -40,7 +41,8 @@ def test_a_node_writing_and_releasing_for_long_stays_flat(node_process, tmp_path
     rss: dict[int, int] = {}
     t0 = time.monotonic()
     # no retry: a refused write fails the test
-    with StoreReader(location, retries=0) as client, StoreWriter.sharing(client) as writer:
+    with StoreReader(location, retries=0) as client, StoreWriter.sharing(client) as writer, \
+            StorePublisher.sharing(client) as publisher:
         pending: list[str] = []
         for i in range(GROUPS):
             gid = f"g{i}"
@@ -50,8 +52,8 @@ def test_a_node_writing_and_releasing_for_long_stays_flat(node_process, tmp_path
                 client.release(pending)
                 pending = []
             if i % 500 == 0:
-                client.put_weights(weights, i)
-                client.publish_version(i)
+                publisher.put_weights(weights, i)
+                publisher.publish_version(i)
             if i % 1000 == 0 or i == GROUPS - 1:
                 rss[i] = int(client.stats()[location].memory_rss)
         stats = client.stats()[location]

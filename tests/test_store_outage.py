@@ -26,11 +26,13 @@ from connectors.rollout import RolloutWorker
 from flight_store.config import ClusterMember, ServerConfig, StoreConfig
 from flight_store.errors import NodeUnavailableError
 from flight_store.net import free_port
+from flight_store.publishing import StorePublisher
 from flight_store.reading import StoreReader
 from flight_store.writing import StoreWriter
 from launcher.children import Children
 from launcher.report import policy_summary, table_rows
 from launcher.stores import Stores
+from schemas.run_summary import StoreOutage
 
 
 def _configs(out: Path, n: int) -> list[ServerConfig]:
@@ -69,7 +71,8 @@ def test_a_killed_node_comes_back_on_its_port_with_every_acknowledged_group(  # 
             held = before.filter(before["node"] == node0)["group_id"].unique().to_list()
             assert held, "routing gave node0 no group"
             client.release([held[0]])
-            client.publish_version(3)
+            with StorePublisher.sharing(client) as publisher:
+                publisher.publish_version(3)
 
             killed = _kill(tmp_path, "store0")
             _wait_down(stores, 0)
@@ -79,7 +82,7 @@ def test_a_killed_node_comes_back_on_its_port_with_every_acknowledged_group(  # 
             assert outage.store == "store0" and outage.node == "node0" and outage.location == node0
             assert outage.exit_code == -signal.SIGKILL and outage.restarts == 1
             assert outage.back_at is not None and outage.back_at > outage.died_at
-            assert outage.to_dict()["down_s"] == pytest.approx(outage.back_at - outage.died_at, abs=1e-3)
+            assert outage.record().down_s == pytest.approx(outage.back_at - outage.died_at, abs=1e-3)
             index = json.loads((tmp_path / "logs" / "children.json").read_text())
             assert [c["name"] for c in index] == ["store0", "store1"]
             assert index[0]["pid"] == stores.children[0].pid != killed and index[0]["restarts"] == 1
@@ -100,7 +103,7 @@ def test_a_killed_node_comes_back_on_its_port_with_every_acknowledged_group(  # 
             assert not stores.children[0].alive() and stores.check() == ["node0"]  # never started again
             stores.wait_up()  # the nodes not lost answer
             gone = stores.outages[-1]
-            assert gone.lost_at is not None and gone.back_at is None and gone.to_dict()["lost_at"]
+            assert gone.lost_at is not None and gone.back_at is None and gone.record().lost_at
             assert gone.restarts == 0  # max_store_restarts spent: not started again
             assert stores.views is not None and stores.views.down == {"node0"}
             with StoreReader(stores.locations, retries=20, backoff=0.05, timeout=5) as fresh, \
@@ -137,7 +140,8 @@ def test_the_rollout_writes_through_a_store_restart(tmp_path: Path) -> None:
                             group_id_prefix="t-")
         result: dict[str, Any] = {}
         with StoreReader(locs, retries=20, backoff=0.05, timeout=5) as client, StoreWriter.sharing(client) as writer:
-            client.publish_version(2)
+            with StorePublisher.sharing(client) as publisher:
+                publisher.publish_version(2)
             worker = KillsAStore(cfg, client=writer, engine=FakeEngine(max_steps=3))
 
             def run() -> None:
@@ -186,10 +190,10 @@ def test_lookahead_keeps_its_last_counts_while_a_store_is_unreachable() -> None:
 
 
 def test_the_report_shows_each_outage(tmp_path: Path) -> None:
-    outage = {"store": "store1", "node": "node1", "location": "grpc://127.0.0.1:1", "exit_code": -9,
-              "died_at": 100.0, "back_at": 106.5, "down_s": 6.5, "restarts": 1}
+    outage = StoreOutage(store="store1", node="node1", location="grpc://127.0.0.1:1", exit_code=-9, died_at=100.0,
+                         back_at=106.5, down_s=6.5, restarts=1, cause="exited")
     result = policy_summary(tmp_path, config={"policy": "mini_batch"}, wall_s=1.0, outages=[outage])
-    assert result["store_outages"] == [outage] and result["store_restarts"] == 1
+    assert result.store_outages == [outage] and result.store_restarts == 1
     assert ("store restarts (down s)", "1 (node1: 6.5)") in table_rows(result)
     quiet = policy_summary(tmp_path, config={"policy": "mini_batch"}, wall_s=1.0)
-    assert quiet["store_outages"] == [] and ("store restarts (down s)", "0") in table_rows(quiet)
+    assert quiet.store_outages == [] and ("store restarts (down s)", "0") in table_rows(quiet)

@@ -20,7 +20,9 @@ import pyarrow.parquet as pq
 from polars.testing import assert_frame_equal
 
 from admission import CONSUMED_SCHEMA, AdmissionConfig, Planner
-from train.loop import ConsumedEntry, ProgressLine, RankReport, StepRecord, write_progress
+from schemas.run_folder import append_line, read_document, read_lines
+from schemas.run_records import CONSUMED_ENTRY, ProgressLine, RankReportDocument
+from train.loop import RankReport, StepRecord, progress_line
 from train.planning import ConsumedLog, PlanSource, StepFigures
 
 
@@ -65,7 +67,7 @@ def test_rank0_planning_stays_bounded_and_plans_as_a_planner_that_keeps_everythi
     assert source.dropped == {"aborted": aborted} and aborted > 30
     assert max_state == 0  # settled ids leave the state in the poll that settles them
     assert max_pending <= (lookahead + 1) * cfg.group_size  # the frame holds the pending groups only
-    assert len(reference.state.admitted) == groups  # what the state used to hold: one id per group
+    assert len(reference.state.admitted) == groups  # a planner never pruned holds one id per group
     assert_frame_equal(pl.read_parquet(path), reference.consumed_frame())
     assert pq.ParquetFile(path).metadata.num_row_groups <= groups * cfg.group_size // 50  # not one per step
     assert sorted(p.name for p in tmp_path.iterdir()) == ["consumed.parquet"]
@@ -111,39 +113,43 @@ def test_consumed_log_without_rows_writes_an_empty_file_and_without_path_none(tm
 
 def test_rank_report_is_written_as_the_run_goes_into_the_same_document(tmp_path: Path) -> None:
     env = {"rank": 1, "world": 2, "dp_rank": 1, "dp_size": 2, "tp_rank": 0, "tp_size": 1}
-    steps = [{"step": 0, "loss": 0.5, "fetch_s": [0.1, 0.2]}, {"step": 1, "loss": 0.25, "fetch_s": []}]
-    entries: list[list[ConsumedEntry]] = [[["slice", 0, "grpc://n0", "a", 0, 2], ["row", 0, "a", 0],
-                                           ["row", 0, "a", 1]], []]
-    records = [StepRecord(metrics=m, version=i + 1, plan_wait_s=0.5, t_end=10.0 + i, consumed=tuple(c),
-                          publish_s=0.01) for i, (m, c) in enumerate(zip(steps, entries, strict=True))]
+    base = {"train_batch": 0, "position": 0, "rows": 2, "abs_logp_diff": 0.0, "step_time_s": 0.3}
+    steps = [base | {"step": 0, "loss": 0.5, "fetch_s": [0.1, 0.2]}, base | {"step": 1, "loss": 0.25, "fetch_s": []}]
+    entries = [[["slice", 0, "grpc://n0", "a", 0, 2], ["row", 0, "a", 0], ["row", 0, "a", 1]], []]
+    records = [StepRecord(metrics=m, version=i + 1, plan_wait_s=0.5, t_end=10.0 + i,
+                          consumed=tuple(CONSUMED_ENTRY.validate_python(e) for e in c), publish_s=0.01)
+               for i, (m, c) in enumerate(zip(steps, entries, strict=True))]
     with RankReport(str(tmp_path / "out" / "trainer_rank{rank}.json"), env) as report:
         report.add(records[0])
         side = tmp_path / "out" / "trainer_rank1.json.consumed.jsonl"
         assert [json.loads(line) for line in side.read_text().splitlines()] == entries[0]  # on disk already
         report.add(records[1])
-    steps = [m | {"version": i + 1, "plan_wait_s": 0.5, "t_end": 10.0 + i, "publish_s": 0.01}
-             for i, m in enumerate(steps)]
     doc = json.loads((tmp_path / "out" / "trainer_rank1.json").read_text())
-    assert doc == {"env": env, "steps": steps, "consumed": entries[0]}
+    assert doc["env"] == env and doc["consumed"] == entries[0]
+    for i, (m, line) in enumerate(zip(steps, doc["steps"], strict=True)):  # the metrics, then the loop's fields
+        loop = {"version": i + 1, "plan_wait_s": 0.5, "t_end": 10.0 + i, "publish_s": 0.01}
+        assert line.items() >= (m | loop).items()
+    back = read_document(RankReportDocument, tmp_path / "out" / "trainer_rank1.json")
+    assert [s.fetch_s for s in back.steps] == [[0.1, 0.2], []] and [r.sample_idx for r in back.rows()] == [0, 1]
     assert sorted(p.name for p in (tmp_path / "out").iterdir()) == ["trainer_rank1.json"]  # side files removed
     report.close()  # twice is fine
 
 
 def test_progress_lines_keep_their_json_form_and_read_back(tmp_path: Path) -> None:
     """Rank 0's progress line: the step's fields in a fixed order, the groups admitted so far, then the step's
-    figures (none when no trajectory was logged for it); ``ProgressLine.from_json`` reads a line back."""
+    figures (null when no trajectory was logged for it); the codec reads a line back as the same record."""
     metrics = {"step": 3, "train_batch": 1, "position": 1, "loss": 0.5, "rows": 16, "abs_logp_diff": 0.01,
                "step_time_s": 0.2, "grad_norm": 1.0}
     step = StepRecord(metrics=metrics, version=4, plan_wait_s=0.1, t_end=100.0,
                       figures=StepFigures(arch_staleness_mean=1.5, arch_staleness_max=3, reward_mean=0.25))
     path = tmp_path / "progress.jsonl"
-    write_progress(str(path), ProgressLine.of(step, admitted_groups=8))
-    write_progress(str(path), ProgressLine.of(dataclasses.replace(step, figures=None), admitted_groups=9))
+    append_line(path, progress_line(step, admitted_groups=8))
+    append_line(path, progress_line(dataclasses.replace(step, figures=None), admitted_groups=9))
     first, second = (json.loads(line) for line in path.read_text().splitlines())
     assert list(first.items()) == [
         ("step", 3), ("train_batch", 1), ("position", 1), ("version", 4), ("loss", 0.5), ("rows", 16),
         ("abs_logp_diff", 0.01), ("plan_wait_s", 0.1), ("step_time_s", 0.2), ("t_end", 100.0),
         ("admitted_groups", 8), ("arch_staleness_mean", 1.5), ("arch_staleness_max", 3), ("reward_mean", 0.25)]
-    assert "arch_staleness_mean" not in second and second["admitted_groups"] == 9
-    assert ProgressLine.from_json(first) == ProgressLine.of(step, admitted_groups=8)
-    assert ProgressLine.from_json(second).figures is None
+    assert second["arch_staleness_mean"] is None and second["admitted_groups"] == 9
+    a, b = read_lines(ProgressLine, path)
+    assert a == progress_line(step, admitted_groups=8) and b.reward_mean is None

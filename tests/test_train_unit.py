@@ -203,6 +203,7 @@ def test_publisher_stores_weights_then_version_then_records_then_releases_off_th
     on the publish thread the weights land on every node, then the version, then the step is recorded, then its
     groups are released (what a store released was recorded as trained); one version at a time; an error
     reaches the next call and publishes nothing."""
+    from flight_store.publishing import StorePublisher
     from flight_store.reading import StoreReader
     from flight_store.writing import StoreWriter
     from train.loop import Publisher, StepRecord
@@ -212,20 +213,20 @@ def test_publisher_stores_weights_then_version_then_records_then_releases_off_th
     gate = threading.Event()
     calls: list[tuple[str, Any, str]] = []
 
-    class Recording:  # the real client, each call noted with the thread it ran on
-        def __init__(self, client: StoreReader) -> None:
-            self.client = client
+    class Recording:  # the real clients, each call noted with the thread it ran on
+        def __init__(self, client: StoreReader, publisher: StorePublisher) -> None:
+            self.client, self.publisher = client, publisher
 
         def put_weights(self, t: pa.Table, version: int) -> None:
             assert gate.wait(30)
             if version == 4:
                 raise RuntimeError("node gone while storing v4")
             calls.append(("weights", version, threading.current_thread().name))
-            self.client.put_weights(t, version)
+            self.publisher.put_weights(t, version)
 
         def publish_version(self, version: int) -> None:
             calls.append(("version", version, threading.current_thread().name))
-            self.client.publish_version(version)
+            self.publisher.publish_version(version)
 
         def release(self, group_ids: list[str]) -> None:
             calls.append(("release", group_ids, threading.current_thread().name))
@@ -238,14 +239,18 @@ def test_publisher_stores_weights_then_version_then_records_then_releases_off_th
         calls.append(("record", step.metrics["step"], threading.current_thread().name))
 
     def taken(step: int, version: int) -> StepRecord:
-        return StepRecord(metrics={"step": step}, version=version, plan_wait_s=0.0, t_end=0.0)
+        metrics = {"step": step, "train_batch": 0, "position": step, "loss": 0.0, "rows": 1, "abs_logp_diff": 0.0,
+                   "step_time_s": 0.1}
+        return StepRecord(metrics=metrics, version=version, plan_wait_s=0.0, t_end=0.0)
 
-    with StoreReader([s.location for s in servers]) as client, StoreWriter.sharing(client) as writer:
+    with StoreReader([s.location for s in servers]) as client, StoreWriter.sharing(client) as writer, \
+            StorePublisher.sharing(client) as weights:
         def released() -> int:
             return sum(node.groups.released for node in client.stats().values())
 
         writer.put_group(make_group("g1"))
-        publisher = Publisher(Recording(client), record)
+        recording = Recording(client, weights)
+        publisher = Publisher(recording, recording, record)
         publisher.submit(table, ["g1"], taken(0, 1), time.perf_counter())  # returns at once: nothing published yet
         assert client.get_version() < 1 and calls == [] and released() == 0
         gate.set()
@@ -254,7 +259,8 @@ def test_publisher_stores_weights_then_version_then_records_then_releases_off_th
                                                             ("release", ["g1"])]
         assert all(thread.startswith("knit-publish") for _, _, thread in calls)
         assert recorded[0].publish_done_s >= recorded[0].publish_s >= 0  # type: ignore[operator]
-        assert list(recorded[0].to_json())[-2:] == ["publish_s", "publish_done_s"]
+        line = recorded[0].to_line()  # the rank report's line carries both times
+        assert (line.publish_s, line.publish_done_s) == (recorded[0].publish_s, recorded[0].publish_done_s)
         assert client.get_version() == 1 and released() == 1
         assert all(writer.get_weights(node=s.location).num_rows == 1 for s in servers)
 

@@ -89,7 +89,7 @@ def _megatron(location: str, vocab: str, out: str) -> None:
 
     import torch
 
-    from flight_store.reading import StoreReader
+    from flight_store.publishing import StorePublisher
     from flight_store.writing import StoreWriter
     from launcher.model import trainer_model
     from train import mcore_compat, model
@@ -113,7 +113,7 @@ def _megatron(location: str, vocab: str, out: str) -> None:
         ce = gpt(tokens, positions, None, labels=labels)  # the trainer's loss path: -logprob of each label
     logp = (-ce[0].double()).tolist()
     response_logprobs = [logp[len(PROMPT) - 1 + i] for i in range(len(RESPONSE))]
-    with StoreReader(location) as client, StoreWriter.sharing(client) as writer:
+    with StorePublisher(location) as client, StoreWriter.sharing(client) as writer:
         publish_weights(types.SimpleNamespace(gpt=gpt), client, 1, env)
         client.publish_version(1)
         tensors = writer.get_weights(1).num_rows

@@ -268,8 +268,9 @@ def test_local_placement_a_retry_a_lost_home_node_and_a_raw_client_routing_by_th
         assert _readme_owner(gid, ids) == "node1"
         assert _put_group(raw[1], _group(gid)) == {"group_id": gid, "rows_added": G}
         assert _put_group(raw[1], _group(gid)) == {"group_id": gid, "rows_added": 0}  # the retry of an unknown outcome
-        info = _info(_refusal(lambda: _put_group(raw[0], _group(gid))))
-        assert info["class"] == "WrongNodeError" and info["owner"] == "node1"
+        err = _refusal(lambda: _put_group(raw[0], _group(gid)))
+        info = _info(err)
+        assert info["class"] == "WrongNodeError" and info["owner"] == "node1" and "its id names that node" in str(err)
         for r in raw:  # the watcher marks node1 down
             assert _action(r, "set_cluster", {"v": 2, "version": 2, "down": ["node1"]})["down"] == ["node1"]
         later = "node1/r7-p4"
@@ -278,8 +279,10 @@ def test_local_placement_a_retry_a_lost_home_node_and_a_raw_client_routing_by_th
         assert fallback in alive
         with StoreWriter([m.location for m in members]) as client:
             assert client.node_for(later) == members[ids.index(fallback)].location
-        refused = _info(_refusal(lambda: _put_group(raw[1], _group(later))))  # the home itself routes by the view
+        err = _refusal(lambda: _put_group(raw[1], _group(later)))  # the home itself routes by the view
+        refused = _info(err)
         assert refused["class"] == "WrongNodeError" and refused["owner"] == fallback
+        assert "rendezvous hashing" in str(err)
         assert _put_group(raw[ids.index(fallback)], _group(later)) == {"group_id": later, "rows_added": G}
         assert _stored(raw[1]) == [gid] and _stored(raw[ids.index(fallback)]) == [later]
     finally:
@@ -459,7 +462,7 @@ def test_images_go_to_the_groups_node_and_a_consumer_reads_admitted_micro_batche
             keyed = _group(gid, image_keys=pa.array([keys] * G, pa.list_(pa.binary(32))))
             writer.put_group(keyed)
             node = next(s for s in servers if s.location == client.node_for(gid))
-            assert node.store.has_image(keys[0]) and node.store.has_group(gid)
+            assert node.store.images(keys[:1], missing_ok=True).num_rows == 1 and gid in node.store.group_ids()
         (plan,) = planner.update(client.scan_new(), inflight=0)
         read = list(client.read(plan, columns=["group_id", "sample_idx", "image_keys"]))
         assert sorted(t["group_id"][0].as_py() for _, t in read) == ["mm0", "mm1"]

@@ -24,12 +24,14 @@ import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import polars as pl
 import pytest
 
 from launcher import ledger
-from schemas.ledger import read_events
+from schemas.ledger import ROLLOUT_EVENT, TRAINED_EVENT
+from schemas.run_folder import read_lines
 
 pytestmark = [pytest.mark.megatron, pytest.mark.vllm]
 
@@ -56,8 +58,9 @@ def _start(out: Path, model_dir: Path, *extra: str) -> subprocess.Popen[str]:
                             text=True)
 
 
-def _events(out: Path, name: str) -> list[dict[str, object]]:
-    return list(read_events(out / ledger.EVENTS / name))
+def _events(out: Path, name: str) -> list[dict[str, Any]]:
+    adapter: Any = ROLLOUT_EVENT if name == ledger.ROLLOUT_EVENTS else TRAINED_EVENT
+    return [e.model_dump() for e in read_lines(adapter, out / ledger.EVENTS / name)]
 
 
 def _kill_when(proc: subprocess.Popen[str], out: Path, child: str, ready: Callable[[], bool]) -> float:

@@ -247,8 +247,9 @@ def resume_planner_state(cfg: TrainConfig) -> PlannerState | None:
         return None
     from admission.state import PlannerState
     from schemas.ledger import TrainerResume
+    from schemas.run_folder import read_document
 
-    doc = TrainerResume.model_validate_json(Path(cfg.resume_path).read_text())
+    doc = read_document(TrainerResume, cfg.resume_path)
     if doc.step != cfg.initial_version:
         msg = f"resume document {cfg.resume_path} is for step {doc.step}, the trainer starts at {cfg.initial_version}"
         raise CheckpointError(msg)

@@ -5,7 +5,7 @@ shapes follow the Llama architecture (RMSNorm, SwiGLU, RoPE, GQA, output layer u
 embedding, no linear biases) so the trained weights map one to one onto a Hugging Face
 ``LlamaForCausalLM`` and a vLLM engine (see ``train.hf_llama``). ``MODEL_PRESETS`` names the shapes:
 ``tiny`` for tests and the CPU demo, real models for GPU machines. ``ModelConfig(hf_checkpoint=DIR)``
-takes the shape from the ``config.json`` of the HF checkpoint folder the rollout serves (and its
+takes the shape from the ``config.json`` of the HF checkpoint folder the rollout serves (``train.hf_config``; and its
 weights, ``train.hf_llama.load_hf_checkpoint``), so trainer and engine cannot disagree on it. What may
 be admitted, and the GRPO settings (advantages and the clip range of the loss), are the planner's
 ``admission.AdmissionConfig``, held as ``TrainConfig.admission``.
@@ -16,13 +16,13 @@ Importing this module needs no torch.
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass, field, replace
-from pathlib import Path
 from typing import Any, Literal
 
 from admission.config import AdmissionConfig
 from flight_store.config import ClientConfig
+from train.hf_config import SHAPE_FIELDS, hf_shape, read_hf_config
+from train.tracking import TrackingConfig
 
 PackMode = Literal["padded", "thd"]
 
@@ -113,51 +113,7 @@ class ModelConfig:
         return replace(MODEL_PRESETS[name])
 
 
-SHAPE_FIELDS: tuple[str, ...] = ("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads",
-                                 "num_query_groups", "vocab_size", "max_sequence_length", "rotary_base", "norm_epsilon",
-                                 "tie_embeddings")
-"""The ModelConfig fields an HF checkpoint's ``config.json`` defines."""
 _DEFAULT_SHAPE: dict[str, Any] = {name: getattr(ModelConfig(), name) for name in SHAPE_FIELDS}
-
-
-def read_hf_config(folder: str) -> dict[str, Any]:
-    """The ``config.json`` of an HF checkpoint folder; FileNotFoundError naming the folder when there is none."""
-    path = Path(folder) / "config.json"
-    if not path.is_file():
-        msg = f"hf_checkpoint={folder!r} has no config.json (give the HF checkpoint folder the rollout serves)"
-        raise FileNotFoundError(msg)
-    return dict(json.loads(path.read_text()))
-
-
-def hf_shape(hf: dict[str, Any], *, source: str = "config.json") -> dict[str, Any]:
-    """The :data:`SHAPE_FIELDS` of an HF Llama ``config.json``; ValueError naming what the trainer cannot build."""
-    if hf.get("architectures") != ["LlamaForCausalLM"] or hf.get("model_type", "llama") != "llama":
-        msg = (f"{source}: architectures={hf.get('architectures')!r}, model_type={hf.get('model_type')!r}; "
-               "the trainer builds LlamaForCausalLM checkpoints only")
-        raise ValueError(msg)
-    rope = hf.get("rope_parameters") or {}
-    theta = float(rope.get("rope_theta", hf.get("rope_theta", 10000.0)))
-    rope_type = rope.get("rope_type", (hf.get("rope_scaling") or {}).get("rope_type", "default"))
-    unsupported = {"rope_type": rope_type if rope_type != "default" else None,
-                   "rope_theta": theta if theta != int(theta) else None,
-                   "hidden_act": hf.get("hidden_act") if hf.get("hidden_act", "silu") != "silu" else None,
-                   "attention_bias": True if hf.get("attention_bias") else None,
-                   "mlp_bias": True if hf.get("mlp_bias") else None}
-    bad = {k: v for k, v in unsupported.items() if v is not None}
-    heads = int(hf["num_attention_heads"])
-    if hf.get("head_dim") not in (None, int(hf["hidden_size"]) // heads):
-        bad["head_dim"] = hf["head_dim"]
-    if bad:
-        msg = f"{source}: the trainer's Llama GPT does not support {bad}"
-        raise ValueError(msg)
-    return {
-        "num_layers": int(hf["num_hidden_layers"]), "hidden_size": int(hf["hidden_size"]),
-        "ffn_hidden_size": int(hf["intermediate_size"]), "num_attention_heads": heads,
-        "num_query_groups": int(hf.get("num_key_value_heads") or heads), "vocab_size": int(hf["vocab_size"]),
-        "max_sequence_length": int(hf["max_position_embeddings"]), "rotary_base": int(theta),
-        "norm_epsilon": float(hf.get("rms_norm_eps", 1e-6)),
-        "tie_embeddings": bool(hf.get("tie_word_embeddings", False)),
-    }
 
 
 MODEL_PRESETS: dict[str, ModelConfig] = {
@@ -374,6 +330,8 @@ class TrainConfig:
     """Write a checkpoint after every this many optimizer steps (0: only when the run ends)."""
     trained_path: str | None = None
     """Rank 0 appends the groups each step trained and the groups dropped here (``train.trained_log``)."""
+    tracking: TrackingConfig = field(default_factory=TrackingConfig)
+    """Rank 0's experiment tracking: ``--logger`` (console, tensorboard, wandb, mlflow) and where they write."""
     resume_path: str | None = None
     """A resume document (``launcher.resume``): the planner's state at the checkpoint of step
     ``initial_version`` in ``checkpoint_dir``, which is loaded (model and optimizer) before the first step."""

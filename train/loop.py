@@ -13,21 +13,21 @@ Publishing runs beside the next step (:class:`Publisher`): the training thread o
 publishes the version, then releases the step's groups, one version at a time.
 
 Each step taken is one :class:`StepRecord`, built once it is published (logged, and written to
-``report_path`` by :class:`RankReport`): the step's own metrics (see ``train.backbone.step_metrics`` and
-each step; the off-policy ones and the token staleness, ``train.offpolicy``) plus ``version``,
-``plan_wait_s``, ``t_end``, ``publish_s`` (what publishing cost the training
+``report_path`` by :class:`RankReport` as a ``schemas.run_records.StepLine``): the step's own metrics (see
+``train.backbone.step_metrics`` and each step; the off-policy ones and the token staleness, ``train.offpolicy``)
+plus ``version``, ``plan_wait_s``, ``t_end``, ``publish_s`` (what publishing cost the training
 thread: encoding, and waiting for the version before) and ``publish_done_s`` (rank 0: the step's end to its
 version published on every node; rank 0 records a step then, before releasing its groups).
-Rank 0 appends a :class:`ProgressLine` per step (``progress_path``) and the planner's consumed trajectories
-as they are admitted (``consumed_path``, ``train.planning.ConsumedLog``). Every record goes to disk as the
-run goes: the loop keeps nothing per step or per group in memory.
+Rank 0 appends a ``schemas.run_records.ProgressLine`` per step (``progress_path``, :func:`progress_line`) and the
+planner's consumed trajectories as they are admitted (``consumed_path``, ``train.planning.ConsumedLog``), and sends
+each step's figures to the trackers (``TrainConfig.tracking``, ``train.step_tracking``). Every record goes to disk as
+the run goes, through ``schemas.run_folder``: the loop keeps nothing per step or per group in memory.
 """
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
-import json
 import logging
 import os
 import time
@@ -39,23 +39,23 @@ from typing import TYPE_CHECKING, Any, Protocol
 import pyarrow as pa
 
 from schemas.plan import MiniBatchPlan
+from schemas.run_folder import LineWriter, append_line, dumps
+from schemas.run_records import ConsumedEntry, ProgressLine, RankEnv, SliceEntry, StepLine
 from train.config import TrainConfig
 from train.offpolicy import with_token_staleness
 from train.planning import PlannerLike, PlanSource, StepFigures
+from train.step_tracking import StepTracker, start_tracker
 
 if TYPE_CHECKING:
     from train.checkpointing import Checkpointer
     from train.model import Built
 
 if TYPE_CHECKING:
+    from flight_store.client import StoreNodes
+    from flight_store.publishing import StorePublisher
     from flight_store.reading import StoreReader
 
 log = logging.getLogger(__name__)
-
-
-ConsumedEntry = list[str | int]
-"""``["slice", step, node, group_id, start, stop]`` (a planned slice) or ``["row", step, group_id, sample_idx]``
-(a row received), as :class:`RankReport` writes them."""
 
 
 @dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
@@ -87,14 +87,11 @@ class StepRecord:
         """This record with its publishing times."""
         return dataclasses.replace(self, publish_s=publish_s, publish_done_s=publish_done_s)
 
-    def to_json(self) -> dict[str, Any]:
-        """The step's line in the rank report: its metrics, then the loop's fields, then the publishing times."""
-        doc = {**self.metrics, "version": self.version, "plan_wait_s": self.plan_wait_s, "t_end": self.t_end}
-        if self.publish_s is not None:
-            doc["publish_s"] = self.publish_s
-        if self.publish_done_s is not None:
-            doc["publish_done_s"] = self.publish_done_s
-        return doc
+    def to_line(self) -> StepLine:
+        """The step's line in the rank report: its metrics, the loop's fields, the publishing times."""
+        return StepLine.model_validate({**self.metrics, "version": self.version, "plan_wait_s": self.plan_wait_s,
+                                        "t_end": self.t_end, "publish_s": self.publish_s,
+                                        "publish_done_s": self.publish_done_s})
 
 
 class Step(Protocol):
@@ -113,7 +110,7 @@ class Step(Protocol):
     def step(self, plan: MiniBatchPlan, consumed: list[ConsumedEntry]) -> dict[str, Any]:
         """One optimizer step over this rank's share of ``plan``; its metrics.
 
-        May append ``["row", step, group_id, sample_idx]`` to ``consumed`` for every row received.
+        May append a ``schemas.run_records.RowEntry`` to ``consumed`` for every row received.
         """
         ...
 
@@ -154,13 +151,14 @@ def run(cfg: TrainConfig, *, planner: PlannerLike | None = None) -> int:
             source = PlanSource(client, planner, supply_from_stores=cfg.supply_from_stores,
                                 consumed_log=stack.enter_context(ConsumedLog(cfg.consumed_path)))
             source.on_settled = trained.settled if trained is not None else None
+        tracker = stack.enter_context(start_tracker(cfg, source)) if source is not None else None
         durable = checkpointing.Checkpointer(cfg, kind.built, trained)
         if source is not None:
             source.stop_requested = durable.stop_requested
         log.info("rank %d ready: %s", env["rank"], env)
         if cfg.publish_weights:  # the rollout starts from the trainer's weights (version initial_version)
             publish_weights(kind.built, client, cfg.initial_version, env, dtype=cfg.publish_dtype)
-        steps = _train(cfg, env, kind, client, source, report, durable)
+        steps = _train(cfg, env, kind, client, source, report, durable, tracker)
         if cfg.save_dir:
             model.save_checkpoint(kind.built.gpt, cfg.save_dir)
         if cfg.export_hf_dir:
@@ -180,20 +178,25 @@ def _build_step(cfg: TrainConfig, env: dict[str, int], client: StoreReader) -> S
 
 
 def _train(cfg: TrainConfig, env: dict[str, int], kind: Step, client: StoreReader, source: PlanSource | None,
-           report: RankReport | None, durable: Checkpointer) -> int:
+           report: RankReport | None, durable: Checkpointer, tracker: StepTracker | None) -> int:
     """The loop: plan (rank 0, broadcast), submit fetches, step, publish the version, release the groups."""
 
     def record(step: StepRecord) -> None:
         if report is not None:
             report.add(step)
+        if tracker is not None:  # rank 0
+            tracker.log(step.to_line().model_dump(exclude_none=True))
         if source is not None and cfg.progress_path:  # rank 0
-            write_progress(cfg.progress_path, ProgressLine.of(step, source.admitted_groups))
+            append_line(cfg.progress_path, progress_line(step, source.admitted_groups))
 
-    publisher = Publisher(client, record)
-    try:
-        return _steps(cfg, env, kind, source, report is not None, publisher, record, durable)
-    finally:
-        publisher.close()
+    from flight_store.publishing import StorePublisher
+
+    with StorePublisher.sharing(client) as weights:
+        publisher = Publisher(client, weights, record)
+        try:
+            return _steps(cfg, env, kind, source, report is not None, publisher, record, durable)
+        finally:
+            publisher.close()
 
 
 def _steps(cfg: TrainConfig, env: dict[str, int], kind: Step, source: PlanSource | None, reported: bool,
@@ -219,7 +222,7 @@ def _steps(cfg: TrainConfig, env: dict[str, int], kind: Step, source: PlanSource
         plan = queue.popleft()
         consumed: list[ConsumedEntry] = []
         if reported:
-            consumed.extend(["slice", plan.step, s.node, s.group_id, s.start, s.stop]
+            consumed.extend(SliceEntry(step=plan.step, node=s.node, group_id=s.group_id, start=s.start, stop=s.stop)
                             for m in plan.for_rank(env["dp_rank"]).micro_batches for s in m.slices)
         metrics = with_token_staleness(kind.step(plan, consumed), version)  # the step trained `version`
         version += 1
@@ -250,13 +253,16 @@ def _steps(cfg: TrainConfig, env: dict[str, int], kind: Step, source: PlanSource
     return steps
 
 
-def publish_weights(built: Built, client: StoreReader, version: int, env: dict[str, int], *,
+def publish_weights(built: Built, client: StoreNodes, version: int, env: dict[str, int], *,
                     dtype: str = "params") -> None:
     """Gather the weights (all ranks) and DoPut them to every store (rank 0): :func:`encode_weights`, then
-    ``put_weights``."""
+    ``StorePublisher.put_weights`` over ``client``'s connections."""
+    from flight_store.publishing import StorePublisher
+
     table = encode_weights(built, env, dtype=dtype)
     if table is not None:
-        client.put_weights(table, version)
+        with StorePublisher.sharing(client) as publisher:
+            publisher.put_weights(table, version)
 
 
 def encode_weights(built: Built, env: dict[str, int], *, dtype: str = "params") -> pa.Table | None:
@@ -270,20 +276,21 @@ def encode_weights(built: Built, env: dict[str, int], *, dtype: str = "params") 
 
 
 class Publisher:
-    """Rank 0's publishing of each new version, off the training thread and in order: the weights to every store,
-    then the version, then the step is recorded (``record``), then its groups are released, so whatever a
-    store released was recorded as trained, and a rollout that refills the room a release freed finds the new
-    version. One version at a time: submitting the next waits for the one before.
+    """Rank 0's publishing of each new version, off the training thread and in order: the weights to every store
+    and then the version (``publisher``), then the step is recorded (``record``), then its groups are released
+    (``client``), so whatever a store released was recorded as trained, and a rollout that refills the room a
+    release freed finds the new version. One version at a time: submitting the next waits for the one before.
 
     The recorded step carries ``publish_s`` (what publishing cost the training thread) and ``publish_done_s``
     (the step's end to its version published on every node). An error of a publish is raised at the next
     :meth:`submit` or :meth:`drain`.
     """
 
-    def __init__(self, client: StoreReader, record: Callable[[StepRecord], None]) -> None:
+    def __init__(self, client: StoreReader, publisher: StorePublisher, record: Callable[[StepRecord], None]) -> None:
         from concurrent.futures import ThreadPoolExecutor
 
         self._client = client
+        self._publisher = publisher
         self._record = record
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="knit-publish")
         self._pending: Future[None] | None = None
@@ -304,8 +311,8 @@ class Publisher:
     def _publish(self, table: pa.Table | None, group_ids: list[str], step: StepRecord, started: float,
                  publish_s: float) -> None:
         if table is not None:
-            self._client.put_weights(table, step.version)
-        self._client.publish_version(step.version)
+            self._publisher.put_weights(table, step.version)
+        self._publisher.publish_version(step.version)
         self._record(step.published(publish_s, time.perf_counter() - started))
         self._client.release(group_ids)  # frees images no unreleased group references
 
@@ -314,13 +321,13 @@ class Publisher:
 
 
 class RankReport:
-    """One JSON document per rank at ``path`` (``{rank}`` replaced): ``{"env", "steps", "consumed"}``.
+    """One document per rank at ``path`` (``{rank}`` replaced): ``schemas.run_records.RankReportDocument``,
+    ``{"env", "steps", "consumed"}``.
 
-    ``steps`` holds the per-step metrics; ``consumed`` holds ``["slice", step, node, group_id, start, stop]``
-    for every planned slice of this rank and ``["row", step, group_id, sample_idx]`` for every row it
-    actually received (text step). Written as the run goes, so a rank holds one step's entries at a time:
-    :meth:`add` appends a step to two side files (``<path>.steps.jsonl``, ``<path>.consumed.jsonl``);
-    :meth:`close` joins them into the document line by line and removes them.
+    ``steps`` holds the per-step records; ``consumed`` holds a ``SliceEntry`` for every planned slice of this rank
+    and a ``RowEntry`` for every row it actually received (text step). Written as the run goes, so a rank holds one
+    step's entries at a time: :meth:`add` appends a step to two side files (``<path>.steps.jsonl``,
+    ``<path>.consumed.jsonl``); :meth:`close` joins them into the document line by line and removes them.
 
     Example::
 
@@ -330,16 +337,15 @@ class RankReport:
 
     def __init__(self, path: str, env: dict[str, int]) -> None:
         self.path = path.replace("{rank}", str(env["rank"]))
-        self._env = env
+        self._env = RankEnv.model_validate(env)
         os.makedirs(os.path.dirname(os.path.abspath(self.path)), exist_ok=True)
-        self._parts = {name: open(f"{self.path}.{name}.jsonl", "w") for name in ("steps", "consumed")}  # noqa: SIM115
+        self._parts = {name: LineWriter(f"{self.path}.{name}.jsonl", mode="w") for name in ("steps", "consumed")}
 
     def add(self, step: StepRecord) -> None:
-        """Append one step's metrics and consumed entries."""
-        self._parts["steps"].write(json.dumps(step.to_json()) + "\n")
-        self._parts["consumed"].writelines(json.dumps(c) + "\n" for c in step.consumed)
-        for part in self._parts.values():
-            part.flush()
+        """Append one step's record and consumed entries."""
+        self._parts["steps"].write(step.to_line())
+        for c in step.consumed:
+            self._parts["consumed"].write(c)
 
     def close(self) -> None:
         """Write the document (safe to call twice)."""
@@ -347,15 +353,15 @@ class RankReport:
             return
         tmp = f"{self.path}.tmp"
         with open(tmp, "w") as out:
-            out.write('{"env": ' + json.dumps(self._env))
+            out.write('{"env": ' + dumps(self._env))
             for name, part in self._parts.items():
                 part.close()
                 out.write(f', "{name}": [')
-                with open(part.name) as f:
+                with open(f"{self.path}.{name}.jsonl") as f:
                     for i, line in enumerate(f):
                         out.write(("," if i else "") + line.rstrip("\n"))
                 out.write("]")
-                os.remove(part.name)
+                os.remove(f"{self.path}.{name}.jsonl")
             out.write("}")
         os.replace(tmp, self.path)
         self._parts = {}
@@ -367,57 +373,12 @@ class RankReport:
         self.close()
 
 
-@dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
-class ProgressLine:
-    """Rank 0's line per step in ``progress_path`` (JSON lines): where the run is, and the step's figures.
-
-    ``knit run`` follows the file as the run goes (``launcher.run``); read a line with :meth:`from_json`.
-    """
-
-    step: int
-    train_batch: int
-    position: int
-    """The step's place in its train batch (0 .. mini_batches - 1)."""
-    version: int
-    """The policy version the step produced."""
-    loss: float
-    rows: int
-    """Trajectories the step trained on (all ranks)."""
-    abs_logp_diff: float
-    """Mean absolute difference of the trainer's and the rollout's logprobs of the trained tokens."""
-    plan_wait_s: float
-    step_time_s: float
-    t_end: float
-    """Unix time the step ended."""
-    admitted_groups: int
-    """Groups the planner admitted so far."""
-    figures: StepFigures | None = None
-    """The staleness and reward figures of the step's trajectories."""
-
-    @classmethod
-    def of(cls, step: StepRecord, admitted_groups: int) -> ProgressLine:
-        """The progress line of ``step`` with the groups admitted so far."""
-        m = step.metrics
-        return cls(step=m["step"], train_batch=m["train_batch"], position=m["position"], version=step.version,
-                   loss=m["loss"], rows=m["rows"], abs_logp_diff=m["abs_logp_diff"], plan_wait_s=step.plan_wait_s,
-                   step_time_s=m["step_time_s"], t_end=step.t_end, admitted_groups=admitted_groups,
-                   figures=step.figures)
-
-    def to_json(self) -> dict[str, Any]:
-        """The line's JSON document (the figures' fields at the top level)."""
-        doc = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name != "figures"}
-        return doc | (self.figures.to_json() if self.figures is not None else {})
-
-    @classmethod
-    def from_json(cls, doc: Mapping[str, Any]) -> ProgressLine:
-        """A line read back from ``progress_path``."""
-        names = {f.name for f in dataclasses.fields(cls)} - {"figures"}
-        figures = ({k: doc.get(k) for k in ("arch_staleness_mean", "arch_staleness_max", "reward_mean")}
-                   if "arch_staleness_mean" in doc else None)
-        return cls(**{k: doc[k] for k in names}, figures=StepFigures(**figures) if figures is not None else None)
-
-
-def write_progress(path: str, line: ProgressLine) -> None:
-    """Rank 0: append one JSON line for the step just taken (:class:`ProgressLine`)."""
-    with open(path, "a") as f:
-        f.write(json.dumps(line.to_json()) + "\n")
+def progress_line(step: StepRecord, admitted_groups: int) -> ProgressLine:
+    """Rank 0's progress line of ``step`` with the groups admitted so far."""
+    m, f = step.metrics, step.figures
+    return ProgressLine(step=m["step"], train_batch=m["train_batch"], position=m["position"], version=step.version,
+                        loss=m["loss"], rows=m["rows"], abs_logp_diff=m["abs_logp_diff"],
+                        plan_wait_s=step.plan_wait_s, step_time_s=m["step_time_s"], t_end=step.t_end,
+                        admitted_groups=admitted_groups, arch_staleness_mean=f.arch_staleness_mean if f else None,
+                        arch_staleness_max=f.arch_staleness_max if f else None,
+                        reward_mean=f.reward_mean if f else None)

@@ -3,9 +3,9 @@
 A rank's share of a mini-batch is a list of micro-batches. :func:`fetch_mm_mini_batch` reads all
 their slices at once (``StoreReader.fetch``: one read per node, only the packing columns plus
 ``image_keys``), splits the rows back into micro-batches and packs each, collects the distinct image
-keys of ALL the micro-batches (``train.multimodal.distinct_image_keys``), and DoGets each distinct image
-once, from the node that stores the group referencing it (one DoGet per node). Images are never replicated
-into trajectories: a row carries 32-byte keys, the encoder sees each image once.
+keys of ALL the micro-batches (``train.multimodal.distinct_image_keys``), and fetches each distinct image
+once, from the node that stores the group referencing it (``StoreReader.fetch_images``: one DoGet per
+node). Images are never replicated into trajectories: a row carries 32-byte keys, the encoder sees each image once.
 
 Needs numpy and pyarrow; torch only through ``PackedBatch.to_torch`` when the caller asks.
 """
@@ -45,8 +45,8 @@ class MMMiniBatch:
     """Arrow bytes of the fetched trajectory columns."""
     image_bytes: int = 0
     """Arrow bytes of the fetched image rows."""
-    doget_s: float = 0.0
-    """Seconds in the trajectory DoGet(s)."""
+    read_s: float = 0.0
+    """Seconds reading the trajectory rows (one read per node over its read channel)."""
     image_doget_s: float = 0.0
     """Seconds in the image DoGet(s)."""
     pack_s: float = 0.0
@@ -62,7 +62,7 @@ class MMMiniBatch:
 
 def fetch_mm_mini_batch(client: StoreReader, micro_batches: Sequence[MicroBatch], *,
                         mode: PackMode = "padded") -> MMMiniBatch:
-    """DoGet the slices of ``micro_batches`` (with ``image_keys``), pack them, and fetch each distinct image once."""
+    """Read the slices of ``micro_batches`` (with ``image_keys``), pack them, and fetch each distinct image once."""
     slices = [s for mb in micro_batches for s in mb.slices]
     t0 = time.perf_counter()
     table = client.fetch(slices, columns=MM_COLUMNS)
@@ -98,7 +98,7 @@ def fetch_mm_mini_batch(client: StoreReader, micro_batches: Sequence[MicroBatch]
         raise RuntimeError(msg)
     return MMMiniBatch(
         packed=packed, row_keys=row_keys, images={k: got[k] for k in distinct},
-        trajectory_bytes=table.nbytes, image_bytes=images_table.nbytes, doget_s=t1 - t0,
+        trajectory_bytes=table.nbytes, image_bytes=images_table.nbytes, read_s=t1 - t0,
         image_doget_s=t3 - t2, pack_s=t2 - t1, keys_by_node=keys_by_node(distinct, node_of),
     )
 

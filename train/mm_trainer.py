@@ -31,14 +31,12 @@ import logging
 import time
 from collections.abc import Iterator, Sequence
 from functools import partial
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from flight_store.reading import StoreReader
 from schemas.plan import MicroBatch, MiniBatchPlan
+from schemas.run_records import ConsumedEntry
 from train.config import PackMode, TrainConfig, VisionConfig
-
-if TYPE_CHECKING:
-    from train.loop import ConsumedEntry
 
 log = logging.getLogger(__name__)
 

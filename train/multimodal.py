@@ -42,12 +42,13 @@ def distinct_image_keys(per_micro_batch: Iterable[Iterable[Sequence[bytes]]]) ->
 class DedupVisionEncoder:
     """Encode distinct images once per mini-batch; hand every micro-batch a view of the result.
 
-    Example:
-        >>> enc = DedupVisionEncoder(vision_model)                     # doctest: +SKIP
-        >>> enc.begin({k: pixels[k] for k in distinct_image_keys(mbs)})  # one encoder pass
-        >>> for mb in micro_batches:                                    # backbone forward/backward
-        ...     feats = enc.lookup(mb.image_keys)                       # indexes the shared leaf
-        >>> enc.finish()                                                # one backward through the encoder
+    Example::
+
+        enc = DedupVisionEncoder(vision_model)
+        enc.begin({k: pixels[k] for k in distinct_image_keys(mbs)})  # one encoder pass
+        for mb in micro_batches:                                     # backbone forward/backward
+            feats = enc.lookup(mb.image_keys)                        # indexes the shared leaf
+        enc.finish()                                                 # one backward through the encoder
     """
 
     def __init__(self, encoder: Callable[[torch.Tensor], torch.Tensor]) -> None:

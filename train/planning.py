@@ -112,6 +112,8 @@ class PlanSource:
         """Where the consumed trajectories go (by default: only their per-step figures)."""
         self.admitted_groups = 0
         """Groups admitted so far."""
+        self.planner_s = 0.0
+        """Seconds spent in the planner's ``update`` so far."""
         self.dropped: Counter[str] = Counter()
         """Groups dropped so far, per reason."""
         self.on_settled: Callable[[pl.DataFrame, pl.DataFrame], None] | None = None
@@ -126,7 +128,8 @@ class PlanSource:
 
     @property
     def pending_rows(self) -> int:
-        """Metadata rows kept: those of groups neither admitted nor dropped (yet)."""
+        """Metadata rows kept: those of groups neither admitted nor dropped (yet). Read by no code path; it is
+        what a caller checks to see the source's memory stay bounded over a long run (tests/test_train_bounded.py)."""
         return 0 if self._frame is None else self._frame.height
 
     def poll(self, current_version: int, *, waiting: bool = False) -> list[MiniBatchPlan]:
@@ -144,10 +147,12 @@ class PlanSource:
             return []
         inflight, running = self._supply() if self._from_stores else (self._inflight, True)
         self.exact_updates += self._from_stores and inflight is not None
+        t0 = time.perf_counter()
         plans = self._planner.update(self._frame, inflight=inflight, current_version=current_version)
         if not plans and inflight is not None and not running:
             plans = self._planner.update(self._frame, inflight=None, current_version=current_version)
             self.stall_releases += bool(plans)
+        self.planner_s += time.perf_counter() - t0
         self._settle()
         if isinstance(inflight, pl.DataFrame):
             self._publish_demand(inflight if waiting and not plans else None)
@@ -250,11 +255,6 @@ class StepFigures:
     """Largest architectural staleness of the step's trajectories."""
     reward_mean: float | None
     """Mean reward of the step's trajectories."""
-
-    def to_json(self) -> dict[str, float | int | None]:
-        """The figures as the progress line's fields."""
-        return {"arch_staleness_mean": self.arch_staleness_mean, "arch_staleness_max": self.arch_staleness_max,
-                "reward_mean": self.reward_mean}
 
 
 class ConsumedLog:

@@ -2,13 +2,13 @@
 
 :class:`TextStep` is the text implementation of ``train.loop.Step``. It builds the Llama-shaped GPT
 and its Megatron optimizer (``train.model``, loading ``load_dir`` when set). For every planned
-mini-batch it opens one stream of the rank's micro-batch slices (one DoGet per node holding them)
-and hands the micro-batches to the prefetch thread, which reads and packs them one at a time
-(:func:`fetch_micro_batch`), so micro-batch i+1 is fetched while micro-batch i computes. The step
-runs Megatron-core's schedule with the configured policy loss over them (``train.backbone``,
-``train.objectives``). For ``decoupled_ppo`` it first takes every micro-batch of the mini-batch and runs one
-forward pass over each without grad (:func:`proximal_logprobs`), before the optimizer step; that pass is inside
-the step time and reported apart (``prox_s``).
+mini-batch it opens one stream of the rank's micro-batch slices (``StoreReader.stream``: one read per node
+holding them, over the node's read channel) and hands the micro-batches to the prefetch thread, which reads
+and packs them one at a time (:func:`fetch_micro_batch`), so micro-batch i+1 is fetched while micro-batch i
+computes. The step runs Megatron-core's schedule with the configured policy loss over them
+(``train.backbone``, ``train.objectives``). For ``decoupled_ppo`` it first takes every micro-batch of the
+mini-batch and runs one forward pass over each without grad (:func:`proximal_logprobs`), before the optimizer
+step; that pass is inside the step time and reported apart (``prox_s``).
 
 Metrics beyond ``train.backbone.step_metrics``: per micro-batch the exposed wait (time the step
 blocked on data) and the fetch time hidden behind compute, the bytes fetched, the step time, and the
@@ -21,15 +21,13 @@ import logging
 import time
 from collections.abc import Iterator
 from functools import partial
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from flight_store.reading import StoreReader
 from schemas.plan import MicroBatch, MiniBatchPlan
+from schemas.run_records import ConsumedEntry, RowEntry
 from train.config import PackMode, TrainConfig
 from train.packing import TRAIN_COLUMNS, pack_tensors
-
-if TYPE_CHECKING:
-    from train.loop import ConsumedEntry
 
 log = logging.getLogger(__name__)
 
@@ -49,9 +47,11 @@ class TextStep:
                                           vocab_size=cfg.model.vocab_size), depth=cfg.prefetch_depth)
 
     def submit(self, plan: MiniBatchPlan) -> None:
-        """One DoGet per node for the rank's micro-batches, read one at a time on the prefetch thread."""
-        mbs = plan.for_rank(self.env["dp_rank"]).micro_batches
-        tables = self.client.stream([mb.slices for mb in mbs], columns=TRAIN_COLUMNS)
+        """The rank's micro-batches, each one read per node over its read channel, made one at a time on the prefetch
+        thread, the ``i``-th beginning at node ``dp_rank + i`` (ranks reading at once begin on different nodes)."""
+        rank = self.env["dp_rank"]
+        mbs = plan.for_rank(rank).micro_batches
+        tables = self.client.stream([mb.slices for mb in mbs], columns=TRAIN_COLUMNS, start=rank)
         self.fetcher.submit((tables, mb) for mb in mbs)
 
     def step(self, plan: MiniBatchPlan, consumed: list[ConsumedEntry]) -> dict[str, Any]:
@@ -77,7 +77,8 @@ class TextStep:
                 fetch_s.append(got.fetch_s)
                 nbytes += got.value["bytes"]
                 modes.add(got.value["logprobs_mode"])
-                consumed.extend(["row", plan.step, g, i] for g, i in got.value.get("keys", []))
+                consumed.extend(RowEntry(step=plan.step, group_id=g, sample_idx=i)
+                                for g, i in got.value.get("keys", []))
                 yield backbone.to_device(got.value["tensors"], dev)
 
         def forward_step(data_iterator: Iterator[dict[str, Any]], gpt: Any) -> tuple[Any, Any]:

@@ -2,7 +2,7 @@
 
 What runs (all on loopback, in one Ray session started here):
 
-* **knittrans**: two ``knit serve`` nodes (processes of their own); ranks DoGet their own slices
+* **knittrans**: two ``knit serve`` nodes (processes of their own); ranks read their own slices
   (:mod:`bench.peers.knit`); one micro-batch's read is ``StoreReader.fetch`` (over read channels);
 * **TransferQueue** 0.1.11, the package itself: its controller and two storage units; ranks read
   their rows through its client (:mod:`bench.peers.tq`);
@@ -13,8 +13,8 @@ What runs (all on loopback, in one Ray session started here):
   for one micro-batch's read by one DoGet per node (``minimal_flight``, a diagnostic); its reads over one
   long-lived DoExchange per node (``minimal_flight_exchange``) are the floor of knittrans' own read
   channels. Each of the two read comparisons has servers of its own, as knittrans' nodes serve only its
-  reads: a server that has just answered another path's read runs warm, and sharing one made the
-  exchange floor's median read ~5% faster (its caches, not its mechanism).
+  reads: a server that has just answered another path's read runs warm, and sharing one makes the
+  exchange floor's median read faster (its caches, not its mechanism).
 
 The groups are generated once (:func:`bench.cluster.workload.make_group`) and every path is given
 them; the admission planner's plans fix each rank's micro-batches, the same on every path
@@ -46,11 +46,9 @@ import pyarrow as pa
 
 from bench.cluster.workload import Workload, make_group
 from bench.peers.common import MicroSpec, step_specs
+from bench.peers.turns import StepFn, steps_in_turn
 
 log = logging.getLogger(__name__)
-
-StepFn = Callable[[int, list[list[MicroSpec]], float], list[dict[str, Any]]]
-
 
 @contextlib.contextmanager
 def ray_env() -> Iterator[None]:
@@ -79,8 +77,8 @@ def run(w: Workload, computes: Sequence[float], paths: Sequence[str], fetch_roun
     cost per image; ``cal``: the calibrated cell's workload and compute (ms per 1k tokens)."""
     import ray
 
-    from bench.flight_throughput import start_store_process
     from bench.peers.knit import KnitPath
+    from bench.store_groups import start_store_process
 
     total = w.steps + 1  # + one warm-up step
     rng = np.random.default_rng(w.seed)
@@ -108,7 +106,7 @@ def run(w: Workload, computes: Sequence[float], paths: Sequence[str], fetch_roun
         verls = {f"verl_{m}": _verl(w, m, groups, specs, stack) for m in VERL_MODES if f"verl_{m}" in paths}
         steppers.update({v.name: v.step for v in verls.values()})
         fetchers.update(_minimal_fetchers(knit, groups, stack))
-        out["steps"] = _steps(steppers, specs, computes)
+        out["steps"] = steps_in_turn(steppers, specs, computes)
         out["fetch"] = _fetch_rounds(fetchers, [m for step in specs for rank in step for m in rank], fetch_rounds)
         out["driver_payload_bytes_knittrans"] = _knit_driver_bytes(knit, specs)
         if cal is not None and verls:
@@ -163,8 +161,8 @@ def _calibrated(knit: Any, tq: Any, verls: dict[str, Any], steps: dict[str, Any]
     if tq is not None:
         tq.load(groups)
         steppers["transferqueue"] = lambda s, per_rank, c: tq.step(per_rank, c, w.prefetch_depth)
-    return {"steps": _steps(steppers, specs, [compute_ms]), "verl_best": verl.name, "compute_ms_per_ktok": compute_ms,
-            "tokens_per_step": sum(m["tokens"] for r in specs[0] for m in r)}
+    return {"steps": steps_in_turn(steppers, specs, [compute_ms]), "verl_best": verl.name,
+            "compute_ms_per_ktok": compute_ms, "tokens_per_step": sum(m["tokens"] for r in specs[0] for m in r)}
 
 
 def _minimal_servers(knit: Any, groups: list[pa.RecordBatch], stack: contextlib.ExitStack) -> tuple[
@@ -246,31 +244,6 @@ def _minimal_fetchers(knit: Any, groups: list[pa.RecordBatch],
         return out
 
     return {"minimal_flight": fetch, "minimal_flight_exchange": fetch_exchange}
-
-
-def _steps(steppers: dict[str, StepFn], specs: list[list[list[MicroSpec]]],
-           computes: Sequence[float]) -> dict[str, dict[str, list[dict[str, Any]]]]:
-    """Every path's train steps at every compute value, paths taking turns; records without warm-ups."""
-    names = list(steppers)
-    out: dict[str, dict[str, list[dict[str, Any]]]] = {n: {} for n in names}
-    for c in computes:
-        for s, per_rank in enumerate(specs):
-            k = s % len(names)
-            for name in names[k:] + names[:k]:
-                t_wall = time.time()
-                t0 = time.perf_counter()
-                ranks = steppers[name](s, per_rank, c if s else 0.0)  # the warm-up step computes nothing
-                step_s = time.perf_counter() - t0
-                if s == 0:
-                    continue  # warm-up
-                out[name].setdefault(f"{c:g}", []).append({
-                    "step_s": step_s,
-                    "first_wait_s": max(r["start"] - t_wall + r["first_wait_s"] for r in ranks),
-                    "wait_s": max(r["start"] - t_wall + r["wait_s"] for r in ranks),
-                    "tokens": sum(r["tokens"] for r in ranks), "bytes": sum(r["bytes"] for r in ranks),
-                    "encoder_passes": sum(r.get("encoder_passes", 0) for r in ranks)})
-            log.info("compute %s ms/1k tok: step %d done", c, s)
-    return out
 
 
 def _fetch_rounds(fetchers: dict[str, Callable[[list[MicroSpec]], list[float]]], micros: list[MicroSpec],

@@ -1,4 +1,4 @@
-"""knittrans' path in the peers benchmark: ranks DoGet exactly their own micro-batch slices.
+"""knittrans' path in the peers benchmark: ranks read exactly their own micro-batch slices.
 
 The driver holds no payload: the groups are in two ``knit serve`` nodes (processes of their own),
 and each rank (a Ray actor) is sent only its step's micro-batch specs. A rank reads its micro-batches

@@ -35,6 +35,7 @@ import pyarrow as pa
 
 from bench.cluster.workload import Workload, make_group
 from bench.peers.common import MicroSpec, step_specs
+from bench.peers.turns import StepFn, steps_in_turn
 
 DATA_CELLS = ("verl_replicated", "knit_replicated", "knit_stored_once")
 """The data path cells (module docstring)."""
@@ -82,7 +83,6 @@ def _copy(img: np.ndarray, i: int) -> np.ndarray:
 def run_mm(knit: Any, w: Workload, enc_w: Workload, encoder_ms: float, stack: contextlib.ExitStack) -> dict[str, Any]:
     """The data path cells on ``w`` and the encoder cells on ``enc_w``; raw records."""
     from bench.cluster.workload import CountingClient, admit
-    from bench.peers.harness import StepFn, _steps
     from bench.peers.verl_dp import VerlPath
 
     specs: dict[str, list[list[list[MicroSpec]]]] = {}
@@ -107,7 +107,7 @@ def run_mm(knit: Any, w: Workload, enc_w: Workload, encoder_ms: float, stack: co
     }
     for cell, fn in cells.items():
         key = "knit_replicated" if cell == "verl_replicated" else cell
-        out["steps"].update(_steps({cell: fn}, specs[key], [0.0]))
+        out["steps"].update(steps_in_turn({cell: fn}, specs[key], [0.0]))
     groups, tables, _ = mm_groups(enc_w, np.random.default_rng(w.seed + 2), "enc", replicated=False)
     out["put"]["encoder"] = knit.load_mm(groups, tables)
     enc_specs = step_specs(admit(CountingClient(knit.client), enc_w, enc_w.steps + 1), enc_w.mini_batches,
@@ -118,7 +118,7 @@ def run_mm(knit: Any, w: Workload, enc_w: Workload, encoder_ms: float, stack: co
         return step
 
     enc_cells = {cell: encoder_cell(dedup) for cell, dedup in ENCODER_CELLS.items()}
-    out["encoder_steps"] = _steps(enc_cells, enc_specs, [0.0])
+    out["encoder_steps"] = steps_in_turn(enc_cells, enc_specs, [0.0])
     out["encoder_ms_per_image"] = encoder_ms
     return out
 

@@ -7,7 +7,7 @@ that calls the production planner (``admission.Planner``). The files to read:
 * ``sim.py``: the model (loader, rollout, lookahead, planner, trainer) and :func:`simulate`;
 * ``workload.py``: :class:`SimParams`, the loader's prompts and their dispatch order;
 * ``search.py``: a policy over seeds, the trainer's calibration, the matched-throughput lookahead search;
-* ``plan_time.py``: one admission decision's time over 100k trajectories.
+* ``plan_time.py``: one admission decision's time over 100k trajectories, and at cluster scale.
 """
 
 from __future__ import annotations

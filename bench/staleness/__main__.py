@@ -10,7 +10,8 @@ calibrated trainer), ``--loader-order slow_first``. Each run reports the lookahe
 The trainer is calibrated first (:func:`~bench.staleness.search.calibrate`); ``train_batch`` (L = 2B)
 and ``colocated`` (L = B) run at fixed lookaheads, ``mini_batch`` at the smallest lookahead that
 matches ``train_batch``'s throughput (:func:`~bench.staleness.search.match_throughput`); then the
-planner's decision time over 100k trajectories (:mod:`bench.staleness.plan_time`). The model is in
+planner's decision time over 100k trajectories and at cluster scale (1,000 store nodes, 512 ranks, 4,096 groups
+in one mini-batch; the rank split by links and by tokens) (:mod:`bench.staleness.plan_time`). The model is in
 :mod:`bench.staleness.sim`.
 """
 
@@ -22,7 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from bench._common import pyplot, timer, write_result
-from bench.staleness.plan_time import plan_ms_p50_100k
+from bench.staleness.plan_time import plan_time_metrics
 from bench.staleness.search import calibrate, match_throughput, run_policy
 from bench.staleness.workload import SimParams
 
@@ -41,7 +42,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             SimParams(**{**asdict(p), "train_batches": min(p.train_batches, 6)}), 0, target_busy=0.92)
         p.trainer_slowdown = args.trainer_slowdown
         res, curves = _run_policies(p, seeds)
-        plan_ms = plan_ms_p50_100k()
+        plan_ms = plan_time_metrics()
     _plot_curves(Path(args.out).with_name(Path(args.out).stem + "_curves.png"), curves)
     mb = res["mini_batch"]
     metrics: dict[str, Any] = {
@@ -53,7 +54,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "streaming_lookahead_groups": res["streaming"]["lookahead_groups"],
         "lookahead_search_streaming": curves["streaming"],
         "curves": curves,
-        "plan_ms_p50_100k": plan_ms,
+        **plan_ms,
         "wall_s": wall[0],
         "lookahead_search": curves["mini_batch"],
     })
@@ -120,6 +121,8 @@ def _print_summary(res: dict[str, dict[str, Any]], ratios: dict[str, float], met
           f"{ratios['throughput_mini_vs_train']:.3f}  L={mb['lookahead_groups']}  quota violations "
           f"{metrics['quota_violations']}  plan p50 {metrics['plan_ms_p50_100k']:.1f} ms  "
           f"wall {metrics['wall_s']:.0f}s")
+    print(f"plan p50 at scale (1,000 nodes, 512 ranks, 4,096 groups a mini-batch): "
+          f"{metrics['plan_ms_p50_scale']:.1f} ms by links, {metrics['plan_ms_p50_scale_tokens']:.1f} ms by tokens")
 
 
 def _parser() -> argparse.ArgumentParser:

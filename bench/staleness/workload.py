@@ -74,7 +74,7 @@ class SimParams:
 
 
 @dataclass(slots=True)
-class Prompt:
+class SimPrompt:
     """One prompt of the loader: its data source, its length, and its G responses' lengths and rewards."""
 
     source: str
@@ -83,7 +83,7 @@ class Prompt:
     rewards: np.ndarray
 
 
-def make_prompts(p: SimParams, seed: int, chunks: int) -> list[list[Prompt]]:
+def make_prompts(p: SimParams, seed: int, chunks: int) -> list[list[SimPrompt]]:
     """The loader's chunks (one per train batch) in the quota mix (``iid``: around it), response lengths drawn
     up front."""
     rng = np.random.default_rng(seed)
@@ -102,7 +102,7 @@ def make_prompts(p: SimParams, seed: int, chunks: int) -> list[list[Prompt]]:
             med, sig = (p.math_median, p.math_sigma) if s == "math" else (p.chat_median, p.chat_sigma)
             lens = np.minimum(np.rint(med * np.exp(sig * rng.standard_normal(p.group_size))), p.max_len)
             lens = np.maximum(lens, 1).astype(np.int64)
-            chunk.append(Prompt(str(s), int(rng.integers(64, 513)), lens,
+            chunk.append(SimPrompt(str(s), int(rng.integers(64, 513)), lens,
                                  (rng.random(p.group_size) < rng.random()).astype(np.float64)))
         if p.loader_order == "longest_first":  # an oracle length predictor: the longest group of the chunk first
             chunk.sort(key=lambda pr: -int(pr.lengths.max()))
@@ -110,7 +110,7 @@ def make_prompts(p: SimParams, seed: int, chunks: int) -> list[list[Prompt]]:
     return out
 
 
-def dispatch_order(prompts: list[list[Prompt]], p: SimParams) -> list[Prompt]:
+def dispatch_order(prompts: list[list[SimPrompt]], p: SimParams) -> list[SimPrompt]:
     """The order the loader hands prompts to rollout; ``math_ahead`` dispatches each chunk's math one chunk
     early (block 0 = math of chunks 0 and 1, block j = chat of chunk j-1 + math of chunk j+1); ``colocated``
     always dispatches chunk by chunk."""

@@ -80,10 +80,10 @@ class SqlGateway(flight.FlightServerBase):
 
     Example:
         >>> from flight_store.server import StoreServer
-        >>> import adbc_driver_flightsql.dbapi as flightsql  # doctest: +SKIP
-        >>> with StoreServer() as node, SqlGateway(SqlConfig(stores=[node.location])) as gateway:  # doctest: +SKIP
-        ...     with flightsql.connect(gateway.location) as conn, conn.cursor() as cur:
-        ...         cur.execute("SELECT count(*) FROM trajectories")
+        >>> import adbc_driver_flightsql.dbapi as flightsql
+        >>> with StoreServer() as node, SqlGateway(SqlConfig(stores=[node.location])) as gateway:
+        ...     with flightsql.connect(gateway.location, autocommit=True) as conn, conn.cursor() as cur:
+        ...         _ = cur.execute("SELECT count(*) FROM trajectories")
         ...         cur.fetchone()
         (0,)
     """

@@ -1,0 +1,189 @@
+"""From admitted mini-batches to plans: the rank split, the packing and the plan objects, on arrays.
+
+:func:`build_plans` takes the admitted groups' rows and the admitted mini-batches and writes one
+:class:`~schemas.plan.MiniBatchPlan` per mini-batch (DP rank -> micro-batches -> slices, one advantage per
+row in slice order). Per mini-batch:
+
+1. each group's cost (:func:`~admission.packing.trajectory_cost` summed over its rows), payload bytes and
+   node (its first row's) go to :func:`~admission.assignment.assign_groups`, which splits the groups over the
+   ranks;
+2. a rank's rows are its groups' rows, groups in id order, rows in frame order;
+   :func:`~admission.packing.pack_items` packs every rank's rows into the common number of micro-batches;
+3. a micro-batch's rows keep their order on the rank; consecutive rows of one group on one node with
+   consecutive ``sample_idx`` make one slice.
+
+Groups' offsets, costs and bytes come from the sorted rows by ``np.add.reduceat``; slices are where the
+micro-batch, the group, the node or ``sample_idx`` continuity changes. The plan objects are built from these
+values without pydantic's validation (:func:`_trusted`): every value is the planner's own, of the model's
+types and in range (``sample_idx`` and tokens are checked here, once per frame), and each micro-batch holds
+as many advantages as rows by construction.
+"""
+
+from __future__ import annotations
+
+import gc
+from collections import deque
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from itertools import repeat
+from typing import Any, TypeVar
+
+import numpy as np
+import polars as pl
+from pydantic import BaseModel
+
+from admission.assignment import assign_groups
+from admission.config import AdmissionConfig
+from admission.packing import pack_items, trajectory_cost
+from schemas.plan import MicroBatch, MiniBatchPlan, PlannedSlice, RankPlan
+
+Batch = tuple[int, int, int, list[str]]
+"""An admitted mini-batch: (step, train batch, position, group ids)."""
+
+M = TypeVar("M", bound=BaseModel)
+
+_new = object.__new__
+_set = object.__setattr__
+
+
+class _Groups:
+    """The admitted groups' rows as arrays: one run of rows per group, the groups in id order (so a group's
+    index orders groups as their ids do), the rows of a group in frame order."""
+
+    def __init__(self, rows: pl.DataFrame, config: AdmissionConfig) -> None:
+        starts, ids = _runs(rows)
+        if not ids.is_sorted():  # groups apart or out of id order: gather them in id order, rows in their order
+            rows = rows.sort("group_id", maintain_order=True)
+            starts, ids = _runs(rows)
+        names: list[str] = ids.to_list()
+        self.names = names
+        self.index = {n: i for i, n in enumerate(names)}
+        self.start = starts
+        self.length = np.diff(np.r_[starts, rows.height]).astype(np.int64)
+        self.tok = rows["_tok"].cast(pl.Int64).to_numpy()
+        self.sample_idx = rows["sample_idx"].cast(pl.Int64).to_numpy()
+        for col, values in (("sample_idx", self.sample_idx), ("_tok", self.tok)):
+            if values.size and int(values.min()) < 0:
+                row = int(np.argmin(values))
+                msg = f"group {rows['group_id'][row]!r}: {col} {int(values[row])} is negative"
+                raise ValueError(msg)
+        self.advantage = rows["advantage"].cast(pl.Float64).to_numpy()
+        codes = rows["node"].cast(pl.Categorical).to_physical().to_numpy()
+        _, firsts, node = np.unique(codes, return_index=True, return_inverse=True)
+        self.node = node.astype(np.int64).reshape(-1)
+        self.node_names: list[str] = [str(n) for n in rows["node"].gather(firsts).to_list()]  # by code
+        self.first_node = list(map(self.node_names.__getitem__, self.node[starts].tolist()))
+        cost = trajectory_cost(self.tok, config.cost_model)
+        nbytes = rows["_bytes"].cast(pl.Int64).to_numpy()
+        self.cost = np.add.reduceat(cost, starts) if starts.size else np.zeros(0)
+        self.nbytes = (np.add.reduceat(nbytes, starts) if starts.size else np.zeros(0)).astype(np.float64)
+
+
+def _runs(rows: pl.DataFrame) -> tuple[np.ndarray, pl.Series]:
+    """The first row of each run of equal ``group_id`` and the run's id."""
+    if rows.height == 0:
+        return np.zeros(0, dtype=np.int64), rows["group_id"]
+    run = rows.select(pl.col("group_id").rle_id())["group_id"].to_numpy()
+    starts = np.flatnonzero(np.r_[True, run[1:] != run[:-1]]).astype(np.int64)
+    return starts, rows["group_id"].gather(starts)
+
+
+def build_plans(rows: pl.DataFrame, batches: Sequence[Batch],
+                config: AdmissionConfig) -> tuple[list[MiniBatchPlan], dict[str, int]]:
+    """The plans of admitted mini-batches, and the DP rank of every admitted group.
+
+    Args:
+        rows: one row per trajectory of the admitted groups, sorted by ``group_id, sample_idx``, with
+            ``node``, ``_tok`` (prompt + response tokens), ``_bytes`` (payload bytes) and ``advantage``.
+        batches: the admitted mini-batches in step order.
+        config: admission configuration (DP ranks, cost model, token budget).
+    """
+    groups = _Groups(rows, config)
+    plans: list[MiniBatchPlan] = []
+    rank_of: dict[str, int] = {}
+    with _collector_paused():
+        for step, t, k, names in batches:
+            plan, ranks = _mini_batch(groups, step, t, k, names, config)
+            plans.append(plan)
+            rank_of.update(ranks)
+    return plans, rank_of
+
+
+def _mini_batch(groups: _Groups, step: int, t: int, k: int, names: list[str],
+                config: AdmissionConfig) -> tuple[MiniBatchPlan, dict[str, int]]:
+    """One mini-batch's plan and the rank of each of its groups."""
+    ranks, m = config.dp_ranks, len(names)
+    gi = np.array([groups.index[n] for n in names], dtype=np.int64)
+    nodes = list(map(groups.first_node.__getitem__, gi.tolist()))
+    split = assign_groups(groups.cost[gi], groups.nbytes[gi], nodes, config)
+    members = [np.asarray(mem, dtype=np.int64) for mem in split]
+    group_rank = np.empty(m, dtype=np.int64)
+    group_rank[np.concatenate(members) if members else []] = np.repeat(np.arange(len(split)),
+                                                                      [mem.size for mem in members])
+    order = np.lexsort((gi, group_rank))  # groups by rank, then id
+    group_rank = group_rank[order]
+    rank_of = {names[i]: r for i, r in zip(order.tolist(), group_rank.tolist(), strict=True)}
+    g = gi[order]
+    length = groups.length[g]
+    first = np.cumsum(length) - length
+    row = np.repeat(groups.start[g] - first, length) + np.arange(int(length.sum()))  # rank-major, rank order
+    item_rank = np.repeat(group_rank, length)
+    item_group = np.repeat(g, length)
+    micro, count = pack_items(item_rank, groups.tok[row], ranks, config.token_budget)
+    key = item_rank * count + micro  # micro-batch, globally
+    by_micro = np.argsort(key, kind="stable")
+    row, key, item_group = row[by_micro], key[by_micro], item_group[by_micro]
+    sample, node = groups.sample_idx[row], groups.node[row]
+    cut = np.ones(row.size, dtype=bool)
+    cut[1:] = ((key[1:] != key[:-1]) | (item_group[1:] != item_group[:-1]) | (node[1:] != node[:-1])
+               | (sample[1:] != sample[:-1] + 1))
+    heads = np.flatnonzero(cut)
+    tails = np.r_[heads[1:], row.size][: heads.size] - 1
+    slices = _trusted(PlannedSlice, [
+        {"node": a, "group_id": b, "start": s, "stop": e} for a, b, s, e in zip(
+            map(groups.node_names.__getitem__, node[heads].tolist()),
+            map(groups.names.__getitem__, item_group[heads].tolist()),
+            sample[heads].tolist(), (sample[tails] + 1).tolist(), strict=True)])
+    n_micro = ranks * count
+    slice_at = np.r_[0, np.cumsum(np.bincount(key[heads], minlength=n_micro))].tolist()
+    row_at = np.r_[0, np.cumsum(np.bincount(key, minlength=n_micro))]
+    tok = groups.tok[row]
+    tokens = np.diff(np.r_[0, np.cumsum(tok)][row_at]).tolist()
+    oversized = (np.diff(np.r_[0, np.cumsum(tok > config.token_budget)][row_at]) > 0).tolist()
+    advantages = groups.advantage[row].tolist()
+    at = row_at.tolist()
+    micro_batches = _trusted(MicroBatch, [
+        {"slices": a, "advantages": b, "tokens": c, "oversized": d} for a, b, c, d in zip(
+            map(slices.__getitem__, map(slice, slice_at[:-1], slice_at[1:])),
+            map(advantages.__getitem__, map(slice, at[:-1], at[1:])), tokens, oversized, strict=True)])
+    rank_plans = _trusted(RankPlan, [{"dp_rank": r, "micro_batches": micro_batches[r * count:(r + 1) * count]}
+                                     for r in range(ranks)])
+    plan = _trusted(MiniBatchPlan, [{"step": step, "train_batch": t, "position": k, "group_ids": list(names),
+                                     "ranks": rank_plans}])[0]
+    return plan, rank_of
+
+
+def _trusted(cls: type[M], values: list[dict[str, Any]]) -> list[M]:
+    """One ``cls`` per dict of ``values`` (every field, of its type), as ``cls.model_construct`` builds it but
+    unvalidated, in C loops (``map``). The instances share one fields-set: it holds every field, so pydantic's
+    in-place additions to it (assignment to a field) leave it as it is."""
+    n = len(values)
+    out: list[M] = list(map(_new, repeat(cls, n)))
+    every = set(cls.model_fields)
+    for name, each in (("__dict__", values), ("__pydantic_fields_set__", repeat(every, n)),
+                       ("__pydantic_extra__", repeat(None, n)), ("__pydantic_private__", repeat(None, n))):
+        deque(map(_set, out, repeat(name), each), maxlen=0)
+    return out
+
+
+@contextmanager
+def _collector_paused() -> Iterator[None]:
+    """The cyclic garbage collector off while the plan objects are made (tens of thousands of acyclic
+    objects: collection passes over them would cost more than the objects), back as it was after."""
+    was = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was:
+            gc.enable()
