@@ -1,4 +1,4 @@
-"""``knit run`` on the command line: flags from :class:`~launcher.run.RunConfig`, one or two policies, the summary.
+"""``knit run`` on the command line: flags from :class:`~launcher.run_config.RunConfig`, one or two policies, a summary.
 
 Reads top to bottom as the job: parse -> prepare the model both sides share -> run each policy
 (``launcher.run.run_policy``, with a live display) -> write ``summary.json`` and print the table.
@@ -23,7 +23,8 @@ from launcher.flags import add_flags, build
 from launcher.lifeline import LeftoverProcessesError, RunFolderInUseError
 from launcher.model import RUN_MODELS, prepare_model
 from launcher.ray_deploy import RayNodeLostError, run_on_ray
-from launcher.run import COMPARED, RUN_POLICIES, Interrupted, RunConfig, run_policy
+from launcher.run import Interrupted, run_policy
+from launcher.run_config import COMPARED, RUN_POLICIES, RunConfig
 from schemas import run_folder
 from schemas.run_summary import LookaheadTry, PolicySummary
 from train.tracking import check_installed

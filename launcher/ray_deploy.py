@@ -11,7 +11,7 @@ What runs where (each an actor pinned to its Ray node with ``NodeAffinitySchedul
   ``train.launch.launch`` as one rank of a torch.distributed (gloo) group with ``MASTER_ADDR`` = rank 0's node
   IP, ``MASTER_PORT`` free there, and ``GLOO_SOCKET_IFNAME`` = the interface that holds the node's IP.
 
-The configs are the ones ``knit run`` hands its children (``launcher.run.store_configs``, ``train_config``,
+The configs are the ones ``knit run`` hands its children (``launcher.run_config.store_configs``, ``train_config``,
 ``rollout_config``). The driver (this process) holds actor handles, configs and metadata only: it polls the
 stores' ``stats``, collects their metadata at the end, and gets small reports back from the actors; trajectory
 payload moves from the node that stores it to the rank that trains on it. :func:`run_on_ray` returns the
@@ -73,7 +73,8 @@ from launcher.ray_deployment import (
     RayUnavailableError,
 )
 from launcher.ray_stores import RayStoreRestartError, RayStores
-from launcher.run import Interrupted, RunConfig, WorkerLost, rollout_config, store_configs, train_config
+from launcher.run import Interrupted, WorkerLost
+from launcher.run_config import RunConfig, rollout_config, store_configs, train_config
 from schemas import documents, run_folder
 from schemas.replies import NodeStats
 from schemas.run_summary import PolicySummary, RayFigures

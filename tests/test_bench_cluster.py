@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from bench.cluster.deployment import PRESETS, Deployment, dilate
+from bench.cluster.deployment import PRESETS, NamedDeployment, dilate
 from bench.cluster.model import Costs, Load, Scenario, hash_skew, scenario_point, step_s, transfer_s
 from bench.cluster.report import link_bound_s, summarize
 from bench.cluster.topology import ClusterShape, machine_ticks, window_of
@@ -76,7 +76,7 @@ def test_deployment_compute_and_dilation_keep_the_ratio() -> None:
     with pytest.raises(ValueError, match="unknown deployment 'gpt'"):
         dilate("gpt", 100.0)
     with pytest.raises(ValueError, match=r"mfu=1\.5"):
-        Deployment(name="x", params=1e9, mfu=1.5)
+        NamedDeployment(name="x", params=1e9, mfu=1.5)
 
 
 def test_model_transfer_is_the_link_arithmetic_plus_calls() -> None:

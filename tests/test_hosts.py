@@ -39,7 +39,8 @@ from flight_store.config import ServerConfig
 from launcher.children import Children
 from launcher.hosts import RANGE, Hosts, HostsUnavailableError, LinkBytes
 from launcher.placement import Placement, Site
-from launcher.run import RunConfig, start_trainer, store_configs
+from launcher.run import start_trainer
+from launcher.run_config import RunConfig, store_configs
 from launcher.stores import Stores
 
 SINK = """

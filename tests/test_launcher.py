@@ -24,7 +24,7 @@ from launcher.flags import add_flags, build, field_docs, show_default
 from launcher.main_job import parse
 from launcher.model import check_shapes, trainer_model
 from launcher.report import policy_summary, table_rows, write_summary
-from launcher.run import RunConfig, rollout_config, train_config
+from launcher.run_config import RunConfig, rollout_config, train_config
 from schemas import documents
 from schemas.run_summary import PolicySummary, Throughput
 from train.config import ModelConfig, TrainConfig

@@ -33,7 +33,7 @@ import json, sys, time
 from pathlib import Path
 from launcher.children import Children
 from launcher.placement import Placement, Site
-from launcher.run import RunConfig, store_configs
+from launcher.run_config import RunConfig, store_configs
 from launcher.stores import Stores
 
 a = json.loads(sys.argv[1])

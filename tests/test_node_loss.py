@@ -34,7 +34,7 @@ from flight_store.reading import StoreReader
 from flight_store.writing import StoreWriter
 from launcher.children import Children
 from launcher.placement import Placement, Site
-from launcher.run import RunConfig, store_configs
+from launcher.run_config import RunConfig, store_configs
 from launcher.stores import Stores
 
 pytestmark = [pytest.mark.hosts]

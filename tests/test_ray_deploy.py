@@ -53,7 +53,7 @@ from admission.config import AdmissionConfig
 from launcher import resume
 from launcher.model import trainer_model
 from launcher.ray_deploy import RayNodeLostError, run_on_ray
-from launcher.run import RunConfig
+from launcher.run_config import RunConfig
 from schemas import run_folder
 
 a = json.loads(sys.argv[1])

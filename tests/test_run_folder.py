@@ -207,7 +207,7 @@ def test_a_frame_is_checked_against_its_schema(tmp_path: Path) -> None:
 
 
 def test_an_older_or_damaged_run_folder_is_refused_by_name(tmp_path: Path) -> None:
-    from launcher.run import RunConfig
+    from launcher.run_config import RunConfig
 
     path = tmp_path / run_folder.RUN_CONFIG
     run_folder.write_run_config(RunConfig(out=tmp_path), path)

@@ -97,7 +97,7 @@ def test_an_unknown_tracker_is_refused_naming_it_and_the_ones_there_are() -> Non
 
 def test_knit_run_and_knit_train_take_logger_as_a_flag(tmp_path: Path) -> None:
     from launcher.main_job import parse
-    from launcher.run import train_config
+    from launcher.run_config import train_config
     from train.config import ModelConfig
 
     (cfg,), _ = parse(["--out", str(tmp_path / "run"), "--logger", "tensorboard,wandb", "--project", "p"])

@@ -1,7 +1,7 @@
 """Named deployments: the compute a train step costs on a real cluster, and the time dilation that keeps its ratio to
 the link when the cluster benchmark runs it on emulated hosts.
 
-A :class:`Deployment` names a model (its parameters), the accelerators of one host (how many, their peak dense
+A :class:`NamedDeployment` names a model (its parameters), the accelerators of one host (how many, their peak dense
 bf16 rate, the MFU a trainer reaches on them), the host's NIC rate and the passes a step makes over every token
 (the update, forward and backward, and the forward passes of the old-policy and reference log-probabilities).
 Its compute per 1k tokens is that of one host: ``1000 x flops_per_token / (gpus x peak x mfu)``, with
@@ -23,7 +23,7 @@ H100_BF16_FLOPS = 989e12
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
-class Deployment:
+class NamedDeployment:
     """One named cluster: model, accelerators per host, NIC, MFU and the passes of a train step."""
 
     name: str
@@ -74,13 +74,13 @@ class Deployment:
         return 1e3 * self.nic_gbit
 
 
-PRESETS: dict[str, Deployment] = {d.name: d for d in (
-    Deployment(name="qwen2.5-0.5b/h100x8/100gbit", params=0.494e9),
-    Deployment(name="qwen2.5-vl-3b/h100x8/100gbit", params=3.75e9),
-    Deployment(name="qwen2.5-7b/h100x8/100gbit", params=7.62e9),
-    Deployment(name="qwen2.5-7b/h100x8/400gbit", params=7.62e9, nic_gbit=400.0),
-    Deployment(name="qwen2.5-vl-7b/h100x8/100gbit", params=8.29e9),
-    Deployment(name="qwen2.5-vl-7b/h100x8/400gbit", params=8.29e9, nic_gbit=400.0),
+PRESETS: dict[str, NamedDeployment] = {d.name: d for d in (
+    NamedDeployment(name="qwen2.5-0.5b/h100x8/100gbit", params=0.494e9),
+    NamedDeployment(name="qwen2.5-vl-3b/h100x8/100gbit", params=3.75e9),
+    NamedDeployment(name="qwen2.5-7b/h100x8/100gbit", params=7.62e9),
+    NamedDeployment(name="qwen2.5-7b/h100x8/400gbit", params=7.62e9, nic_gbit=400.0),
+    NamedDeployment(name="qwen2.5-vl-7b/h100x8/100gbit", params=8.29e9),
+    NamedDeployment(name="qwen2.5-vl-7b/h100x8/400gbit", params=8.29e9, nic_gbit=400.0),
 )}
 """The named deployments ``--deployment`` takes (parameters from the models' published configurations)."""
 
@@ -89,7 +89,7 @@ PRESETS: dict[str, Deployment] = {d.name: d for d in (
 class Dilated:
     """A deployment as the benchmark runs it: its link rate and compute scaled by one factor."""
 
-    deployment: Deployment
+    deployment: NamedDeployment
     """What is emulated."""
     factor: float
     """How much slower than the deployment the emulation runs (link rate / factor, compute x factor)."""

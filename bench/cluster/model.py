@@ -34,7 +34,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from bench.cluster.deployment import PRESETS, Deployment
+from bench.cluster.deployment import PRESETS, NamedDeployment
 
 PATHS = ("verl", "transferqueue", "knittrans")
 
@@ -146,7 +146,7 @@ def hash_skew(groups: float, nodes: int) -> float:
 class Scenario:
     """A cluster and its workload, every assumption of an extrapolated point a parameter."""
 
-    deployment: Deployment
+    deployment: NamedDeployment
     """Model, accelerators per host, NIC, MFU, passes."""
     gpus: int
     """Accelerators in all (trainer and rollout)."""
