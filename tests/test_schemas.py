@@ -103,7 +103,7 @@ def test_wire_documents_round_trip() -> None:
     t = SlicesTicket(slices=[{"group_id": "g", "start": 0, "stop": 4}], columns=["response_ids"])
     assert decode_ticket(t.to_bytes()) == t
     assert decode_ticket(MetadataTicket(since=7).to_bytes()).since == 7
-    assert decode_descriptor(b'{"v": 2, "kind": "put_group", "group_id": "x", "rows": 4}') == PutGroup(
+    assert decode_descriptor(b'{"v": 3, "kind": "put_group", "group_id": "x", "rows": 4}') == PutGroup(
         group_id="x", rows=4)
 
 
@@ -114,10 +114,10 @@ def test_wire_documents_round_trip() -> None:
         (b"[1, 2]", "JSON object"),
         (b'{"kind": "metadata"}', "'v'"),
         (b'{"v": 99, "kind": "metadata"}', "unsupported schema version"),
-        (b'{"v": 2, "kind": "nope"}', "kind"),
-        (b'{"v": 2, "kind": "slices", "slices": [{"group_id": "g", "start": 5, "stop": 2}]}', "reversed"),
-        (b'{"v": 2, "kind": "metadata", "since": -1}', "since"),
-        (b'{"v": 2, "kind": "metadata", "extra": 1}', "extra"),
+        (b'{"v": 3, "kind": "nope"}', "kind"),
+        (b'{"v": 3, "kind": "slices", "slices": [{"group_id": "g", "start": 5, "stop": 2}]}', "reversed"),
+        (b'{"v": 3, "kind": "metadata", "since": -1}', "since"),
+        (b'{"v": 3, "kind": "metadata", "extra": 1}', "extra"),
     ],
 )
 def test_bad_tickets_raise_wire_error_naming_the_problem(raw: bytes, needle: str) -> None:
@@ -157,7 +157,7 @@ def test_action_bodies() -> None:
     with pytest.raises(WireError, match="unknown action"):
         decode_action_body("explode", b"{}")
     with pytest.raises(WireError, match="group_ids"):
-        decode_action_body("release", b'{"v": 2, "group_ids": []}')
+        decode_action_body("release", b'{"v": 3, "group_ids": []}')
 
 
 def test_an_image_whose_shape_overflows_int64_is_refused() -> None:
