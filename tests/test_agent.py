@@ -8,7 +8,13 @@ sources through one engine; and a rollout of the calculator source into a store,
 
 from __future__ import annotations
 
+import json
+import os
 import random
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -17,8 +23,14 @@ from connectors.calculator import MAX_DEPTH, MAX_EXPRESSION_CHARS, CalcError, Ca
 from connectors.config import RolloutConfig
 from connectors.fake_engine import FakeTurnEngine
 from connectors.tasks import ARITHMETIC_TASKS, TOOL_TASKS, Prompt, mixed_prompts
+from connectors.rollout import RolloutWorker
 from connectors.vllm import group_to_batch
+from flight_store.reading import StoreReader
+from flight_store.writing import StoreWriter
+from schemas.plan import PlannedSlice
 from schemas.trajectory import normalize_group
+
+ROOT = Path(__file__).resolve().parents[1]
 
 # ---- the calculator ------------------------------------------------------------------------------
 
@@ -158,3 +170,124 @@ def test_a_rollout_with_a_tool_source_wraps_its_engine() -> None:
         RolloutConfig(**base, data_sources={"calculator": 1.0}, weight_sync=True, partial_rollouts=True)  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="agent_max_turns=0"):
         RolloutConfig(**base, agent_max_turns=0)  # type: ignore[arg-type]
+
+
+# ---- into a store --------------------------------------------------------------------------------
+
+
+def _stored_rows(location: str) -> list[dict[str, Any]]:
+    with StoreReader([location]) as client:
+        meta = client.scan_metadata(columns=["group_id", "sample_idx"])
+        groups = sorted(set(meta["group_id"].to_list()))
+        slices = [PlannedSlice(node=location, group_id=g, start=0,
+                               stop=int((meta["group_id"] == g).sum())) for g in groups]
+        table = client.fetch(slices, columns=["group_id", "sample_idx", "data_source", "prompt_ids", "response_ids",
+                                              "response_logprobs", "loss_mask", "num_turns", "loss_tokens", "reward",
+                                              "status", "finish_reason"])
+    return table.to_pylist()
+
+
+def test_a_calculator_rollout_writes_multi_turn_rows_to_the_store(store_nodes) -> None:  # type: ignore[no-untyped-def]
+    (server,) = store_nodes(1)
+    cfg = RolloutConfig(model="unused", stores=[server.location], data_sources={"calculator": 0.5, "add_small": 0.5},
+                        group_size=2, max_groups=4, mix_chunk=2, prompts_per_wave=2, version_poll_s=0.0,
+                        group_id_prefix="c-", max_tokens=64)
+    fake = FakeTurnEngine([CALL, "Answer: 408"])
+    with StoreWriter.from_config(cfg.stores, cfg.client) as writer, RolloutWorker(cfg, client=writer,
+                                                                                 engine=fake) as worker:
+        report = worker.run()
+    rows = _stored_rows(server.location)
+    assert len(rows) == 8 and {r["status"] for r in rows} == {"completed"}
+    tool = [r for r in rows if r["data_source"] == "calculator"]
+    plain = [r for r in rows if r["data_source"] == "add_small"]
+    assert len(tool) == len(plain) == 4
+    obs = list(RESULT.encode())
+    for r in tool:
+        assert r["num_turns"] == 2 and r["loss_tokens"] == sum(r["loss_mask"]) == len(r["response_ids"]) - len(obs)
+        assert r["response_ids"] == list(CALL.encode()) + obs + list(b"Answer: 408")
+        assert r["prompt_ids"][0] == FakeTurnEngine.BOS
+    for r in plain:
+        assert r["num_turns"] == 1 and r["loss_mask"] == [1] * len(r["response_ids"])
+    assert report.tool_call_rate == {"add_small": 0.0, "calculator": 1.0}
+    assert report.turns_mean == {"add_small": 1.0, "calculator": 2.0}
+
+
+@pytest.fixture(scope="module")
+def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    from launcher.children import child_env
+
+    out = tmp_path_factory.mktemp("tiny") / "llama"
+    code = f"from connectors.tiny_model import build_tiny_llama; build_tiny_llama({str(out)!r}, hidden=128, seed=0)"
+    subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=child_env(), check=True, timeout=120,
+                   capture_output=True)
+    return out
+
+
+@pytest.mark.vllm
+@pytest.mark.slow
+def test_real_vllm_runs_calculator_groups_token_in_token_out_into_a_store(store_nodes, tiny_model: Path,  # type: ignore[no-untyped-def]
+                                                                          tmp_path: Path) -> None:
+    """vLLM on the tiny model (this file run as a script): every episode's first turn is answered with a tool
+    result (the random model never writes a call itself), so each row holds a model turn, the observation's tokens
+    and a second model turn; read back from the store, each turn's request was exactly the tokens before it."""
+    from launcher.children import child_env
+
+    (server,) = store_nodes(1)
+    out = tmp_path / "agent.json"
+    res = subprocess.run([sys.executable, __file__, str(tiny_model), server.location, str(out)], cwd=ROOT,
+                         env=child_env(), capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    doc = json.loads(out.read_text())
+    rows, turns, obs = doc["rows"], doc["turns"], doc["observation"]
+    assert len(rows) == 4 and {r["status"] for r in rows} == {"completed"} and obs
+    for r in rows:
+        prompt, response, mask = r["prompt_ids"], r["response_ids"], r["loss_mask"]
+        first, second = turns[f"{r['group_id']}#{r['sample_idx']}.0"], turns[f"{r['group_id']}#{r['sample_idx']}.1"]
+        assert first == prompt and second[:len(prompt)] == prompt
+        k = len(second) - len(prompt)  # the first turn and the observation
+        assert response[:k] == second[len(prompt):] and response[k - len(obs):k] == obs
+        n0 = k - len(obs)
+        assert mask == [1] * n0 + [0] * len(obs) + [1] * (len(response) - k)
+        assert r["num_turns"] == 2 and r["loss_tokens"] == len(response) - len(obs)
+        lps = r["response_logprobs"]
+        assert lps[n0:k] == [0.0] * len(obs) and all(lp <= 0 for lp in lps)
+
+
+def _vllm_driver(model: str, location: str, out: str) -> None:
+    """Two calculator groups of 2 on vLLM into the store at ``location``; every turn request and the stored rows
+    to ``out``."""
+    from connectors import agent
+    from connectors.calculator import Step
+    from connectors.engine import ENGINE_ENV, VllmEngine
+
+    for k, v in ENGINE_ENV.items():
+        os.environ.setdefault(k, v)
+
+    class FirstTurnCalls(CalculatorEnv):
+        """The calculator, with a call to ``12*34`` added to the model's first turn."""
+
+        def step(self, turn: str) -> Step:
+            return super().step(turn + "<calc>12*34</calc>" if self.calls == 0 else turn)
+
+    agent.ENVIRONMENTS["calculator"] = FirstTurnCalls
+    cfg = RolloutConfig(model=model, stores=[location], data_sources={"calculator": 1.0}, group_size=2, max_groups=2,
+                        prompts_per_wave=2, max_tokens=8, agent_max_turns=2, agent_max_tokens=64, seed=0,
+                        dtype="float32", max_model_len=1024, max_num_seqs=8, group_id_prefix="v-")
+    engine = VllmEngine(cfg)
+    turns: dict[str, list[int]] = {}
+    submit = engine.submit_tokens
+
+    def recording(request_id: str, token_ids: Any, max_tokens: int, stop: Any) -> None:
+        turns[request_id] = [int(t) for t in token_ids]
+        submit(request_id, token_ids, max_tokens, stop)
+
+    engine.submit_tokens = recording  # type: ignore[method-assign]
+    with StoreWriter.from_config(cfg.stores, cfg.client) as writer, RolloutWorker(cfg, client=writer,
+                                                                                 engine=engine) as worker:
+        worker.run()
+    Path(out).write_text(json.dumps({"rows": _stored_rows(location), "turns": turns,
+                                     "observation": engine.encode("<result>408</result>")}))
+
+
+if __name__ == "__main__":
+    _vllm_driver(*sys.argv[1:])
