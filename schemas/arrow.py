@@ -67,8 +67,8 @@ PAYLOAD_COLUMNS: tuple[str, ...] = tuple(f.name for f in PAYLOAD_FIELDS)
 METADATA_COLUMNS: tuple[str, ...] = tuple(f.name for f in (*KEY_FIELDS, *METADATA_FIELDS))
 
 OPTIONAL_ON_WRITE: frozenset[str] = frozenset(
-    {"policy_version_min", "num_images", "num_turns", "loss_tokens", "created_at", "completed_at", "bytes", "image_keys", "loss_mask",
-     "finish_reason", "status", "data_source", "token_versions"}
+    {"policy_version_min", "num_images", "num_turns", "loss_tokens", "created_at", "completed_at", "bytes",
+     "image_keys", "loss_mask", "finish_reason", "status", "data_source", "token_versions"}
 )
 """Columns a writer may leave out; every writer fills them the same way (``schemas.trajectory.fill_defaults``).
 
