@@ -24,6 +24,7 @@ from hypothesis import strategies as st
 from flight_store.config import ServerConfig, StoreConfig
 from flight_store.errors import ERROR_CLASSES, KnitError, from_flight_error
 from flight_store.server import StoreServer
+from schemas.arrow import SCHEMA_VERSION
 from schemas.records import TrajectoryRecord, records_to_batch
 from schemas.replies import ACTION_DESCRIPTIONS
 from schemas.wire import PutGroup
@@ -232,7 +233,7 @@ def test_fuzzed_read_channel_requests_and_descriptors(node) -> None:
     one()
     assert answer(writer, reader, json.dumps({"v": 3, "kind": "slices", "columns": ["group_id", "sample_idx"],
                                               "slices": [{"group_id": "known", "start": 1, "stop": 3}]}).encode()) == {
-        "rows": 2, "metadata": {"knittrans.schema_version": "2", "knittrans.table": "trajectory"}}
+        "rows": 2, "metadata": {"knittrans.schema_version": str(SCHEMA_VERSION), "knittrans.table": "trajectory"}}
     writer.done_writing()
     writer.close()
     opening()
