@@ -22,8 +22,8 @@ from connectors.agent import AgentEngine, AgentGroupOutput, AgentLimits, with_ag
 from connectors.calculator import MAX_DEPTH, MAX_EXPRESSION_CHARS, CalcError, CalculatorEnv, evaluate
 from connectors.config import RolloutConfig
 from connectors.fake_engine import FakeTurnEngine
-from connectors.tasks import ARITHMETIC_TASKS, TOOL_TASKS, Prompt, mixed_prompts
 from connectors.rollout import RolloutWorker
+from connectors.tasks import ARITHMETIC_TASKS, TOOL_TASKS, Prompt, mixed_prompts
 from connectors.vllm import group_to_batch
 from flight_store.reading import StoreReader
 from flight_store.writing import StoreWriter

@@ -90,6 +90,21 @@ def test_records_fill_unset_fields_row_by_row() -> None:
     assert got["loss_mask"] == [[0], [1, 1]]
     assert got["status"] == ["aborted", "completed"]
     assert got["response_len"] == [1, 2] and got["data_source"] == ["default", "default"]
+    assert got["num_turns"] == [1, 1] and got["loss_tokens"] == [0, 2]  # one turn; the mask's ones
+
+
+def test_records_of_a_multi_turn_response_carry_turns_and_trained_tokens() -> None:
+    def record(**kw: object) -> TrajectoryRecord:
+        return TrajectoryRecord(group_id="g", sample_idx=0, policy_version=0, prompt_ids=[1], response_ids=[2, 3, 4, 5],
+                                response_logprobs=[-0.5, 0.0, 0.0, -0.25], loss_mask=[1, 0, 0, 1], **kw)  # type: ignore[arg-type]
+
+    row = records_to_batch([record(num_turns=2)]).to_pylist()[0]
+    assert row["num_turns"] == 2 and row["loss_tokens"] == 2
+    assert records_to_batch([record(num_turns=2, loss_tokens=2)]).to_pylist()[0]["loss_tokens"] == 2
+    with pytest.raises(ValueError, match=r"'loss_tokens' row 0: 4 values, expected 2 \(sum\(loss_mask\)\)"):
+        records_to_batch([record(loss_tokens=4)])
+    with pytest.raises(ValueError, match="num_turns"):
+        record(num_turns=0)
 
 
 def test_metadata_schema_is_a_projection_of_trajectory_schema() -> None:
