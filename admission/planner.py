@@ -100,8 +100,8 @@ REQUIRED_COLUMNS: tuple[str, ...] = (
 CONSUMED_SCHEMA: dict[str, Any] = {  # the columns of PlanResult.consumed (plus the quota columns)
     "group_id": pl.String, "node": pl.String, "sample_idx": pl.Int64, "step": pl.Int64,
     "train_batch": pl.Int64, "position": pl.Int64, "dp_rank": pl.Int64, "policy_version": pl.Int64,
-    "policy_version_min": pl.Int64, "prompt_len": pl.Int64, "response_len": pl.Int64, "reward": pl.Float64,
-    "advantage": pl.Float64, "admitted_at_version": pl.Int64, "arch_staleness": pl.Int64,
+    "policy_version_min": pl.Int64, "prompt_len": pl.Int64, "response_len": pl.Int64, "loss_tokens": pl.Int64,
+    "reward": pl.Float64, "advantage": pl.Float64, "admitted_at_version": pl.Int64, "arch_staleness": pl.Int64,
     "signed_staleness": pl.Int64, "generation_span": pl.Int64, "total_staleness": pl.Int64,
 }
 
@@ -349,11 +349,13 @@ def _plans_and_consumed(meta: pl.DataFrame, cands: pl.DataFrame, batches: list[B
     names = [name for *_, part in batches for name in part]
     g = pl.col("group_id")
     has_bytes = "bytes" in meta.columns  # without it, a row's tokens stand for its bytes in the link model
+    trained = "loss_tokens" if "loss_tokens" in meta.columns else "response_len"  # metadata of schema v2: all
     nbytes = pl.col("bytes").cast(pl.Int64) if has_bytes else pl.col("_tok")
     rows = (
         meta.filter(g.is_in(pl.Series(names, dtype=pl.String).implode()))
+        .with_columns(pl.col(trained).cast(pl.Int64).alias("loss_tokens"))
         .select(["group_id", "node", "sample_idx", "policy_version", "policy_version_min", "prompt_len",
-                 "response_len", "reward", *(["bytes"] if has_bytes else [])])
+                 "response_len", "loss_tokens", "reward", *(["bytes"] if has_bytes else [])])
         .with_columns(pl.col("reward").cast(pl.Float64),
                       advantage_expr(config.grpo).cast(pl.Float64).alias("advantage"),
                       (pl.col("prompt_len").cast(pl.Int64) + pl.col("response_len").cast(pl.Int64)).alias("_tok"))

@@ -11,8 +11,8 @@ step s = tK + k, is stale by two parts that add up:
   from the algorithm, K optimizer steps per train batch). ``signed = tK - v`` keeps the sign
   (negative where streaming consumed fresher data than a colocated run would).
 
-``total = arch + span``. Token-weighted means weight each trajectory by its response tokens (the
-tokens the stale policy generated).
+``total = arch + span``. Token-weighted means weight each trajectory by its trained tokens (``loss_tokens``: the
+tokens the stale policy generated and the step trains on; a multi-turn response's tool tokens are not among them).
 """
 
 from __future__ import annotations
@@ -33,8 +33,10 @@ def staleness_exprs(mini_batches: int) -> list[pl.Expr]:
             span.alias("generation_span"), (signed.clip(lower_bound=0) + span).alias("total_staleness")]
 
 
-def _aggs() -> list[pl.Expr]:
-    w = pl.col("response_len").cast(pl.Float64)
+def _aggs(columns: list[str]) -> list[pl.Expr]:
+    """The figures of :class:`StalenessSummary`; a row weighs its trained tokens (``loss_tokens``, the response
+    length when the frame lacks it)."""
+    w = pl.col("loss_tokens" if "loss_tokens" in columns else "response_len").cast(pl.Float64)
     out = [pl.len().alias("trajectories")]
     for col, name in (("arch_staleness", "arch"), ("generation_span", "span"), ("total_staleness", "total")):
         out += [pl.col(col).mean().alias(f"{name}_mean"),
@@ -45,7 +47,7 @@ def _aggs() -> list[pl.Expr]:
 
 def per_step(consumed: pl.DataFrame) -> pl.DataFrame:
     """Staleness metrics per optimizer step (mini-batch), sorted by step."""
-    return consumed.group_by("step").agg(_aggs()).sort("step")
+    return consumed.group_by("step").agg(_aggs(consumed.columns)).sort("step")
 
 
 @dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
@@ -77,6 +79,6 @@ def summary(consumed: pl.DataFrame) -> StalenessSummary:
     if "generation_span" not in consumed.columns:  # a consumed frame with the architectural part only
         consumed = consumed.with_columns(pl.lit(0).alias("generation_span"),
                                          pl.col("arch_staleness").alias("total_staleness"))
-    row = consumed.select(_aggs()).row(0, named=True)
+    row = consumed.select(_aggs(consumed.columns)).row(0, named=True)
     figures = {k: (float(v) if v is not None else 0.0) for k, v in row.items() if k != "trajectories"}
     return StalenessSummary(trajectories=int(row["trajectories"]), **figures)

@@ -38,6 +38,8 @@ def make_group(group_id: str, size: int, response_tokens: int, rng: np.random.Ge
         "finish_reason": pa.array(["stop"] * size),
         "status": pa.array(["completed"] * size),
         "num_images": pa.array(np.zeros(size, dtype=np.int16)),
+        "num_turns": pa.array(np.ones(size, dtype=np.int16)),
+        "loss_tokens": pa.array(np.full(size, response_tokens, dtype=np.int32)),
         "created_at": pa.array(np.full(size, now)),
         "completed_at": pa.array(np.full(size, now)),
         "bytes": pa.array(np.zeros(size, dtype=np.int64)),

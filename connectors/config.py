@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Literal
 
-from connectors.tasks import ARITHMETIC_TASKS, REWARDS, is_reward_spec
+from connectors.tasks import DATA_SOURCES, REWARDS, TOOL_TASKS, is_reward_spec
 from flight_store.config import ClientConfig
 
 DEFAULT_DATA_SOURCES: dict[str, float] = {"add_small": 0.5, "mul_large": 0.5}
@@ -54,7 +54,8 @@ class RolloutConfig:
     max_seconds: float | None = None
     """Stop after this many seconds; groups still running are aborted and written as "aborted"."""
     data_sources: dict[str, float] = field(default_factory=lambda: dict(DEFAULT_DATA_SOURCES))
-    """Mix of built-in data sources (``connectors.tasks.ARITHMETIC_TASKS``) -> sampling weight."""
+    """Mix of built-in data sources (``connectors.tasks.DATA_SOURCES``) -> sampling weight. A tool source
+    (``calculator``) runs each sample as a multi-turn trajectory (``connectors.agent``)."""
     mix_chunk: int = 0
     """Draw ``data_sources`` in chunks of this many prompts that hold the mix exactly (shuffled inside the
     chunk; ``knit run`` uses B, so every train batch's quota is in the stream); 0 = each source drawn on its own."""
@@ -147,6 +148,12 @@ class RolloutConfig:
     max_redispatch: int = 2
     """A group the engine aborts while the worker runs is written as "aborted" and its prompt dispatched
     again (under a new group id, same ``prompt_id``), at most this many times."""
+    agent_max_turns: int = 4
+    """A tool source's sample ends after this many model turns (``finish_reason`` "length", unless the environment
+    ended it first)."""
+    agent_max_tokens: int = 192
+    """A tool source's response (model and tool tokens together) holds at most this many tokens; each model turn
+    is ``max_tokens`` long at most."""
     dump_raw: str | None = None
     """Debug: append vLLM's raw token ids and logprobs per group to this JSONL file (exactness tests)."""
     report_path: str | None = None
@@ -206,9 +213,17 @@ class RolloutConfig:
         if self.prompts_file is None and not self.data_sources:
             msg = "RolloutConfig needs data_sources or prompts_file"
             raise ValueError(msg)
-        unknown = sorted(set(self.data_sources) - set(ARITHMETIC_TASKS))
+        unknown = sorted(set(self.data_sources) - set(DATA_SOURCES))
         if self.prompts_file is None and unknown:
-            msg = f"RolloutConfig.data_sources has unknown sources {unknown}; built-in: {sorted(ARITHMETIC_TASKS)}"
+            msg = f"RolloutConfig.data_sources has unknown sources {unknown}; built-in: {sorted(DATA_SOURCES)}"
+            raise ValueError(msg)
+        if self.agent_max_turns < 1 or self.agent_max_tokens < 1:
+            msg = (f"RolloutConfig.agent_max_turns={self.agent_max_turns} and agent_max_tokens="
+                   f"{self.agent_max_tokens} must be >= 1")
+            raise ValueError(msg)
+        if self.partial_rollouts and set(self.data_sources) & set(TOOL_TASKS):
+            msg = (f"RolloutConfig.partial_rollouts does not run the tool sources {sorted(TOOL_TASKS)} "
+                   "(their turns are requests of their own)")
             raise ValueError(msg)
         if not is_reward_spec(self.reward):
             msg = (f"RolloutConfig.reward={self.reward!r} is neither a built-in ({', '.join(sorted(REWARDS))}) "

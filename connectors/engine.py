@@ -13,6 +13,10 @@ With ``RolloutConfig.partial_rollouts`` every sample is a request of its own, st
 weights interrupt the running samples, which resume from their generated prefix under the new weights
 (``connectors.partial``); a finished group then comes back as a ``connectors.partial.ResumedOutput``, with the
 version of each token.
+
+``VllmEngine`` also serves ``connectors.agent.TurnEngine``: one model turn of an agent episode is one request whose
+prompt is token ids (vLLM's token prompt), ``n = 1``, stopping at the environment's stop strings (kept in the
+output) or the end of sequence.
 """
 
 from __future__ import annotations
@@ -134,6 +138,26 @@ class VllmEngine:
         elif self._chat_tokenizer is not None:
             inputs = {"prompt_token_ids": chat_prompt_ids(self._chat_tokenizer, prompt.text)}
         self.engine.add_request(request_id, inputs, params)
+
+    def submit_tokens(self, request_id: str, token_ids: Sequence[int], max_tokens: int, stop: Sequence[str]) -> None:
+        """One agent turn: continue ``token_ids`` (``connectors.agent.TurnEngine``)."""
+        from vllm import SamplingParams
+
+        params = SamplingParams(n=1, temperature=self._params.temperature, top_p=self._params.top_p,
+                                max_tokens=max_tokens, logprobs=0, flat_logprobs=True,
+                                ignore_eos=self._params.ignore_eos, stop=list(stop), include_stop_str_in_output=True,
+                                output_kind=self._params.output_kind)
+        self.engine.add_request(request_id, {"prompt_token_ids": list(token_ids)}, params)
+
+    def prompt_ids(self, text: str) -> list[int]:
+        """The token ids a text prompt goes in as (in the chat template when ``submit`` would use it)."""
+        if self._chat_tokenizer is not None:
+            return chat_prompt_ids(self._chat_tokenizer, text)
+        return [int(t) for t in self.llm.get_tokenizer().encode(text)]
+
+    def encode(self, text: str) -> list[int]:
+        """The token ids of ``text`` on its own, no special tokens added (an agent's observation)."""
+        return [int(t) for t in self.llm.get_tokenizer().encode(text, add_special_tokens=False)]
 
     def _submit_samples(self, requests: Sequence[tuple[str, list[int], int]]) -> None:
         for request_id, ids, max_tokens in requests:

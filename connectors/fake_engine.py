@@ -9,6 +9,9 @@ Every fake of the connectors lives here (the real engine runs in the slow tests)
 * ``FakeEngine``: the ``connectors.engine.RolloutEngine`` protocol. Each prompt finishes after a seeded random
   number of steps, so groups finish out of order like on a real engine; "tokens" are bytes of
   a fixed answer text, logprobs are seeded random values.
+* ``FakeTurnEngine``: a ``FakeEngine`` that also serves ``connectors.agent.TurnEngine``: token ids are bytes of
+  the text, and each agent turn is the next of a script of model turns, cut after a stop string or at its token
+  limit like vLLM's; every request it was given is kept (``turn_requests``) so a test sees the exact context.
 """
 
 from __future__ import annotations
@@ -146,3 +149,64 @@ class FakeEngine:
 
     def load_weights(self, table: pa.Table, version: int | None = None) -> None:
         self.loaded.append(table)
+
+
+class FakeTurnEngine(FakeEngine):
+    """Scripted agent turns: turn ``k`` of every episode is ``script[k]`` (the last one repeated); tokens are its
+    bytes, a prompt goes in as ``[BOS, *bytes]``, and a request id's suffix ``.k`` names the turn.
+
+    Args:
+        script: the model turns of an episode, in order.
+        stop_at_stop_strings: cut a turn after the first stop string it holds (as vLLM does).
+    """
+
+    BOS = 1
+    """The token the fake's prompts start with (the bytes of text never include it as a first token)."""
+
+    def __init__(self, script: Sequence[str], *, seed: int = 0, stop_at_stop_strings: bool = True) -> None:
+        super().__init__(seed=seed)
+        self.script = list(script)
+        self.stop_at_stop_strings = stop_at_stop_strings
+        self.turn_requests: list[tuple[str, list[int], int, tuple[str, ...]]] = []
+        """Every turn submitted: request id, its token ids, its token limit and stop strings."""
+        self._turns: dict[str, tuple[list[int], int, tuple[str, ...]]] = {}
+
+    def prompt_ids(self, text: str) -> list[int]:
+        return [self.BOS, *text.encode()]
+
+    def encode(self, text: str) -> list[int]:
+        return list(text.encode())
+
+    def submit_tokens(self, request_id: str, token_ids: Sequence[int], max_tokens: int, stop: Sequence[str]) -> None:
+        if self.refuse is not None and self.refuse in bytes(t for t in token_ids if t != self.BOS).decode():
+            msg = f"turn {request_id} refused"
+            raise ValueError(msg)
+        ids = list(token_ids)
+        self.turn_requests.append((request_id, ids, max_tokens, tuple(stop)))
+        self._turns[request_id] = (ids, max_tokens, tuple(stop))
+
+    def step(self) -> list[FakeRequestOutput]:
+        outs = super().step()
+        for rid, (ids, max_tokens, stop) in list(self._turns.items()):
+            del self._turns[rid]
+            turn = int(rid.rsplit(".", 1)[1])
+            text = self.script[min(turn, len(self.script) - 1)]
+            cut = min((text.index(s) + len(s) for s in stop if s in text), default=None)
+            if self.stop_at_stop_strings and cut is not None:
+                text = text[:cut]
+            tokens = list(text.encode())
+            reason = "stop"
+            if len(tokens) > max_tokens:
+                tokens, reason = tokens[:max_tokens], "length"
+                text = bytes(tokens).decode(errors="replace")
+            lps = [-self.rng.random() * 5 for _ in tokens]
+            flat = FakeFlatLogprobs.from_positions([[(t, lp)] for t, lp in zip(tokens, lps, strict=True)])
+            outs.append(FakeRequestOutput(request_id=rid, prompt_token_ids=ids, outputs=[
+                FakeCompletion(index=0, token_ids=tokens, logprobs=flat, finish_reason=reason, text=text)]))
+        return outs
+
+    def abort(self, request_ids: Sequence[str]) -> None:
+        super().abort(request_ids)
+        for rid in request_ids:
+            if self._turns.pop(rid, None) is not None:
+                self.aborted.append(rid)

@@ -52,6 +52,11 @@ class RolloutReport:
     """Unix time of each group write, in write order."""
     reward_mean: dict[str, float] = field(default_factory=dict)
     """Mean reward of completed rows per data source."""
+    tool_call_rate: dict[str, float] = field(default_factory=dict)
+    """Per data source, the share of its completed rows with a tool call: an observation in the response
+    (``loss_tokens < response_len``; 0.0 for a single-turn source)."""
+    turns_mean: dict[str, float] = field(default_factory=dict)
+    """Per data source, the mean ``num_turns`` of its completed rows."""
     policy_versions: list[int] = field(default_factory=list)
     """Distinct ``policy_version`` values written."""
     logprobs_mode: str = ""
@@ -88,6 +93,8 @@ class RolloutTally:
     """Per data source, the reward of every completed row."""
     versions: set[int] = field(default_factory=set)
     """Distinct ``policy_version`` values written."""
+    turns: dict[str, list[int]] = field(default_factory=dict)
+    """Per data source, ``[completed rows, rows with a tool call, model turns]``."""
 
     def add_group(self, batch: pa.RecordBatch, *, aborted: bool) -> None:
         """Count one group's record batch, written (``aborted``: it has at least one aborted row)."""
@@ -98,6 +105,17 @@ class RolloutTally:
         self.response_tokens += int(pc.sum(batch.column("response_len")).as_py() or 0)
         self.bytes_written += batch.nbytes
         self.versions.add(int(batch.column("policy_version")[0].as_py()))
+        names = batch.schema.names
+        if "num_turns" not in names or "loss_tokens" not in names:
+            return
+        for status, source, turns, trained, length in zip(
+                *(batch.column(c).to_pylist() for c in ("status", "data_source", "num_turns", "loss_tokens",
+                                                        "response_len")), strict=True):
+            if status == "completed":
+                counts = self.turns.setdefault(str(source), [0, 0, 0])
+                counts[0] += 1
+                counts[1] += int(trained < length)
+                counts[2] += int(turns)
 
     def add_images(self, table: pa.Table) -> None:
         """Count an images table, written."""
@@ -115,4 +133,6 @@ class RolloutTally:
             write_times=list(write_times), first_write_at=write_times[0] if write_times else 0.0,
             last_write_at=write_times[-1] if write_times else 0.0,
             reward_mean={k: round(sum(v) / len(v), 4) for k, v in sorted(self.rewards.items()) if v},
+            tool_call_rate={k: round(v[1] / v[0], 4) for k, v in sorted(self.turns.items()) if v[0]},
+            turns_mean={k: round(v[2] / v[0], 4) for k, v in sorted(self.turns.items()) if v[0]},
             policy_versions=sorted(self.versions))

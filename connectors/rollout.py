@@ -10,7 +10,8 @@ The loop, top to bottom (``RolloutWorker.run``):
    registered with its node as in flight (``queued`` when drawn ``commit_ahead`` prompts early,
    ``running`` once in the engine), so the planner counts it as supply to come.
 2. **step**: ``engine.step()``; every prompt whose n samples are all finished comes back as one output.
-3. **score**: the reward of the prompt (``connectors.tasks``), on each decoded response.
+3. **score**: the reward of the prompt (``connectors.tasks``), on each decoded response; a tool source's samples
+   run as multi-turn episodes (``connectors.agent.with_agents`` wraps the engine) and carry their environment's.
 4. **write**: images first (each distinct image once, by content key), then the group's record batch
    (``connectors.vllm.group_to_batch``) with one DoPut to the group's store, *the moment the group
    finishes*, so the trainer's planner sees groups while generation is still running
@@ -50,6 +51,7 @@ from typing import TYPE_CHECKING
 
 import pyarrow as pa
 
+from connectors.agent import AgentGroupOutput, with_agents
 from connectors.config import RolloutConfig
 from connectors.dispatch import DispatchQueue, Drawn
 from connectors.engine import RolloutEngine, VllmEngine
@@ -135,6 +137,7 @@ class RolloutWorker:
         self.engine: RolloutEngine = engine if engine is not None else VllmEngine(config)
         if engine is None:
             self.tally.engine_start_s = round(time.perf_counter() - t0, 3)
+        self.engine = with_agents(self.engine, config)
         self.tally.logprobs_mode = self.engine.logprobs_mode
         if prompts is None:
             prompts = (
@@ -366,11 +369,14 @@ class RolloutWorker:
             self._redispatch(drawn)
 
     def _score(self, prompt: Prompt, out: RequestOutputLike) -> list[float]:
-        """The reward of each sample that ran to its end (0.0 for the others), in ``sample_idx`` order."""
+        """The reward of each sample that ran to its end (0.0 for the others), in ``sample_idx`` order: an agent
+        group's are its environment's, the others the reward function's."""
         rewards = [0.0] * self.config.group_size
+        given = out.rewards if isinstance(out, AgentGroupOutput) else None
         for c in out.outputs:
             if c.finish_reason in ("stop", "length"):
-                r = float(self._reward(prompt.text, c.text, prompt.sample))
+                r = float(given[int(c.index)] if given is not None
+                          else self._reward(prompt.text, c.text, prompt.sample))
                 rewards[int(c.index)] = r
                 self.tally.rewards.setdefault(prompt.data_source, []).append(r)
         return rewards

@@ -3,7 +3,11 @@
 Built-in data sources (integer arithmetic, exact-match reward):
 
 * ``add_small``: ``a + b`` with ``a, b`` in ``[0, 9]`` (easy);
-* ``mul_large``: ``a * b`` with ``a, b`` in ``[100, 999]`` (hard).
+* ``mul_large``: ``a * b`` with ``a, b`` in ``[100, 999]`` (hard);
+* ``calculator``: ``a * b + c`` with a calculator tool (:class:`ToolTask`): the model may write
+  ``<calc>12*34</calc>`` and the environment (``connectors.calculator``) appends ``<result>408</result>``; the
+  rollout runs its samples as multi-turn trajectories (``connectors.agent``) and the environment scores the final
+  turn by exact match.
 
 A prompt asks for the number; the reward is 1.0 when the decoded response contains the exact answer as
 a whole number (``12`` does not match inside ``123`` or ``-12``), else 0.0.
@@ -89,7 +93,50 @@ ARITHMETIC_TASKS: dict[str, ArithmeticTask] = {
     "add_large": ArithmeticTask(name="add_large", op="+", low=10, high=99),
     "mul_large": ArithmeticTask(name="mul_large", op="*", low=100, high=999),
 }
-"""The built-in data sources, by name."""
+"""The built-in single-turn data sources, by name."""
+
+CALC_OPEN, CALC_CLOSE = "<calc>", "</calc>"
+"""The tags of a calculator call in a model turn (a turn stops at ``CALC_CLOSE``)."""
+
+_CALCULATOR_SHOTS = (
+    "You can use a calculator. Write <calc>EXPRESSION</calc> (integers, + - * / and parentheses) and you get "
+    "<result>VALUE</result> back. Then give the final answer as 'Answer: NUMBER'.\n\n"
+    "Question: What is 23 * 47 + 5?\n<calc>23*47+5</calc><result>1086</result>\nAnswer: 1086\n\n"
+    "Question: What is 61 * 19 + 40?\n<calc>61*19+40</calc><result>1199</result>\nAnswer: 1199\n\n"
+)
+"""The few-shot preamble of a calculator prompt: the tool's syntax and two calls with their results."""
+
+
+@dataclass(frozen=True, slots=True)
+class ToolTask:
+    """``a * b + c`` (operands drawn from ``[low, high]``), to be solved with a tool across several model turns.
+
+    Its prompts carry ``sample["environment"]``, the environment (``connectors.agent.ENVIRONMENTS``) that runs
+    their samples.
+    """
+
+    name: str
+    """Data source name."""
+    environment: str
+    """Name of the environment that answers the model's tool calls and scores the final turn."""
+    low: int
+    """Smallest operand."""
+    high: int
+    """Largest operand."""
+
+    def make(self, rng: random.Random) -> Prompt:
+        """Draw one prompt: the few-shot preamble, then the question."""
+        a, b, c = (rng.randint(self.low, self.high) for _ in range(3))
+        text = f"{_CALCULATOR_SHOTS}Question: What is {a} * {b} + {c}?"
+        return Prompt(data_source=self.name, text=text, sample={"answer": str(a * b + c), "data_source": self.name,
+                                                                "environment": self.environment})
+
+
+TOOL_TASKS: dict[str, ToolTask] = {"calculator": ToolTask(name="calculator", environment="calculator", low=12, high=99)}
+"""The built-in multi-turn data sources, by name."""
+
+DATA_SOURCES: dict[str, ArithmeticTask | ToolTask] = {**ARITHMETIC_TASKS, **TOOL_TASKS}
+"""Every built-in data source (``RolloutConfig.data_sources`` keys), by name."""
 
 
 def exact_match_reward(prompt: str, response: str, sample: dict[str, Any]) -> float:
@@ -153,9 +200,9 @@ def mixed_prompts(mix: Mapping[str, float], *, seed: int = 0, chunk: int = 0) ->
     """Endless prompts of the built-in tasks, each drawn from a data source with probability ∝ ``mix``; with
     ``chunk``, in chunks of that many prompts holding the mix exactly, shuffled inside the chunk (a loader that
     hands every train batch of ``chunk`` groups its quota)."""
-    unknown = sorted(set(mix) - set(ARITHMETIC_TASKS))
+    unknown = sorted(set(mix) - set(DATA_SOURCES))
     if unknown:
-        msg = f"unknown data sources {unknown}; built-in: {sorted(ARITHMETIC_TASKS)}"
+        msg = f"unknown data sources {unknown}; built-in: {sorted(DATA_SOURCES)}"
         raise ValueError(msg)
     names = [n for n, w in mix.items() if w > 0]
     if not names:
@@ -166,7 +213,7 @@ def mixed_prompts(mix: Mapping[str, float], *, seed: int = 0, chunk: int = 0) ->
     if not chunk:
         while True:
             name = rng.choices(names, weights=weights)[0]
-            yield ARITHMETIC_TASKS[name].make(rng)
+            yield DATA_SOURCES[name].make(rng)
     counts = [w / sum(weights) * chunk for w in weights]
     if any(abs(c - round(c)) > 1e-6 for c in counts):
         msg = f"data source mix {dict(mix)} does not split a chunk of {chunk} prompts into whole counts"
@@ -175,7 +222,7 @@ def mixed_prompts(mix: Mapping[str, float], *, seed: int = 0, chunk: int = 0) ->
     while True:
         rng.shuffle(order)
         for name in order:
-            yield ARITHMETIC_TASKS[name].make(rng)
+            yield DATA_SOURCES[name].make(rng)
 
 
 def jsonl_prompts(path: str | Path, *, default_source: str = "default") -> Iterator[Prompt]:

@@ -10,6 +10,9 @@ This module owns the mapping from vLLM's output objects onto ``schemas.arrow.TRA
   puts the sampled token first at each position), read here with numpy fancy indexing, no per-token
   Python loop. The dict-per-position list form (``flat_logprobs=False``) is accepted too;
 * ``finish_reason`` and ``status`` ("completed", or "aborted" for aborted/unfinished samples);
+* ``loss_mask``, ``loss_tokens`` and ``num_turns``: ones, the response length and 1 for a single model turn; a
+  multi-turn completion (``connectors.agent``) carries its own ``loss_mask`` (0 at tool tokens) and ``num_turns``
+  as attributes. An aborted sample's mask is all zeros;
 * ``policy_version``/``policy_version_min``: the weights version the engine ran;
 * which logprob mode produced the logprobs ("raw_logprobs" = before temperature/top-p/penalties,
   "processed_logprobs" = after): recorded in the batch's schema metadata under
@@ -33,7 +36,7 @@ from collections.abc import Sequence
 from datetime import UTC, datetime
 from pathlib import Path
 from types import ModuleType
-from typing import Any, Protocol
+from typing import Any, NamedTuple, Protocol
 
 import numpy as np
 import pyarrow as pa
@@ -180,10 +183,23 @@ def _samples_by_index(output: RequestOutputLike, group_id: str, group_size: int 
     return g, by_idx
 
 
-def _response(c: Any, status: str | None) -> tuple[np.ndarray, np.ndarray, str, str]:
-    """``(token ids, sampled logprobs, finish reason, status)`` of one sample (``c`` None = never produced)."""
+class _Sample(NamedTuple):
+    """One sample's columns as ``group_to_batch`` reads them off its completion."""
+
+    ids: np.ndarray
+    logprobs: np.ndarray
+    finish: str
+    status: str
+    mask: np.ndarray
+    turns: int
+
+
+def _response(c: Any, status: str | None) -> _Sample:
+    """One sample's columns (``c`` None = never produced); the mask is the completion's own ``loss_mask`` when it
+    carries one (a multi-turn response), ones otherwise, zeros for a sample that did not complete."""
     if c is None:
-        return np.zeros(0, dtype=np.int32), np.zeros(0, dtype=np.float32), "abort", status or "aborted"
+        empty = np.zeros(0, dtype=np.int32)
+        return _Sample(empty, np.zeros(0, dtype=np.float32), "abort", status or "aborted", empty.astype(np.uint8), 1)
     ids = np.asarray(c.token_ids, dtype=np.int32)
     reason = c.finish_reason if c.finish_reason is not None else "abort"
     row_status = status or ("completed" if reason in COMPLETED_FINISH_REASONS else "aborted")
@@ -193,7 +209,14 @@ def _response(c: Any, status: str | None) -> tuple[np.ndarray, np.ndarray, str, 
         if row_status == "completed":
             raise
         lps = np.full(len(ids), np.nan, dtype=np.float32)  # partial, unusable: kept for the record
-    return ids, lps, reason, row_status
+    own = getattr(c, "loss_mask", None)
+    mask = np.ones(len(ids), np.uint8) if own is None else np.asarray(own, dtype=np.uint8)
+    if len(mask) != len(ids):
+        msg = f"a completion's loss_mask has {len(mask)} values for {len(ids)} token ids"
+        raise ValueError(msg)
+    if row_status != "completed":
+        mask = np.zeros(len(ids), np.uint8)
+    return _Sample(ids, lps, reason, row_status, mask, int(getattr(c, "num_turns", 1)))
 
 
 def group_to_batch(
@@ -246,7 +269,8 @@ def group_to_batch(
     """
     schema = trajectory_schema(logprobs_mode)
     g, by_idx = _samples_by_index(output, group_id, group_size, rewards, image_keys)
-    ids, lps, finish, statuses = zip(*(_response(by_idx.get(i), status) for i in range(g)), strict=True)
+    samples = [_response(by_idx.get(i), status) for i in range(g)]
+    ids, statuses = [x.ids for x in samples], [x.status for x in samples]
     version = int(policy_version)
     cols = {
         "group_id": pa.array([group_id] * g, pa.string()),
@@ -256,11 +280,13 @@ def group_to_batch(
                                                dtype=np.int64)),
         "data_source": pa.array([data_source] * g, pa.string()),
         "reward": pa.array(np.asarray(rewards if rewards is not None else np.zeros(g), dtype=np.float32)),
-        "finish_reason": pa.array(list(finish), pa.string()),
-        "status": pa.array(list(statuses), pa.string()),
+        "finish_reason": pa.array([x.finish for x in samples], pa.string()),
+        "status": pa.array(statuses, pa.string()),
+        "num_turns": pa.array(np.array([x.turns for x in samples], dtype=np.int16)),
+        "loss_tokens": pa.array(np.array([int(x.mask.sum()) for x in samples], dtype=np.int32)),
         "created_at": pa.array([_naive_utc(created_at)] * g, pa.timestamp("us")),
         "completed_at": pa.array([_naive_utc(completed_at)] * g, pa.timestamp("us")),
-        **_token_columns(output.prompt_token_ids or [], ids, lps, statuses),
+        **_token_columns(output.prompt_token_ids or [], ids, [x.logprobs for x in samples], [x.mask for x in samples]),
         "image_keys": _list_array(np.array(list(image_keys) * g, dtype=object), np.full(g, len(image_keys)),
                                   pa.binary(IMAGE_KEY_BYTES)),
     }
@@ -273,13 +299,13 @@ def group_to_batch(
 
 
 def _token_columns(prompt_ids: Sequence[int], ids: Sequence[np.ndarray], lps: Sequence[np.ndarray],
-                   statuses: Sequence[str]) -> dict[str, pa.Array]:
-    """The list columns of a group's samples: the prompt (repeated per sample), each sample's response ids and
-    sampled logprobs, and its loss mask (1 at every response token of a completed sample)."""
+                   masks: Sequence[np.ndarray]) -> dict[str, pa.Array]:
+    """The list columns of a group's samples: the prompt (repeated per sample), each sample's response ids,
+    sampled logprobs and loss mask."""
     g = len(ids)
     prompt = np.asarray(prompt_ids, dtype=np.int32)
     resp_len = np.array([len(p) for p in ids], dtype=np.int64)
-    mask = np.concatenate([np.full(n, s == "completed", np.uint8) for n, s in zip(resp_len, statuses, strict=True)])
+    mask = np.concatenate(masks)
     return {
         "prompt_ids": _list_array(np.tile(prompt, g), np.full(g, len(prompt)), pa.int32()),
         "response_ids": _list_array(np.concatenate(ids), resp_len, pa.int32()),

@@ -2,8 +2,9 @@
  *
  * check_group_batch: whether a batch of the trajectory schema's columns and types (its schema's signature)
  * keeps every rule of the common case (no nulls or validity bitmaps, one group_id, sample_idx 0..n-1 once
- * each, a known status, finite rewards, loss masks 0/1, versions >= 0 and min <= max, list lengths that
- * agree, token_versions within each row's versions), filling the `bytes` column on the way. It answers only
+ * each, a known status, finite rewards, loss masks 0/1 and loss_tokens their sum, num_turns >= 1, versions >= 0
+ * and min <= max, list lengths that agree, token_versions within each row's versions), filling the `bytes` column
+ * on the way. It answers only
  * "all kept" (0, or -1 when the columns' own fields differ from the schema's) or "look closer" (a reason
  * code > 0): the Python rules in schemas/trajectory_rules.py stay the one place that names what is wrong,
  * and run on any batch this pass does not accept. It never accepts a batch they would refuse.
@@ -160,7 +161,7 @@ static PyObject *schema_signature(PyObject *self, PyObject *args) {
 /* The roles check_group_batch reads, in the order of the `roles` table the caller passes (column indexes). */
 enum {
     R_GROUP_ID, R_SAMPLE_IDX, R_VERSION, R_VERSION_MIN, R_PROMPT_LEN, R_RESPONSE_LEN, R_REWARD, R_STATUS,
-    R_NUM_IMAGES, R_PROMPT_IDS, R_RESPONSE_IDS, R_RESPONSE_LOGPROBS, R_LOSS_MASK, R_IMAGE_KEYS, N_ROLES
+    R_NUM_IMAGES, R_NUM_TURNS, R_LOSS_TOKENS, R_PROMPT_IDS, R_RESPONSE_IDS, R_RESPONSE_LOGPROBS, R_LOSS_MASK, R_IMAGE_KEYS, N_ROLES
 };
 /* The payload (list) columns, in role order from R_PROMPT_IDS: `bytes` counts their values. */
 #define N_LISTS 5
@@ -168,7 +169,8 @@ enum {
 /* Reasons a batch goes to the Python rules (never shown to a writer: the Python rules name the error); their
  * numbers are schemas/native.py's STEPS_ASIDE and RULE_COLUMNS. */
 enum {
-    OK, SCHEMA, NOT_A_BATCH, NULLS, GROUP_ID, SAMPLE_IDX, STATUS, REWARD, LOSS_MASK, VERSION, LENGTHS, TOKEN_VERSIONS
+    OK, SCHEMA, NOT_A_BATCH, NULLS, GROUP_ID, SAMPLE_IDX, STATUS, REWARD, LOSS_MASK, VERSION, LENGTHS, TOKEN_VERSIONS,
+    TURNS
 };
 
 static struct ArrowArray *batch_of(PyObject *capsule) {
@@ -335,6 +337,19 @@ static int check(const struct ArrowArray *batch, const int32_t *roles, const int
         bits |= m[k];
     if (bits & ~UINT64_C(0x0101010101010101))
         return LOSS_MASK;
+    /* loss_tokens: each row's count of trained tokens, the sum of its mask */
+    const int32_t *ltok = values_of(c[R_LOSS_TOKENS], 0, 4);
+    for (int64_t i = 0; i < n; i++) {
+        int64_t ones = 0;
+        for (int64_t j = mo[i]; j < mo[i + 1]; j++)
+            ones += m[j];
+        if (ltok[i] != ones)
+            return LOSS_MASK;
+    }
+    const int16_t *turns = values_of(c[R_NUM_TURNS], 0, 2);
+    for (int64_t i = 0; i < n; i++)
+        if (turns[i] < 1)
+            return TURNS;
     if (tv_index >= 0 && (tv_index >= ncols || batch->children[tv_index]->n_children != 1 ||
                           !token_versions_kept(batch->children[tv_index], n, ro, v, vmin)))
         return TOKEN_VERSIONS;

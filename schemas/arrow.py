@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import pyarrow as pa
 
-SCHEMA_VERSION = 2
+SCHEMA_VERSION = 3
 """Version of the schemas and of the wire documents; bumped on any incompatible change."""
 
 IMAGE_KEY_BYTES = 32
@@ -41,6 +41,8 @@ METADATA_FIELDS: tuple[pa.Field, ...] = (
     pa.field("finish_reason", pa.string(), nullable=False),  # "stop" | "length" | "abort" | ...
     pa.field("status", pa.string(), nullable=False),  # one of STATUSES
     pa.field("num_images", pa.int16(), nullable=False),  # images referenced by image_keys
+    pa.field("num_turns", pa.int16(), nullable=False),  # model turns in the response (>= 1; tool tokens between)
+    pa.field("loss_tokens", pa.int32(), nullable=False),  # response tokens with loss_mask 1 (= sum(loss_mask))
     pa.field("created_at", pa.timestamp("us"), nullable=False),  # UTC, when generation started
     pa.field("completed_at", pa.timestamp("us"), nullable=False),  # UTC, when generation ended
     pa.field("bytes", pa.int64(), nullable=False),  # payload bytes of this row (set by the store)
@@ -65,14 +67,18 @@ PAYLOAD_COLUMNS: tuple[str, ...] = tuple(f.name for f in PAYLOAD_FIELDS)
 METADATA_COLUMNS: tuple[str, ...] = tuple(f.name for f in (*KEY_FIELDS, *METADATA_FIELDS))
 
 OPTIONAL_ON_WRITE: frozenset[str] = frozenset(
-    {"policy_version_min", "num_images", "created_at", "completed_at", "bytes", "image_keys", "loss_mask",
-     "finish_reason", "status", "data_source", "token_versions"}
+    {"policy_version_min", "num_images", "num_turns", "loss_tokens", "created_at", "completed_at", "bytes",
+     "image_keys", "loss_mask", "finish_reason", "status", "data_source", "token_versions"}
 )
 """Columns a writer may leave out; every writer fills them the same way (``schemas.trajectory.fill_defaults``).
 
 ``token_versions`` left out means every token of a row came from its ``policy_version``: a rollout that never
 loads new weights mid-response. A partial rollout (one that goes on generating a response under newer weights)
-writes it, and ``policy_version_min``/``policy_version`` are then its smallest and largest value."""
+writes it, and ``policy_version_min``/``policy_version`` are then its smallest and largest value.
+
+``num_turns`` left out is 1 (a single-turn response); ``loss_tokens`` left out is the row's ``sum(loss_mask)``, and
+a writer that sends it must send exactly that: the planner reads the count of trained tokens from the metadata,
+which never carries the mask itself."""
 
 NATIVE_PAYLOAD_COLUMNS: tuple[str, ...] = PAYLOAD_COLUMNS[:-1]
 """The payload columns the native pass counts (``schemas.native``); ``token_versions``, the last, is checked and

@@ -21,7 +21,8 @@ from schemas.trajectory_rules import COLUMN_TYPES, PAYLOAD_WIDTHS, offset_length
 _NATIVE_ROLES: dict[str, pa.DataType] = {
     "group_id": pa.string(), "sample_idx": pa.int32(), "policy_version": pa.int64(),
     "policy_version_min": pa.int64(), "prompt_len": pa.int32(), "response_len": pa.int32(), "reward": pa.float32(),
-    "status": pa.string(), "num_images": pa.int16(), "prompt_ids": pa.list_(pa.int32()),
+    "status": pa.string(), "num_images": pa.int16(), "num_turns": pa.int16(), "loss_tokens": pa.int32(),
+    "prompt_ids": pa.list_(pa.int32()),
     "response_ids": pa.list_(pa.int32()), "response_logprobs": pa.list_(pa.float32()),
     "loss_mask": pa.list_(pa.uint8()), "image_keys": pa.list_(pa.binary(32)),
 }
@@ -75,10 +76,10 @@ fields of the same names and types (another nullability or field metadata, or ``
 STEPS_ASIDE: dict[int, str] = {1: "another schema", 2: "not a batch it reads", 3: "a null or a validity bitmap"}
 """Its answers for a batch outside the common case (which the Python rules may well accept)."""
 RULE_COLUMNS: dict[int, tuple[str, ...]] = {
-    4: ("group_id",), 5: ("sample_idx",), 6: ("status",), 7: ("reward",), 8: ("loss_mask",),
+    4: ("group_id",), 5: ("sample_idx",), 6: ("status",), 7: ("reward",), 8: ("loss_mask", "loss_tokens"),
     9: ("policy_version", "policy_version_min"),
     10: ("response_logprobs", "loss_mask", "response_len", "prompt_len", "num_images"),
-    11: (_TOKEN_VERSIONS, "policy_version"),
+    11: (_TOKEN_VERSIONS, "policy_version"), 12: ("num_turns",),
 }
 """Its answers for a batch breaking a rule: the columns the Python rules may name for it (``_kernels.c``'s reasons)."""
 

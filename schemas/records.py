@@ -49,6 +49,8 @@ class TrajectoryRecord(BaseModel):
     finish_reason: str | None = None  # defaults to "stop"
     status: str | None = None  # defaults to "completed"
     num_images: Int16 | None = None  # defaults to len(image_keys)
+    num_turns: Annotated[int, Field(ge=1, lt=2**15)] | None = None  # model turns; defaults to 1
+    loss_tokens: NonNeg32 | None = None  # defaults to sum(loss_mask)
     created_at: datetime | None = None  # UTC; defaults to now
     completed_at: datetime | None = None  # UTC; defaults to now
     bytes: Annotated[int, Field(ge=0)] = 0  # recomputed from the payload

@@ -236,15 +236,15 @@ ACTION_DESCRIPTIONS: dict[str, str] = {
     "cluster": 'the cluster view: {"routing": "home-rendezvous-sha256", "version": N, "nodes": [{"id", "location"}], '
                '"self": id, "down": [ids]}; a group belongs to the node routing picks from "nodes" not "down"',
     "stats": "rows, bytes, groups by state, images, memory budget and use, bytes in/out",
-    "release": 'free the payload of consumed groups; body {"v":2,"group_ids":[...]}',
-    "publish_version": 'record the newest policy version; body {"v":2,"version":N}',
+    "release": 'free the payload of consumed groups; body {"v":3,"group_ids":[...]}',
+    "publish_version": 'record the newest policy version; body {"v":3,"version":N}',
     "get_version": 'the newest published policy version; answers {"version": N}',
-    "dispatch": 'register groups in flight (queued or running) with their quota class; body {"v":2,"groups":[...]}; '
+    "dispatch": 'register groups in flight (queued or running) with their quota class; body {"v":3,"groups":[...]}; '
                 'answers {"registered": N, "stored": [ids already written, so not registered]}',
-    "resolve": 'take groups out of flight without rows; body {"v":2,"group_ids":[...],"reason":"aborted"}',
+    "resolve": 'take groups out of flight without rows; body {"v":3,"group_ids":[...],"reason":"aborted"}',
     "demand": 'groups per data_source the trainer needs and nothing running brings (shown in stats); '
-              'body {"v":2,"classes":{"math":2}}',
-    "set_cluster": 'a newer cluster view: body {"v":2,"version":N,"down":[ids]}; routing leaves the down ids out; '
+              'body {"v":3,"classes":{"math":2}}',
+    "set_cluster": 'a newer cluster view: body {"v":3,"version":N,"down":[ids]}; routing leaves the down ids out; '
                    'a version not above the node\'s changes nothing; answers as cluster',
     "inflight": 'the groups in flight here: {"groups": [{"group_id", "data_source", "prompt_id", '
                 '"dispatch_version", "state", "dispatched_at"}], "registered_total": N, "resolved": {reason: N}}',

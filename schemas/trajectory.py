@@ -15,7 +15,8 @@ them accepts, the others accept too.
 * columns in ``OPTIONAL_ON_WRITE`` may be missing and are filled (:func:`fill_defaults`):
   ``token_versions`` = ``policy_version`` once per response token, ``policy_version_min`` = the smallest
   token version (``policy_version`` when ``token_versions`` is left out), ``num_images`` = ``len(image_keys)`` (or 0),
-  ``image_keys`` = ``[]``, ``loss_mask`` = all ones of the response length,
+  ``image_keys`` = ``[]``, ``loss_mask`` = all ones of the response length, ``num_turns`` = 1,
+  ``loss_tokens`` = ``sum(loss_mask)``,
   ``created_at``/``completed_at`` = now, ``finish_reason`` = ``"stop"``, ``status`` =
   ``"completed"``, ``data_source`` = ``"default"``, ``prompt_len``/``response_len`` = the list
   lengths (for the records helpers; the wire requires them);
@@ -26,7 +27,8 @@ them accepts, the others accept too.
 * nulls are refused in every column (and inside list values); timestamps may carry a time zone (the
   instant is stored as naive UTC);
 * the value rules of :func:`~schemas.trajectory_rules.check_rules`: every ``group_id`` equals the group's;
-  ``sample_idx >= 0`` and unique; rewards finite; ``loss_mask`` values 0 or 1; versions >= 0 and
+  ``sample_idx >= 0`` and unique; rewards finite; ``loss_mask`` values 0 or 1, ``loss_tokens`` their sum;
+  ``num_turns >= 1``; versions >= 0 and
   ``policy_version_min <= policy_version``, each token version between them; ``status`` in ``STATUSES``;
   list lengths agree (``response_logprobs``, ``loss_mask`` and ``token_versions`` have ``len(response_ids)``
   values, ``prompt_len``/``response_len`` equal the list

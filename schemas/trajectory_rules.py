@@ -191,6 +191,10 @@ def _default(name: str, cols: dict[str, pa.Array], n: int, now: dt.datetime) -> 
         return pa.array(list_lengths(cols["image_keys"]).astype(np.int16), type=pa.int16())
     if name == "loss_mask":
         return _ones_like_lists(cols["response_ids"])
+    if name == "num_turns":
+        return pa.repeat(pa.scalar(1, type=pa.int16()), n)
+    if name == "loss_tokens":
+        return pa.array(_mask_sums(cols["loss_mask"]), type=pa.int32())
     if name in ("created_at", "completed_at"):
         return pa.repeat(pa.scalar(now, type=pa.timestamp("us")), n)
     if name in _FILLED_FROM_LISTS:
@@ -199,10 +203,25 @@ def _default(name: str, cols: dict[str, pa.Array], n: int, now: dt.datetime) -> 
     return pa.repeat(pa.scalar(value, type=pa.string()), n)
 
 
-_FILL_ORDER = ("policy_version_min", "token_versions", "image_keys", "num_images", "loss_mask", "created_at",
-               "completed_at", "finish_reason", "status", "data_source", "prompt_len", "response_len")
-"""Optional columns in the order they are filled (``num_images`` after ``image_keys``; ``policy_version_min``
-before ``token_versions``, whose writer's values it is the smallest of)."""
+_FILL_ORDER = ("policy_version_min", "token_versions", "image_keys", "num_images", "loss_mask", "num_turns",
+               "loss_tokens", "created_at", "completed_at", "finish_reason", "status", "data_source", "prompt_len",
+               "response_len")
+"""Optional columns in the order they are filled (``num_images`` after ``image_keys``, ``loss_tokens`` after
+``loss_mask``; ``policy_version_min`` before ``token_versions``, whose writer's values it is the smallest of)."""
+
+
+def _mask_sums(loss_mask: pa.Array) -> np.ndarray:
+    """Each row's count of ones in ``loss_mask`` (its trained tokens), int64."""
+    if isinstance(loss_mask, pa.ChunkedArray):
+        loss_mask = loss_mask.combine_chunks()
+    lengths = pc.fill_null(pc.list_value_length(loss_mask), 0).to_numpy().astype(np.int64)
+    values = pc.list_flatten(loss_mask).to_numpy(zero_copy_only=False).astype(np.int64)
+    sums = np.zeros(len(lengths), dtype=np.int64)
+    filled = lengths > 0
+    if filled.any():
+        starts = np.concatenate(([0], np.cumsum(lengths)[:-1]))[filled]
+        sums[filled] = np.add.reduceat(values, starts)
+    return sums
 
 
 def fill_defaults(cols: dict[str, pa.Array], n: int, *, now: dt.datetime | None = None,
@@ -233,7 +252,7 @@ def _check_lengths(name: str, got: np.ndarray, want: np.ndarray, what: str) -> N
 
 
 def _check_values(cols: dict[str, pa.Array]) -> None:
-    """Rewards finite, loss masks 0 or 1, versions not negative."""
+    """Rewards finite, loss masks 0 or 1, at least one turn, versions not negative."""
     reward = cols["reward"].to_numpy(zero_copy_only=False)
     if not np.isfinite(reward).all():
         bad = np.flatnonzero(~np.isfinite(reward))
@@ -243,6 +262,11 @@ def _check_values(cols: dict[str, pa.Array]) -> None:
     if mask.size and int(mask.max()) > 1:
         msg = f"column 'loss_mask' holds {int(mask.max())}; a loss mask is 0 (not trained on) or 1"
         raise TrajectoryError(msg, column="loss_mask")
+    turns = cols["num_turns"].to_numpy()
+    if turns.size and turns.min() < 1:
+        i = int(np.argmin(turns))
+        msg = f"column 'num_turns' row {i} is {int(turns[i])}; a response holds at least one model turn"
+        raise TrajectoryError(msg, column="num_turns")
     for name in ("policy_version", "policy_version_min"):
         values = cols[name].to_numpy()
         if values.size and values.min() < 0:
@@ -303,6 +327,7 @@ def check_row_rules(cols: dict[str, pa.Array]) -> dict[str, np.ndarray]:
     if (got != want).any():  # name the first column that disagrees (one comparison for all of them)
         for (name, what), g, w in zip(_LENGTH_RULES, got, want, strict=True):
             _check_lengths(name, g, w, what)
+    _check_lengths("loss_tokens", cols["loss_tokens"].to_numpy(), _mask_sums(cols["loss_mask"]), "sum(loss_mask)")
     check_token_versions(cols["token_versions"], lengths["token_versions"], vmin, vmax)
     return lengths
 

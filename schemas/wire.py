@@ -82,7 +82,7 @@ class PutGroup(_Doc):
     The group is committed only when the stream ends (the client's half-close) with all ``rows`` rows
     and they validate; any other ending stores nothing.
 
-    Example: ``{"v": 2, "kind": "put_group", "group_id": "step3-prompt17", "rows": 4}``
+    Example: ``{"v": 3, "kind": "put_group", "group_id": "step3-prompt17", "rows": 4}``
     """
 
     kind: Literal["put_group"] = "put_group"
@@ -109,7 +109,7 @@ class PutGroups(_Doc):
     the others are stored. A stream that does not end cleanly, or whose rows do not add up to the
     groups', stores nothing.
 
-    Example: ``{"v": 2, "kind": "put_groups", "groups": [{"group_id": "s3-p17", "rows": 4},
+    Example: ``{"v": 3, "kind": "put_groups", "groups": [{"group_id": "s3-p17", "rows": 4},
     {"group_id": "s3-p18", "rows": 4}]}``
     """
 
@@ -129,7 +129,7 @@ class PutGroups(_Doc):
 class GroupRef(_Doc):
     """Names a stored group, for GetFlightInfo (and the descriptor of ListFlights' answers).
 
-    Example: ``{"v": 2, "kind": "group", "group_id": "step3-prompt17"}``
+    Example: ``{"v": 3, "kind": "group", "group_id": "step3-prompt17"}``
     """
 
     kind: Literal["group"] = "group"
@@ -139,7 +139,7 @@ class GroupRef(_Doc):
 class PutImages(_Doc):
     """DoPut rows of the image table; keys already stored are skipped.
 
-    Example: ``{"v": 2, "kind": "put_images"}``
+    Example: ``{"v": 3, "kind": "put_images"}``
     """
 
     kind: Literal["put_images"] = "put_images"
@@ -148,7 +148,7 @@ class PutImages(_Doc):
 class PutWeights(_Doc):
     """DoPut a table of named tensors (``name``, ``shape``, ``dtype``, ``data``) as weights ``version``.
 
-    Example: ``{"v": 2, "kind": "put_weights", "version": 4}``
+    Example: ``{"v": 3, "kind": "put_weights", "version": 4}``
     """
 
     kind: Literal["put_weights"] = "put_weights"
@@ -164,7 +164,7 @@ Descriptor = Annotated[PutGroup | PutGroups | PutImages | PutWeights | GroupRef,
 class MetadataTicket(_Doc):
     """Metadata rows with ``seq >= since`` (the cursor), projected to ``columns``.
 
-    Example: ``{"v": 2, "kind": "metadata", "since": 0, "columns": ["group_id", "reward"]}``
+    Example: ``{"v": 3, "kind": "metadata", "since": 0, "columns": ["group_id", "reward"]}``
     """
 
     kind: Literal["metadata"] = "metadata"
@@ -193,7 +193,7 @@ class SliceRef(BaseModel):
 class SlicesTicket(_Doc):
     """Payload (and any other) columns of the listed slices, streamed in ticket order.
 
-    Example: ``{"v": 2, "kind": "slices", "slices": [{"group_id": "g1", "start": 0, "stop": 4}],
+    Example: ``{"v": 3, "kind": "slices", "slices": [{"group_id": "g1", "start": 0, "stop": 4}],
     "columns": ["group_id", "sample_idx", "response_ids"]}``
     """
 
@@ -206,7 +206,7 @@ class SlicesTicket(_Doc):
 class ImagesTicket(_Doc):
     """Image-table rows for the given hex keys, in key order.
 
-    Example: ``{"v": 2, "kind": "images", "keys": ["9f86d0...(64 hex digits)"]}``
+    Example: ``{"v": 3, "kind": "images", "keys": ["9f86d0...(64 hex digits)"]}``
     """
 
     kind: Literal["images"] = "images"
@@ -218,7 +218,7 @@ class ImagesTicket(_Doc):
 class WeightsTicket(_Doc):
     """The latest weights table (or exactly ``version`` when given).
 
-    Example: ``{"v": 2, "kind": "weights"}``
+    Example: ``{"v": 3, "kind": "weights"}``
     """
 
     kind: Literal["weights"] = "weights"
@@ -241,7 +241,7 @@ class ReadChannelDescriptor(_Doc):
     the last message's app metadata being the JSON end of the answer (see
     :func:`schemas.read_channel.encode_read_end`).
 
-    Example: ``{"v": 2, "kind": "reads", "columns": ["group_id", "sample_idx", "response_ids"]}``
+    Example: ``{"v": 3, "kind": "reads", "columns": ["group_id", "sample_idx", "response_ids"]}``
     """
 
     kind: Literal["reads"] = "reads"
@@ -253,13 +253,13 @@ class ReadChannelDescriptor(_Doc):
 
 
 class ReleaseBody(_Doc):
-    """Free the payload of consumed groups. Example: ``{"v": 2, "group_ids": ["g1", "g2"]}``"""
+    """Free the payload of consumed groups. Example: ``{"v": 3, "group_ids": ["g1", "g2"]}``"""
 
     group_ids: list[GroupId] = Field(min_length=1)
 
 
 class PublishVersionBody(_Doc):
-    """Record the trainer's newest policy version. Example: ``{"v": 2, "version": 5}``"""
+    """Record the trainer's newest policy version. Example: ``{"v": 3, "version": 5}``"""
 
     version: Version
 
@@ -287,7 +287,7 @@ class DispatchedGroup(BaseModel):
 class DispatchBody(_Doc):
     """Register (or update) groups in flight on this node; each must belong to it (routing).
 
-    Example: ``{"v": 2, "groups": [{"group_id": "r1-7", "data_source": "math", "prompt_id": "r1-7",
+    Example: ``{"v": 3, "groups": [{"group_id": "r1-7", "data_source": "math", "prompt_id": "r1-7",
     "dispatch_version": 3, "state": "running"}]}``
     """
 
@@ -297,7 +297,7 @@ class DispatchBody(_Doc):
 class ResolveBody(_Doc):
     """Take groups out of flight without their rows: ``aborted`` (the prompt is dispatched again under a
     new id), ``filtered`` (the rollout discarded it) or ``cancelled`` (never dispatched). A group whose
-    rows are written is resolved by that write. Example: ``{"v": 2, "group_ids": ["r1-7"], "reason": "aborted"}``
+    rows are written is resolved by that write. Example: ``{"v": 3, "group_ids": ["r1-7"], "reason": "aborted"}``
     """
 
     group_ids: list[GroupId] = Field(min_length=1, max_length=MAX_DISPATCHED)
@@ -308,7 +308,7 @@ class DemandBody(_Doc):
     """What the trainer's current train batch still needs and nothing running will bring: groups per
     ``data_source``. The rollout may dispatch prompts of these classes past its lookahead limit (else a
     lookahead full of other classes would wait forever). ``{}`` clears it.
-    Example: ``{"v": 2, "classes": {"math": 2}}``
+    Example: ``{"v": 3, "classes": {"math": 2}}``
     """
 
     classes: dict[Annotated[str, Field(min_length=1, max_length=256)], Annotated[int, Field(ge=1, le=1 << 20)]] = \
@@ -318,20 +318,20 @@ class DemandBody(_Doc):
 class SetClusterBody(_Doc):
     """A new cluster view for this node: routing runs over the members not ``down`` (ids), from ``version`` on.
     A node keeps the highest version it was told (an older view changes nothing), so the launcher that watches
-    the nodes can tell every node, in any order. Example: ``{"v": 2, "version": 2, "down": ["node1"]}``"""
+    the nodes can tell every node, in any order. Example: ``{"v": 3, "version": 2, "down": ["node1"]}``"""
 
     version: Annotated[int, Field(ge=1, lt=2**31)]
     down: list[Annotated[str, Field(min_length=1, max_length=512)]] = Field(default_factory=list, max_length=1024)
 
 
 class EmptyBody(_Doc):
-    """Body of ``health`` and ``stats`` (may also be sent empty). Example: ``{"v": 2}``"""
+    """Body of ``health`` and ``stats`` (may also be sent empty). Example: ``{"v": 3}``"""
 
 
 class ListCriteria(_Doc):
     """ListFlights criteria (or empty): up to ``limit`` groups (at most ``groups_per_list``) after ``after``.
 
-    Example: ``{"v": 2, "after": "step3-prompt17", "limit": 500}`` (groups in arrival order)
+    Example: ``{"v": 3, "after": "step3-prompt17", "limit": 500}`` (groups in arrival order)
     """
 
     after: GroupId | None = None

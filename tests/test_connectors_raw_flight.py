@@ -77,7 +77,7 @@ def test_engine_writes_a_group_with_images_using_raw_flight(store_nodes) -> None
     client = flight.connect(server.location)
 
     # 1. the policy version the trainer published: tag rows with it
-    _action(client, "publish_version", {"v": 2, "version": 5})
+    _action(client, "publish_version", {"v": 3, "version": 5})
     version = int(_action(client, "get_version")["version"])  # type: ignore[call-overload]
     assert version == 5
 
@@ -88,8 +88,8 @@ def test_engine_writes_a_group_with_images_using_raw_flight(store_nodes) -> None
     images = pa.table({"image_key": [key], "shape": [list(img.shape)], "dtype": ["uint8"], "data": [img.tobytes()]},
                       schema=pa.schema([("image_key", pa.binary(32)), ("shape", pa.list_(pa.int32())),
                                         ("dtype", pa.string()), ("data", pa.large_binary())]))
-    assert _put(client, {"v": 2, "kind": "put_images"}, images) == {"stored": 1}
-    assert _put(client, {"v": 2, "kind": "put_images"}, images) == {"stored": 0}
+    assert _put(client, {"v": 3, "kind": "put_images"}, images) == {"stored": 1}
+    assert _put(client, {"v": 3, "kind": "put_images"}, images) == {"stored": 0}
 
     # 3. the group: 3 samples, the last one aborted by the engine, every row referencing the image
     responses = [[11, 12, 13], [21, 22], [31]]
@@ -117,18 +117,18 @@ def test_engine_writes_a_group_with_images_using_raw_flight(store_nodes) -> None
         },
         schema=ENGINE_SCHEMA,
     )
-    put = {"v": 2, "kind": "put_group", "group_id": "eng-1", "rows": 3}
+    put = {"v": 3, "kind": "put_group", "group_id": "eng-1", "rows": 3}
     assert _put(client, put, group)["rows_added"] == 3
     # 4. the answer got lost, the engine retries: a rewrite of the same group is a no-op
     assert _put(client, put, group)["rows_added"] == 0
 
     # 5. read back what the trainer would see
-    meta = _get(client, {"v": 2, "kind": "metadata", "since": 0,
+    meta = _get(client, {"v": 3, "kind": "metadata", "since": 0,
                          "columns": ["group_id", "sample_idx", "status", "num_images", "policy_version"]})
     assert meta.num_rows == 3
     assert meta.column("status").to_pylist() == ["completed", "completed", "aborted"]
     assert meta.column("num_images").to_pylist() == [1, 1, 1]
-    rows = _get(client, {"v": 2, "kind": "slices", "slices": [{"group_id": "eng-1", "start": 0, "stop": 3}],
+    rows = _get(client, {"v": 3, "kind": "slices", "slices": [{"group_id": "eng-1", "start": 0, "stop": 3}],
                          "columns": ["sample_idx", "response_ids", "response_logprobs", "loss_mask", "image_keys",
                                      "created_at", "finish_reason", "policy_version_min"]})
     assert rows.column("response_ids").to_pylist() == responses
@@ -138,7 +138,7 @@ def test_engine_writes_a_group_with_images_using_raw_flight(store_nodes) -> None
     assert rows.column("finish_reason").to_pylist() == ["stop", "length", "abort"]
     assert rows.column("policy_version_min").to_pylist() == [4] * 3
     assert rows.column("created_at").to_pylist()[0] == t0.astype(object)
-    got = _get(client, {"v": 2, "kind": "images", "keys": [key.hex()]})
+    got = _get(client, {"v": 3, "kind": "images", "keys": [key.hex()]})
     assert got.column("image_key").to_pylist() == [key]
     data = got.column("data")[0].as_py()
     np.testing.assert_array_equal(np.frombuffer(data, np.uint8).reshape(got.column("shape")[0].as_py()), img)

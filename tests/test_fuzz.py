@@ -24,6 +24,7 @@ from hypothesis import strategies as st
 from flight_store.config import ServerConfig, StoreConfig
 from flight_store.errors import ERROR_CLASSES, KnitError, from_flight_error
 from flight_store.server import StoreServer
+from schemas.arrow import SCHEMA_VERSION
 from schemas.records import TrajectoryRecord, records_to_batch
 from schemas.replies import ACTION_DESCRIPTIONS
 from schemas.wire import PutGroup
@@ -194,7 +195,7 @@ def test_fuzzed_read_channel_requests_and_descriptors(node) -> None:
     _, raw = node
     requests, opens = _Tally(), _Tally()
     long_lived = flight.FlightCallOptions(timeout=300)
-    channel = json.dumps({"v": 2, "kind": "reads", "columns": ["group_id", "sample_idx"]}).encode()
+    channel = json.dumps({"v": 3, "kind": "reads", "columns": ["group_id", "sample_idx"]}).encode()
     writer, reader = raw.do_exchange(flight.FlightDescriptor.for_command(channel), long_lived)
     writer.begin(pa.schema([]))
 
@@ -218,7 +219,7 @@ def test_fuzzed_read_channel_requests_and_descriptors(node) -> None:
         w, r = raw.do_exchange(flight.FlightDescriptor.for_command(descriptor), OPTIONS)
         try:
             w.begin(pa.schema([]))
-            answer(w, r, json.dumps({"v": 2, "kind": "slices", "slices": [
+            answer(w, r, json.dumps({"v": 3, "kind": "slices", "slices": [
                 {"group_id": "known", "start": 0, "stop": 1}]}).encode())
             w.done_writing()
         finally:
@@ -230,9 +231,9 @@ def test_fuzzed_read_channel_requests_and_descriptors(node) -> None:
         opens.add(_typed_or_ok("exchange", lambda: open_and_read(descriptor), raw))
 
     one()
-    assert answer(writer, reader, json.dumps({"v": 2, "kind": "slices", "columns": ["group_id", "sample_idx"],
+    assert answer(writer, reader, json.dumps({"v": 3, "kind": "slices", "columns": ["group_id", "sample_idx"],
                                               "slices": [{"group_id": "known", "start": 1, "stop": 3}]}).encode()) == {
-        "rows": 2, "metadata": {"knittrans.schema_version": "2", "knittrans.table": "trajectory"}}
+        "rows": 2, "metadata": {"knittrans.schema_version": str(SCHEMA_VERSION), "knittrans.table": "trajectory"}}
     writer.done_writing()
     writer.close()
     opening()

@@ -60,7 +60,7 @@ def test_a_group_is_registered_only_with_its_own_node(store_nodes) -> None:  # t
     with StoreReader.from_cluster(servers[0].location) as client, StoreWriter.sharing(client) as writer:
         gid = "g0"
         other = next(s for s in servers if s.location != client.node_for(gid))
-        body = json.dumps({"v": 2, "groups": [_d(gid).model_dump()]}).encode()
+        body = json.dumps({"v": 3, "groups": [_d(gid).model_dump()]}).encode()
         with pytest.raises(WrongNodeError, match="belongs to node"):
             client._calls.action(other.location, "dispatch", DispatchReply, body)
         assert client.inflight().groups.height == 0
@@ -69,12 +69,12 @@ def test_a_group_is_registered_only_with_its_own_node(store_nodes) -> None:  # t
 
 
 @pytest.mark.parametrize("doc, what", [
-    ({"v": 2, "groups": []}, "groups"),
-    ({"v": 2, "groups": [{"group_id": "g", "data_source": "m", "prompt_id": "g", "dispatch_version": 0,
+    ({"v": 3, "groups": []}, "groups"),
+    ({"v": 3, "groups": [{"group_id": "g", "data_source": "m", "prompt_id": "g", "dispatch_version": 0,
                           "state": "done"}]}, "state"),
-    ({"v": 2, "groups": [{"group_id": "g", "data_source": "", "prompt_id": "g", "dispatch_version": 0}]},
+    ({"v": 3, "groups": [{"group_id": "g", "data_source": "", "prompt_id": "g", "dispatch_version": 0}]},
      "data_source"),
-    ({"v": 2, "group_ids": ["g"], "reason": "lost"}, "reason"),
+    ({"v": 3, "group_ids": ["g"], "reason": "lost"}, "reason"),
 ])
 def test_bad_bodies_are_refused_by_name(store_nodes, doc, what) -> None:  # type: ignore[no-untyped-def]
     (server,) = store_nodes(1)

@@ -66,7 +66,7 @@ def _group(gid: str, rows: int = G, tokens: int = 3) -> pa.Table:
 
 def _put_group(client: flight.FlightClient, table: pa.Table) -> Any:
     gid = table.column("group_id")[0].as_py()
-    return _put_group_as(client, _cmd({"v": 2, "kind": "put_group", "group_id": gid, "rows": table.num_rows}), table)
+    return _put_group_as(client, _cmd({"v": 3, "kind": "put_group", "group_id": gid, "rows": table.num_rows}), table)
 
 
 def _put_group_as(client: flight.FlightClient, descriptor: flight.FlightDescriptor, table: pa.Table) -> Any:
@@ -85,25 +85,25 @@ def test_tickets_bodies_and_lists_are_bounded_and_the_node_keeps_serving() -> No
     with StoreServer() as server:
         raw = flight.connect(server.location)
         _put_group(raw, _group("g"))
-        huge = {"v": 2, "kind": "slices", "slices": [{"group_id": "g", "start": 0, "stop": 1}] * 300_000}
+        huge = {"v": 3, "kind": "slices", "slices": [{"group_id": "g", "start": 0, "stop": 1}] * 300_000}
         info = _refusal(lambda: raw.do_get(flight.Ticket(json.dumps(huge).encode())).read_all())
         assert info["class"] == "LimitExceededError" and info["limit"] == "ticket_bytes" and not info["retryable"]
-        many = {"v": 2, "kind": "slices", "slices": [{"group_id": "g", "start": 0, "stop": 1}] * 9000}
+        many = {"v": 3, "kind": "slices", "slices": [{"group_id": "g", "start": 0, "stop": 1}] * 9000}
         info = _refusal(lambda: raw.do_get(flight.Ticket(json.dumps(many).encode())).read_all())
         assert info["limit"] == "slices_per_ticket" and info["value"] == 9000
-        body = json.dumps({"v": 2, "group_ids": ["x" * 500] * 100_000}).encode()  # 50 MB
+        body = json.dumps({"v": 3, "group_ids": ["x" * 500] * 100_000}).encode()  # 50 MB
         info = _refusal(lambda: _action(raw, "release", body))
         assert info["limit"] == "action_body_bytes" and info["value"] == len(body)
-        keys = {"v": 2, "kind": "images", "keys": ["ab" * 32] * 5000, "missing_ok": True}
+        keys = {"v": 3, "kind": "images", "keys": ["ab" * 32] * 5000, "missing_ok": True}
         info = _refusal(lambda: raw.do_get(flight.Ticket(json.dumps(keys).encode())).read_all())
         assert info["limit"] == "keys_per_ticket" and info["value"] == 5000
-        ids = json.dumps({"v": 2, "group_ids": [f"x{i}" for i in range(70_000)]}).encode()  # < 1 MB
+        ids = json.dumps({"v": 3, "group_ids": [f"x{i}" for i in range(70_000)]}).encode()  # < 1 MB
         info = _refusal(lambda: _action(raw, "release", ids))
         assert info["limit"] == "groups_per_release" and info["value"] == 70_000
-        desc = _cmd({"v": 2, "kind": "put_group", "group_id": "y" * 70_000, "rows": G})
+        desc = _cmd({"v": 3, "kind": "put_group", "group_id": "y" * 70_000, "rows": G})
         info = _refusal(lambda: _put_group_as(raw, desc, _group("g")))
         assert info["limit"] == "descriptor_bytes"
-        ok = {"v": 2, "kind": "slices", "slices": [{"group_id": "g", "start": 0, "stop": 1}] * 8000}
+        ok = {"v": 3, "kind": "slices", "slices": [{"group_id": "g", "start": 0, "stop": 1}] * 8000}
         assert raw.do_get(flight.Ticket(json.dumps(ok).encode())).read_all().num_rows == 8000
         assert _action(raw, "health")["ok"] is True
         raw.close()
@@ -130,10 +130,10 @@ def test_list_flights_answers_a_page_at_a_time() -> None:
         raw = flight.connect(server.location)
         first = [json.loads(i.descriptor.command)["group_id"] for i in raw.list_flights()]
         assert len(first) == LIMITS["groups_per_list"] and first[0] == "g00000"
-        crit = json.dumps({"v": 2, "after": first[-1]}).encode()
+        crit = json.dumps({"v": 3, "after": first[-1]}).encode()
         rest = [json.loads(i.descriptor.command)["group_id"] for i in raw.list_flights(crit)]
         assert rest == [f"g{i:05d}" for i in range(LIMITS["groups_per_list"], LIMITS["groups_per_list"] + 200)]
-        small = json.dumps({"v": 2, "limit": 5}).encode()
+        small = json.dumps({"v": 3, "limit": 5}).encode()
         assert len(list(raw.list_flights(small))) == 5
         raw.close()
 
@@ -143,7 +143,7 @@ def test_an_oversized_write_is_refused_as_it_arrives_not_after() -> None:
     with StoreServer(ServerConfig(store=StoreConfig(memory_budget=budget))) as server:
         raw = flight.connect(server.location)
         batch = _group("big", rows=1, tokens=256 << 10).to_batches()[0]  # ~2 MiB a batch
-        writer, _ = raw.do_put(_cmd({"v": 2, "kind": "put_group", "group_id": "big", "rows": 100}), batch.schema)
+        writer, _ = raw.do_put(_cmd({"v": 3, "kind": "put_group", "group_id": "big", "rows": 100}), batch.schema)
         sent = 0
         with pytest.raises(flight.FlightError) as exc:
             for i in range(100):  # 200 MiB announced
@@ -164,18 +164,18 @@ def test_a_weights_put_of_zero_batches_or_a_bad_table_is_refused_and_the_node_re
                         ("data", pa.large_binary())])
     with StoreServer(ServerConfig(store=store)) as server:
         raw = flight.connect(server.location)
-        writer, _ = raw.do_put(_cmd({"v": 2, "kind": "put_weights", "version": 1}), schema)
+        writer, _ = raw.do_put(_cmd({"v": 3, "kind": "put_weights", "version": 1}), schema)
         with pytest.raises(flight.FlightError, match="holds no tensor"):
             writer.done_writing()
             writer.close()
         bad = pa.table({"name": ["w", "w"], "shape": [[1], [1]], "dtype": ["int16", "int16"],
                         "data": [b"\0\0", b"\0\0"]}, schema=schema)
-        writer, _ = raw.do_put(_cmd({"v": 2, "kind": "put_weights", "version": 1}), schema)
+        writer, _ = raw.do_put(_cmd({"v": 3, "kind": "put_weights", "version": 1}), schema)
         with pytest.raises(flight.FlightError, match="'w' is empty or repeated"):
             writer.write_table(bad)
             writer.done_writing()
             writer.close()
-        assert _refusal(lambda: raw.do_get(flight.Ticket(b'{"v": 2, "kind": "weights"}')).read_all())[
+        assert _refusal(lambda: raw.do_get(flight.Ticket(b'{"v": 3, "kind": "weights"}')).read_all())[
             "class"] == "UnknownWeightsError"
         raw.close()
     with StoreServer(ServerConfig(store=store)) as again:  # nothing poisonous was logged
@@ -193,7 +193,7 @@ def test_idle_writers_lose_their_slot_and_honest_writers_get_through() -> None:
         idle = []
         for i in range(12):  # open streams that never send a batch (beyond 8, the node refuses them)
             client = flight.connect(server.location)
-            writer, _ = client.do_put(_cmd({"v": 2, "kind": "put_group", "group_id": f"idle{i}", "rows": G}), schema)
+            writer, _ = client.do_put(_cmd({"v": 3, "kind": "put_group", "group_id": f"idle{i}", "rows": G}), schema)
             idle.append((client, writer))
         stats = _wait_stats(raw, lambda st: st["writers"] == 8)
         assert stats["memory_in_flight"] == 0  # idle streams reserve no memory
@@ -220,7 +220,7 @@ def test_writers_beyond_the_cap_are_refused_retryably_and_the_client_retries() -
     config = ServerConfig(max_writers=1, write_idle_timeout_s=30.0)
     with StoreServer(config) as server:
         slow = flight.connect(server.location)
-        writer, _ = slow.do_put(_cmd({"v": 2, "kind": "put_group", "group_id": "slow", "rows": G}), _group("a").schema)
+        writer, _ = slow.do_put(_cmd({"v": 3, "kind": "put_group", "group_id": "slow", "rows": G}), _group("a").schema)
         raw = flight.connect(server.location)
         _wait_stats(raw, lambda st: st["writers"] == 1)  # the slow writer holds the one slot
         info = _refusal(lambda: _put_group(raw, _group("b")))
@@ -240,7 +240,7 @@ def _hold_idle_streams(location: str, n: int) -> tuple[flight.FlightClient, list
     """One client (one connection) opening ``n`` DoPut streams that never send a batch."""
     hog = flight.connect(location)
     schema = _group("x").schema
-    return hog, [hog.do_put(_cmd({"v": 2, "kind": "put_group", "group_id": f"idle{i}", "rows": G}), schema)[0]
+    return hog, [hog.do_put(_cmd({"v": 3, "kind": "put_group", "group_id": f"idle{i}", "rows": G}), schema)[0]
                  for i in range(n)]
 
 
@@ -291,12 +291,12 @@ def test_a_client_holding_300_idle_streams_fills_its_own_share_not_the_node(per_
 def test_versions_are_bounded_so_none_can_freeze_the_node() -> None:
     with StoreServer() as server:
         raw = flight.connect(server.location)
-        info = _refusal(lambda: _action(raw, "publish_version", json.dumps({"v": 2, "version": 2**62}).encode()))
+        info = _refusal(lambda: _action(raw, "publish_version", json.dumps({"v": 3, "version": 2**62}).encode()))
         assert info["class"] == "WireDecodeError"
-        info = _refusal(lambda: _action(raw, "publish_version", json.dumps({"v": 2, "version": 2**30}).encode()))
+        info = _refusal(lambda: _action(raw, "publish_version", json.dumps({"v": 3, "version": 2**30}).encode()))
         assert info["class"] == "LimitExceededError" and info["limit"] == "version_step"
-        assert _action(raw, "publish_version", json.dumps({"v": 2, "version": 7}).encode()) == {"version": 7}
-        assert _action(raw, "publish_version", json.dumps({"v": 2, "version": 8}).encode()) == {"version": 8}
+        assert _action(raw, "publish_version", json.dumps({"v": 3, "version": 7}).encode()) == {"version": 7}
+        assert _action(raw, "publish_version", json.dumps({"v": 3, "version": 8}).encode()) == {"version": 8}
         raw.close()
 
 
@@ -333,16 +333,16 @@ def test_reads_never_lock_out_writes_on_a_node_holding_its_memory(node_process) 
     raw = flight.connect(location)
     for i in range(40):
         _put_group(raw, _group(f"g{i}", tokens=64))
-    huge = {"v": 2, "kind": "slices", "slices": [{"group_id": "g0", "start": 0, "stop": 1}] * 300_000}
+    huge = {"v": 3, "kind": "slices", "slices": [{"group_id": "g0", "start": 0, "stop": 1}] * 300_000}
     for _ in range(3):  # refused before it is parsed: it borrows no memory
         assert _refusal(lambda: raw.do_get(flight.Ticket(json.dumps(huge).encode())).read_all())["class"] == \
             "LimitExceededError"
-    big = {"v": 2, "kind": "slices", "slices": [{"group_id": f"g{i % 40}", "start": 0, "stop": G}
+    big = {"v": 3, "kind": "slices", "slices": [{"group_id": f"g{i % 40}", "start": 0, "stop": G}
                                                 for i in range(LIMITS["slices_per_ticket"])]}
     for k in range(5):  # the largest ticket the node takes, full metadata scans: each write right after goes in
         assert raw.do_get(flight.Ticket(json.dumps(big).encode())).read_all().num_rows == G * len(big["slices"])
         assert _put_group(raw, _group(f"after-read-{k}", tokens=64))["rows_added"] == G
-        raw.do_get(flight.Ticket(b'{"v": 2, "kind": "metadata"}')).read_all()
+        raw.do_get(flight.Ticket(b'{"v": 3, "kind": "metadata"}')).read_all()
         list(raw.list_flights())
         assert _put_group(raw, _group(f"after-scan-{k}", tokens=64))["rows_added"] == G
     stats = _action(raw, "stats")

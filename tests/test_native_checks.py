@@ -169,6 +169,15 @@ def _mutations() -> dict[str, tuple[Callable[[pa.RecordBatch], pa.RecordBatch], 
         "response_len off": (lambda b: _with(b, "response_len", pa.array([2, 2, 3, 2], pa.int32())), "response_len"),
         "prompt_len off": (lambda b: _with(b, "prompt_len", pa.array([4, 4, 4, 5], pa.int32())), "prompt_len"),
         "num_images off": (lambda b: _with(b, "num_images", pa.array([0, 1, 0, 0], pa.int16())), "num_images"),
+        "loss_tokens off": (lambda b: _with(b, "loss_tokens", pa.array([2, 2, 1, 2], pa.int32())), "loss_tokens"),
+        "a mask of a tool span, loss_tokens its sum": (lambda b: _with(_with(
+            b, "loss_mask", pa.array([[1, 0], [0, 0], [1, 1], [0, 1]], pa.list_(pa.uint8()))),
+            "loss_tokens", pa.array([1, 0, 2, 1], pa.int32())), None),
+        "a mask of a tool span, loss_tokens of all ones": (lambda b: _with(
+            b, "loss_mask", pa.array([[1, 0], [1, 1], [1, 1], [1, 1]], pa.list_(pa.uint8()))), "loss_tokens"),
+        "no model turn": (lambda b: _with(b, "num_turns", pa.array([1, 0, 1, 1], pa.int16())), "num_turns"),
+        "several turns": (lambda b: _with(b, "num_turns", pa.array([3, 1, 2, 1], pa.int16())), None),
+        "num_turns and loss_tokens left out": (lambda b: b.drop_columns(["num_turns", "loss_tokens"]), None),
         "a null reward": (lambda b: _with(b, "reward", pa.array([0.0, None, 1.0, 0.0], pa.float32())), "reward"),
         "a null token": (lambda b: _with(b, "prompt_ids", pa.array([[1, 2, 3, 4]] * 3 + [[1, None, 3, 4]], i32)),
                          "prompt_ids"),
@@ -252,7 +261,7 @@ def test_token_versions_sent_checked_and_left_out_filled(make_group) -> None:
 _RULE_FAULTS = ("group_id", "sample_idx<0", "sample_idx>=n", "sample_idx repeated", "status odd", "reward nan",
                 "reward inf", "version<0", "min>version", "prompt_len", "response_len", "num_images",
                 "logprobs length", "mask length", "mask 2", "null reward", "null token", "token version>version",
-                "token_versions length")
+                "token_versions length", "loss_tokens", "num_turns")
 _FAULT_COLUMN = {
     "group_id": "group_id", "sample_idx<0": "sample_idx", "sample_idx>=n": "sample_idx",
     "sample_idx repeated": "sample_idx", "status odd": "status", "reward nan": "reward", "reward inf": "reward",
@@ -260,6 +269,7 @@ _FAULT_COLUMN = {
     "response_len": "response_len", "num_images": "num_images", "logprobs length": "response_logprobs",
     "mask length": "loss_mask", "mask 2": "loss_mask", "null token": "prompt_ids",
     "token version>version": "token_versions", "token_versions length": "token_versions",
+    "loss_tokens": "loss_tokens", "num_turns": "num_turns",
 }
 """The values each fault overwrites (two faults of the same values would overwrite each other)."""
 _SHAPES = ("shuffled rows", "status aborted", "validity bitmaps", "large list", "int64 sample_idx", "column missing",
@@ -281,6 +291,11 @@ def _group(n: int, faults: set[str], row: int, draw: st.DataObject) -> pa.Record
                     (row + 1) % n)
     logprobs = [r + (i == row and "logprobs length" in faults) for i, r in enumerate(resp)]
     masks = [r + (i == row and "mask length" in faults) for i, r in enumerate(resp)]
+    mask_values = [[2 if i == row and "mask 2" in faults else b
+                    for b in draw.draw(st.lists(st.integers(0, 1), min_size=k, max_size=k), label="mask")]
+                   for i, k in enumerate(masks)]
+    loss_tokens = at([sum(m) for m in mask_values], "loss_tokens", sum(mask_values[row]) + 1)
+    turns = at(draw.draw(st.lists(st.integers(1, 3), min_size=n, max_size=n), label="turns"), "num_turns", 0)
     reward = at(at(at([0.5] * n, "reward nan", float("nan")), "reward inf", float("inf")), "null reward", None)
     token_versions = [[v] * (r + (i == row and "token_versions length" in faults))
                       for i, (v, r) in enumerate(zip(version, resp, strict=True))]
@@ -300,6 +315,8 @@ def _group(n: int, faults: set[str], row: int, draw: st.DataObject) -> pa.Record
         "finish_reason": pa.array(["stop"] * n),
         "status": pa.array(at(["completed"] * n, "status odd", "odd")),
         "num_images": pa.array(at(list(images), "num_images", images[row] + 1), pa.int16()),
+        "num_turns": pa.array(turns, pa.int16()),
+        "loss_tokens": pa.array(loss_tokens, pa.int32()),
         "created_at": pa.array(np.zeros(n, dtype="datetime64[us]")),
         "completed_at": pa.array(np.zeros(n, dtype="datetime64[us]")),
         "bytes": pa.array([0] * n, pa.int64()),
@@ -307,8 +324,7 @@ def _group(n: int, faults: set[str], row: int, draw: st.DataObject) -> pa.Record
                                 for i, p in enumerate(prompt)], pa.list_(pa.int32())),
         "response_ids": pa.array([list(range(r)) for r in resp], pa.list_(pa.int32())),
         "response_logprobs": pa.array([[0.0] * k for k in logprobs], pa.list_(pa.float32())),
-        "loss_mask": pa.array([[2 if i == row and "mask 2" in faults else 1] * k for i, k in enumerate(masks)],
-                              pa.list_(pa.uint8())),
+        "loss_mask": pa.array(mask_values, pa.list_(pa.uint8())),
         "image_keys": pa.array([[key] * k for k in images], pa.list_(pa.binary(32))),
         "token_versions": pa.array(token_versions, pa.list_(pa.int32())),
     }

@@ -136,3 +136,50 @@ def test_an_objective_is_refused_naming_it() -> None:
 
     with pytest.raises(KeyError, match="prox_logprobs"):
         policy_loss(torch.zeros(1, 6), _batch(False), GRPO, ObjectiveConfig(objective="decoupled_ppo"))
+
+
+@pytest.mark.parametrize("objective", ["ppo_rollout_old", "decoupled_ppo", "tis"])
+def test_a_masked_token_contributes_no_gradient_whatever_its_values(objective: str) -> None:
+    """A multi-turn row's tool tokens (mask 0) carry logprob 0, any advantage and any version: the loss and the
+    gradient are those of the same row with other values there, bit for bit, and the masked token's gradient is 0."""
+    from train.loss import policy_loss
+
+    def run(rollout: float, prox: float, adv: float) -> tuple[Any, Any]:
+        batch = _batch(True)
+        batch["rollout_logprobs"][0, 3], batch["prox_logprobs"][0, 3], batch["advantages"][0, 3] = rollout, prox, adv
+        ce = torch.tensor(-LOGP[None, :], dtype=torch.float32, requires_grad=True)
+        loss_sum, count, _ = policy_loss(ce, batch, GRPO, ObjectiveConfig(objective=objective, is_cap=CAP))  # type: ignore[arg-type]
+        loss_sum.backward()
+        assert int(count) == 5
+        return loss_sum.detach(), ce.grad
+
+    loss, grad = run(0.0, 0.0, 0.0)  # what the agent loop writes at a tool token
+    assert grad[0, 3].item() == 0.0 and bool((grad != 0).any())
+    for values in ((-0.5, -0.5, 2.0), (-30.0, 5.0, -7.0)):
+        other_loss, other_grad = run(*values)
+        assert torch.equal(loss, other_loss) and torch.equal(grad, other_grad)
+
+
+@pytest.mark.parametrize("objective", ["ppo_rollout_old", "decoupled_ppo", "tis"])
+def test_a_single_turn_row_gives_the_loss_of_a_mask_of_ones(objective: str) -> None:
+    """A single-turn row as the engine connector writes it: mask all ones, ``loss_tokens`` its length,
+    ``num_turns`` 1; its loss and gradient are those of a mask of ones, bit for bit."""
+    from connectors.fake_engine import FakeCompletion, FakeFlatLogprobs, FakeRequestOutput
+    from connectors.vllm import group_to_batch
+    from train.loss import policy_loss
+
+    ids = list(range(6))
+    out = FakeRequestOutput(request_id="g", prompt_token_ids=[1, 2], outputs=[FakeCompletion(
+        index=0, token_ids=ids, logprobs=FakeFlatLogprobs.from_positions([[(t, float(lp))] for t, lp in
+                                                                          zip(ids, ROLLOUT, strict=True)]),
+        finish_reason="stop")])
+    row = group_to_batch(out, group_id="g", policy_version=0, data_source="s").to_pylist()[0]
+    assert row["num_turns"] == 1 and row["loss_tokens"] == 6 and row["loss_mask"] == [1] * 6
+    results = []
+    for mask in (torch.tensor([row["loss_mask"]], dtype=torch.float32), torch.ones(1, 6)):
+        batch = _batch(True) | {"loss_mask": mask}
+        ce = torch.tensor(-LOGP[None, :], dtype=torch.float32, requires_grad=True)
+        loss_sum, _, _ = policy_loss(ce, batch, GRPO, ObjectiveConfig(objective=objective, is_cap=CAP))  # type: ignore[arg-type]
+        loss_sum.backward()
+        results.append((loss_sum.detach(), ce.grad))
+    assert torch.equal(results[0][0], results[1][0]) and torch.equal(results[0][1], results[1][1])

@@ -79,7 +79,7 @@ def _raw_put(location: str, descriptor: dict, table: pa.Table) -> dict:  # type:
 def test_rows_that_do_not_add_up_store_nothing(store_nodes, make_group) -> None:  # type: ignore[no-untyped-def]
     (server,) = store_nodes(1)
     table = pa.Table.from_batches([make_group("a", size=2), make_group("b", size=3)])
-    desc = {"v": 2, "kind": "put_groups", "groups": [{"group_id": "a", "rows": 2}, {"group_id": "b", "rows": 4}]}
+    desc = {"v": 3, "kind": "put_groups", "groups": [{"group_id": "a", "rows": 2}, {"group_id": "b", "rows": 4}]}
     with pytest.raises(flight.FlightServerError, match="declare 6 rows but the stream carried 5"):
         _raw_put(server.location, desc, table)
     desc["groups"] = [{"group_id": "a", "rows": 2}, {"group_id": "b", "rows": 3}]
@@ -98,11 +98,11 @@ def test_descriptor_limits(store_nodes, make_group) -> None:  # type: ignore[no-
 
     (server,) = store_nodes(1)
     table = pa.Table.from_batches([make_group("a", size=2)])
-    twice = {"v": 2, "kind": "put_groups", "groups": [{"group_id": "a", "rows": 1}, {"group_id": "a", "rows": 1}]}
+    twice = {"v": 3, "kind": "put_groups", "groups": [{"group_id": "a", "rows": 1}, {"group_id": "a", "rows": 1}]}
     with pytest.raises(flight.FlightError) as info:
         _raw_put(server.location, twice, table)
     assert isinstance(from_flight_error(info.value), WireDecodeError) and "more than once" in str(info.value)
-    many = {"v": 2, "kind": "put_groups", "groups": [{"group_id": f"g{i}", "rows": 1} for i in range(1025)]}
+    many = {"v": 3, "kind": "put_groups", "groups": [{"group_id": f"g{i}", "rows": 1} for i in range(1025)]}
     with pytest.raises(flight.FlightError) as info:
         _raw_put(server.location, many, table)
     assert isinstance(from_flight_error(info.value), LimitExceededError) and "groups_per_put" in str(info.value)

@@ -90,6 +90,21 @@ def test_records_fill_unset_fields_row_by_row() -> None:
     assert got["loss_mask"] == [[0], [1, 1]]
     assert got["status"] == ["aborted", "completed"]
     assert got["response_len"] == [1, 2] and got["data_source"] == ["default", "default"]
+    assert got["num_turns"] == [1, 1] and got["loss_tokens"] == [0, 2]  # one turn; the mask's ones
+
+
+def test_records_of_a_multi_turn_response_carry_turns_and_trained_tokens() -> None:
+    def record(**kw: object) -> TrajectoryRecord:
+        return TrajectoryRecord(group_id="g", sample_idx=0, policy_version=0, prompt_ids=[1], response_ids=[2, 3, 4, 5],
+                                response_logprobs=[-0.5, 0.0, 0.0, -0.25], loss_mask=[1, 0, 0, 1], **kw)  # type: ignore[arg-type]
+
+    row = records_to_batch([record(num_turns=2)]).to_pylist()[0]
+    assert row["num_turns"] == 2 and row["loss_tokens"] == 2
+    assert records_to_batch([record(num_turns=2, loss_tokens=2)]).to_pylist()[0]["loss_tokens"] == 2
+    with pytest.raises(ValueError, match=r"'loss_tokens' row 0: 4 values, expected 2 \(sum\(loss_mask\)\)"):
+        records_to_batch([record(loss_tokens=4)])
+    with pytest.raises(ValueError, match="num_turns"):
+        record(num_turns=0)
 
 
 def test_metadata_schema_is_a_projection_of_trajectory_schema() -> None:
@@ -103,7 +118,7 @@ def test_wire_documents_round_trip() -> None:
     t = SlicesTicket(slices=[{"group_id": "g", "start": 0, "stop": 4}], columns=["response_ids"])
     assert decode_ticket(t.to_bytes()) == t
     assert decode_ticket(MetadataTicket(since=7).to_bytes()).since == 7
-    assert decode_descriptor(b'{"v": 2, "kind": "put_group", "group_id": "x", "rows": 4}') == PutGroup(
+    assert decode_descriptor(b'{"v": 3, "kind": "put_group", "group_id": "x", "rows": 4}') == PutGroup(
         group_id="x", rows=4)
 
 
@@ -114,10 +129,10 @@ def test_wire_documents_round_trip() -> None:
         (b"[1, 2]", "JSON object"),
         (b'{"kind": "metadata"}', "'v'"),
         (b'{"v": 99, "kind": "metadata"}', "unsupported schema version"),
-        (b'{"v": 2, "kind": "nope"}', "kind"),
-        (b'{"v": 2, "kind": "slices", "slices": [{"group_id": "g", "start": 5, "stop": 2}]}', "reversed"),
-        (b'{"v": 2, "kind": "metadata", "since": -1}', "since"),
-        (b'{"v": 2, "kind": "metadata", "extra": 1}', "extra"),
+        (b'{"v": 3, "kind": "nope"}', "kind"),
+        (b'{"v": 3, "kind": "slices", "slices": [{"group_id": "g", "start": 5, "stop": 2}]}', "reversed"),
+        (b'{"v": 3, "kind": "metadata", "since": -1}', "since"),
+        (b'{"v": 3, "kind": "metadata", "extra": 1}', "extra"),
     ],
 )
 def test_bad_tickets_raise_wire_error_naming_the_problem(raw: bytes, needle: str) -> None:
@@ -157,7 +172,7 @@ def test_action_bodies() -> None:
     with pytest.raises(WireError, match="unknown action"):
         decode_action_body("explode", b"{}")
     with pytest.raises(WireError, match="group_ids"):
-        decode_action_body("release", b'{"v": 2, "group_ids": []}')
+        decode_action_body("release", b'{"v": 3, "group_ids": []}')
 
 
 def test_an_image_whose_shape_overflows_int64_is_refused() -> None:

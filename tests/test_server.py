@@ -67,8 +67,8 @@ def test_raw_client_sees_a_flight_error_naming_the_column(store_nodes, make_grou
         b"{not json",
         b'{"v": 99, "kind": "metadata"}',
         b'{"kind": "metadata"}',
-        b'{"v": 2, "kind": "nope"}',
-        b'{"v": 2, "kind": "slices", "slices": []}',
+        b'{"v": 3, "kind": "nope"}',
+        b'{"v": 3, "kind": "slices", "slices": []}',
     ],
 )
 def test_malformed_ticket_is_a_wire_error(store_nodes, make_group, raw_ticket: bytes) -> None:
@@ -81,7 +81,7 @@ def test_malformed_ticket_is_a_wire_error(store_nodes, make_group, raw_ticket: b
 
 @pytest.mark.parametrize(
     "raw_descriptor",
-    [b"[1, 2]", b'{"v": 2, "kind": "put_group", "group_id": "g"}', b'{"v": 2, "kind": "put_group"}'],
+    [b"[1, 2]", b'{"v": 3, "kind": "put_group", "group_id": "g"}', b'{"v": 3, "kind": "put_group"}'],
 )
 def test_malformed_descriptor_is_a_wire_error(store_nodes, make_group, raw_descriptor: bytes) -> None:
     (server,) = store_nodes(1)
@@ -213,7 +213,7 @@ def test_list_flights_and_get_flight_info_describe_groups(store_nodes, make_grou
         client.release(["a"])
     raw = flight.connect(server.location)
     infos = list(raw.list_flights())
-    assert [json.loads(i.descriptor.command) for i in infos] == [{"v": 2, "kind": "group", "group_id": "b"}]
+    assert [json.loads(i.descriptor.command) for i in infos] == [{"v": 3, "kind": "group", "group_id": "b"}]
     info = raw.get_flight_info(flight.FlightDescriptor.for_command(GroupRef(group_id="b").to_bytes()))
     assert info.total_records == 4 and info.total_bytes > 0
     table = raw.do_get(info.endpoints[0].ticket).read_all()

@@ -71,7 +71,7 @@ def _put(client: flight.FlightClient, doc: dict[str, object], table: pa.Table, *
 
 def _put_group(client: flight.FlightClient, table: pa.Table, rows: int | None = None) -> Any:
     gid = table.column("group_id")[0].as_py()
-    return _put(client, {"v": 2, "kind": "put_group", "group_id": gid, "rows": rows or table.num_rows}, table)
+    return _put(client, {"v": 3, "kind": "put_group", "group_id": gid, "rows": rows or table.num_rows}, table)
 
 
 def _refusal(call: Any) -> flight.FlightError:
@@ -87,7 +87,7 @@ def _info(err: flight.FlightError) -> dict[str, Any]:
 
 
 def _stored(client: flight.FlightClient) -> list[str]:
-    meta = client.do_get(flight.Ticket(json.dumps({"v": 2, "kind": "metadata", "columns": ["group_id"]}).encode()))
+    meta = client.do_get(flight.Ticket(json.dumps({"v": 3, "kind": "metadata", "columns": ["group_id"]}).encode()))
     return sorted(set(meta.read_all().column("group_id").to_pylist()))
 
 
@@ -99,7 +99,7 @@ _KILLED_WRITER = textwrap.dedent("""
     import pyarrow as pa, pyarrow.flight as flight
     table = pa.ipc.open_file(sys.argv[2]).read_all()
     client = flight.connect(sys.argv[1])
-    doc = {"v": 2, "kind": "put_group", "group_id": "g", "rows": 4}
+    doc = {"v": 3, "kind": "put_group", "group_id": "g", "rows": 4}
     writer, _ = client.do_put(flight.FlightDescriptor.for_command(json.dumps(doc).encode()), table.schema)
     writer.write_table(table.slice(0, 2))
     time.sleep(0.3)
@@ -110,7 +110,7 @@ _KILLED_WRITER = textwrap.dedent("""
 def _end_early(how: str, location: str, tmp: Path) -> None:
     """Write 2 of the 4 rows a put_group declares, then end the stream as ``how`` says."""
     table = _group("g")
-    doc = {"v": 2, "kind": "put_group", "group_id": "g", "rows": G}
+    doc = {"v": 3, "kind": "put_group", "group_id": "g", "rows": G}
     if how == "killed":
         path = tmp / "group.arrow"
         with pa.ipc.new_file(path, table.schema) as f:
@@ -272,7 +272,7 @@ def test_local_placement_a_retry_a_lost_home_node_and_a_raw_client_routing_by_th
         info = _info(err)
         assert info["class"] == "WrongNodeError" and info["owner"] == "node1" and "its id names that node" in str(err)
         for r in raw:  # the watcher marks node1 down
-            assert _action(r, "set_cluster", {"v": 2, "version": 2, "down": ["node1"]})["down"] == ["node1"]
+            assert _action(r, "set_cluster", {"v": 3, "version": 2, "down": ["node1"]})["down"] == ["node1"]
         later = "node1/r7-p4"
         alive = [i for i in ids if i != "node1"]
         fallback = _readme_owner(later, alive)
@@ -326,15 +326,15 @@ def test_content_is_checked_image_keys_references_and_rewrites() -> None:
         pixels = bytes(range(12))
         good = _image_rows(pixels, [3, 4])
         wrong = _image_rows(pixels, [3, 4], key=bytes(32))
-        info = _info(_refusal(lambda: _put(raw, {"v": 2, "kind": "put_images"}, wrong)))
+        info = _info(_refusal(lambda: _put(raw, {"v": 3, "kind": "put_images"}, wrong)))
         assert info["class"] == "SchemaMismatchError" and info["column"] == "image_key"
         short = _image_rows(pixels[:5], [3, 4])
-        assert _info(_refusal(lambda: _put(raw, {"v": 2, "kind": "put_images"}, short)))["column"] == "data"
+        assert _info(_refusal(lambda: _put(raw, {"v": 3, "kind": "put_images"}, short)))["column"] == "data"
         key = good.column("image_key")[0].as_py()
         keys = pa.array([[key]] * G, pa.list_(pa.binary(32)))
         info = _info(_refusal(lambda: _put_group(raw, _group("img", image_keys=keys))))
         assert info["class"] == "UnknownImageError" and info["key"] == key.hex()  # its images come first
-        assert _put(raw, {"v": 2, "kind": "put_images"}, good) == {"stored": 1}
+        assert _put(raw, {"v": 3, "kind": "put_images"}, good) == {"stored": 1}
         assert _put_group(raw, _group("img", image_keys=keys))["rows_added"] == G
         assert _put_group(raw, _group("img", image_keys=keys))["rows_added"] == 0  # identical: idempotent
         info = _info(_refusal(lambda: _put_group(raw, _group("img", reward=[9.0] * G))))
@@ -382,16 +382,16 @@ def test_utc_aware_and_naive_timestamps_are_the_same_instant() -> None:
         naive = pa.array([t.astimezone(dt.UTC).replace(tzinfo=None)] * G, pa.timestamp("us"))
         _put_group(raw, _group("a", created_at=aware))
         _put_group(raw, _group("n", created_at=naive))
-        meta = raw.do_get(flight.Ticket(json.dumps({"v": 2, "kind": "metadata", "columns": ["created_at"]}).encode()))
+        meta = raw.do_get(flight.Ticket(json.dumps({"v": 3, "kind": "metadata", "columns": ["created_at"]}).encode()))
         assert set(meta.read_all().column("created_at").to_pylist()) == {dt.datetime(2026, 12, 3, 8, 0)}
         raw.close()
 
 
 @pytest.mark.parametrize("doc", [
-    b'{"v": 2, "kind": "slices", "slices": [{"group_id": "g", "start": "0", "stop": 1}]}',
-    b'{"v": 2, "kind": "slices", "slices": [{"group_id": "g", "start": true, "stop": 1}]}',
-    b'{"v": 2, "kind": "metadata", "since": 1.5}',
-    b'{"v": 2, "kind": "metadata", "kind": "metadata"}',
+    b'{"v": 3, "kind": "slices", "slices": [{"group_id": "g", "start": "0", "stop": 1}]}',
+    b'{"v": 3, "kind": "slices", "slices": [{"group_id": "g", "start": true, "stop": 1}]}',
+    b'{"v": 3, "kind": "metadata", "since": 1.5}',
+    b'{"v": 3, "kind": "metadata", "kind": "metadata"}',
     b'{"v": "2", "kind": "metadata"}',
 ])
 def test_tickets_take_json_numbers_only_and_no_duplicate_keys(doc: bytes) -> None:
@@ -435,7 +435,7 @@ def test_logprob_mode_survives_the_store_and_reaches_the_trainer() -> None:
         raw = flight.connect(server.location)
         table = _group("lp")
         _put_group(raw, table.replace_schema_metadata({b"knittrans.logprobs_mode": b"processed_logprobs"}))
-        rows = raw.do_get(flight.Ticket(json.dumps({"v": 2, "kind": "slices", "slices": [
+        rows = raw.do_get(flight.Ticket(json.dumps({"v": 3, "kind": "slices", "slices": [
             {"group_id": "lp", "start": 0, "stop": G}]}).encode())).read_all()
         assert rows.schema.metadata[b"knittrans.logprobs_mode"] == b"processed_logprobs"
         with StoreReader(server.location) as client:
@@ -443,7 +443,7 @@ def test_logprob_mode_survives_the_store_and_reaches_the_trainer() -> None:
                             advantages=[0.0] * G)
             got = fetch_micro_batch("padded", (client.stream([mb.slices], PACK_COLUMNS), mb))
             assert got["logprobs_mode"] == "processed_logprobs" and got["rows"] == G
-            _action(raw, "release", {"v": 2, "group_ids": ["lp"]})
+            _action(raw, "release", {"v": 3, "group_ids": ["lp"]})
             assert client.scan_metadata(columns=["group_id", "released"])["released"].to_list() == [True] * G
         raw.close()
 

@@ -70,7 +70,7 @@ def test_raw_flight_write_scan_fetch_release(store_nodes) -> None:
 
     # DoPut a prompt group (two batches in one stream)
     batch = _group("raw-1", 4)
-    writer, reader = client.do_put(_cmd({"v": 2, "kind": "put_group", "group_id": "raw-1", "rows": 4}), WRITE_SCHEMA)
+    writer, reader = client.do_put(_cmd({"v": 3, "kind": "put_group", "group_id": "raw-1", "rows": 4}), WRITE_SCHEMA)
     writer.write_batch(batch.slice(0, 2))
     writer.write_batch(batch.slice(2, 2))
     writer.done_writing()
@@ -80,7 +80,7 @@ def test_raw_flight_write_scan_fetch_release(store_nodes) -> None:
 
     # DoGet metadata from cursor 0, projected
     meta = client.do_get(
-        _ticket({"v": 2, "kind": "metadata", "since": 0, "columns": ["group_id", "sample_idx", "reward", "status"]})
+        _ticket({"v": 3, "kind": "metadata", "since": 0, "columns": ["group_id", "sample_idx", "reward", "status"]})
     ).read_all()
     assert meta.column_names == ["seq", "group_id", "sample_idx", "reward", "status"]
     assert meta.column("seq").to_pylist() == [0, 1, 2, 3]
@@ -90,7 +90,7 @@ def test_raw_flight_write_scan_fetch_release(store_nodes) -> None:
     slices = client.do_get(
         _ticket(
             {
-                "v": 2,
+                "v": 3,
                 "kind": "slices",
                 "columns": ["sample_idx", "response_ids", "loss_mask"],
                 "slices": [{"group_id": "raw-1", "start": 2, "stop": 4}, {"group_id": "raw-1", "start": 0, "stop": 1}],
@@ -103,24 +103,24 @@ def test_raw_flight_write_scan_fetch_release(store_nodes) -> None:
 
     # ListFlights describes the group; its endpoint ticket returns every row
     (info,) = list(client.list_flights())
-    assert json.loads(info.descriptor.command) == {"v": 2, "kind": "group", "group_id": "raw-1"}
+    assert json.loads(info.descriptor.command) == {"v": 3, "kind": "group", "group_id": "raw-1"}
     assert info.total_records == 4
     assert client.do_get(info.endpoints[0].ticket).read_all().num_rows == 4
 
     # actions
-    assert _action(client, "publish_version", {"v": 2, "version": 9}) == {"version": 9}
+    assert _action(client, "publish_version", {"v": 3, "version": 9}) == {"version": 9}
     assert _action(client, "get_version") == {"version": 9}
     assert _action(client, "stats")["rows"] == 4
-    assert _action(client, "release", {"v": 2, "group_ids": ["raw-1"]}) == {"released": 1}
+    assert _action(client, "release", {"v": 3, "group_ids": ["raw-1"]}) == {"released": 1}
 
     # errors arrive as FlightError subclasses naming what was wrong
     with pytest.raises(flight.FlightServerError, match="raw-1") as exc:
         client.do_get(
-            _ticket({"v": 2, "kind": "slices", "slices": [{"group_id": "raw-1", "start": 0, "stop": 1}]})
+            _ticket({"v": 3, "kind": "slices", "slices": [{"group_id": "raw-1", "start": 0, "stop": 1}]})
         ).read_all()
     assert exc.value.extra_info.startswith(b"knit:GroupReleasedError")
     bad = batch.drop_columns(["reward"])
-    writer, _ = client.do_put(_cmd({"v": 2, "kind": "put_group", "group_id": "raw-2", "rows": 4}), bad.schema)
+    writer, _ = client.do_put(_cmd({"v": 3, "kind": "put_group", "group_id": "raw-2", "rows": 4}), bad.schema)
     with pytest.raises(flight.FlightServerError, match="reward"):
         writer.write_batch(bad)
         writer.close()
@@ -143,12 +143,12 @@ def test_raw_images_roundtrip(store_nodes) -> None:
     )
     table = pa.table({"image_key": [key], "shape": [[2, 2]], "dtype": ["uint8"], "data": [data]}, schema=schema)
     for expected in (1, 0):  # the second write stores nothing new
-        writer, reader = client.do_put(_cmd({"v": 2, "kind": "put_images"}), schema)
+        writer, reader = client.do_put(_cmd({"v": 3, "kind": "put_images"}), schema)
         writer.write_table(table)
         writer.done_writing()
         assert json.loads(reader.read().to_pybytes()) == {"stored": expected}
         writer.close()
-    got = client.do_get(_ticket({"v": 2, "kind": "images", "keys": [key.hex()]})).read_all()
+    got = client.do_get(_ticket({"v": 3, "kind": "images", "keys": [key.hex()]})).read_all()
     assert got.column("data").to_pylist() == [b"\1\2\3\4"]
     client.close()
 
@@ -170,13 +170,13 @@ def test_raw_read_channel_answers_slices_tickets_one_after_another(store_nodes) 
     client = flight.connect(server.location)
     schema = WRITE_SCHEMA.with_metadata({"knittrans.logprobs_mode": "processed_logprobs"})
     for gid in ("raw-a", "raw-b"):
-        writer, reader = client.do_put(_cmd({"v": 2, "kind": "put_group", "group_id": gid, "rows": 3}), schema)
+        writer, reader = client.do_put(_cmd({"v": 3, "kind": "put_group", "group_id": gid, "rows": 3}), schema)
         writer.write_batch(_group(gid, 3).replace_schema_metadata(schema.metadata))
         writer.done_writing()
         reader.read()
         writer.close()
     columns = ["group_id", "sample_idx", "response_ids"]
-    writer, reader = client.do_exchange(_cmd({"v": 2, "kind": "reads", "columns": columns}))
+    writer, reader = client.do_exchange(_cmd({"v": 3, "kind": "reads", "columns": columns}))
     writer.begin(pa.schema([]))  # the client sends no rows: each request is a metadata-only message
 
     def ask(doc: dict[str, object]) -> tuple[pa.Table | None, dict[str, object]]:
@@ -184,7 +184,7 @@ def test_raw_read_channel_answers_slices_tickets_one_after_another(store_nodes) 
         return _answer(reader)
 
     def slices(*refs: tuple[str, int, int], cols: list[str] = columns) -> dict[str, object]:
-        return {"v": 2, "kind": "slices", "columns": cols,
+        return {"v": 3, "kind": "slices", "columns": cols,
                 "slices": [{"group_id": g, "start": a, "stop": b} for g, a, b in refs]}
 
     table, end = ask(slices(("raw-b", 1, 3), ("raw-a", 0, 1)))
@@ -196,8 +196,8 @@ def test_raw_read_channel_answers_slices_tickets_one_after_another(store_nodes) 
     for doc, error, named in [
         (slices(("nope", 0, 1)), "UnknownGroupError", "nope"),
         (slices(("raw-a", 0, 1), cols=["sample_idx"]), "SchemaMismatchError", "columns"),
-        ({"v": 2, "kind": "metadata", "since": 0}, "WireDecodeError", "slices tickets"),
-        ({"v": 2, "kind": "slices", "slices": []}, "WireDecodeError", "slices"),
+        ({"v": 3, "kind": "metadata", "since": 0}, "WireDecodeError", "slices tickets"),
+        ({"v": 3, "kind": "slices", "slices": []}, "WireDecodeError", "slices"),
     ]:
         refused, end = ask(doc)
         assert refused is None and end["error"]["error"] == error, end  # type: ignore[index]
@@ -209,7 +209,7 @@ def test_raw_read_channel_answers_slices_tickets_one_after_another(store_nodes) 
         reader.read_chunk()
     writer.close()
     # a descriptor of another kind, or naming an unknown column, is refused when the channel opens
-    for doc, named in [({"v": 2, "kind": "put_images"}, "reads"), ({"v": 2, "kind": "reads", "columns": ["x"]}, "'x'")]:
+    for doc, named in [({"v": 3, "kind": "put_images"}, "reads"), ({"v": 3, "kind": "reads", "columns": ["x"]}, "'x'")]:
         writer, reader = client.do_exchange(_cmd(doc))
         with pytest.raises(flight.FlightServerError, match=named):
             writer.begin(pa.schema([]))
