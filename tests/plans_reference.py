@@ -124,11 +124,13 @@ def plans_and_consumed(meta: pl.DataFrame, cands: pl.DataFrame, batches: list[Ba
                      schema={"group_id": pl.String, "step": pl.Int64, "train_batch": pl.Int64, "position": pl.Int64})
     g = pl.col("group_id")
     has_bytes = "bytes" in meta.columns
+    trained = "loss_tokens" if "loss_tokens" in meta.columns else "response_len"
     nbytes = pl.col("bytes").cast(pl.Int64) if has_bytes else pl.col("_tok")
     rows = (
         meta.filter(g.is_in(a["group_id"].implode()))
+        .with_columns(pl.col(trained).cast(pl.Int64).alias("loss_tokens"))
         .select(["group_id", "node", "sample_idx", "policy_version", "policy_version_min", "prompt_len",
-                 "response_len", "reward", *(["bytes"] if has_bytes else [])])
+                 "response_len", "loss_tokens", "reward", *(["bytes"] if has_bytes else [])])
         .with_columns(pl.col("reward").cast(pl.Float64),
                       advantage_expr(config.grpo).cast(pl.Float64).alias("advantage"),
                       (pl.col("prompt_len").cast(pl.Int64) + pl.col("response_len").cast(pl.Int64)).alias("_tok"))
