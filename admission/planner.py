@@ -347,12 +347,11 @@ def _plans_and_consumed(meta: pl.DataFrame, cands: pl.DataFrame, batches: list[B
     if not batches:
         return [], pl.DataFrame(schema=CONSUMED_SCHEMA)
     names = [name for *_, part in batches for name in part]
-    g = pl.col("group_id")
     has_bytes = "bytes" in meta.columns  # without it, a row's tokens stand for its bytes in the link model
     trained = "loss_tokens" if "loss_tokens" in meta.columns else "response_len"  # metadata of schema v2: all
     nbytes = pl.col("bytes").cast(pl.Int64) if has_bytes else pl.col("_tok")
     rows = (
-        meta.filter(g.is_in(pl.Series(names, dtype=pl.String).implode()))
+        meta.filter(pl.col("group_id").is_in(pl.Series(names, dtype=pl.String).implode()))
         .with_columns(pl.col(trained).cast(pl.Int64).alias("loss_tokens"))
         .select(["group_id", "node", "sample_idx", "policy_version", "policy_version_min", "prompt_len",
                  "response_len", "loss_tokens", "reward", *(["bytes"] if has_bytes else [])])
