@@ -28,8 +28,9 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from connectors.calculator import CalculatorEnv, Step
+from connectors.calculator import CalculatorEnv, EnvStep
 from connectors.config import RolloutConfig
+from connectors.partial import SampledLogprobs
 from connectors.tasks import TOOL_TASKS, Prompt
 from connectors.vllm import COMPLETED_FINISH_REASONS, FinishedRequest, sampled_logprobs
 
@@ -45,7 +46,7 @@ class Environment(Protocol):
     def reset(self, prompt: Prompt) -> str:
         """Start the episode of ``prompt``; returns the first observation (what the model is prompted with)."""
 
-    def step(self, turn: str) -> Step:
+    def step(self, turn: str) -> EnvStep:
         """The model's turn, decoded; returns the observation to append, the reward, and whether it is done."""
 
 
@@ -92,22 +93,6 @@ class AgentLimits:
             if getattr(self, name) < 1:
                 msg = f"AgentLimits.{name}={getattr(self, name)} must be >= 1"
                 raise ValueError(msg)
-
-
-@dataclass(slots=True)
-class SampledLogprobs:
-    """The logprob of each sampled token, in the flat form ``connectors.vllm.sampled_logprobs`` reads."""
-
-    token_ids: list[int]
-    logprobs: list[float]
-
-    @property
-    def start_indices(self) -> list[int]:
-        return list(range(len(self.token_ids)))
-
-    @property
-    def end_indices(self) -> list[int]:
-        return list(range(1, len(self.token_ids) + 1))
 
 
 @dataclass(slots=True)
@@ -159,7 +144,7 @@ class _Episode:
 
 
 @dataclass(slots=True)
-class _Group:
+class _Episodes:
     episodes: list[_Episode]
     running: dict[str, _Episode] = field(default_factory=dict)
     """The request id of each episode's turn in the engine."""
@@ -177,7 +162,7 @@ class AgentEngine:
         self.engine = engine
         self.limits = limits
         self.logprobs_mode: str = engine.logprobs_mode
-        self._groups: dict[str, _Group] = {}
+        self._groups: dict[str, _Episodes] = {}
         self._turns: dict[str, tuple[str, _Episode]] = {}  # turn request id -> (group id, episode)
 
     def submit(self, request_id: str, prompt: Prompt, n: int) -> None:
@@ -192,7 +177,7 @@ class AgentEngine:
         for i in range(n):
             env = ENVIRONMENTS[str(name)]()
             episodes.append(_Episode(index=i, env=env, prompt=self.engine.prompt_ids(env.reset(prompt))))
-        group = _Group(episodes)
+        group = _Episodes(episodes)
         self._groups[request_id] = group
         for ep in episodes:
             self._next_turn(request_id, group, ep)
@@ -237,7 +222,7 @@ class AgentEngine:
 
     # ---- one episode -----------------------------------------------------------------------------
 
-    def _next_turn(self, group_id: str, group: _Group, ep: _Episode) -> None:
+    def _next_turn(self, group_id: str, group: _Episodes, ep: _Episode) -> None:
         """Send the episode's next model turn, or end it when the limits leave no room."""
         room = self.limits.max_total_tokens - len(ep.ids)
         if ep.turns >= self.limits.max_turns or room < 1:
@@ -254,7 +239,7 @@ class AgentEngine:
         self._turns[turn_id] = (group_id, ep)
         group.running[turn_id] = ep
 
-    def _turn_done(self, group_id: str, group: _Group, ep: _Episode, c: Any) -> None:
+    def _turn_done(self, group_id: str, group: _Episodes, ep: _Episode, c: Any) -> None:
         """Append a finished model turn, ask the environment, and append its observation or end the episode."""
         if c is None or c.finish_reason not in COMPLETED_FINISH_REASONS:
             ep.finish = "abort"

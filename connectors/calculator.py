@@ -157,7 +157,7 @@ def evaluate(expression: str) -> str:
     return f"{float(value):.6f}".rstrip("0")
 
 
-class Step(NamedTuple):
+class EnvStep(NamedTuple):
     """What an environment answers to one model turn."""
 
     observation: str
@@ -189,14 +189,14 @@ class CalculatorEnv:
         self.calls = 0
         return prompt.text
 
-    def step(self, turn: str) -> Step:
+    def step(self, turn: str) -> EnvStep:
         """Answer the turn's last ``<calc>`` call, or score the turn as the final answer when it makes none."""
         calls = _CALL.findall(turn)
         if not calls:
-            return Step("", exact_match_reward("", turn, self.sample) if "answer" in self.sample else 0.0, True)
+            return EnvStep("", exact_match_reward("", turn, self.sample) if "answer" in self.sample else 0.0, True)
         self.calls += 1
         try:
             value = evaluate(calls[-1])
         except CalcError as exc:
             value = f"error: {exc}"
-        return Step(f"<result>{value}</result>", 0.0, False)
+        return EnvStep(f"<result>{value}</result>", 0.0, False)

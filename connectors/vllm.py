@@ -183,7 +183,7 @@ def _samples_by_index(output: RequestOutputLike, group_id: str, group_size: int 
     return g, by_idx
 
 
-class _Sample(NamedTuple):
+class _Response(NamedTuple):
     """One sample's columns as ``group_to_batch`` reads them off its completion."""
 
     ids: np.ndarray
@@ -194,12 +194,12 @@ class _Sample(NamedTuple):
     turns: int
 
 
-def _response(c: Any, status: str | None) -> _Sample:
+def _response(c: Any, status: str | None) -> _Response:
     """One sample's columns (``c`` None = never produced); the mask is the completion's own ``loss_mask`` when it
     carries one (a multi-turn response), ones otherwise, zeros for a sample that did not complete."""
     if c is None:
         empty = np.zeros(0, dtype=np.int32)
-        return _Sample(empty, np.zeros(0, dtype=np.float32), "abort", status or "aborted", empty.astype(np.uint8), 1)
+        return _Response(empty, np.zeros(0, dtype=np.float32), "abort", status or "aborted", empty.astype(np.uint8), 1)
     ids = np.asarray(c.token_ids, dtype=np.int32)
     reason = c.finish_reason if c.finish_reason is not None else "abort"
     row_status = status or ("completed" if reason in COMPLETED_FINISH_REASONS else "aborted")
@@ -216,7 +216,7 @@ def _response(c: Any, status: str | None) -> _Sample:
         raise ValueError(msg)
     if row_status != "completed":
         mask = np.zeros(len(ids), np.uint8)
-    return _Sample(ids, lps, reason, row_status, mask, int(getattr(c, "num_turns", 1)))
+    return _Response(ids, lps, reason, row_status, mask, int(getattr(c, "num_turns", 1)))
 
 
 def group_to_batch(

@@ -257,7 +257,7 @@ def _vllm_driver(model: str, location: str, out: str) -> None:
     """Two calculator groups of 2 on vLLM into the store at ``location``; every turn request and the stored rows
     to ``out``."""
     from connectors import agent
-    from connectors.calculator import Step
+    from connectors.calculator import EnvStep
     from connectors.engine import ENGINE_ENV, VllmEngine
 
     for k, v in ENGINE_ENV.items():
@@ -266,7 +266,7 @@ def _vllm_driver(model: str, location: str, out: str) -> None:
     class FirstTurnCalls(CalculatorEnv):
         """The calculator, with a call to ``12*34`` added to the model's first turn."""
 
-        def step(self, turn: str) -> Step:
+        def step(self, turn: str) -> EnvStep:
             return super().step(turn + "<calc>12*34</calc>" if self.calls == 0 else turn)
 
     agent.ENVIRONMENTS["calculator"] = FirstTurnCalls
