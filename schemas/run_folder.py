@@ -110,13 +110,17 @@ def read_document(model: type[M] | TypeAdapter[M], path: str | Path) -> M:
         RunFolderError: the file is missing, not JSON, or not a ``model``.
     """
     p = Path(path)
+    return parse(model, _load_json(p), p)
+
+
+def _load_json(p: Path) -> Any:
+    """The JSON document in ``p`` (a typed error naming it when it is missing or not JSON)."""
     try:
-        doc = json.loads(p.read_bytes())
+        return json.loads(p.read_bytes())
     except FileNotFoundError:
         raise RunFolderError(p, "missing") from None
     except ValueError as exc:
         raise RunFolderError(p, f"not valid JSON ({exc})") from None
-    return parse(model, doc, p)
 
 
 def dumps(record: Any, *, indent: int | None = None) -> str:
@@ -290,12 +294,7 @@ def check_run_folder(out: str | Path) -> None:
 
 
 def _run_config_doc(p: Path) -> dict[str, Any]:
-    try:
-        doc = json.loads(p.read_bytes())
-    except FileNotFoundError:
-        raise RunFolderError(p, "missing") from None
-    except ValueError as exc:
-        raise RunFolderError(p, f"not valid JSON ({exc})") from None
+    doc = _load_json(p)
     if not isinstance(doc, dict):
         raise RunFolderError(p, "not a JSON object")
     check_version(doc.get("contract_version"), p)

@@ -23,6 +23,7 @@ CONSUMED_FRAME = pa.schema([
     ("group_id", pa.string()), ("node", pa.string()), ("sample_idx", pa.int64()), ("step", pa.int64()),
     ("train_batch", pa.int64()), ("position", pa.int64()), ("dp_rank", pa.int64()), ("policy_version", pa.int64()),
     ("policy_version_min", pa.int64()), ("prompt_len", pa.int64()), ("response_len", pa.int64()),
+    ("loss_tokens", pa.int64()),
     ("reward", pa.float64()), ("advantage", pa.float64()), ("admitted_at_version", pa.int64()),
     ("arch_staleness", pa.int64()), ("signed_staleness", pa.int64()), ("generation_span", pa.int64()),
     ("total_staleness", pa.int64()),
