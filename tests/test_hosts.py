@@ -409,7 +409,8 @@ def hosts_run(tmp_path_factory: pytest.TempPathFactory) -> HostsRun:
     out = tmp_path_factory.mktemp("hosts-run")
     cfg = RunConfig(admission=AdmissionConfig(train_batch_groups=B, group_size=G, mini_batches=K, dp_ranks=2,
                                               token_budget=4096),
-                    train_batches=BATCHES, max_tokens=32, timeout_s=240, out=out, model_dir=model_dir)
+                    train_batches=BATCHES, max_tokens=32, timeout_s=240, out=out, model_dir=model_dir,
+                    placement="hash")  # both nodes hold groups, so reads cross both store hosts' links
     with Hosts(4) as hosts:
         h = hosts.hosts
         placement = Placement(stores=[h[0].site(), h[1].site()], rollout=h[0].site(),

@@ -120,6 +120,9 @@ class WandbBackend:
 
 _MLFLOW_NAME = re.compile(r"[^\w\-. /]")
 """Characters MLflow refuses in a metric or parameter name (replaced by ``_``)."""
+_MLFLOW_PARAM = re.compile(r"[^\w\-. ]")
+"""... and ``/`` in a parameter name too: a config key may be a location (``grpc://h:1``), whose ``//`` MLflow's
+file store refuses."""
 
 
 class MlflowBackend:
@@ -139,7 +142,7 @@ class MlflowBackend:
         found = self.client.get_experiment_by_name(experiment)
         experiment_id = found.experiment_id if found is not None else self.client.create_experiment(experiment)
         self.run_id: str = self.client.create_run(experiment_id, run_name=name).info.run_id
-        flat = [Param(_MLFLOW_NAME.sub("_", k)[:250], str(v)[:500]) for k, v in flatten(params).items()]
+        flat = [Param(_MLFLOW_PARAM.sub("_", k)[:250], str(v)[:500]) for k, v in flatten(params).items()]
         for i in range(0, len(flat), 100):  # MLflow takes at most 100 params per batch
             self.client.log_batch(self.run_id, params=flat[i:i + 100])
 
