@@ -207,6 +207,10 @@ class ServerConfig:
     write_idle_timeout_s: float = 30.0
     """A DoPut whose stream delivers nothing for this long is given up: its slot and reserved memory are freed and
     it is refused when it resumes (``WriteTimedOutError``, retryable)."""
+    write_evict_idle_s: float = 1.0
+    """When the node holds ``max_writers`` DoPuts, a new one takes the slot of the one idle longest if that one has
+    delivered no rows for this long (it is refused as an idle one is), so no number of idle connections locks
+    honest writers out; a stream that delivers rows at least this often is never evicted."""
     cluster: list[ClusterMember] = field(default_factory=list)
     """Every node of the cluster, this one included (its id is :attr:`node_name`), for routing: the node refuses
     a group that routing gives another node. Empty = a cluster of this node alone (it takes every group)."""
@@ -239,6 +243,10 @@ class ServerConfig:
         if self.max_writers < 1 or self.max_writers_per_peer < 1 or self.write_idle_timeout_s <= 0:
             msg = (f"max_writers and max_writers_per_peer must be >= 1 and write_idle_timeout_s > 0, got "
                    f"{self.max_writers}, {self.max_writers_per_peer} and {self.write_idle_timeout_s}")
+            raise ValueError(msg)
+        if not 0 < self.write_evict_idle_s <= self.write_idle_timeout_s:
+            msg = (f"write_evict_idle_s must be > 0 and at most write_idle_timeout_s ({self.write_idle_timeout_s}), "
+                   f"got {self.write_evict_idle_s}")
             raise ValueError(msg)
         ids = [m.id for m in self.cluster]
         if len(set(ids)) != len(ids):

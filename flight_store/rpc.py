@@ -83,10 +83,10 @@ def receive(reader: flight.MetadataRecordBatchReader, write: Write, incoming: In
         except StopIteration:
             write.touch()
             return batches
-        write.touch()
         data = chunk.data  # each access wraps the batch anew
-        if data is None or not data.num_rows:
+        if data is None or not data.num_rows:  # not a delivery: a stream of empty messages stays idle
             continue
+        write.touch()
         incoming.add(data.get_total_buffer_size())  # the buffers received (nbytes costs ~40 us a batch)
         got += data.num_rows
         if rows is not None and got > rows:

@@ -127,7 +127,8 @@ class StoreServer(flight.FlightServerBase):
                                      self_id=self.node_name, version=config.cluster_version)
         """The cluster's members, those routing leaves out, the view's version (``set_cluster`` changes them)."""
         self._writes = WriteSlots(max_writers=config.max_writers, idle_timeout_s=config.write_idle_timeout_s,
-                                  max_writers_per_peer=config.max_writers_per_peer)
+                                  max_writers_per_peer=config.max_writers_per_peer,
+                                  evict_idle_s=config.write_evict_idle_s)
         self.store = Store(dataclasses.replace(config.store, node_name=self.node_name))
         self.metrics: StoreMetrics | None = None
         """The node's :class:`~flight_store.metrics.StoreMetrics` when ``metrics_port`` was given."""
@@ -383,7 +384,8 @@ class StoreServer(flight.FlightServerBase):
     def stats(self) -> replies.NodeStats:
         """The ``stats`` action's answer: the store's counters and the writes being received."""
         return self.store.stats().model_copy(update={"writers": self._writes.active,
-                                                     "writes_given_up": self._writes.given_up})
+                                                     "writes_given_up": self._writes.given_up,
+                                                     "writes_evicted": self._writes.evicted})
 
     # ---- ListFlights / GetFlightInfo -----------------------------------------------------------
 

@@ -121,6 +121,8 @@ class NodeStats(Reply):
     """DoPuts receiving now (the server's part of the answer)."""
     writes_given_up: int = 0
     """DoPuts the server gave up on (their client stalled past the idle limit)."""
+    writes_evicted: int = 0
+    """DoPuts whose slot went to a new writer (idle past ``write_evict_idle_s`` while the node was full)."""
 
 
 class ReleaseReply(Reply):

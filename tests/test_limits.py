@@ -5,6 +5,7 @@ Raw pyarrow.flight, as a careless or hostile client would call it. Each case tak
 
 from __future__ import annotations
 
+import contextlib
 import json
 import threading
 import time
@@ -15,7 +16,6 @@ import pyarrow.flight as flight
 import pytest
 
 from flight_store.config import ServerConfig, StoreConfig
-from flight_store.errors import TooManyWritersError
 from flight_store.server import StoreServer
 from flight_store.writing import StoreWriter
 from schemas.wire import LIMITS
@@ -257,32 +257,105 @@ def _end_streams(hog: flight.FlightClient, writers: list[Any]) -> list[dict[str,
 
 @pytest.mark.parametrize("per_peer", [16, 64])
 def test_a_client_holding_300_idle_streams_fills_its_own_share_not_the_node(per_peer: int) -> None:
-    """One connection holds 300 idle DoPuts: with the per-peer share below the node's cap, an honest writer's put
-    succeeds within a 2 s call deadline, no retry, while they are held; with a share as large as the cap (no
-    per-peer limit), the hog fills the node and the honest put is refused."""
+    """One connection holds 300 idle DoPuts. With the per-peer share below the node's cap, an honest writer's put
+    succeeds at once, no retry, while they are held. With a share as large as the cap, the hog fills the node: the
+    honest put is refused until a held stream has been idle for ``write_evict_idle_s``, then takes its slot."""
     config = ServerConfig(max_writers=64, max_writers_per_peer=per_peer, write_idle_timeout_s=30.0)
     with StoreServer(config) as server:
         hog, writers = _hold_idle_streams(server.location, 300)
         raw = flight.connect(server.location)
         _wait_stats(raw, lambda st: st["writers"] == per_peer)
         with StoreWriter(server.location, timeout=2.0, retries=0) as honest:
-            if per_peer < config.max_writers:
-                honest.put_group(_group("honest"))  # a slot at once, while the 300 are held
-            else:
-                with pytest.raises(TooManyWritersError):
-                    honest.put_group(_group("honest"))
-        assert _action(raw, "stats")["writers"] == per_peer  # the hog's held streams are still open
+            if per_peer == config.max_writers:
+                time.sleep(config.write_evict_idle_s)  # every held stream is now evictable
+            honest.put_group(_group("honest"))  # a slot at first try, while the 300 are held
+        stats = _action(raw, "stats")
+        assert stats["writes_evicted"] == (1 if per_peer == config.max_writers else 0)
+        assert stats["writers"] == per_peer - stats["writes_evicted"]  # the hog's other streams are still open
         refusals = _end_streams(hog, writers)
         over = [r for r in refusals if r["class"] == "TooManyPeerWritersError"]
-        if per_peer < config.max_writers:
-            assert len(over) == 300 - per_peer
-            assert over[0]["limit"] == per_peer and over[0]["retryable"] is True
-            assert over[0]["peer"].startswith("ipv4:127.0.0.1:")
-            assert server.store.group_ids() == ["honest"]
-        else:
-            assert server.store.group_ids() == []
+        assert len(over) == 300 - per_peer
+        assert over[0]["limit"] == per_peer and over[0]["retryable"] is True
+        assert over[0]["peer"].startswith("ipv4:127.0.0.1:")
+        evicted = [r for r in refusals if r["class"] == "WriteTimedOutError"]
+        assert len(evicted) == stats["writes_evicted"] and all(r["retryable"] for r in evicted)
+        assert server.store.group_ids() == ["honest"]
         _wait_stats(raw, lambda st: st["writers"] == 0)
         raw.close()
+
+
+def test_300_connections_holding_an_idle_put_each_cannot_lock_an_honest_writer_out() -> None:
+    """300 connections, one idle DoPut each (a hostile client, or a rollout reconnecting in a loop), fill the node's
+    64 slots over and over; an honest put whose whole budget is 2 s (its call deadline, retries inside it) still
+    gets in, by taking the slot of the stream idle longest, and every idle stream is refused when it ends."""
+    config = ServerConfig(max_writers=64, write_idle_timeout_s=30.0)
+    with StoreServer(config) as server:
+        schema = _group("x").schema
+        hogs = []
+        for i in range(300):
+            client = flight.connect(server.location)
+            writer, _ = client.do_put(_cmd({"v": 3, "kind": "put_group", "group_id": f"idle{i}", "rows": G}), schema)
+            hogs.append((client, writer))
+        raw = flight.connect(server.location)
+        _wait_stats(raw, lambda st: st["writers"] == 64)
+        with StoreWriter(server.location, timeout=2.0, retries=3, backoff=0.25) as honest:  # 0.25+0.5+1 s of waits
+            honest.put_group(_group("honest"))
+        assert _action(raw, "stats")["writes_evicted"] >= 1
+        classes = set()
+        for client, writer in hogs:
+            with pytest.raises(flight.FlightError) as exc:
+                writer.close()
+            classes.add(_info(exc.value)["class"])
+            client.close()
+        # evicted (WriteTimedOutError), refused on arrival (TooManyWritersError), or still held and ended without
+        # the rows it declared (SchemaMismatchError): nothing of theirs is stored
+        assert "WriteTimedOutError" in classes
+        assert classes <= {"WriteTimedOutError", "TooManyWritersError", "SchemaMismatchError"}
+        assert server.store.group_ids() == ["honest"]
+        _wait_stats(raw, lambda st: st["writers"] == 0)
+        raw.close()
+
+
+def test_a_slow_writer_that_keeps_sending_is_never_evicted() -> None:
+    """A full node (2 slots, eviction after 0.5 s idle): a writer sends its group a row every 0.1 s for 3 s while
+    a newcomer arrives every 0.3 s and takes the other slot once its holder idled 0.5 s; the slow writer keeps its
+    slot, and its group is stored whole."""
+    rows = 30
+    config = ServerConfig(max_writers=2, write_idle_timeout_s=30.0, write_evict_idle_s=0.5)
+    with StoreServer(config) as server:
+        slow_client = flight.connect(server.location)
+        table = _group("slow", rows=rows)
+        writer, reader = slow_client.do_put(_cmd({"v": 3, "kind": "put_group", "group_id": "slow", "rows": rows}),
+                                            table.schema)
+        done = threading.Event()
+        newcomers: list[tuple[flight.FlightClient, Any]] = []
+
+        def crowd() -> None:
+            while not done.wait(0.3):  # an idle stream at a time
+                client = flight.connect(server.location)
+                with contextlib.suppress(flight.FlightError):
+                    w, _ = client.do_put(_cmd({"v": 3, "kind": "put_group", "group_id": f"n{len(newcomers)}",
+                                               "rows": G}), table.schema)
+                    newcomers.append((client, w))
+
+        crowder = threading.Thread(target=crowd)
+        crowder.start()
+        for i in range(rows):
+            writer.write_table(table.slice(i, 1))
+            time.sleep(0.1)
+        done.set()
+        crowder.join()
+        writer.done_writing()
+        answer = json.loads(reader.read().to_pybytes())
+        writer.close()
+        assert answer == {"group_id": "slow", "rows_added": rows}
+        assert _action(slow_client, "stats")["writes_evicted"] >= 2  # the newcomers did evict each other
+        for client, w in newcomers:
+            with contextlib.suppress(flight.FlightError):
+                w.close()
+            client.close()
+        assert server.store.group_ids() == ["slow"]
+        slow_client.close()
 
 
 # ---- 6. strict documents and quiet errors ----------------------------------------------------------
