@@ -115,6 +115,10 @@ server thread's call state, buffers and allocator caches (RSS grew ~110-210 KiB 
 COPIES_IN_FLIGHT = 3
 """Copies of a write's batches alive while it is processed: the received message, the serialized
 message and the block being filled (the block is counted as stored once committed)."""
+HELD_CALL_RSS = 192 << 10
+"""Resident memory the RSS guard allows beyond the budget for each DoPut and read channel in progress: a held
+call's server thread and gRPC buffers (about 150 KiB, measured by bench.streams), so idle calls never lock writes
+out (see :meth:`MemoryAccount.reading`)."""
 
 
 @dataclass(slots=True)

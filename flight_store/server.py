@@ -32,7 +32,7 @@ from flight_store.config import ClusterMember, ServerConfig
 from flight_store.errors import KnitError, SchemaMismatchError, error_info
 from flight_store.groups import check_columns, writer_meta
 from flight_store.membership import Membership
-from flight_store.memory import Incoming
+from flight_store.memory import HELD_CALL_RSS, Incoming
 from flight_store.metrics import RpcBytes, StoreMetrics
 from flight_store.rpc import TokenAuthFactory, descriptor_bytes, error_json, guard, receive
 from flight_store.secrets import read_public, read_secret, read_token_file
@@ -79,8 +79,7 @@ _IPC_OPTIONS = pa.ipc.IpcWriteOptions()
 _STORED_META = {k.decode(): v.decode() for k, v in (TRAJECTORY_SCHEMA.metadata or {}).items()}
 """The schema metadata of every stored batch (:func:`~flight_store.blocks.view` reads them as the schema)."""
 _UNOBSERVED = contextlib.nullcontext(RpcBytes())
-"""What an RPC records into on a node without metrics: one shared record nobody reads (made once: a cold node pays
-for every object a read makes)."""
+"""What an RPC records into on a node without metrics: one shared record nobody reads (made once, not per read)."""
 SMALL_ANSWER_SLICES = 16
 """A small answer of at most this many slices (one micro-batch) is made whole and sent by Arrow alone; a
 longer one (a whole step's micro-batches, streamed) is made as it is sent, so its first rows go out first."""
@@ -215,7 +214,8 @@ class StoreServer(flight.FlightServerBase):
                   what: str, rows: int | None, group: str | None) -> Iterator[tuple[list[pa.RecordBatch], Incoming]]:
         """A DoPut's whole stream, received in a writer slot, each batch counted against the budget as it
         arrives (``rows``: the most it may carry; ``group``: a group's write, checked early against the budget)."""
-        with self._writes.slot(context.peer()) as write, self.store.incoming(what, new_group=group) as incoming:
+        with (self.store.memory.reading(HELD_CALL_RSS), self._writes.slot(context.peer()) as write,
+              self.store.incoming(what, new_group=group) as incoming):
             write.incoming = incoming
             batches = receive(reader, write, incoming, rows, what)
             rec.bytes_in += incoming.received
@@ -289,24 +289,25 @@ class StoreServer(flight.FlightServerBase):
         guard("DoExchange", lambda: check_columns(channel.columns))
         names = channel.columns if channel.columns is not None else TRAJECTORY_SCHEMA.names
         writer.begin(pa.schema([TRAJECTORY_SCHEMA.field(c) for c in names]), options=_IPC_OPTIONS)
-        while True:
-            try:
-                request = reader.read_chunk().app_metadata
-            except StopIteration:
-                return  # the client ended the channel
-            try:
-                with self._observe("read") as rec:
-                    first, rest, meta, nbytes = guard("read", functools.partial(self._read, request, channel))
-                    rec.bytes_out += nbytes
-            except (KnitError, flight.FlightError) as exc:
-                writer.write_metadata(json.dumps({"error": error_json(exc)}).encode())
-                continue
-            last, rows = first, 0
-            for batch in rest if nbytes < SMALL_ANSWER else self._stream(rest, nbytes):
-                writer.write_batch(last)
-                rows += last.num_rows
-                last = batch
-            writer.write_with_metadata(last, encode_read_end(rows + last.num_rows, meta))
+        with self.store.memory.reading(HELD_CALL_RSS):  # the held channel's thread and buffers
+            while True:
+                try:
+                    request = reader.read_chunk().app_metadata
+                except StopIteration:
+                    return  # the client ended the channel
+                try:
+                    with self._observe("read") as rec:
+                        first, rest, meta, nbytes = guard("read", functools.partial(self._read, request, channel))
+                        rec.bytes_out += nbytes
+                except (KnitError, flight.FlightError) as exc:
+                    writer.write_metadata(json.dumps({"error": error_json(exc)}).encode())
+                    continue
+                last, rows = first, 0
+                for batch in rest if nbytes < SMALL_ANSWER else self._stream(rest, nbytes):
+                    writer.write_batch(last)
+                    rows += last.num_rows
+                    last = batch
+                writer.write_with_metadata(last, encode_read_end(rows + last.num_rows, meta))
 
     def _read(self, request: pa.Buffer | None,
               channel: ReadChannelDescriptor) -> tuple[pa.RecordBatch, Iterator[pa.RecordBatch], dict[str, str], int]:

@@ -400,6 +400,43 @@ def test_metrics_listen_on_the_node_host() -> None:
             urllib.request.urlopen(f"http://127.0.0.1:{server.metrics_port}/metrics", timeout=10)
 
 
+def test_idle_calls_never_lock_out_writes_through_the_rss_guard(node_process) -> None:
+    """A node process with the RSS guard and a 32 MiB budget: 400 connections each holding an idle read channel
+    (a thread and ~150 KiB of gRPC's memory apiece, past the budget in all) and 100 holding an idle DoPut; an
+    honest write still goes in, and the held calls are all served when their clients move on."""
+    _, location = node_process(ServerConfig(log_level="WARNING", store=StoreConfig(memory_budget=32 << 20)))
+    raw = flight.connect(location)
+    assert _put_group(raw, _group("first", tokens=64))["rows_added"] == G  # the guard applies once a group is held
+    reads = flight.FlightDescriptor.for_command(json.dumps({"v": 3, "kind": "reads"}).encode())
+    held = []
+    for _ in range(400):
+        client = flight.connect(location)
+        held.append((client, client.do_exchange(reads)))
+    schema = _group("x").schema
+    puts = []
+    for i in range(100):
+        client = flight.connect(location)
+        puts.append((client, client.do_put(_cmd({"v": 3, "kind": "put_group", "group_id": f"idle{i}", "rows": G}),
+                                           schema)[0]))
+    stats = _wait_stats(raw, lambda st: st["writers"] == 64)
+    assert stats["memory_rss"] > stats["memory_rss_limit"]  # what the held calls hold: past the budget
+    with StoreWriter(location, timeout=5.0, retries=5, backoff=0.25) as honest:
+        honest.put_group(_group("honest", tokens=64))
+    client, (writer, reader) = held[0]  # a held channel still answers its first request
+    ticket = json.dumps({"v": 3, "kind": "slices", "slices": [{"group_id": "honest", "start": 0, "stop": G}]})
+    writer.write_metadata(pa.py_buffer(ticket.encode()))
+    assert reader.read_chunk().data.num_rows == G
+    for client, (writer, _) in held:
+        writer.done_writing()
+        client.close()
+    for client, writer in puts:
+        with pytest.raises(flight.FlightError):
+            writer.close()
+        client.close()
+    assert _action(raw, "stats")["groups"]["stored"] == 2  # first and honest; nothing of the idle puts
+    raw.close()
+
+
 def test_reads_never_lock_out_writes_on_a_node_holding_its_memory(node_process) -> None:
     """A node process with the RSS guard: the largest reads it takes leave room for every honest write."""
     _, location = node_process(ServerConfig(log_level="WARNING", store=StoreConfig(memory_budget=32 << 20)))
