@@ -119,6 +119,10 @@ HELD_CALL_RSS = 192 << 10
 """Resident memory the RSS guard allows beyond the budget for each DoPut and read channel in progress: a held
 call's server thread and gRPC buffers (about 150 KiB, measured by bench.streams), so idle calls never lock writes
 out (see :meth:`MemoryAccount.reading`)."""
+ANSWER_COPIES = 2
+"""Copies of a large answer resident while it is sent, as the RSS guard allows them: the rows copied into the
+answer's chunks and their serialized messages; a client that stops reading keeps them (RSS grew ~1.6x the answer
+per stalled reader)."""
 
 
 @dataclass(slots=True)

@@ -32,7 +32,7 @@ from flight_store.config import ClusterMember, ServerConfig
 from flight_store.errors import KnitError, SchemaMismatchError, error_info
 from flight_store.groups import check_columns, writer_meta
 from flight_store.membership import Membership
-from flight_store.memory import HELD_CALL_RSS, Incoming
+from flight_store.memory import ANSWER_COPIES, HELD_CALL_RSS, Incoming
 from flight_store.metrics import RpcBytes, StoreMetrics
 from flight_store.rpc import TokenAuthFactory, descriptor_bytes, error_json, guard, receive
 from flight_store.secrets import read_public, read_secret, read_token_file
@@ -249,7 +249,7 @@ class StoreServer(flight.FlightServerBase):
             # this thread's earlier answers were freed once sent: their pages go back before this one is copied
             # (not for a small answer: a micro-batch's copy into warm pages costs a third of one into fresh ones)
             pa.default_memory_pool().release_unused()
-            with self.store.memory.reading(nbytes):
+            with self.store.memory.reading(nbytes * ANSWER_COPIES):
                 yield from batches
         finally:
             del batches

@@ -458,3 +458,30 @@ def test_reads_never_lock_out_writes_on_a_node_holding_its_memory(node_process) 
     stats = _action(raw, "stats")
     assert stats["memory_rss"] < stats["memory_rss_limit"]  # what the reads borrowed went back
     raw.close()
+
+
+def test_readers_that_stop_mid_answer_lock_nobody_out(node_process) -> None:
+    """A node process with the RSS guard: 20 clients each read the first batch of the largest answer the node
+    takes (about 8 MiB, more than gRPC's flow-control windows hold) and stop reading, keeping their calls open;
+    honest writes, reads and stats go on, and once the stalled clients go away a full read works again."""
+    _, location = node_process(ServerConfig(log_level="WARNING", store=StoreConfig(memory_budget=32 << 20)))
+    raw = flight.connect(location)
+    for i in range(40):
+        _put_group(raw, _group(f"g{i}", tokens=64))
+    big = json.dumps({"v": 3, "kind": "slices", "slices": [{"group_id": f"g{i % 40}", "start": 0, "stop": G}
+                                                           for i in range(LIMITS["slices_per_ticket"])]}).encode()
+    stalled = []
+    for _ in range(20):
+        client = flight.connect(location)
+        reader = client.do_get(flight.Ticket(big))
+        assert reader.read_chunk().data.num_rows > 0  # the answer has begun; nothing more is read
+        stalled.append((client, reader))
+    for k in range(5):
+        assert _put_group(raw, _group(f"honest{k}", tokens=64))["rows_added"] == G
+        ticket = json.dumps({"v": 3, "kind": "slices", "slices": [{"group_id": f"honest{k}", "start": 0, "stop": G}]})
+        assert raw.do_get(flight.Ticket(ticket.encode())).read_all().num_rows == G
+    assert _action(raw, "stats")["groups"]["stored"] == 45
+    for client, _ in stalled:
+        client.close()
+    assert raw.do_get(flight.Ticket(big)).read_all().num_rows == G * LIMITS["slices_per_ticket"]
+    raw.close()
