@@ -64,7 +64,8 @@ class SchemaMismatchError(KnitError, flight.FlightServerError):
 
 
 class WireDecodeError(KnitError, flight.FlightServerError):
-    """A descriptor, ticket or action body is malformed JSON, of an unknown version, or invalid."""
+    """A descriptor, ticket or action body is malformed JSON, of an unknown version, or invalid; or a DoPut's
+    message is not Arrow IPC of its stream's schema."""
 
 
 class UnknownGroupError(KnitError, flight.FlightServerError):

@@ -83,6 +83,10 @@ def receive(reader: flight.MetadataRecordBatchReader, write: Write, incoming: In
         except StopIteration:
             write.touch()
             return batches
+        except (OSError, pa.ArrowException) as exc:  # Arrow could not decode the message (a FlightError passes)
+            msg = (f"{what}: message {len(batches) + 1} of the stream is not an Arrow IPC record batch of its "
+                   f"schema ({exc}); nothing stored")
+            raise WireError(msg) from exc
         data = chunk.data  # each access wraps the batch anew
         if data is None or not data.num_rows:  # not a delivery: a stream of empty messages stays idle
             continue

@@ -485,3 +485,62 @@ def test_readers_that_stop_mid_answer_lock_nobody_out(node_process) -> None:
         client.close()
     assert raw.do_get(flight.Ticket(big)).read_all().num_rows == G * LIMITS["slices_per_ticket"]
     raw.close()
+
+
+# ---- malformed streams from a raw gRPC client -------------------------------------------------------
+
+
+def _field(number: int, payload: bytes) -> bytes:
+    """One length-delimited protobuf field."""
+    def varint(v: int) -> bytes:
+        out = bytearray()
+        while True:
+            byte, v = v & 0x7F, v >> 7
+            out.append(byte | (0x80 if v else 0))
+            if not v:
+                return bytes(out)
+    return varint(number << 3 | 2) + varint(len(payload)) + payload
+
+
+def _flight_data(descriptor: bytes | None, header: bytes, body: bytes = b"") -> bytes:
+    """A ``FlightData`` message (Flight.proto: descriptor 1, data_header 2, data_body 1000) as bytes."""
+    cmd = _field(2, descriptor) if descriptor is not None else b""
+    described = _field(1, b"\x08\x02" + cmd) if descriptor is not None else b""  # FlightDescriptor type CMD = 2
+    return described + _field(2, header) + (_field(1000, body) if body else b"")
+
+
+def _raw_put(location: str, messages: list[bytes]) -> Any:
+    """The gRPC error a DoPut of ``messages`` (raw ``FlightData`` bytes) ends with."""
+    grpc = pytest.importorskip("grpc")
+    channel = grpc.insecure_channel(location.removeprefix("grpc://"))
+    do_put = channel.stream_stream("/arrow.flight.protocol.FlightService/DoPut",
+                                   request_serializer=lambda b: b, response_deserializer=lambda b: b)
+    try:
+        with pytest.raises(grpc.RpcError) as exc:
+            list(do_put(iter(messages), timeout=10))
+    finally:
+        channel.close()
+    return exc.value
+
+
+def test_garbage_ipc_from_a_raw_grpc_client_is_refused_naming_it_and_the_node_serves_on() -> None:
+    """A raw gRPC client's DoPuts: a first message that is not Arrow IPC (Flight refuses it before the node reads
+    it), then a valid schema followed by a garbage message, and one followed by a batch cut short (the node refuses
+    each as a WireDecodeError naming the message, no internal error); nothing stored, honest writes go on."""
+    table = _group("junk")
+    schema_header = pa.ipc.read_message(table.schema.serialize()).metadata.to_pybytes()
+    batch = pa.ipc.read_message(table.to_batches()[0].serialize())
+    header, body = batch.metadata.to_pybytes(), batch.body.to_pybytes()
+    doc = json.dumps({"v": 3, "kind": "put_group", "group_id": "junk", "rows": G}).encode()
+    with StoreServer() as server:
+        first = _raw_put(server.location, [_flight_data(doc, b"\xff" * 64, b"\x00" * 256)])
+        assert "Invalid flatbuffers message" in first.details()
+        garbage = _flight_data(None, b"\xfe" * 32, b"\x01" * 64)
+        for second in (garbage, _flight_data(None, header, body[:len(body) // 2])):  # garbage, a batch cut short
+            refused = _raw_put(server.location, [_flight_data(doc, schema_header), second])
+            assert "message 1 of the stream is not an Arrow IPC record batch" in refused.details()
+            assert "internal error" not in refused.details()
+        raw = flight.connect(server.location)
+        assert _put_group(raw, _group("honest")) == {"group_id": "honest", "rows_added": G}
+        assert server.store.group_ids() == ["honest"]
+        raw.close()
