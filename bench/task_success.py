@@ -3,7 +3,7 @@
 ``python -m bench.task_success [--quick] [--model smollm2-135m|DIR] [--max-tokens 32] --out F.json``
 
 The prompts of each built-in data source (``connectors.tasks``: ``add_small``, ``add_large``, ``mul_large``),
-each as one user turn of the checkpoint's chat template (``connectors.engine.chat_prompt_ids``, what the rollout sends),
+each as one user turn of the checkpoint's chat template (``connectors.tasks.chat_prompt_ids``, what the rollout sends),
 G samples each at temperature 1 by vLLM, scored by the exact-match reward the run trains on. The figure
 says whether RL has something to learn from: a success rate of 0 gives no signal, 1 nothing to learn.
 ``metrics.<source>_success`` (share of samples right), ``metrics.<source>_groups_with_signal`` (share of
@@ -58,8 +58,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap.add_argument("--out", required=True)
     args = ap.parse_args(argv)
 
-    from connectors.engine import ENGINE_ENV, chat_prompt_ids
-    from connectors.tasks import ARITHMETIC_TASKS, exact_match_reward
+    from connectors.engine import ENGINE_ENV
+    from connectors.tasks import ARITHMETIC_TASKS, chat_prompt_ids, exact_match_reward
     from connectors.vllm import require_vllm
 
     model = args.model

@@ -14,6 +14,9 @@ from flight_store.config import ClientConfig
 
 DEFAULT_DATA_SOURCES: dict[str, float] = {"add_small": 0.5, "mul_large": 0.5}
 GroupPlacement = Literal["local", "hash"]
+EngineKind = Literal["vllm", "vllm-server"]
+ENGINES: tuple[str, ...] = ("vllm", "vllm-server")
+"""The generation engines a rollout worker drives (``RolloutConfig.engine``)."""
 PLACEMENTS: tuple[str, ...] = ("local", "hash")
 """Where a rollout worker's groups are written (``RolloutConfig.placement``)."""
 """The built-in task mix: an easy short source and a hard long one, half each (``knit run``'s quota too)."""
@@ -102,6 +105,13 @@ class RolloutConfig:
     """Locations (among ``stores``) of the store nodes on this worker's host; empty: none."""
     group_id_prefix: str = ""
     """Prefix of group ids ("" = ``r<pid>-`` of the worker's process); ids must be unique across the stores."""
+    engine: EngineKind = "vllm"
+    """The generation engine: "vllm" (vLLM's engine in this process, ``connectors.engine.VllmEngine``) or
+    "vllm-server" (a vLLM server at ``engine_url``, driven over HTTP: ``connectors.served.ServedEngine``)."""
+    engine_url: str | None = None
+    """The server of ``engine="vllm-server"`` (``http://HOST:PORT``)."""
+    engine_start_timeout_s: float = 600.0
+    """How long a served engine may take to answer its first ``/health``."""
     logprobs_mode: str = "raw_logprobs"
     """vLLM ``logprobs_mode``: "raw_logprobs" (before temperature/top-p) or "processed_logprobs"."""
     dtype: str = "float32"
@@ -194,6 +204,15 @@ class RolloutConfig:
             raise ValueError(msg)
         if self.partial_rollouts and not self.weight_sync:
             msg = "RolloutConfig.partial_rollouts needs weight_sync: the engine tags tokens with the weights it loads"
+            raise ValueError(msg)
+        if self.engine not in ENGINES:
+            msg = f"RolloutConfig.engine={self.engine!r} is not one of {ENGINES}"
+            raise ValueError(msg)
+        if self.engine == "vllm-server" and not (self.engine_url or "").startswith(("http://", "https://")):
+            msg = f"RolloutConfig.engine='vllm-server' needs engine_url http://HOST:PORT, got {self.engine_url!r}"
+            raise ValueError(msg)
+        if self.engine == "vllm-server" and self.partial_rollouts:
+            msg = "RolloutConfig.partial_rollouts runs on the in-process engine only (engine='vllm')"
             raise ValueError(msg)
         if self.logprobs_mode not in ("raw_logprobs", "processed_logprobs"):
             msg = f"RolloutConfig.logprobs_mode={self.logprobs_mode!r} is not raw_logprobs/processed_logprobs"

@@ -1,13 +1,16 @@
-"""Generation engines the rollout worker drives: the ``RolloutEngine`` protocol and ``VllmEngine``.
+"""Generation engines the rollout worker drives: the ``RolloutEngine`` protocol, ``VllmEngine`` and ``start_engine``.
+
+``start_engine`` starts the engine ``RolloutConfig.engine`` names: ``VllmEngine`` here, or
+``connectors.served.ServedEngine``, a client of a vLLM server.
 
 ``VllmEngine`` runs vLLM's ``LLMEngine`` step by step in this process
 (``VLLM_ENABLE_V1_MULTIPROCESSING=0`` unless set): every prompt is one request with ``n = G``,
 ``RequestOutputKind.FINAL_ONLY`` so a prompt comes back once, with all its samples, when the last one
 finishes, and ``logprobs=0, flat_logprobs=True`` so only the sampled tokens' logprobs travel, as flat
-lists. A text prompt is wrapped in the model's chat template (``chat_prompt_ids``: one user turn, the
-assistant's turn opened) when its tokenizer has one and ``RolloutConfig.chat_template`` is on (an
-instruct model such as SmolLM2-Instruct answers in that format; the tiny test tokenizer has none, so
-its prompts go in as they are). vLLM is imported when an engine is built, never at module import.
+lists. A text prompt is wrapped in the model's chat template (``connectors.tasks.chat_prompt_ids``: one user
+turn, the assistant's turn opened) when its tokenizer has one and ``RolloutConfig.chat_template`` is on (an
+instruct model such as SmolLM2-Instruct answers in that format; the tiny test tokenizer has none, so its prompts
+go in as they are). vLLM is imported when an engine is built, never at module import.
 
 With ``RolloutConfig.partial_rollouts`` every sample is a request of its own, streamed (``DELTA``), and new
 weights interrupt the running samples, which resume from their generated prefix under the new weights
@@ -29,7 +32,7 @@ import pyarrow as pa
 
 from connectors.config import RolloutConfig
 from connectors.partial import PartialGroups
-from connectors.tasks import Prompt
+from connectors.tasks import Prompt, chat_prompt_ids
 from connectors.vllm import FinishedRequest, require_vllm
 
 ENGINE_ENV = {
@@ -60,15 +63,15 @@ class RolloutEngine(Protocol):
         engine."""
 
 
-def chat_prompt_ids(tokenizer: Any, text: str) -> list[int]:
-    """The token ids of ``text`` as one user turn of ``tokenizer``'s chat template, the assistant's turn opened.
+def start_engine(config: RolloutConfig) -> RolloutEngine:
+    """The engine ``config.engine`` names, started: vLLM in this process, or a client of the vLLM server at
+    ``config.engine_url`` (``connectors.served.ServedEngine``, once the server answers)."""
+    if config.engine == "vllm-server":
+        from connectors.served import ServedEngine
 
-    The template is rendered to text and tokenized without adding special tokens again (the template writes
-    them), as vLLM's own chat entry point does.
-    """
-    rendered = tokenizer.apply_chat_template([{"role": "user", "content": text}], tokenize=False,
-                                             add_generation_prompt=True)
-    return [int(t) for t in tokenizer(rendered, add_special_tokens=False)["input_ids"]]
+        assert config.engine_url is not None  # RolloutConfig checks it
+        return ServedEngine(config, config.engine_url, start_timeout_s=config.engine_start_timeout_s)
+    return VllmEngine(config)
 
 
 class VllmEngine:

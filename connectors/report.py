@@ -61,6 +61,16 @@ class RolloutReport:
     """Distinct ``policy_version`` values written."""
     logprobs_mode: str = ""
     """The engine's logprob mode."""
+    engine: str = ""
+    """The engine (``RolloutConfig.engine``)."""
+    weight_loads: int = 0
+    """Published versions loaded into the engine."""
+    weight_load_failures: int = 0
+    """Loads of a version that failed (the engine stayed on its weights; each attempt counted)."""
+    weight_load_s_mean: float = 0.0
+    """Mean seconds one load took, reading the weights included."""
+    weight_loaded_at: list[tuple[int, float]] = field(default_factory=list)
+    """``(version, unix time)`` of each load: when the engine ran that version from (its generation resumed)."""
 
     def to_dict(self) -> dict[str, Any]:
         """The report plus derived rates: tokens/s generated, groups/s and MB/s written."""
@@ -122,8 +132,11 @@ class RolloutTally:
         self.images_written += table.num_rows
         self.bytes_written += table.nbytes
 
-    def report(self, *, generate_s: float, write_s: float, write_times: list[float]) -> RolloutReport:
-        """The run's report: these counts, the run's seconds, and the writer's DoPut seconds and times."""
+    def report(self, *, generate_s: float, write_s: float, write_times: list[float], engine: str = "",
+               loads: list[tuple[int, float, float]] | None = None, load_failures: int = 0) -> RolloutReport:
+        """The run's report: these counts, the run's seconds, the writer's DoPut seconds and times, and the engine's
+        weight loads (``loads``: version, unix time it ran from, seconds each, as ``WeightSync.loads``)."""
+        loads = list(loads or [])
         return RolloutReport(
             groups=self.groups, aborted_groups=self.aborted_groups, demand_dispatches=self.demand_dispatches,
             redispatched=dict(self.redispatched), rows=self.rows, prompt_tokens=self.prompt_tokens,
@@ -135,4 +148,7 @@ class RolloutTally:
             reward_mean={k: round(sum(v) / len(v), 4) for k, v in sorted(self.rewards.items()) if v},
             tool_call_rate={k: round(v[1] / v[0], 4) for k, v in sorted(self.turns.items()) if v[0]},
             turns_mean={k: round(v[2] / v[0], 4) for k, v in sorted(self.turns.items()) if v[0]},
-            policy_versions=sorted(self.versions))
+            policy_versions=sorted(self.versions), engine=engine, weight_loads=len(loads),
+            weight_load_failures=load_failures,
+            weight_load_s_mean=round(sum(s for *_, s in loads) / len(loads), 4) if loads else 0.0,
+            weight_loaded_at=[(v, at) for v, at, _ in loads])

@@ -54,7 +54,7 @@ import pyarrow as pa
 from connectors.agent import AgentGroupOutput, with_agents
 from connectors.config import RolloutConfig
 from connectors.dispatch import DispatchQueue, Drawn
-from connectors.engine import RolloutEngine, VllmEngine
+from connectors.engine import RolloutEngine, start_engine
 from connectors.ledger_events import RolloutEvents, resume_stream
 from connectors.lookahead import LookaheadHook, LookaheadLimit, StoreStats
 from connectors.partial import ResumedOutput
@@ -103,7 +103,7 @@ class RolloutWorker:
     Args:
         config: what to generate and where to write.
         client: a :class:`~flight_store.writing.StoreWriter` over ``config.stores`` (built when ``None``).
-        engine: a started engine (``VllmEngine(config)`` is started when ``None``).
+        engine: a started engine (when ``None``, :func:`start_engine` starts the one ``config.engine`` names).
         prompts: the prompt stream (default: ``config.prompts_file`` or the built-in task mix).
         lookahead: an extra lookahead rule over the stores' stats (True pauses dispatch), checked
             with ``config.max_unreleased_groups`` every ``config.lookahead_poll_s`` seconds.
@@ -134,10 +134,11 @@ class RolloutWorker:
         self.tally = RolloutTally()
         """What the run wrote so far (:meth:`run` returns the report built from it)."""
         t0 = time.perf_counter()
-        self.engine: RolloutEngine = engine if engine is not None else VllmEngine(config)
+        self._started: RolloutEngine | None = None  # the engine this worker started (and closes)
         if engine is None:
+            engine = self._started = start_engine(config)
             self.tally.engine_start_s = round(time.perf_counter() - t0, 3)
-        self.engine = with_agents(self.engine, config)
+        self.engine: RolloutEngine = with_agents(engine, config)
         self.tally.logprobs_mode = self.engine.logprobs_mode
         if prompts is None:
             prompts = (
@@ -174,13 +175,15 @@ class RolloutWorker:
     # ---- public --------------------------------------------------------------------------------
 
     def close(self) -> None:
-        """Flush the queued writes, stop the writer, and close the store client if this worker opened it."""
+        """Flush the queued writes, stop the writer, and close the store client and the engine's client if this
+        worker opened them."""
         try:
             self._writer.close()
             self._events.close()
         finally:
             if self._owns_client:
                 self.client.close()
+            getattr(self._started, "close", lambda: None)()
 
     def __enter__(self) -> RolloutWorker:
         return self
@@ -224,7 +227,8 @@ class RolloutWorker:
                 self._stop = True
         self._writer.flush()
         return self.tally.report(generate_s=time.perf_counter() - t_start, write_s=self._writer.write_s,
-                                 write_times=list(self._writer.write_times))
+                                 write_times=list(self._writer.write_times), engine=self.config.engine,
+                                 loads=self._sync.loads, load_failures=self._sync.failed_loads)
 
     # ---- dispatch ------------------------------------------------------------------------------
 

@@ -246,3 +246,14 @@ def jsonl_prompts(path: str | Path, *, default_source: str = "default") -> Itera
             sample = {k: v for k, v in doc.items() if k != "prompt"}
             sample.setdefault("data_source", source)
             yield Prompt(data_source=source, text=doc["prompt"], sample=sample)
+
+
+def chat_prompt_ids(tokenizer: Any, text: str) -> list[int]:
+    """The token ids of ``text`` as one user turn of ``tokenizer``'s chat template, the assistant's turn opened.
+
+    The template is rendered to text and tokenized without adding special tokens again (the template writes
+    them), as vLLM's own chat entry point does.
+    """
+    rendered = tokenizer.apply_chat_template([{"role": "user", "content": text}], tokenize=False,
+                                             add_generation_prompt=True)
+    return [int(t) for t in tokenizer(rendered, add_special_tokens=False)["input_ids"]]

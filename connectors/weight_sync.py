@@ -9,6 +9,11 @@ store that cannot be reached for the version (``NodeUnavailableError``, e.g. whi
 restarts it): the engine keeps generating with its weights and the next poll asks again. Without
 ``load``, the version is adopted as is (the weights are synced some other way).
 
+An engine that pulls a version's weights itself (``load_version``: ``connectors.served.ServedEngine``, whose
+server reads them from the stores) is asked to load the version instead: the rollout never reads the table. A load
+that fails leaves the engine on its version; it is logged, counted (``failed_loads``) and tried again at the next
+poll.
+
 ``version`` is what the rollout tags its groups with: the version of the weights the engine runs.
 
 Example::
@@ -51,6 +56,11 @@ class WeightSync:
         self._unreachable_since: float | None = None  # when a poll first found a store unreachable
         self.version = version
         """Policy version of the weights the engine runs."""
+        self.failed_loads = 0
+        """Versions the engine failed to load (each attempt counted)."""
+        self.loads: list[tuple[int, float, float]] = []
+        """``(version, unix time the engine ran it from, seconds the load took)`` of each load, reading the weights
+        included."""
 
     def wait_initial(self, timeout_s: float, *, stopped: Callable[[], bool] = lambda: False) -> None:
         """Wait for the weights of ``version``, or of a newer version the stores publish already, and load them
@@ -64,7 +74,7 @@ class WeightSync:
         while not stopped():
             try:
                 version = max(self.version, int(self._client.get_version()))
-                table = self._client.get_weights(version)
+                self._into_engine(version)
                 self.version = version
             except Exception as exc:  # not published yet
                 if time.perf_counter() >= deadline:
@@ -72,7 +82,6 @@ class WeightSync:
                     raise TimeoutError(msg) from None
                 time.sleep(0.2)
                 continue
-            self._engine.load_weights(table, self.version)
             logger.info("loaded the initial weights (version %d) into the engine", self.version)
             return
 
@@ -97,10 +106,21 @@ class WeightSync:
             return
         if self._load:
             try:
-                table = self._client.get_weights(published)
-            except Exception as exc:  # weights not there yet: keep generating with the old ones
-                logger.warning("version %d published but its weights are not readable yet: %s", published, exc)
+                self._into_engine(published)
+            except Exception as exc:  # weights not there yet, or the engine failed them: keep the old ones
+                self.failed_loads += 1
+                logger.warning("version %d published but not loaded (the engine stays on version %d): %s",
+                               published, self.version, exc)
                 return
-            self._engine.load_weights(table, published)
             logger.info("loaded weights of version %d into the engine", published)
         self.version = published
+
+    def _into_engine(self, version: int) -> None:
+        """Load ``version`` into the engine: pulled by the engine itself when it can, else read here and handed over."""
+        t0 = time.perf_counter()
+        pull = getattr(self._engine, "load_version", None)
+        if callable(pull):
+            pull(version)
+        else:
+            self._engine.load_weights(self._client.get_weights(version), version)
+        self.loads.append((version, time.time(), time.perf_counter() - t0))

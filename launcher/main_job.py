@@ -60,14 +60,16 @@ def parse(argv: Sequence[str]) -> tuple[list[RunConfig], argparse.Namespace]:
                         help="deploy on the Ray cluster at ADDRESS (its GCS, host:port; none: the cluster this machine "
                         "is in): one store node per Ray node, the rollout and the trainer ranks as actors pinned to "
                         "nodes (launcher.ray_deploy)")
-    parser.add_argument("--engine", choices=("vllm", "fake"), default="vllm",
-                        help="with --ray: the rollout's engine (fake: connectors.fake_engine, no model)")
+    parser.add_argument("--engine", choices=("vllm", "vllm-server", "fake"), default="vllm",
+                        help="the rollout's engine: vllm in the rollout's process; vllm-server, a vLLM server driven "
+                        "over HTTP, the run's own unless --engine-url names one (connectors.served); fake, with "
+                        "--ray only: connectors.fake_engine, no model (default: vllm)")
     parser.add_argument("--resume", type=Path, default=None, metavar="RUN_DIR",
                         help="take up the run stopped in RUN_DIR (Ctrl-C or killed) from its last checkpoint, its "
                         "stores' spill logs and its event logs, with the config it was started with "
                         "(launcher.resume); no other flag is taken but --ray and --engine (a run started with "
                         "--ray is taken up with --ray)")
-    flags = add_flags(parser, RunConfig)
+    flags = add_flags(parser, RunConfig, skip=("engine",))
     args = parser.parse_args(list(argv))
     if args.resume is not None:
         if args.compare or args.policies:
@@ -76,8 +78,13 @@ def parse(argv: Sequence[str]) -> tuple[list[RunConfig], argparse.Namespace]:
             return [run_folder.read_run_config(RunConfig, args.resume.resolve() / run_folder.RUN_CONFIG)], args
         except (OSError, ValueError) as exc:  # RunFolderError names the file and the field
             parser.error(f"--resume {args.resume}: {exc}")
+    if args.engine == "fake" and args.ray is None:
+        parser.error("--engine fake runs with --ray only")
+    if args.engine == "vllm-server" and args.ray is not None:
+        parser.error("--engine vllm-server runs without --ray (the Ray deployment drives vLLM in process)")
     model = RUN_MODELS.get(getattr(args, "cfg__model", "tiny"))  # its defaults, under the flags given
     base = dict(model.run_defaults if model else {}) | ({"train_batches": QUICK_TRAIN_BATCHES} if args.quick else {})
+    base["engine"] = "vllm-server" if args.engine == "vllm-server" else "vllm"
     try:
         cfg = build(RunConfig, flags, args, base=base)
     except ValueError as exc:

@@ -18,7 +18,9 @@ its config as a validated document (``schemas.documents``), never as re-typed ar
    the trainer's shape (``launcher.model``), which loads the trainer's version-0 weights before it
    generates, loads every newly published version into the running engine, and streams each finished
    prompt group to the stores. The lookahead limit (groups dispatched but not yet consumed) couples
-   the two.
+   the two. With ``--engine vllm-server`` the rollout drives a vLLM server over HTTP instead
+   (``connectors.served``), the run's own ``vllm serve`` (``engine``, at the rollout's site) unless
+   ``--engine-url`` names one; the server pulls each version's weights from the stores itself.
 
 Where each process runs is a :class:`~launcher.placement.Placement` (default: everything on this machine's
 loopback); ``launcher.hosts`` places them on hosts of their own (network namespaces), each store node
@@ -39,6 +41,7 @@ Example:
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import sys
@@ -47,10 +50,12 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+from connectors.served import SERVER_ENV, server_command
+from flight_store.net import free_ports
 from flight_store.reading import StoreReader
 from launcher import report, resume
 from launcher.children import Child, Children
-from launcher.placement import Placement
+from launcher.placement import Placement, Site
 from launcher.progress import LiveState
 from launcher.run_config import RunConfig, rollout_config, store_configs, train_config
 from launcher.stores import Stores
@@ -106,6 +111,8 @@ def run_policy(cfg: RunConfig, model: ModelConfig, *, stop: threading.Event,
                         start_timeout_s=cfg.store_start_timeout_s, sites=placement.stores, probe_s=placement.probe_s)
         stores.start(fresh=resumed is None)
         locations = stores.locations
+        if cfg.engine == "vllm-server" and cfg.engine_url is None:
+            cfg = start_engine_server(cfg, kids, placement.rollout, locations, append=resumed is not None)
         try:
             cause, rollout_restarts, noted = "stopped", 0, set()  # noted: the lost nodes in the event log
             while True:  # a life: the trainer and the rollout, until the run ends or a worker is lost
@@ -167,6 +174,17 @@ def _life(cfg: RunConfig, model: ModelConfig, kids: Children, stores: Stores, pl
         [sys.executable, "-m", "connectors", "--config", str(rollout_doc)]), env=placement.rollout.env, append=again)
     with StoreReader(locations, timeout=5.0) as client:
         return _supervise(cfg, kids, stores, (trainers, rollout), client, state, stop, on_update)
+
+
+def start_engine_server(cfg: RunConfig, kids: Children, site: Site, locations: list[str], *,
+                        append: bool = False) -> RunConfig:
+    """Start the run's vLLM server (``engine``) at the rollout's site, on a free port; returns ``cfg`` with its URL.
+    The rollout waits for it to answer (``RolloutConfig.engine_start_timeout_s``)."""
+    (port,) = free_ports(1, site.address if site.is_local else "127.0.0.1")
+    cfg = dataclasses.replace(cfg, engine_url=f"http://{site.url_host}:{port}")
+    cmd = server_command(rollout_config(cfg, locations), port, host=site.address)
+    kids.start("engine", site.command(cmd), env=site.env | SERVER_ENV, append=append)
+    return cfg
 
 
 def start_trainer(kids: Children, placement: Placement, doc: Path, dp_ranks: int, *,

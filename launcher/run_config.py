@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from admission.config import AdmissionConfig, LinkModel, Policy, Quota
-from connectors.config import DEFAULT_DATA_SOURCES, GroupPlacement, RolloutConfig
+from connectors.config import DEFAULT_DATA_SOURCES, EngineKind, GroupPlacement, RolloutConfig
 from flight_store.config import ClusterMember, ServerConfig, StoreConfig
 from flight_store.net import free_ports
 from launcher import ledger, resume
@@ -55,6 +55,12 @@ class RunConfig:
     """The trainer's optimizer."""
     loss: ObjectiveConfig = field(default_factory=ObjectiveConfig)
     """The trainer's policy loss (``--objective``, ``--is-cap``)."""
+    engine: EngineKind = "vllm"
+    """The rollout's engine: "vllm" in the rollout's process, or "vllm-server": a vLLM server driven over HTTP, the
+    run's own (started beside the rollout, weights pulled through vLLM's weight-transfer API) unless ``engine_url``
+    names one the user runs (``connectors.served``)."""
+    engine_url: str | None = None
+    """A vLLM server the user runs, for ``engine="vllm-server"`` (``http://HOST:PORT``)."""
     partial_rollouts: bool = False
     """New weights interrupt the running samples, which resume under them (``RolloutConfig.partial_rollouts``)."""
     export_hf: bool = False
@@ -123,6 +129,12 @@ class RunConfig:
                 raise ValueError(msg)
         if self.admission.policy not in RUN_POLICIES:
             msg = f"RunConfig: knit run runs the policies {RUN_POLICIES}, not {self.admission.policy!r}"
+            raise ValueError(msg)
+        if self.engine_url is not None and self.engine != "vllm-server":
+            msg = f"RunConfig.engine_url={self.engine_url!r} is for engine='vllm-server', not {self.engine!r}"
+            raise ValueError(msg)
+        if self.engine == "vllm-server" and self.partial_rollouts:
+            msg = "RunConfig: partial_rollouts runs on the in-process engine only (engine='vllm')"
             raise ValueError(msg)
         per_mini = self.admission.groups_per_mini_batch
         if self.lookahead is not None and self.lookahead < per_mini:
@@ -213,8 +225,8 @@ def rollout_config(cfg: RunConfig, stores: list[str], home_nodes: list[str] | No
         weight_sync=True, wait_initial_weights_s=cfg.idle_timeout_s, version_poll_s=0.1, reward=cfg.reward,
         max_model_len=512, group_id_prefix=f"{cfg.policy}-", report_path=str(cfg.out / run_folder.ROLLOUT_REPORT),
         commit_ahead=cfg.admission.train_batch_groups, mix_chunk=cfg.admission.train_batch_groups,
-        data_sources=dict(cfg.data_sources), partial_rollouts=cfg.partial_rollouts,
-        events_path=str(cfg.out / ledger.EVENTS / ledger.ROLLOUT_EVENTS),
+        data_sources=dict(cfg.data_sources), partial_rollouts=cfg.partial_rollouts, engine=cfg.engine,
+        engine_url=cfg.engine_url, events_path=str(cfg.out / ledger.EVENTS / ledger.ROLLOUT_EVENTS),
         synchronous=((cfg.admission.train_batch_groups, cfg.admission.mini_batches) if cfg.policy == "colocated"
                      else None),
     )

@@ -207,7 +207,7 @@ def _prompt(model_dir: str) -> tuple[list[int], list[int]]:
     """The chat-templated question's token ids and the answer's (the rollout's template path)."""
     from transformers import AutoTokenizer
 
-    from connectors.engine import chat_prompt_ids
+    from connectors.tasks import chat_prompt_ids
 
     tok = AutoTokenizer.from_pretrained(model_dir)
     prompt = chat_prompt_ids(tok, QUESTION)

@@ -3,11 +3,12 @@
 TensorBoard's event files are read with its event accumulator, MLflow's file store with ``MlflowClient``, the W&B
 offline run from its ``.wandb`` file (a LevelDB-style log of protobuf records, read here with W&B's own record
 type). A tracker that fails warns once and the others go on. The slow test runs ``knit run --quick --logger
-tensorboard,mlflow,wandb`` and reads all three back.
+tensorboard,mlflow,wandb --engine vllm-server`` (the rollout on the run's own vLLM server) and reads all three back.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -254,7 +255,10 @@ def test_a_step_logs_its_figures_under_the_summary_names(tmp_path: Path, store_n
 @pytest.mark.slow
 @pytest.mark.megatron
 @pytest.mark.vllm
-def test_knit_run_quick_writes_tensorboard_mlflow_and_wandb(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_knit_run_quick_on_a_vllm_server_writes_tensorboard_mlflow_and_wandb(tmp_path: Path,
+                                                                             monkeypatch: pytest.MonkeyPatch) -> None:
+    """``knit run --engine vllm-server --logger ...``: the run's own vLLM server takes every version through vLLM's
+    weight-transfer API (the first step's logprobs are the trainer's), and each step reaches every tracker."""
     for module in ("tensorboard", "mlflow", "wandb"):
         pytest.importorskip(module)
     from launcher.children import child_env
@@ -267,10 +271,21 @@ def test_knit_run_quick_writes_tensorboard_mlflow_and_wandb(tmp_path: Path, monk
     cmd = [sys.executable, "-m", "launcher", "run", "--model", "tiny", "--quick", "--plain", "--out", str(out),
            "--model-dir", str(model_dir), "--train-batch-groups", "4", "--group-size", "4", "--mini-batches", "2",
            "--train-batches", "2", "--max-tokens", "24", "--timeout-s", "300",
-           "--logger", "console,tensorboard,mlflow,wandb"]
+           "--logger", "console,tensorboard,mlflow,wandb", "--engine", "vllm-server"]
     res = subprocess.run(cmd, cwd=ROOT, env=child_env(), capture_output=True, text=True, timeout=400, check=False)
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
-    steps = json.loads((out / "summary.json").read_text())["policies"]["mini_batch"]["steps"]
+    summary = json.loads((out / "summary.json").read_text())["policies"]["mini_batch"]
+    steps = summary["steps"]
+    assert summary["abs_logp_diff_first_step"] < 1e-4  # the server runs the trainer's version 0, loaded via its API
+    rollout = json.loads((out / "rollout.json").read_text())
+    assert rollout["engine"] == "vllm-server" and rollout["weight_load_failures"] == 0
+    assert rollout["weight_loads"] >= 1 and rollout["weight_loaded_at"][0][0] == 0
+    assert rollout["groups"] == 8 and rollout["aborted_groups"] == 0
+    children = json.loads((out / "logs" / "children.json").read_text())
+    assert "engine" in [c["name"] for c in children]  # the run's own server, a process of the run ...
+    for c in children:  # ... stopped with the rest
+        with contextlib.suppress(OSError):
+            assert Path(f"/proc/{c['pid']}/stat").read_text().split()[2] == "Z", f"{c['name']} still runs"
     trainer_log = (out / "logs" / "trainer.log").read_text()
     assert "tracker" not in trainer_log, trainer_log[-3000:]  # no tracker warned
 

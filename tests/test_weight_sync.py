@@ -1,6 +1,7 @@
-"""Weight sync, trainer -> store -> running vLLM engine: after a sync vLLM's logprobs equal the trainer's.
+"""Weight sync, trainer -> store -> running vLLM engine: after a sync vLLM's logprobs equal the trainer's, in
+process and through a served vLLM's own weight-transfer API.
 
-Two subprocesses (this file run as a script), one real store node in the test process:
+Two subprocesses (this file run as a script), one real store node in the test process, and a ``vllm serve``:
 
 1. ``megatron``: builds the trainer's GPT (``launcher.model.trainer_model``: the ``tiny-vllm`` preset with the
    tokenizer's vocabulary), moves every weight away from its init (so nothing can pass by chance,
@@ -11,15 +12,21 @@ Two subprocesses (this file run as a script), one real store node in the test pr
 2. ``vllm``: starts the rollout's engine (``connectors.engine.VllmEngine``) on the tiny Llama that
    ``knit run`` builds, scores the same tokens (prompt logprobs) before the sync, loads the published
    weights into the running engine (``engine.load_weights``: ``collective_rpc`` ``reload_weights``),
-   and scores them again.
+   and scores them again;
+3. the served engine: ``vllm serve`` of the same folder with ``--weight-transfer-config '{"backend":
+   "knittrans"}'``, driven by ``connectors.served.ServedEngine`` from the test process (the server reads version 1
+   from the store node itself).
 """
 
 from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
+import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -52,21 +59,35 @@ def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return out
 
 
-def test_vllm_logprobs_equal_the_trainer_forward_after_sync(store_nodes, tiny_model: Path,  # type: ignore[no-untyped-def]
+@pytest.fixture(scope="module")
+def published(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, dict[str, Any]]]:
+    """A store node holding the trainer's weights as version 1 (published by the ``megatron`` subprocess), and the
+    trainer's own logprobs of ``RESPONSE``."""
+    from flight_store.config import ServerConfig
+    from flight_store.server import StoreServer
+
+    server = StoreServer(ServerConfig())
+    try:
+        vocab = json.loads((tiny_model / "config.json").read_text())["vocab_size"]
+        assert max(PROMPT + RESPONSE) < vocab
+        out = tmp_path_factory.mktemp("trainer") / "trainer.json"
+        env = _env(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", LOCAL_WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
+                   MASTER_PORT=str(free_port()))
+        res = subprocess.run([sys.executable, __file__, "megatron", server.location, str(vocab), str(out)],
+                             cwd=ROOT, env=env, capture_output=True, text=True, timeout=240)
+        assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+        yield server.location, json.loads(out.read_text())
+    finally:
+        server.shutdown()
+
+
+def test_vllm_logprobs_equal_the_trainer_forward_after_sync(published: tuple[str, dict[str, Any]], tiny_model: Path,
                                                            tmp_path: Path) -> None:
-    (server,) = store_nodes(1)
-    vocab = json.loads((tiny_model / "config.json").read_text())["vocab_size"]
-    assert max(PROMPT + RESPONSE) < vocab
-    trainer_out, vllm_out = tmp_path / "trainer.json", tmp_path / "vllm.json"
-    megatron_env = _env(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", LOCAL_WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
-                        MASTER_PORT=str(free_port()))
-    res = subprocess.run([sys.executable, __file__, "megatron", server.location, str(vocab), str(trainer_out)],
-                         cwd=ROOT, env=megatron_env, capture_output=True, text=True, timeout=240)
-    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
-    res = subprocess.run([sys.executable, __file__, "vllm", server.location, str(tiny_model), str(vllm_out)],
+    location, trainer = published
+    vllm_out = tmp_path / "vllm.json"
+    res = subprocess.run([sys.executable, __file__, "vllm", location, str(tiny_model), str(vllm_out)],
                          cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=300)
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
-    trainer = json.loads(trainer_out.read_text())
     got = json.loads(vllm_out.read_text())
 
     assert trainer["tensors"] == got["tensors_loaded"] == 2 + 1 + 9 * 2  # every tensor of the model moved
@@ -79,6 +100,65 @@ def test_vllm_logprobs_equal_the_trainer_forward_after_sync(store_nodes, tiny_mo
     np.testing.assert_allclose(after, ref, atol=1e-4, rtol=0)
     print(f"weight sync: max |vLLM - trainer| logprob before {np.abs(before - ref).max():.3g}, "
           f"after {np.abs(after - ref).max():.3g}")
+
+
+def test_served_vllm_takes_the_weights_through_its_rl_api_and_serves_token_in_token_out(
+        published: tuple[str, dict[str, Any]], tiny_model: Path, tmp_path: Path) -> None:
+    """A real ``vllm serve`` (the command ``knit run --engine vllm-server`` starts) with knittrans' weight-transfer
+    engine, found through this distribution's ``vllm.general_plugins`` entry point: the served logprobs equal the
+    trainer's after ``load_version``, a version that is not published fails and leaves the weights as they were, and
+    the server answers groups and aborts as a ``ServedEngine``."""
+    from connectors.config import RolloutConfig
+    from connectors.served import SERVER_ENV, EngineServerError, ServedEngine, server_command
+
+    location, trainer = published
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    cfg = RolloutConfig(model=str(tiny_model), stores=[location], engine="vllm-server", engine_url=url,
+                        max_model_len=512, max_num_seqs=4, max_tokens=8)
+    with open(tmp_path / "server.log", "wb") as log:
+        proc = subprocess.Popen(server_command(cfg, port), cwd=ROOT, env=_env(**SERVER_ENV), stdout=log,
+                                stderr=subprocess.STDOUT, start_new_session=True)
+    engine = None
+    try:
+        engine = ServedEngine(cfg, url, start_timeout_s=240.0)
+
+        def score() -> np.ndarray:
+            doc = engine._post("/v1/completions", {"model": engine.model_name, "prompt": PROMPT + RESPONSE,
+                                                   "max_tokens": 1, "prompt_logprobs": 0, "temperature": 1.0})
+            lps = doc["choices"][0]["prompt_logprobs"]
+            return np.array([lps[len(PROMPT) + i][str(t)]["logprob"] for i, t in enumerate(RESPONSE)])
+
+        ref = np.array(trainer["logprobs"])
+        before = score()
+        assert np.abs(before - ref).max() > 1e-2
+        engine.load_version(1)
+        after = score()
+        np.testing.assert_allclose(after, ref, atol=1e-4, rtol=0)  # the trainer's own forward logprobs
+        assert engine.weight_version() == "1"
+        with pytest.raises(EngineServerError, match=f"POST {url}/update_weights: HTTP 500"):
+            engine.load_version(7)  # never published
+        np.testing.assert_allclose(score(), after, atol=0, rtol=0)  # still version 1's weights, serving
+        assert engine.weight_version() == "1"
+
+        vocab = json.loads((tiny_model / "config.json").read_text())["vocab_size"]
+        engine.submit_tokens("long", PROMPT, 400, ())
+        engine.abort(["long"])
+        engine.submit_tokens("turn", PROMPT, 8, ())
+        got: dict[str, Any] = {}
+        deadline = time.monotonic() + 60
+        while "turn" not in got and time.monotonic() < deadline:
+            got.update({o.request_id: o for o in engine.step()})
+        assert list(got) == ["turn"]  # nothing of the aborted request comes back
+        (c,) = got["turn"].outputs
+        assert 1 <= len(c.token_ids) <= 8 and all(0 <= t < vocab for t in c.token_ids)
+        assert len(c.logprobs.logprobs) == len(c.token_ids) and max(c.logprobs.logprobs) <= 0.0
+        assert c.finish_reason in ("stop", "length")
+    finally:
+        if engine is not None:
+            engine.close()
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait(30)
 
 
 # ---- the subprocesses -------------------------------------------------------------------------
