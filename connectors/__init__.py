@@ -17,6 +17,7 @@
 * ``connectors.vllm``: vLLM ``RequestOutput`` -> one trajectory record batch per prompt group;
 * ``connectors.tasks``: built-in verifiable tasks, the built-in rewards (``REWARDS``), user rewards;
 * ``connectors.engine_weights``: weight sync into a running vLLM engine;
+* ``connectors.hf_generate``: an engine of your own in a page: transformers ``generate()`` -> ``StoreWriter``;
 * ``connectors.tiny_model``: a tiny random Llama built offline (tests, demos);
 * ``connectors.fake_engine``: a scripted engine for tests without a model.
 
