@@ -221,3 +221,13 @@ def test_the_rollout_writes_failed_groups_aborted_and_sends_their_prompts_again(
     completed = frame.filter(pl.col("status") == "completed")
     assert completed["group_id"].n_unique() == 6  # every prompt came through: the failed ones sent again
     assert set(report.redispatched.values()) <= set(aborted["group_id"])
+
+
+def test_every_vllm_serve_finds_the_transfer_engine_through_the_entry_point() -> None:
+    from importlib.metadata import entry_points
+
+    from connectors.vllm_plugin import BACKEND, register
+
+    (ep,) = [e for e in entry_points(group="vllm.general_plugins") if e.name == "knittrans"]
+    assert ep.value == "connectors.vllm_plugin:register" and ep.load() is register
+    assert BACKEND == "knittrans"
