@@ -51,6 +51,7 @@ def build_tiny_llama(
     max_positions: int = 2048,
     dtype: str = "float32",
     seed: int = 0,
+    tie_embeddings: bool = False,
 ) -> Path:
     """Write a random Llama (safetensors) and its tokenizer to ``out_dir``; returns the directory.
 
@@ -65,6 +66,7 @@ def build_tiny_llama(
         max_positions: ``max_position_embeddings`` (RoPE).
         dtype: torch dtype name of the saved weights ("float32" keeps logprob comparisons exact).
         seed: seeds the tokenizer corpus and the weight init.
+        tie_embeddings: tie the output layer to the input embedding (as SmolLM2 does; no ``lm_head.weight`` saved).
 
     Example::
 
@@ -95,7 +97,7 @@ def build_tiny_llama(
         bos_token_id=hf_tok.bos_token_id,
         eos_token_id=hf_tok.eos_token_id,
         pad_token_id=hf_tok.pad_token_id,
-        tie_word_embeddings=False,
+        tie_word_embeddings=tie_embeddings,
     )
     model = _random_weights(LlamaForCausalLM, cfg, seed=seed).to(getattr(torch, dtype))
     model.save_pretrained(str(out), safe_serialization=True)

@@ -15,7 +15,8 @@ Two subprocesses (this file run as a script), one real store node in the test pr
    and scores them again;
 3. the served engine: ``vllm serve`` of the same folder with ``--weight-transfer-config '{"backend":
    "knittrans"}'``, driven by ``connectors.served.ServedEngine`` from the test process (the server reads version 1
-   from the store node itself).
+   from the store node itself); and a served tiny model with tied embeddings (SmolLM2's layout) against a
+   transformers forward of the weights it loaded.
 """
 
 from __future__ import annotations
@@ -229,3 +230,65 @@ if __name__ == "__main__":
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     mode, *rest = sys.argv[1:]
     {"megatron": _megatron, "vllm": _vllm}[mode](*rest)
+
+
+def test_served_vllm_of_a_tied_embedding_model_serves_the_loaded_weights(tmp_path: Path) -> None:
+    """A model whose output layer is its embedding (SmolLM2's layout: no ``lm_head.weight`` travels): after the
+    served engine loads a version, its logprobs are a transformers forward of that version's weights, so the
+    output layer follows the embedding inside the server."""
+    import torch
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+
+    from connectors.config import RolloutConfig
+    from connectors.served import SERVER_ENV, ServedEngine, server_command
+    from connectors.tiny_model import build_tiny_llama
+    from flight_store.config import ServerConfig
+    from flight_store.publishing import StorePublisher
+    from flight_store.server import StoreServer
+    from schemas import weights
+
+    model_dir = build_tiny_llama(tmp_path / "tied", layers=2, hidden=64, heads=2, kv_heads=1, tie_embeddings=True)
+    start = load_file(str(model_dir / "model.safetensors"))
+    assert "lm_head.weight" not in start
+    gen = torch.Generator().manual_seed(1)
+    new = {k: (v + 0.1 * torch.randn(v.shape, generator=gen)).contiguous() for k, v in start.items()}
+    hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    hf.load_state_dict(new, strict=False)
+    hf.tie_weights()
+    ids = PROMPT + RESPONSE
+    with torch.no_grad():
+        logp = hf(torch.tensor([ids])).logits[0].log_softmax(-1)
+    ref = np.array([float(logp[i - 1, ids[i]]) for i in range(1, len(ids))])
+
+    store = StoreServer(ServerConfig())
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    cfg = RolloutConfig(model=str(model_dir), stores=[store.location], engine="vllm-server", engine_url=url,
+                        max_model_len=256, max_num_seqs=4)
+    with open(tmp_path / "server.log", "wb") as log:
+        proc = subprocess.Popen(server_command(cfg, port), cwd=ROOT, env=_env(**SERVER_ENV), stdout=log,
+                                stderr=subprocess.STDOUT, start_new_session=True)
+    engine = None
+    try:
+        with StorePublisher(store.location) as publisher:
+            publisher.put_weights(weights.encode([weights.WeightTensor(
+                name=k, shape=tuple(v.shape), dtype="float32", data=v.numpy().tobytes()) for k, v in new.items()]), 1)
+            publisher.publish_version(1)
+        engine = ServedEngine(cfg, url, start_timeout_s=240.0)
+
+        def score() -> np.ndarray:
+            doc = engine._post("/v1/completions", {"model": engine.model_name, "prompt": ids, "max_tokens": 1,
+                                                   "prompt_logprobs": 0})
+            lps = doc["choices"][0]["prompt_logprobs"]
+            return np.array([lps[i][str(ids[i])]["logprob"] for i in range(1, len(ids))])
+
+        assert np.abs(score() - ref).max() > 1e-2  # the folder's own weights first
+        engine.load_version(1)
+        np.testing.assert_allclose(score(), ref, atol=1e-4, rtol=0)
+    finally:
+        if engine is not None:
+            engine.close()
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait(30)
+        store.shutdown()
