@@ -80,7 +80,7 @@ def server_command(config: RolloutConfig, port: int, host: str = "127.0.0.1") ->
            "--max-num-seqs", str(config.max_num_seqs), "--seed", str(config.seed),
            "--logprobs-mode", config.logprobs_mode, "--tensor-parallel-size", str(config.tensor_parallel_size),
            "--weight-transfer-config", json.dumps({"backend": BACKEND}), "--disable-uvicorn-access-log"]
-    if config.tensor_parallel_size == 1:  # the worker inside the engine core's process: one process less to start
+    if config.tensor_parallel_size == 1:  # the worker inside the engine core's process: one process fewer to start
         cmd += ["--distributed-executor-backend", "uni"]
     return [*cmd, "--enforce-eager"] if config.enforce_eager else cmd
 
@@ -101,7 +101,6 @@ class ServedEngine:
                  request_timeout_s: float = 600.0, max_inflight: int = 256) -> None:
         import aiohttp
         from transformers import AutoTokenizer
-
 
         self.url = url.rstrip("/")
         self.config = config
