@@ -191,9 +191,9 @@ class ServedEngine:
         }
         if stop:
             body.update(stop=list(stop), include_stop_str_in_output=True)
-        fut = asyncio.run_coroutine_threadsafe(self._request(request_id, ids, n, body), self._loop)
-        with self._lock:
-            self._running[request_id] = fut
+        with self._lock:  # registered before the request can finish (it takes the lock to hand its output over)
+            self._running[request_id] = asyncio.run_coroutine_threadsafe(self._request(request_id, ids, n, body),
+                                                                         self._loop)
 
     async def _request(self, request_id: str, ids: list[int], n: int, body: dict[str, Any]) -> None:
         async with self._limit:
