@@ -51,7 +51,10 @@ class Script:
         if rid.startswith("hang"):
             time.sleep(3.0)
         ids = [VOCAB + 7] if rid.startswith("vocab") else [17, 18, 19]
-        choices = [{"index": i, "text": "12", "token_ids": ids, "finish_reason": "stop",
+        text = "12"
+        if "#" in rid:  # an agent's turn (group#episode.turn): a calculator call first, then the answer
+            text = "<calc>3*4</calc>" if rid.endswith(".0") else "Answer: 12"
+        choices = [{"index": i, "text": text, "token_ids": ids, "finish_reason": "stop",
                     "logprobs": {"token_logprobs": [-0.5] * len(ids)}} for i in range(int(body["n"]))]
         return 200, json.dumps({"id": f"cmpl-{rid}", "choices": choices})
 
@@ -231,3 +234,26 @@ def test_every_vllm_serve_finds_the_transfer_engine_through_the_entry_point() ->
     (ep,) = [e for e in entry_points(group="vllm.general_plugins") if e.name == "knittrans"]
     assert ep.value == "connectors.vllm_plugin:register" and ep.load() is register
     assert BACKEND == "knittrans"
+
+
+def test_agent_turns_go_to_the_server_token_in_token_out(server, tiny_model: Path, store_nodes) -> None:  # type: ignore[no-untyped-def]
+    """A calculator group on the served engine: each turn is a request of the context's token ids with the
+    environment's stop string; the rows hold both model turns and the tool's answer, masked out."""
+    url, script = server
+    nodes = [s.location for s in store_nodes(1)]
+    cfg = RolloutConfig(model=str(tiny_model), stores=nodes, engine="vllm-server", engine_url=url, group_size=2,
+                        max_groups=1, prompts_per_wave=1, data_sources={"calculator": 1.0}, weight_sync=False)
+    with StoreReader(nodes) as client, StoreWriter.sharing(client) as writer:
+        with RolloutWorker(cfg, client=writer) as worker:
+            report = worker.run()
+        frame = client.scan_metadata()
+    assert report.tool_call_rate == {"calculator": 1.0} and report.aborted_groups == 0
+    assert frame["num_turns"].to_list() == [2, 2]
+    assert (frame["loss_tokens"] == 6).all() and (frame["response_len"] > 6).all()  # 2 turns of 3 + the tool's
+    turns = [b for p, b in script.calls if p == "/v1/completions"]
+    assert len(turns) == 4 and all(b["stop"] == ["</calc>"] and b["include_stop_str_in_output"] for b in turns)
+    first, second = sorted((b for b in turns if b["request_id"].endswith("#0.0") or b["request_id"].endswith("#0.1")),
+                           key=lambda b: b["request_id"])
+    assert second["prompt"][:len(first["prompt"])] == first["prompt"]  # the context grows by tokens ...
+    assert second["prompt"][len(first["prompt"]):len(first["prompt"]) + 3] == [17, 18, 19]  # ... the turn's own
+
