@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from vllm.distributed.weight_transfer.base import WeightTransferEngine
@@ -55,11 +55,9 @@ class FlightUpdate:
     """``update_info`` of ``/update_weights``: which published version to load."""
 
     version: int
-    names: list[str] = field(default_factory=list)
-    """Unused by the engine (the table names its tensors); accepted so generic clients may send it."""
 
 
-class FlightWeightTransferEngine(WeightTransferEngine):  # type: ignore[misc]
+class FlightWeightTransferEngine(WeightTransferEngine):
     """The worker side: reads a version's weights table from the store nodes and loads it into the model."""
 
     init_info_cls = FlightInit
@@ -93,15 +91,13 @@ class FlightWeightTransferEngine(WeightTransferEngine):  # type: ignore[misc]
         self.receive_weights(self.parse_update_info(update_info))
 
     def receive_weights(self, update_info: FlightUpdate) -> None:
-        from connectors.engine_weights import table_to_tensors
+        from vllm.model_executor.model_loader.reload import finalize_layerwise_reload, initialize_layerwise_reload
+
+        from connectors.engine_weights import refresh_tied_output_layer, table_to_tensors
 
         if self._client is None:
             msg = "update_weights before init_weight_transfer_engine: the engine does not know the store nodes"
             raise RuntimeError(msg)
-        from vllm.model_executor.model_loader.reload import finalize_layerwise_reload, initialize_layerwise_reload
-
-        from connectors.engine_weights import refresh_tied_output_layer
-
         t0 = time.perf_counter()
         table = self._client.get_weights(int(update_info.version))
         tensors = table_to_tensors(table)
