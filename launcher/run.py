@@ -240,6 +240,10 @@ def _supervise(cfg: RunConfig, kids: Children, stores: Stores, workers: tuple[li
             if not rollout.alive() and rollout.proc.returncode not in (0, None):
                 raise WorkerLost("rollout_lost", f"the rollout worker died (exit {rollout.proc.returncode}):\n"
                                                  f"{kids.tail(rollout)}")
+            served = next((c for c in kids.started if c.name == "engine"), None)
+            if served is not None and not served.alive():  # the rollout's engine is gone: nothing can be generated
+                msg = f"the engine server died (exit {served.proc.returncode}):\n{kids.tail(served)}"
+                raise RuntimeError(msg)
             stop.wait(0.5)
         failed = next((t for t in trainers if t.proc.returncode != 0), None)
         if failed is not None:
