@@ -206,17 +206,23 @@ def test_abort_drops_the_request_here_and_at_the_server(server, tiny_model: Path
     assert ("/abort_requests", {"request_ids": ["cmpl-hang-2"]}) in script.calls
 
 
+def _rollout(model: Path, nodes: list[str], url: str, **kw: Any) -> tuple[Any, pl.DataFrame]:
+    """A rollout worker of groups of 2 on the served engine at ``url``, run to its end: its report, the stored
+    metadata."""
+    cfg = RolloutConfig(model=str(model), stores=nodes, engine="vllm-server", engine_url=url, group_size=2,
+                        weight_sync=False, **kw)
+    with StoreReader(nodes) as client, StoreWriter.sharing(client) as writer:
+        with RolloutWorker(cfg, client=writer) as worker:
+            report = worker.run()
+        return report, client.scan_metadata()
+
+
 def test_the_rollout_writes_failed_groups_aborted_and_sends_their_prompts_again(  # type: ignore[no-untyped-def]
         server, tiny_model: Path, store_nodes) -> None:
     url, script = server
     script.fail_first = 3
-    nodes = [s.location for s in store_nodes(1)]
-    cfg = RolloutConfig(model=str(tiny_model), stores=nodes, engine="vllm-server", engine_url=url, group_size=2,
-                        max_groups=6, prompts_per_wave=2, data_sources={"add_small": 1.0}, weight_sync=False)
-    with StoreReader(nodes) as client, StoreWriter.sharing(client) as writer:
-        with RolloutWorker(cfg, client=writer) as worker:
-            report = worker.run()
-        frame = client.scan_metadata()
+    report, frame = _rollout(tiny_model, [s.location for s in store_nodes(1)], url, max_groups=6, prompts_per_wave=2,
+                             data_sources={"add_small": 1.0})
     assert report.engine == "vllm-server"
     assert report.aborted_groups == 3 and len(report.redispatched) == 3
     aborted = frame.filter(pl.col("status") == "aborted")
@@ -240,13 +246,8 @@ def test_agent_turns_go_to_the_server_token_in_token_out(server, tiny_model: Pat
     """A calculator group on the served engine: each turn is a request of the context's token ids with the
     environment's stop string; the rows hold both model turns and the tool's answer, masked out."""
     url, script = server
-    nodes = [s.location for s in store_nodes(1)]
-    cfg = RolloutConfig(model=str(tiny_model), stores=nodes, engine="vllm-server", engine_url=url, group_size=2,
-                        max_groups=1, prompts_per_wave=1, data_sources={"calculator": 1.0}, weight_sync=False)
-    with StoreReader(nodes) as client, StoreWriter.sharing(client) as writer:
-        with RolloutWorker(cfg, client=writer) as worker:
-            report = worker.run()
-        frame = client.scan_metadata()
+    report, frame = _rollout(tiny_model, [s.location for s in store_nodes(1)], url, max_groups=1, prompts_per_wave=1,
+                             data_sources={"calculator": 1.0})
     assert report.tool_call_rate == {"calculator": 1.0} and report.aborted_groups == 0
     assert frame["num_turns"].to_list() == [2, 2]
     assert (frame["loss_tokens"] == 6).all() and (frame["response_len"] > 6).all()  # 2 turns of 3 + the tool's
