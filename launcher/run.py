@@ -210,6 +210,7 @@ def _supervise(cfg: RunConfig, kids: Children, stores: Stores, workers: tuple[li
     once the trainer and the rollout are stopped, when a store node is lost for good or the rollout process dies.
     """
     trainers, rollout = workers
+    served = next((c for c in kids.started if c.name == "engine"), None)  # the run's own engine server, if any
     deadline = time.monotonic() + cfg.timeout_s
     lost_before = len(stores.lost)
 
@@ -240,7 +241,6 @@ def _supervise(cfg: RunConfig, kids: Children, stores: Stores, workers: tuple[li
             if not rollout.alive() and rollout.proc.returncode not in (0, None):
                 raise WorkerLost("rollout_lost", f"the rollout worker died (exit {rollout.proc.returncode}):\n"
                                                  f"{kids.tail(rollout)}")
-            served = next((c for c in kids.started if c.name == "engine"), None)
             if served is not None and not served.alive():  # the rollout's engine is gone: nothing can be generated
                 msg = f"the engine server died (exit {served.proc.returncode}):\n{kids.tail(served)}"
                 raise RuntimeError(msg)

@@ -235,11 +235,10 @@ def test_the_rollout_writes_failed_groups_aborted_and_sends_their_prompts_again(
 def test_every_vllm_serve_finds_the_transfer_engine_through_the_entry_point() -> None:
     from importlib.metadata import entry_points
 
-    from connectors.vllm_plugin import BACKEND, register
+    from connectors.vllm_plugin import register
 
     (ep,) = [e for e in entry_points(group="vllm.general_plugins") if e.name == "knittrans"]
     assert ep.value == "connectors.vllm_plugin:register" and ep.load() is register
-    assert BACKEND == "knittrans"
 
 
 def test_agent_turns_go_to_the_server_token_in_token_out(server, tiny_model: Path, store_nodes) -> None:  # type: ignore[no-untyped-def]
