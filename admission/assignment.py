@@ -52,7 +52,8 @@ class Network:
     def of(cls, nodes: Sequence[str], links: LinkModel, ranks: int) -> Network:
         """The network of groups stored on ``nodes`` (one per group) read by ``ranks`` ranks."""
         index: dict[str, int] = {}
-        group_host = np.array([index.setdefault(links.host_of_node(n), len(index)) for n in nodes], dtype=np.int64)
+        host_of = {n: index.setdefault(links.host_of_node(n), len(index)) for n in dict.fromkeys(nodes)}
+        group_host = np.fromiter(map(host_of.__getitem__, nodes), dtype=np.int64, count=len(nodes))
         rank_host = np.array([index.setdefault(links.host_of_rank(r), len(index)) for r in range(ranks)],
                              dtype=np.int64)
         hosts = list(index)

@@ -13,38 +13,26 @@ row in slice order). Per mini-batch:
    consecutive ``sample_idx`` make one slice.
 
 Groups' offsets, costs and bytes come from the sorted rows by ``np.add.reduceat``; slices are where the
-micro-batch, the group, the node or ``sample_idx`` continuity changes. The plan objects are built from these
-values without pydantic's validation (:func:`_trusted`): every value is the planner's own, of the model's
-types and in range (``sample_idx`` and tokens are checked here, once per frame), and each micro-batch holds
-as many advantages as rows by construction.
+micro-batch, the group, the node or ``sample_idx`` continuity changes. A plan is these columns
+(:class:`~schemas.plan.MiniBatchPlan`), made without pydantic's validation: every value is the planner's own, of
+the model's types and in range (``sample_idx`` and tokens are checked here, once per frame), and the slices hold
+as many rows as there are advantages by construction.
 """
 
 from __future__ import annotations
 
-import gc
-from collections import deque
-from collections.abc import Iterator, Sequence
-from contextlib import contextmanager
-from itertools import repeat
-from typing import Any, TypeVar
+from collections.abc import Sequence
 
 import numpy as np
 import polars as pl
-from pydantic import BaseModel
 
 from admission.assignment import assign_groups
 from admission.config import AdmissionConfig
 from admission.packing import pack_items, trajectory_cost
-from schemas.plan import MicroBatch, MiniBatchPlan, PlannedSlice, RankPlan
+from schemas.plan import MiniBatchPlan
 
 Batch = tuple[int, int, int, list[str]]
 """An admitted mini-batch: (step, train batch, position, group ids)."""
-
-M = TypeVar("M", bound=BaseModel)
-
-_new = object.__new__
-_set = object.__setattr__
-
 
 class _Groups:
     """The admitted groups' rows as arrays: one run of rows per group, the groups in id order (so a group's
@@ -101,11 +89,10 @@ def build_plans(rows: pl.DataFrame, batches: Sequence[Batch],
     groups = _Groups(rows, config)
     plans: list[MiniBatchPlan] = []
     rank_of: dict[str, int] = {}
-    with _collector_paused():
-        for step, t, k, names in batches:
-            plan, ranks = _mini_batch(groups, step, t, k, names, config)
-            plans.append(plan)
-            rank_of.update(ranks)
+    for step, t, k, names in batches:
+        plan, ranks = _mini_batch(groups, step, t, k, names, config)
+        plans.append(plan)
+        rank_of.update(ranks)
     return plans, rank_of
 
 
@@ -139,51 +126,23 @@ def _mini_batch(groups: _Groups, step: int, t: int, k: int, names: list[str],
                | (sample[1:] != sample[:-1] + 1))
     heads = np.flatnonzero(cut)
     tails = np.r_[heads[1:], row.size][: heads.size] - 1
-    slices = _trusted(PlannedSlice, [
-        {"node": a, "group_id": b, "start": s, "stop": e} for a, b, s, e in zip(
-            map(groups.node_names.__getitem__, node[heads].tolist()),
-            map(groups.names.__getitem__, item_group[heads].tolist()),
-            sample[heads].tolist(), (sample[tails] + 1).tolist(), strict=True)])
+    pos = np.empty(len(groups.names), dtype=np.int64)
+    pos[gi] = np.arange(m)  # a group's place in the mini-batch's group ids
+    used, first_at, code = np.unique(node[heads], return_index=True, return_inverse=True)
+    by_first = np.argsort(first_at)  # the nodes in the order the slices first name them
+    slice_node = np.empty_like(by_first)
+    slice_node[by_first] = np.arange(by_first.size)
+    slice_node = slice_node[code.reshape(-1)]
     n_micro = ranks * count
-    slice_at = np.r_[0, np.cumsum(np.bincount(key[heads], minlength=n_micro))].tolist()
     row_at = np.r_[0, np.cumsum(np.bincount(key, minlength=n_micro))]
     tok = groups.tok[row]
-    tokens = np.diff(np.r_[0, np.cumsum(tok)][row_at]).tolist()
-    oversized = (np.diff(np.r_[0, np.cumsum(tok > config.token_budget)][row_at]) > 0).tolist()
-    advantages = groups.advantage[row].tolist()
-    at = row_at.tolist()
-    micro_batches = _trusted(MicroBatch, [
-        {"slices": a, "advantages": b, "tokens": c, "oversized": d} for a, b, c, d in zip(
-            map(slices.__getitem__, map(slice, slice_at[:-1], slice_at[1:])),
-            map(advantages.__getitem__, map(slice, at[:-1], at[1:])), tokens, oversized, strict=True)])
-    rank_plans = _trusted(RankPlan, [{"dp_rank": r, "micro_batches": micro_batches[r * count:(r + 1) * count]}
-                                     for r in range(ranks)])
-    plan = _trusted(MiniBatchPlan, [{"step": step, "train_batch": t, "position": k, "group_ids": list(names),
-                                     "ranks": rank_plans}])[0]
+    plan = MiniBatchPlan.model_construct(
+        step=step, train_batch=t, position=k, group_ids=list(names), rank_ids=list(range(ranks)),
+        micro_batches_per_rank=count, nodes=list(map(groups.node_names.__getitem__, used[by_first].tolist())),
+        slice_group=pos[item_group[heads]].tolist(), slice_node=slice_node.tolist(),
+        slice_start=sample[heads].tolist(), slice_stop=(sample[tails] + 1).tolist(),
+        micro_slices=np.r_[0, np.cumsum(np.bincount(key[heads], minlength=n_micro))].tolist(),
+        micro_tokens=np.diff(np.r_[0, np.cumsum(tok)][row_at]).tolist(),
+        micro_oversized=(np.diff(np.r_[0, np.cumsum(tok > config.token_budget)][row_at]) > 0).tolist(),
+        advantages=groups.advantage[row].tolist())
     return plan, rank_of
-
-
-def _trusted(cls: type[M], values: list[dict[str, Any]]) -> list[M]:
-    """One ``cls`` per dict of ``values`` (every field, of its type), as ``cls.model_construct`` builds it but
-    unvalidated, in C loops (``map``). The instances share one fields-set: it holds every field, so pydantic's
-    in-place additions to it (assignment to a field) leave it as it is."""
-    n = len(values)
-    out: list[M] = list(map(_new, repeat(cls, n)))
-    every = set(cls.model_fields)
-    for name, each in (("__dict__", values), ("__pydantic_fields_set__", repeat(every, n)),
-                       ("__pydantic_extra__", repeat(None, n)), ("__pydantic_private__", repeat(None, n))):
-        deque(map(_set, out, repeat(name), each), maxlen=0)
-    return out
-
-
-@contextmanager
-def _collector_paused() -> Iterator[None]:
-    """The cyclic garbage collector off while the plan objects are made (tens of thousands of acyclic
-    objects: collection passes over them would cost more than the objects), back as it was after."""
-    was = gc.isenabled()
-    gc.disable()
-    try:
-        yield
-    finally:
-        if was:
-            gc.enable()

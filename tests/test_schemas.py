@@ -2,15 +2,18 @@
 
 from __future__ import annotations
 
+import json
 import typing
 
 import pyarrow as pa
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from pydantic import ValidationError
 
 from schemas import TRAJECTORY_SCHEMA, TrajectoryRecord, records_to_batch
 from schemas.arrow import METADATA_SCHEMA, SCHEMA_VERSION
+from schemas.plan import MicroBatch, MiniBatchPlan, PlannedSlice, RankPlan
 from schemas.read_channel import CANONICAL_JSON, slices_by_hand
 from schemas.trajectory import TrajectoryError
 from schemas.wire import (
@@ -215,3 +218,53 @@ def test_records_token_versions_fill_row_by_row_and_set_the_oldest_version() -> 
     with pytest.raises(TrajectoryError, match="token_versions' row 0 holds version 6") as exc:
         records_to_batch([rows[0].model_copy(update={"token_versions": [3, 4, 6]})])
     assert exc.value.column == "token_versions"
+
+
+def _two_rank_plan() -> MiniBatchPlan:
+    def mb(slices: list[tuple[str, str, int, int]], tokens: int) -> MicroBatch:
+        ps = [PlannedSlice(node=n, group_id=g, start=a, stop=b) for n, g, a, b in slices]
+        return MicroBatch(slices=ps, advantages=[float(i) for i in range(sum(s.rows for s in ps))], tokens=tokens)
+    return MiniBatchPlan(step=3, train_batch=1, position=1, group_ids=["g1", "g2", "g3"], ranks=[
+        RankPlan(dp_rank=0, micro_batches=[mb([("n1", "g1", 0, 2), ("n2", "g2", 0, 1)], 30), mb([], 0)]),
+        RankPlan(dp_rank=1, micro_batches=[mb([("n2", "g3", 1, 3)], 12), mb([("n2", "g3", 0, 1)], 5)]),
+    ])
+
+
+def test_a_plan_written_as_rank_objects_is_stored_as_columns_and_read_back_per_rank() -> None:
+    p = _two_rank_plan()
+    assert p.nodes == ["n1", "n2"] and p.slice_group == [0, 1, 2, 2] and p.micro_slices == [0, 2, 2, 3, 4]
+    assert p.advantages == [0.0, 1.0, 2.0, 0.0, 1.0, 0.0]
+    r1 = p.for_rank(1)
+    assert [[(s.group_id, s.start, s.stop) for s in m.slices] for m in r1.micro_batches] == [[("g3", 1, 3)],
+                                                                                            [("g3", 0, 1)]]
+    assert [m.advantages for m in r1.micro_batches] == [[0.0, 1.0], [0.0]]
+    assert [m.tokens for m in r1.micro_batches] == [12, 5]
+    back = MiniBatchPlan.model_validate_json(p.model_dump_json())
+    assert back == p and [r.model_dump() for r in back.ranks] == [r.model_dump() for r in p.ranks]
+    assert MiniBatchPlan(step=3, train_batch=1, position=1, group_ids=p.group_ids, ranks=p.ranks) == p
+    with pytest.raises(KeyError, match="no dp_rank 2"):
+        p.for_rank(2)
+
+
+@pytest.mark.parametrize(("change", "needle"), [
+    ({"slice_stop": [2, 1, 3]}, "wrong length"),
+    ({"micro_slices": [0, 2, 1, 3, 4]}, "micro_slices must rise"),
+    ({"slice_group": [0, 1, 2, 3]}, "names group 3 of 3"),
+    ({"slice_node": [0, 1, 1, 2]}, "names node 2 of 2"),
+    ({"advantages": [0.0]}, "6 rows but 1 advantages"),
+    ({"slice_start": [0, 0, 4, 0]}, "rows but 6 advantages"),
+])
+def test_a_malformed_plan_on_the_wire_is_refused_naming_what_is_wrong(change: dict[str, object], needle: str) -> None:
+    raw = {**_two_rank_plan().model_dump(), **change}
+    with pytest.raises(ValidationError, match=needle):
+        MiniBatchPlan.model_validate_json(json.dumps(raw))
+
+
+def test_a_plan_of_rank_objects_refuses_unequal_micro_batch_counts_and_unknown_groups() -> None:
+    mb = MicroBatch(slices=[PlannedSlice(node="n", group_id="g", start=0, stop=1)], advantages=[1.0])
+    with pytest.raises(ValidationError, match="different micro-batch counts"):
+        MiniBatchPlan(step=0, train_batch=0, position=0, group_ids=["g"],
+                      ranks=[RankPlan(dp_rank=0, micro_batches=[mb]), RankPlan(dp_rank=1, micro_batches=[mb, mb])])
+    with pytest.raises(ValidationError, match="not among the plan's group_ids"):
+        MiniBatchPlan(step=0, train_batch=0, position=0, group_ids=["h"],
+                      ranks=[RankPlan(dp_rank=0, micro_batches=[mb])])
