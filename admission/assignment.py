@@ -2,8 +2,8 @@
 
 A mini-batch's groups sit on store nodes; each rank reads its groups' rows from their nodes. With
 ``AdmissionConfig.assignment == "tokens"`` the split is LPT on the cost model alone
-(:func:`balance_groups`), blind to where a group is. With ``"links"``
-(:func:`assign_groups`), a group read by a rank on its node's host moves over no link, and one read
+(:func:`lpt_ranks`), blind to where a group is. With ``"links"``
+(:func:`group_ranks`), a group read by a rank on its node's host moves over no link, and one read
 across hosts loads the store host's uplink and the rank host's downlink with its bytes
 (``AdmissionConfig.links``); the split keeps every rank's cost within 5% of LPT's largest (:data:`BALANCE_SLACK`)
 and makes the busiest link's bytes / rate as small as a greedy pass gets it:
@@ -78,8 +78,14 @@ class Network:
 
 
 def balance_groups(costs: np.ndarray, ranks: int) -> list[list[int]]:
-    """LPT partition of groups (by cost) into ``ranks`` lists of group indices: every rank gets at least one
-    group when there are at least ``ranks`` groups.
+    """LPT partition of groups (by cost) into ``ranks`` lists of group indices, in index order
+    (:func:`lpt_ranks`)."""
+    return _split(lpt_ranks(costs, ranks), ranks)
+
+
+def lpt_ranks(costs: np.ndarray, ranks: int) -> np.ndarray:
+    """[groups] int: the rank of each group under LPT by cost; every rank gets at least one group when there are
+    at least ``ranks`` groups.
 
     Groups go in decreasing cost, each to the rank of least load (then fewest groups, then lowest index), so
     the result is deterministic.
@@ -88,14 +94,14 @@ def balance_groups(costs: np.ndarray, ranks: int) -> list[list[int]]:
         msg = f"ranks must be >= 1, got {ranks}"
         raise ValueError(msg)
     c = np.asarray(costs, dtype=np.float64)
-    out: list[list[int]] = [[] for _ in range(ranks)]
+    out = [0] * len(c)
     heap = [(0.0, 0, r) for r in range(ranks)]  # (load, groups, rank)
     values = c.tolist()
     for i in np.lexsort((np.arange(len(c)), -c)).tolist():
         load, n, r = heap[0]
-        out[r].append(i)
+        out[i] = r
         heapq.heapreplace(heap, (load + values[i], n + 1, r))
-    return out
+    return np.array(out, dtype=np.int64)
 
 
 def rank_of_groups(split: list[list[int]], groups: int) -> np.ndarray:
@@ -106,8 +112,21 @@ def rank_of_groups(split: list[list[int]], groups: int) -> np.ndarray:
     return out
 
 
+def _split(rank_of: np.ndarray, ranks: int) -> list[list[int]]:
+    """Group indices per rank, in index order, of ``rank_of`` (the rank of each group)."""
+    split: list[list[int]] = [[] for _ in range(ranks)]
+    for i, r in enumerate(rank_of.tolist()):
+        split[r].append(i)
+    return split
+
+
 def assign_groups(costs: np.ndarray, nbytes: np.ndarray, nodes: Sequence[str],
                   config: AdmissionConfig) -> list[list[int]]:
+    """Group indices per rank, in index order, of :func:`group_ranks`."""
+    return _split(group_ranks(costs, nbytes, nodes, config), config.dp_ranks)
+
+
+def group_ranks(costs: np.ndarray, nbytes: np.ndarray, nodes: Sequence[str], config: AdmissionConfig) -> np.ndarray:
     """Split a mini-batch's groups over ``config.dp_ranks`` ranks as ``config.assignment`` says.
 
     Args:
@@ -117,23 +136,20 @@ def assign_groups(costs: np.ndarray, nbytes: np.ndarray, nodes: Sequence[str],
         config: the ranks, the assignment and the link model.
 
     Returns:
-        Group indices per rank.
+        [groups] int: the rank of each group.
     """
     ranks = config.dp_ranks
-    lpt = balance_groups(costs, ranks)
+    lpt = lpt_ranks(costs, ranks)
     if config.assignment == "tokens" or ranks == 1 or len(costs) == 0:
         return lpt
     net = Network.of(nodes, config.links, ranks)
-    lpt_rank = rank_of_groups(lpt, len(costs))
-    cap = BALANCE_SLACK * _max_load(costs, lpt_rank, ranks)
+    cap = BALANCE_SLACK * _max_load(costs, lpt, ranks)
     greedy = _greedy(np.asarray(costs, dtype=np.float64), np.asarray(nbytes, dtype=np.float64), net, cap)
-    if (_max_load(costs, greedy, ranks) > cap or (len(costs) >= ranks and len(set(greedy.tolist())) < ranks)
-            or net.busiest_link_s(greedy, nbytes) > net.busiest_link_s(lpt_rank, nbytes)):
+    if (_max_load(costs, greedy, ranks) > cap
+            or (len(costs) >= ranks and np.unique(greedy).size < ranks)
+            or net.busiest_link_s(greedy, nbytes) > net.busiest_link_s(lpt, nbytes)):
         return lpt
-    split: list[list[int]] = [[] for _ in range(ranks)]
-    for i, r in enumerate(greedy.tolist()):
-        split[r].append(i)
-    return split
+    return greedy
 
 
 def _max_load(costs: np.ndarray, rank_of: np.ndarray, ranks: int) -> float:
@@ -197,8 +213,7 @@ def _least_busy(hosts: list[tuple[float, int, int]], parked: list[tuple[float, i
         least = by_host[h][0][0]
         if h == home:
             passed.append(entry)
-        elif least + c <= cap:
-            passed.append(entry)
+        elif least + c <= cap:  # taken: the caller pushes it back with its new load
             found = by_host[h]
             break
         elif least + smallest <= cap:

@@ -5,7 +5,7 @@
 row in slice order). Per mini-batch:
 
 1. each group's cost (:func:`~admission.packing.trajectory_cost` summed over its rows), payload bytes and
-   node (its first row's) go to :func:`~admission.assignment.assign_groups`, which splits the groups over the
+   node (its first row's) go to :func:`~admission.assignment.group_ranks`, which splits the groups over the
    ranks;
 2. a rank's rows are its groups' rows, groups in id order, rows in frame order;
    :func:`~admission.packing.pack_items` packs every rank's rows into the common number of micro-batches;
@@ -26,7 +26,7 @@ from collections.abc import Sequence
 import numpy as np
 import polars as pl
 
-from admission.assignment import assign_groups
+from admission.assignment import group_ranks
 from admission.config import AdmissionConfig
 from admission.packing import pack_items, trajectory_cost
 from schemas.plan import MiniBatchPlan
@@ -102,11 +102,7 @@ def _mini_batch(groups: _Groups, step: int, t: int, k: int, names: list[str],
     ranks, m = config.dp_ranks, len(names)
     gi = np.array([groups.index[n] for n in names], dtype=np.int64)
     nodes = list(map(groups.first_node.__getitem__, gi.tolist()))
-    split = assign_groups(groups.cost[gi], groups.nbytes[gi], nodes, config)
-    members = [np.asarray(mem, dtype=np.int64) for mem in split]
-    group_rank = np.empty(m, dtype=np.int64)
-    group_rank[np.concatenate(members) if members else []] = np.repeat(np.arange(len(split)),
-                                                                      [mem.size for mem in members])
+    group_rank = group_ranks(groups.cost[gi], groups.nbytes[gi], nodes, config)
     order = np.lexsort((gi, group_rank))  # groups by rank, then id
     group_rank = group_rank[order]
     rank_of = {names[i]: r for i, r in zip(order.tolist(), group_rank.tolist(), strict=True)}
