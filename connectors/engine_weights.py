@@ -125,5 +125,6 @@ def load_weights_into_llm(llm: Any, table: pa.Table) -> int:
         llm.apply_model(refresh_tied_output_layer)
         n = len(tensors)
     llm.reset_prefix_cache()  # no KV computed with the old weights may be reused
+    llm.llm_engine.reset_encoder_cache()  # nor image encodings: the scheduler and the runner forget them together
     logger.info("reloaded %d tensors into the engine in %.3f s", n, time.perf_counter() - t0)
     return n
