@@ -1,7 +1,8 @@
 """The tiny vision-language model (``connectors.tiny_vl``) on both sides: in the real engine, vLLM generates from an
 image with the logprobs of a transformers forward, and weights moved through a store load into it, tower and
 connector included; in the trainer, Megatron-core's ``LLaVAModel`` built from the folder (``train.vl_model``) has
-the same logits and tower gradients, and gives its weights back under the folder's names bit for bit.
+the same logits and tower gradients, gives its weights back under the folder's names bit for bit, and with the
+tower run once per distinct image of a mini-batch has the gradients of the plain model.
 
 Both run in subprocesses: the engine as this file run as a script (``__main__``), as the text model's weight test
 does; the trainer as ``python -m train.vl_model FOLDER``.
@@ -41,7 +42,8 @@ def test_the_builder_refuses_a_grid_the_connector_cannot_merge(tmp_path: Path) -
 
 
 @pytest.mark.slow
-def test_megatron_llava_from_the_folder_scores_as_transformers_and_maps_its_weights_both_ways(tiny_vl: Path) -> None:
+def test_megatron_llava_from_the_folder_scores_as_transformers_maps_its_weights_and_encodes_each_image_once(
+        tiny_vl: Path) -> None:
     res = subprocess.run([sys.executable, "-m", "train.vl_model", str(tiny_vl)], cwd=ROOT, env=child_env(),
                          capture_output=True, text=True, timeout=400)
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
@@ -50,6 +52,13 @@ def test_megatron_llava_from_the_folder_scores_as_transformers_and_maps_its_weig
     assert doc["logprob_max_abs_diff"] < 1e-4  # every position, image tokens included
     assert doc["tower_grad_max_rel_diff"] < 1e-4  # the loss reaches the patch convolution as in transformers
     assert doc["round_trip_names_equal"] and doc["round_trip_mismatched"] == [] and doc["tensors"] == 59
+    # the tower once per distinct image of the mini-batch, its tokens feeding every micro-batch: the gradients of
+    # every parameter (tower, projector, backbone) are those of the plain model, which encodes every reference
+    dedup = doc["dedup"]
+    assert (dedup["distinct_images"], dedup["references"]) == (3, 6)
+    assert (dedup["encoder_images_dedup"], dedup["encoder_images_plain"]) == (3, 6)
+    assert dedup["tower_params_with_grad"] > 0 and dedup["projector_params_with_grad"] == 1
+    assert dedup["same_param_names"] and dedup["mismatched"] == []
     # the check can fail: with the upstream (causal) tower mask the logits are not transformers'
     assert doc["causal_tower"]["logprob_max_abs_diff"] > 0.1
 

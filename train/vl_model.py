@@ -28,7 +28,8 @@ tokens, which :func:`collapse_image_tokens` turns into one. One tensor-parallel 
 
 ``python -m train.vl_model FOLDER`` (one process, gloo) is the self-check the tests run: the folder's weights
 loaded into Megatron and gathered back are the folder's bit for bit; Megatron's logits equal a float32
-transformers forward on a prompt with an image; the gradient of the patch convolution agrees; and the same
+transformers forward on a prompt with an image; the gradient of the patch convolution agrees; a mini-batch with the
+tower run once per distinct image has the plain model's gradients (rtol 1e-5); and the same
 check with the causal tower mask fails (the check can fail). It prints JSON.
 """
 
@@ -239,6 +240,67 @@ def vl_logits(model: Any, ids: Sequence[int], pixel_values: Any, image_token_id:
     return logits
 
 
+def encode_images(model: Any, pixels: Any) -> Any:
+    """The images' tokens in the backbone's width, ``[images, image_seq_len, hidden]``: the tower, the 2x2 merge
+    and the projector of ``model``, as ``LLaVAModel.forward`` runs them. The encoder of
+    :class:`train.multimodal.DedupVisionEncoder`, which runs it once per distinct image of a mini-batch."""
+    from megatron.core.models.multimodal.llava_model import pixel_shuffle
+
+    x = pixel_shuffle(model.vision_model(pixels)).permute(1, 0, 2).contiguous()
+    return model.vision_projection(x).permute(1, 0, 2)
+
+
+def vl_logits_encoded(model: Any, ids: Any, image_tokens: Any, image_token_id: int) -> Any:
+    """Logits of ``ids`` (``[rows, length]``, one image token per image, as :func:`collapse_image_tokens` gives)
+    with the images' tokens given, ``[images, image_seq_len, hidden]`` in the rows' order (:func:`encode_images`
+    made them, here or once per mini-batch): ``LLaVAModel``'s decoder-only path, as a pipeline stage without the
+    encoder runs it."""
+    import torch
+
+    was = model.add_encoder
+    model.add_encoder, model.encoder_hidden_state = False, image_tokens.permute(1, 0, 2)
+    try:
+        logits, _ = model(images=None, input_ids=ids, position_ids=torch.arange(ids.shape[1])[None],
+                          attention_mask=None, num_image_tiles=torch.ones(image_tokens.shape[0], dtype=torch.int))
+    finally:
+        model.add_encoder, model.encoder_hidden_state = was, None
+    return logits
+
+
+def dedup_gradients(model: Any, micro_batches: Sequence[Sequence[tuple[list[int], list[bytes]]]],
+                    pixels: dict[bytes, Any], image_token_id: int, *, dedup: bool) -> tuple[dict[str, Any], int]:
+    """One mini-batch's parameter gradients (a sum of every row's token log-likelihood per micro-batch, backward
+    per micro-batch) and the images the tower encoded. ``micro_batches``: rows of (ids as HF writes them, the
+    keys of the row's images); ``dedup``: the tower once per distinct image (:class:`DedupVisionEncoder`), else the
+    plain ``LLaVAModel`` forward with every row's images."""
+    import torch
+
+    from train.multimodal import DedupVisionEncoder, distinct_image_keys
+
+    model.zero_grad(set_to_none=True)
+    enc = DedupVisionEncoder(lambda px: encode_images(model, px))
+    if dedup:
+        enc.begin({k: pixels[k] for k in distinct_image_keys([[keys for _, keys in mb] for mb in micro_batches])})
+    encoded = 0
+    for mb in micro_batches:
+        ids = torch.tensor([collapse_image_tokens(row, image_token_id) for row, _ in mb])
+        keys = [k for _, row_keys in mb for k in row_keys]
+        if dedup:
+            logits = vl_logits_encoded(model, ids, enc.lookup(keys), image_token_id)
+        else:
+            logits, _ = model(images=torch.stack([pixels[k] for k in keys]), input_ids=ids,
+                              position_ids=torch.arange(ids.shape[1])[None], attention_mask=None,
+                              num_image_tiles=torch.ones(len(keys), dtype=torch.int))
+            encoded += len(keys)
+        full = torch.tensor([row for row, _ in mb])
+        lp = logits.float().log_softmax(-1)[:, :-1].gather(-1, full[:, 1:, None])
+        (-lp.sum()).backward()
+    if dedup:
+        enc.finish()
+        encoded = enc.forward_images
+    return {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}, encoded
+
+
 def self_check(folder: str | Path) -> dict[str, Any]:
     """The checks of the module docstring on the folder's model (model parallelism initialised)."""
     import numpy as np
@@ -284,7 +346,40 @@ def self_check(folder: str | Path) -> dict[str, Any]:
         out["round_trip_mismatched"] = sorted(n for n in back if n in hf_weights and not torch.equal(back[n],
                                                                                                      hf_weights[n]))
         out["tensors"] = len(back)
+        out["dedup"] = _dedup_check(model, proc, cfg["image_token_id"])
     return out
+
+
+def _dedup_check(model: Any, proc: Any, image_token_id: int) -> dict[str, Any]:
+    """Gradients of a mini-batch of three micro-batches whose rows share images (as a group's responses do), with
+    the tower once per distinct image and with the plain model: equal at fp32 rtol 1e-5."""
+    import numpy as np
+    import torch
+    from PIL import Image
+
+    rng = np.random.default_rng(1)
+    keys = [bytes([i]) * 8 for i in range(3)]
+    images = {k: Image.fromarray(rng.integers(0, 256, (56, 56, 3), dtype=np.uint8)) for k in keys}
+    pixels = {k: proc.image_processor([im], return_tensors="pt")["pixel_values"][0, 0].float()
+              for k, im in images.items()}
+    prompt = proc(text="<image>how many squares?", images=[images[keys[0]]])["input_ids"][0]
+
+    def row(key: bytes) -> tuple[list[int], list[bytes]]:
+        return list(prompt) + rng.integers(3, 500, 6).tolist(), [key]
+
+    a, b, c = keys
+    micro_batches = [[row(a), row(a)], [row(b), row(a)], [row(c), row(b)]]
+    want, plain_passes = dedup_gradients(model, micro_batches, pixels, image_token_id, dedup=False)
+    got, dedup_passes = dedup_gradients(model, micro_batches, pixels, image_token_id, dedup=True)
+    mismatched = sorted(n for n, g in want.items() if n not in got or not torch.allclose(
+        got[n], g, rtol=1e-5, atol=1e-5 * float(g.abs().max())))
+    return {"references": sum(len(mb) for mb in micro_batches), "distinct_images": len(keys),
+            "encoder_images_dedup": dedup_passes, "encoder_images_plain": plain_passes,
+            "params_with_grad": len(want), "tower_params_with_grad": sum(n.startswith("vision_model.") for n in want),
+            "projector_params_with_grad": sum(n.startswith("vision_projection.") for n in want),
+            "same_param_names": set(want) == set(got), "mismatched": mismatched,
+            "max_rel_diff": max(float((got[n] - g).abs().max() / g.abs().max()) for n, g in want.items()
+                                if n in got and float(g.abs().max()) > 0)}
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -304,7 +399,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         mcore_compat.shutdown()
     sys.stdout.write(json.dumps(result) + "\n")
     ok = (result["logprob_max_abs_diff"] < 1e-4 and result["round_trip_names_equal"]
-          and not result["round_trip_mismatched"])
+          and not result["round_trip_mismatched"] and not result["dedup"]["mismatched"])
     return 0 if ok else 1
 
 
