@@ -2,10 +2,11 @@
 image with the logprobs of a transformers forward, and weights moved through a store load into it, tower and
 connector included; in the trainer, Megatron-core's ``LLaVAModel`` built from the folder (``train.vl_model``) has
 the same logits and tower gradients, gives its weights back under the folder's names bit for bit, and with the
-tower run once per distinct image of a mini-batch has the gradients of the plain model.
+tower run once per distinct image of a mini-batch has the gradients of the plain model. Between them, weights the
+trainer publishes load into vLLM, whose logprobs are then the trainer's.
 
-Both run in subprocesses: the engine as this file run as a script (``__main__``), as the text model's weight test
-does; the trainer as ``python -m train.vl_model FOLDER``.
+Everything runs in subprocesses: the trainer's self-check as ``python -m train.vl_model FOLDER``, the rest as this
+file run as a script (:data:`DRIVERS`), as the text model's weight test does.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import json
 import os
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -71,7 +73,7 @@ def test_vllm_generates_from_an_image_as_transformers_scores_it_and_takes_weight
     assert meta["architecture"] == "idefics3" and meta["image_seq_len"] == 4
     (server,) = store_nodes(1)
     out = tmp_path / "vl.json"
-    res = subprocess.run([sys.executable, __file__, str(tiny_vl), server.location, str(out)], cwd=ROOT,
+    res = subprocess.run([sys.executable, __file__, "hf", str(tiny_vl), server.location, str(out)], cwd=ROOT,
                          env=child_env(), capture_output=True, text=True, timeout=400)
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
     doc = json.loads(out.read_text())
@@ -86,6 +88,114 @@ def test_vllm_generates_from_an_image_as_transformers_scores_it_and_takes_weight
     assert doc["after_vs_hf_old"] > 1e-2
     # a second image after the reload is encoded with the new tower, not served from a stale encoding
     assert doc["other_image_vs_hf_new"] < 1e-4
+
+
+@pytest.mark.vllm
+@pytest.mark.slow
+def test_weights_the_trainer_publishes_load_into_vllm_which_then_scores_as_the_trainer(
+        store_nodes, tiny_vl: Path, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    (server,) = store_nodes(1)
+    published, engine, scored = tmp_path / "published.json", tmp_path / "engine.json", tmp_path / "scored.json"
+    for mode, args in (("trainer", ["-", str(published)]), ("engine", [str(engine)]),
+                       ("trainer", [str(engine), str(scored)])):
+        res = subprocess.run([sys.executable, __file__, mode, str(tiny_vl), server.location, *args], cwd=ROOT,
+                             env=child_env(), capture_output=True, text=True, timeout=400)
+        assert res.returncode == 0, mode + res.stdout[-3000:] + res.stderr[-3000:]
+    pub, eng, doc = (json.loads(f.read_text()) for f in (published, engine, scored))
+    assert pub["published_tensors"] == 59 and eng["tensors_loaded"] == 59 and eng["engine_version"] == 1
+    # the trainer that scores holds the weights the engine loaded, bit for bit (rebuilt from the same seed)
+    assert doc["differs_from_store"] == [] and doc["differs_from_folder"] > 0
+    assert doc["prompt_image_tokens"] == 4 and len(eng["response"]) == 8
+    # the engine's logprob of every sampled token, image in context, is the trainer's
+    assert doc["engine_vs_trainer"] < 1e-4
+    assert doc["engine_vs_folder_weights"] > 1e-2  # and not what the folder's own weights give
+
+
+def _trainer(model: str, location: str, engine_json: str, out: str) -> None:
+    """Megatron ``LLaVAModel`` from ``model`` with seeded noise on every weight. Without ``engine_json`` ("-"),
+    publish its weights as version 1 to the store at ``location``; with it, score the engine's sample there."""
+    import numpy as np
+    import torch
+    from transformers import AutoProcessor
+
+    from flight_store.net import free_port
+    from flight_store.publishing import StorePublisher
+    from flight_store.reading import StoreReader
+    from flight_store.writing import StoreWriter
+    from schemas.weights import from_tensors, to_tensors
+    from train import mcore_compat, vl_model
+    from train.config import ParallelConfig
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
+    mcore_compat.init_distributed(ParallelConfig(backend="gloo", timeout_s=120.0), seed=0)
+    cfg = vl_model.read_config(model)
+    net = vl_model.build_vl_model(cfg)
+    vl_model.load_hf_vl_checkpoint(net, model)
+    folder = vl_model.megatron_to_hf_vl(net)
+    g = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for _, p in sorted(net.named_parameters()):
+            p.add_(0.05 * torch.randn(p.shape, generator=g))
+    weights = vl_model.megatron_to_hf_vl(net)
+    with StoreReader(location) as client:
+        if engine_json == "-":
+            with StorePublisher.sharing(client) as publisher:
+                publisher.put_weights(from_tensors(weights.items(), torch), 1)
+                publisher.publish_version(1)
+            Path(out).write_text(json.dumps({"published_tensors": len(weights)}))
+            return
+        with StoreWriter.sharing(client) as writer:
+            stored = to_tensors(writer.get_weights(1), torch)
+    eng = json.loads(Path(engine_json).read_text())
+    p, r = eng["prompt"], eng["response"]
+    pixels = AutoProcessor.from_pretrained(model).image_processor([_image()], return_tensors="pt")["pixel_values"]
+
+    def score(state: dict[str, Any]) -> float:
+        vl_model.load_hf_vl_checkpoint_tensors(net, state)
+        with torch.no_grad():
+            logits = vl_model.vl_logits(net, p + r, pixels.reshape(-1, 3, 56, 56).float(), cfg["image_token_id"])
+        lp = logits[0].double().log_softmax(-1)
+        return float(np.abs(np.array([lp[len(p) - 1 + i, t].item() for i, t in enumerate(r)]) - eng["logprobs"]).max())
+
+    Path(out).write_text(json.dumps({
+        "differs_from_store": sorted(n for n, t in weights.items() if not torch.equal(t, stored[n])),
+        "differs_from_folder": sum(not torch.equal(t, folder[n]) for n, t in weights.items()),
+        "prompt_image_tokens": p.count(cfg["image_token_id"]),
+        "engine_vs_trainer": score(weights), "engine_vs_folder_weights": score(folder),
+    }))
+    mcore_compat.shutdown()
+
+
+def _image() -> Any:
+    import numpy as np
+    from PIL import Image
+
+    return Image.fromarray(np.random.default_rng(7).integers(0, 256, (56, 56, 3), dtype=np.uint8))
+
+
+def _engine(model: str, location: str, out: str) -> None:
+    """vLLM on ``model``: load the version published at ``location``, then sample from a prompt with an image."""
+    from connectors.engine import ENGINE_ENV
+
+    for k, v in ENGINE_ENV.items():
+        os.environ.setdefault(k, v)
+    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    from vllm import LLM, SamplingParams
+
+    from connectors.engine_weights import WORKER_EXTENSION, load_weights_into_llm
+    from flight_store.reading import StoreReader
+    from flight_store.writing import StoreWriter
+
+    llm: Any = LLM(model=model, dtype="float32", max_model_len=256, seed=0, enforce_eager=True, max_num_seqs=4,
+                   distributed_executor_backend="uni", worker_extension_cls=WORKER_EXTENSION)
+    with StoreReader(location) as client, StoreWriter.sharing(client) as writer:
+        version = client.get_version()
+        loaded = load_weights_into_llm(llm, writer.get_weights(version))
+    sp = SamplingParams(temperature=1.0, max_tokens=8, logprobs=0, flat_logprobs=True, seed=0, ignore_eos=True)
+    o = llm.generate([{"prompt": PROMPT, "multi_modal_data": {"image": _image()}}], sp, use_tqdm=False)[0]
+    Path(out).write_text(json.dumps({
+        "engine_version": version, "tensors_loaded": loaded, "prompt": list(o.prompt_token_ids),
+        "response": list(o.outputs[0].token_ids), "logprobs": list(o.outputs[0].logprobs.logprobs)}))
 
 
 def _driver(model: str, location: str, out: str) -> None:
@@ -152,5 +262,8 @@ def _driver(model: str, location: str, out: str) -> None:
     Path(out).write_text(json.dumps(doc))
 
 
+DRIVERS: dict[str, Callable[..., None]] = {"hf": _driver, "trainer": _trainer, "engine": _engine}
+"""This file as a script: ``python tests/test_tiny_vl.py MODE ARGS...``."""
+
 if __name__ == "__main__":
-    _driver(*sys.argv[1:])
+    DRIVERS[sys.argv[1]](*sys.argv[2:])

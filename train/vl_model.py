@@ -214,9 +214,14 @@ def megatron_to_hf_vl(model: Any) -> dict[str, Any]:
 
 def load_hf_vl_checkpoint(model: Any, folder: str | Path) -> None:
     """Copy an Idefics3 folder's weights into ``model`` (cast to the parameters' dtype)."""
+    load_hf_vl_checkpoint_tensors(model, read_hf_weights(str(folder)))
+
+
+def load_hf_vl_checkpoint_tensors(model: Any, hf: dict[str, Any]) -> None:
+    """Copy Idefics3 tensors under HF names (a folder's, or a published version's) into ``model``."""
     import torch
 
-    tensors = hf_to_megatron_vl(read_hf_weights(str(folder)), model)
+    tensors = hf_to_megatron_vl(hf, model)
     state = model.state_dict()
     with torch.no_grad():
         for name, t in tensors.items():
