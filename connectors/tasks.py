@@ -7,7 +7,9 @@ Built-in data sources (integer arithmetic, exact-match reward):
 * ``calculator``: ``a * b + c`` with a calculator tool (:class:`ToolTask`): the model may write
   ``<calc>12*34</calc>`` and the environment (``connectors.calculator``) appends ``<result>408</result>``; the
   rollout runs its samples as multi-turn trajectories (``connectors.agent``) and the environment scores the final
-  turn by exact match.
+  turn by exact match;
+* ``squares``: an image of 1-4 coloured squares and the question how many (:class:`SquaresTask`), for a
+  vision-language model.
 
 A prompt asks for the number; the reward is 1.0 when the decoded response contains the exact answer as
 a whole number (``12`` does not match inside ``123`` or ``-12``), else 0.0.
@@ -135,7 +137,42 @@ class ToolTask:
 TOOL_TASKS: dict[str, ToolTask] = {"calculator": ToolTask(name="calculator", environment="calculator", low=12, high=99)}
 """The built-in multi-turn data sources, by name."""
 
-DATA_SOURCES: dict[str, ArithmeticTask | ToolTask] = {**ARITHMETIC_TASKS, **TOOL_TASKS}
+
+@dataclass(frozen=True, slots=True)
+class SquaresTask:
+    """An image of ``k`` coloured squares (``k`` in ``[low, high]``) and the question how many there are.
+
+    The image is ``side`` pixels a side, on a black background, cut into a 2x2 grid of cells; each square sits in
+    a cell of its own, at a random place and size, in a random bright colour. Exact-match reward on ``k``. Drawn
+    from the seed alone, so it needs no data set.
+    """
+
+    name: str
+    """Data source name."""
+    low: int = 1
+    """Fewest squares."""
+    high: int = 4
+    """Most squares (at most the 4 cells)."""
+    side: int = 56
+    """Image side, pixels."""
+
+    def make(self, rng: random.Random) -> Prompt:
+        """Draw one prompt: the image and the question."""
+        k = rng.randint(self.low, self.high)
+        cell = self.side // 2
+        image = np.zeros((self.side, self.side, 3), dtype=np.uint8)
+        for c in rng.sample(range(4), k):
+            size = rng.randint(cell // 3, cell - 4)
+            y, x = (c // 2) * cell + rng.randint(2, cell - size - 2), (c % 2) * cell + rng.randint(2, cell - size - 2)
+            image[y:y + size, x:x + size] = [rng.randint(96, 255) for _ in range(3)]
+        return Prompt(data_source=self.name, text="<image>How many squares are there? Answer:",
+                      sample={"answer": str(k), "data_source": self.name}, images=(image,))
+
+
+IMAGE_TASKS: dict[str, SquaresTask] = {"squares": SquaresTask(name="squares")}
+"""The built-in image data sources, by name (for a vision-language model: ``knit run --model tiny-vl``)."""
+
+DATA_SOURCES: dict[str, ArithmeticTask | ToolTask | SquaresTask] = {**ARITHMETIC_TASKS, **TOOL_TASKS, **IMAGE_TASKS}
 """Every built-in data source (``RolloutConfig.data_sources`` keys), by name."""
 
 

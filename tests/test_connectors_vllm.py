@@ -20,6 +20,7 @@ import pytest
 from connectors.fake_engine import FakeCompletion, FakeFlatLogprobs, FakeLogprob, FakeRequestOutput
 from connectors.tasks import (
     ARITHMETIC_TASKS,
+    IMAGE_TASKS,
     REWARDS,
     ArithmeticTask,
     RewardFn,
@@ -243,6 +244,26 @@ def test_arithmetic_tasks_are_correct_and_differ_in_difficulty() -> None:
     assert max(small) <= 18 and min(large) >= 10_000
     with pytest.raises(ValueError, match="op '-'"):
         ArithmeticTask(name="x", op="-", low=0, high=1)
+
+
+def test_the_squares_task_draws_as_many_separate_squares_as_its_answer_from_the_seed_alone() -> None:
+    from scipy import ndimage
+
+    task = IMAGE_TASKS["squares"]
+    seen = set()
+    for i in range(40):
+        p = task.make(random.Random(i))
+        (image,) = p.images
+        assert image.shape == (56, 56, 3) and image.dtype == np.uint8 and p.text.startswith("<image>")
+        _, blobs = ndimage.label(image.any(-1))
+        assert str(blobs) == p.sample["answer"]
+        assert exact_match_reward(p.text, f"There are {blobs}.", p.sample) == 1.0
+        seen.add(blobs)
+        again = task.make(random.Random(i))
+        assert again.sample == p.sample and np.array_equal(again.images[0], image)
+    assert seen == {1, 2, 3, 4}
+    mixed = mixed_prompts({"squares": 1, "add_small": 1}, seed=0, chunk=2)
+    assert sorted(next(mixed).data_source for _ in range(2)) == ["add_small", "squares"]
 
 
 def test_mixed_prompts_follow_the_mix() -> None:

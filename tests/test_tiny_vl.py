@@ -1,9 +1,9 @@
-"""The tiny vision-language model (``connectors.tiny_vl``) on both sides: in the real engine, vLLM generates from an
-image with the logprobs of a transformers forward, and weights moved through a store load into it, tower and
-connector included; in the trainer, Megatron-core's ``LLaVAModel`` built from the folder (``train.vl_model``) has
-the same logits and tower gradients, gives its weights back under the folder's names bit for bit, and with the
-tower run once per distinct image of a mini-batch has the gradients of the plain model. Between them, weights the
-trainer publishes load into vLLM, whose logprobs are then the trainer's.
+"""The tiny vision-language model (``connectors.tiny_vl``) on both sides. In the trainer, Megatron-core's
+``LLaVAModel`` built from the folder (``train.vl_model``) has the logits and tower gradients of a transformers
+forward, gives its weights back under the folder's names bit for bit, and with the tower run once per distinct image
+of a mini-batch has the gradients of the plain model. Between trainer and engine, vLLM scores a sample drawn from an
+image as the trainer does; the trainer's weights, published to a store, load into it (tower and connector included,
+the cached image encoding dropped), and it then scores as the trainer does with them.
 
 Everything runs in subprocesses: the trainer's self-check as ``python -m train.vl_model FOLDER``, the rest as this
 file run as a script (:data:`DRIVERS`), as the text model's weight test does.
@@ -67,32 +67,7 @@ def test_megatron_llava_from_the_folder_scores_as_transformers_maps_its_weights_
 
 @pytest.mark.vllm
 @pytest.mark.slow
-def test_vllm_generates_from_an_image_as_transformers_scores_it_and_takes_weights_from_the_store(
-        store_nodes, tiny_vl: Path, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
-    meta = json.loads((tiny_vl / "knittrans_tiny.json").read_text())
-    assert meta["architecture"] == "idefics3" and meta["image_seq_len"] == 4
-    (server,) = store_nodes(1)
-    out = tmp_path / "vl.json"
-    res = subprocess.run([sys.executable, __file__, "hf", str(tiny_vl), server.location, str(out)], cwd=ROOT,
-                         env=child_env(), capture_output=True, text=True, timeout=400)
-    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
-    doc = json.loads(out.read_text())
-    # the image became the processor's four image tokens between its markers, in vLLM as in transformers
-    assert doc["prompt_ids"] == doc["hf_prompt_ids"]
-    assert doc["prompt_ids"].count(doc["image_token_id"]) == 4
-    assert doc["before_vs_hf"] < 1e-4
-    # every tensor loaded (tower, connector, backbone), and the engine scores with the new ones only
-    assert doc["tensors_loaded"] == doc["tensors_in_model"]
-    assert {"vision", "connector", "text"} <= set(doc["parts"])
-    assert doc["after_vs_hf_new"] < 1e-4
-    assert doc["after_vs_hf_old"] > 1e-2
-    # a second image after the reload is encoded with the new tower, not served from a stale encoding
-    assert doc["other_image_vs_hf_new"] < 1e-4
-
-
-@pytest.mark.vllm
-@pytest.mark.slow
-def test_weights_the_trainer_publishes_load_into_vllm_which_then_scores_as_the_trainer(
+def test_vllm_scores_an_image_prompt_as_the_trainer_and_after_loading_the_weights_it_publishes_too(
         store_nodes, tiny_vl: Path, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
     (server,) = store_nodes(1)
     published, engine, scored = tmp_path / "published.json", tmp_path / "engine.json", tmp_path / "scored.json"
@@ -105,10 +80,13 @@ def test_weights_the_trainer_publishes_load_into_vllm_which_then_scores_as_the_t
     assert pub["published_tensors"] == 59 and eng["tensors_loaded"] == 59 and eng["engine_version"] == 1
     # the trainer that scores holds the weights the engine loaded, bit for bit (rebuilt from the same seed)
     assert doc["differs_from_store"] == [] and doc["differs_from_folder"] > 0
-    assert doc["prompt_image_tokens"] == 4 and len(eng["response"]) == 8
-    # the engine's logprob of every sampled token, image in context, is the trainer's
-    assert doc["engine_vs_trainer"] < 1e-4
-    assert doc["engine_vs_folder_weights"] > 1e-2  # and not what the folder's own weights give
+    # vLLM wrote the image as the processor's four image tokens between its markers
+    assert doc["prompt_image_tokens"] == 4 and eng["prompt"] == doc["processor_prompt"]
+    # on the folder's weights, the engine scores a sample from the image as the trainer does ...
+    assert doc["before_vs_trainer_folder"] < 1e-4
+    # ... and after loading the published weights, as the trainer does with them, the same image encoded anew
+    assert doc["after_vs_trainer"] < 1e-4
+    assert doc["after_vs_trainer_folder"] > 1e-2
 
 
 def _trainer(model: str, location: str, engine_json: str, out: str) -> None:
@@ -131,12 +109,12 @@ def _trainer(model: str, location: str, engine_json: str, out: str) -> None:
     cfg = vl_model.read_config(model)
     net = vl_model.build_vl_model(cfg)
     vl_model.load_hf_vl_checkpoint(net, model)
-    folder = vl_model.megatron_to_hf_vl(net)
+    folder = {k: v.clone() for k, v in vl_model.megatron_to_hf_vl(net).items()}  # views of the parameters
     g = torch.Generator().manual_seed(1)
     with torch.no_grad():
         for _, p in sorted(net.named_parameters()):
             p.add_(0.05 * torch.randn(p.shape, generator=g))
-    weights = vl_model.megatron_to_hf_vl(net)
+    weights = {k: v.clone() for k, v in vl_model.megatron_to_hf_vl(net).items()}
     with StoreReader(location) as client:
         if engine_json == "-":
             with StorePublisher.sharing(client) as publisher:
@@ -147,21 +125,26 @@ def _trainer(model: str, location: str, engine_json: str, out: str) -> None:
         with StoreWriter.sharing(client) as writer:
             stored = to_tensors(writer.get_weights(1), torch)
     eng = json.loads(Path(engine_json).read_text())
-    p, r = eng["prompt"], eng["response"]
-    pixels = AutoProcessor.from_pretrained(model).image_processor([_image()], return_tensors="pt")["pixel_values"]
+    p = eng["prompt"]
+    proc = AutoProcessor.from_pretrained(model)
+    pixels = proc.image_processor([_image()], return_tensors="pt")["pixel_values"].reshape(-1, 3, 56, 56).float()
 
-    def score(state: dict[str, Any]) -> float:
+    def score(state: dict[str, Any], sample: dict[str, Any]) -> float:
         vl_model.load_hf_vl_checkpoint_tensors(net, state)
+        r = sample["response"]
         with torch.no_grad():
-            logits = vl_model.vl_logits(net, p + r, pixels.reshape(-1, 3, 56, 56).float(), cfg["image_token_id"])
+            logits = vl_model.vl_logits(net, p + r, pixels, cfg["image_token_id"])
         lp = logits[0].double().log_softmax(-1)
-        return float(np.abs(np.array([lp[len(p) - 1 + i, t].item() for i, t in enumerate(r)]) - eng["logprobs"]).max())
+        want = np.array([lp[len(p) - 1 + i, t].item() for i, t in enumerate(r)])
+        return float(np.abs(want - sample["logprobs"]).max())
 
     Path(out).write_text(json.dumps({
         "differs_from_store": sorted(n for n, t in weights.items() if not torch.equal(t, stored[n])),
         "differs_from_folder": sum(not torch.equal(t, folder[n]) for n, t in weights.items()),
         "prompt_image_tokens": p.count(cfg["image_token_id"]),
-        "engine_vs_trainer": score(weights), "engine_vs_folder_weights": score(folder),
+        "processor_prompt": proc(text=[PROMPT], images=[[_image()]])["input_ids"][0],
+        "before_vs_trainer_folder": score(folder, eng["before"]), "after_vs_trainer": score(weights, eng["after"]),
+        "after_vs_trainer_folder": score(folder, eng["after"]),
     }))
     mcore_compat.shutdown()
 
@@ -188,81 +171,23 @@ def _engine(model: str, location: str, out: str) -> None:
 
     llm: Any = LLM(model=model, dtype="float32", max_model_len=256, seed=0, enforce_eager=True, max_num_seqs=4,
                    distributed_executor_backend="uni", worker_extension_cls=WORKER_EXTENSION)
+    sp = SamplingParams(temperature=1.0, max_tokens=8, logprobs=0, flat_logprobs=True, seed=0, ignore_eos=True)
+
+    def sample() -> Any:
+        return llm.generate([{"prompt": PROMPT, "multi_modal_data": {"image": _image()}}], sp, use_tqdm=False)[0]
+
+    before = sample()  # the image's encoding is cached now: loading weights must drop it
     with StoreReader(location) as client, StoreWriter.sharing(client) as writer:
         version = client.get_version()
         loaded = load_weights_into_llm(llm, writer.get_weights(version))
-    sp = SamplingParams(temperature=1.0, max_tokens=8, logprobs=0, flat_logprobs=True, seed=0, ignore_eos=True)
-    o = llm.generate([{"prompt": PROMPT, "multi_modal_data": {"image": _image()}}], sp, use_tqdm=False)[0]
+    after = sample()
     Path(out).write_text(json.dumps({
-        "engine_version": version, "tensors_loaded": loaded, "prompt": list(o.prompt_token_ids),
-        "response": list(o.outputs[0].token_ids), "logprobs": list(o.outputs[0].logprobs.logprobs)}))
+        "engine_version": version, "tensors_loaded": loaded, "prompt": list(after.prompt_token_ids),
+        **{name: {"response": list(o.outputs[0].token_ids), "logprobs": list(o.outputs[0].logprobs.logprobs)}
+           for name, o in (("before", before), ("after", after))}}))
 
 
-def _driver(model: str, location: str, out: str) -> None:
-    """vLLM on ``model``: generate from an image, score it in transformers; publish perturbed weights to the store
-    at ``location``, fetch and load them into the engine; generate again from the same and from another image."""
-    from connectors.engine import ENGINE_ENV
-
-    for k, v in ENGINE_ENV.items():
-        os.environ.setdefault(k, v)
-    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
-    import numpy as np
-    import torch
-    from PIL import Image
-    from transformers import AutoProcessor, Idefics3ForConditionalGeneration
-    from vllm import LLM, SamplingParams
-
-    from connectors.engine_weights import WORKER_EXTENSION, load_weights_into_llm
-    from flight_store.publishing import StorePublisher
-    from flight_store.reading import StoreReader
-    from flight_store.writing import StoreWriter
-    from schemas.weights import from_tensors
-
-    llm: Any = LLM(model=model, dtype="float32", max_model_len=256, seed=0, enforce_eager=True, max_num_seqs=4,
-              distributed_executor_backend="uni", worker_extension_cls=WORKER_EXTENSION)
-    rng = np.random.default_rng(0)
-    images = [Image.fromarray(rng.integers(0, 256, (56, 56, 3), dtype=np.uint8)) for _ in range(2)]
-    sp = SamplingParams(temperature=1.0, max_tokens=8, logprobs=0, flat_logprobs=True, seed=0)
-    proc = AutoProcessor.from_pretrained(model)
-    hf = Idefics3ForConditionalGeneration.from_pretrained(model, dtype=torch.float32)
-
-    def generate(image: Any) -> tuple[list[int], list[int], list[float]]:
-        o = llm.generate([{"prompt": PROMPT, "multi_modal_data": {"image": image}}], sp, use_tqdm=False)[0]
-        return list(o.prompt_token_ids), list(o.outputs[0].token_ids), list(o.outputs[0].logprobs.logprobs)
-
-    def diff(state: dict[str, Any], image: Any, run: tuple[list[int], list[int], list[float]]) -> float:
-        p, r, lp = run
-        hf.load_state_dict(state)
-        pix = proc(text=[PROMPT], images=[[image]], return_tensors="pt")
-        with torch.no_grad():
-            logits = hf(input_ids=torch.tensor([p + r]), pixel_values=pix["pixel_values"],
-                        pixel_attention_mask=pix["pixel_attention_mask"]).logits[0]
-        want = torch.log_softmax(logits.double(), -1)
-        return float(np.abs(np.array([want[len(p) - 1 + i, t].item() for i, t in enumerate(r)]) - lp).max())
-
-    old = {k: v.clone() for k, v in hf.state_dict().items()}
-    first = generate(images[0])
-    g = torch.Generator().manual_seed(1)
-    new = {k: v + 0.05 * torch.randn(v.shape, generator=g) for k, v in old.items()}
-    with StoreReader(location) as client, StoreWriter.sharing(client) as writer, \
-            StorePublisher.sharing(client) as publisher:
-        publisher.put_weights(from_tensors(new.items(), torch), 1)
-        publisher.publish_version(1)
-        table = writer.get_weights(client.get_version())
-    loaded = load_weights_into_llm(llm, table)
-    again, other = generate(images[0]), generate(images[1])
-    doc = {
-        "prompt_ids": first[0], "hf_prompt_ids": proc(text=[PROMPT], images=[[images[0]]])["input_ids"][0],
-        "image_token_id": hf.config.image_token_id, "before_vs_hf": diff(old, images[0], first),
-        "tensors_loaded": loaded, "tensors_in_model": len(old),
-        "parts": sorted({n.split(".")[1].split("_")[0] for n in table.column("name").to_pylist()}),
-        "after_vs_hf_new": diff(new, images[0], again), "after_vs_hf_old": diff(old, images[0], again),
-        "other_image_vs_hf_new": diff(new, images[1], other),
-    }
-    Path(out).write_text(json.dumps(doc))
-
-
-DRIVERS: dict[str, Callable[..., None]] = {"hf": _driver, "trainer": _trainer, "engine": _engine}
+DRIVERS: dict[str, Callable[..., None]] = {"trainer": _trainer, "engine": _engine}
 """This file as a script: ``python tests/test_tiny_vl.py MODE ARGS...``."""
 
 if __name__ == "__main__":

@@ -189,7 +189,8 @@ def hf_to_megatron_vl(hf: dict[str, Any], model: Any) -> dict[str, Any]:
 
 
 def megatron_to_hf_vl(model: Any) -> dict[str, Any]:
-    """The weights of ``model`` under HF Idefics3 names, on CPU (the inverse of :func:`hf_to_megatron_vl`)."""
+    """The weights of ``model`` under HF Idefics3 names, on CPU (the inverse of :func:`hf_to_megatron_vl`); those
+    stored alike on both sides are views of the parameters, not copies."""
     import torch
 
     out = {(TEXT + k[len("model."):] if k.startswith("model.") else k): v
