@@ -35,7 +35,7 @@ lint: setup
 	$(BIN)/lint-imports --no-cache
 
 test: lint
-	$(BIN)/python -m pytest -q
+	$(BIN)/python -m pytest -q --durations=25
 
 # Everything but vLLM, Megatron processes, hosts (network namespaces) and the tests marked slow (processes that
 # import torch or Ray, clusters, long runs: see tests/conftest.py); `make test` runs those too.
