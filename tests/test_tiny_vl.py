@@ -5,8 +5,8 @@ of a mini-batch has the gradients of the plain model. Between trainer and engine
 image as the trainer does; the trainer's weights, published to a store, load into it (tower and connector included,
 the cached image encoding dropped), and it then scores as the trainer does with them.
 
-Everything runs in subprocesses: the trainer's self-check as ``python -m train.vl_model FOLDER``, the rest as this
-file run as a script (:data:`DRIVERS`), as the text model's weight test does.
+Everything runs in subprocesses: the trainer's checks as ``python -m train.verify --hf-checkpoint FOLDER``, the
+rest as this file run as a script (:data:`DRIVERS`), as the text model's weight test does.
 """
 
 from __future__ import annotations
@@ -45,11 +45,33 @@ def test_the_builder_refuses_a_grid_the_connector_cannot_merge(tmp_path: Path) -
 
 @pytest.mark.slow
 def test_megatron_llava_from_the_folder_scores_as_transformers_maps_its_weights_and_encodes_each_image_once(
-        tiny_vl: Path) -> None:
-    res = subprocess.run([sys.executable, "-m", "train.vl_model", str(tiny_vl)], cwd=ROOT, env=child_env(),
+        store_nodes, tiny_vl: Path, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    import numpy as np
+    import pyarrow as pa
+    from safetensors.numpy import load_file
+
+    from flight_store.publishing import StorePublisher
+    from flight_store.reading import StoreReader
+    from schemas.weights import WEIGHTS_SCHEMA
+
+    (server,) = store_nodes(1)
+    tensors = load_file(str(tiny_vl / "model.safetensors"))
+    names = sorted(tensors)
+    table = pa.table({"name": names, "shape": [list(tensors[k].shape) for k in names],
+                      "dtype": ["float32"] * len(names),
+                      "data": [np.ascontiguousarray(tensors[k]).tobytes() for k in names]}, schema=WEIGHTS_SCHEMA)
+    with StoreReader(server.location) as client, StorePublisher.sharing(client) as publisher:
+        publisher.put_weights(table, 0)
+        publisher.publish_version(0)
+    out = tmp_path / "verify.json"
+    res = subprocess.run([sys.executable, "-m", "train.verify", "--hf-checkpoint", str(tiny_vl), "--store",
+                          server.location, "--version", "0", "--out", str(out)], cwd=ROOT, env=child_env(),
                          capture_output=True, text=True, timeout=400)
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
-    doc = json.loads(res.stdout.strip().splitlines()[-1])
+    doc = json.loads(out.read_text())
+    assert doc["model"] == "idefics3"
+    # what the engine side holds (the published table) is the trainer's weights bit for bit
+    assert doc["store_mismatch"] == []
     assert doc["images"] == 1 and doc["tokens"] == 20
     assert doc["logprob_max_abs_diff"] < 1e-4  # every position, image tokens included
     assert doc["tower_grad_max_rel_diff"] < 1e-4  # the loss reaches the patch convolution as in transformers

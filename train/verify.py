@@ -14,6 +14,11 @@ Per run (every rank participates, started by ``train.launch.run_ranks``; rank 0 
 5. with ``--save-dir``: save a checkpoint, zero the weights, load it back, and compare.
 
 Step 4 needs transformers (it comes with vLLM) and is skipped without it; never imports vLLM.
+
+An ``--hf-checkpoint`` folder of the vision-language model (Idefics3, ``tiny-vl``) gets its own checks instead, on
+one rank (``train.vl_model.self_check``: the weights there and back bit for bit, logits and tower gradients against
+transformers, the deduplicated tower's gradients), and with ``--store`` the published version against the folder's
+weights gathered from Megatron, bit for bit.
 A developer tool: its few flags are its own (no config class).
 """
 
@@ -30,7 +35,7 @@ from typing import Any
 def _check(args: argparse.Namespace) -> dict[str, Any]:
     from megatron.core import parallel_state as ps
 
-    from train import mcore_compat, model
+    from train import mcore_compat, model, vl_model
     from train.config import ModelConfig, ParallelConfig
     from train.hf_llama import megatron_to_hf_llama
 
@@ -40,6 +45,8 @@ def _check(args: argparse.Namespace) -> dict[str, Any]:
     def mark(name: str) -> None:
         stages[name] = round(time.perf_counter() - t0, 3)
 
+    if args.hf_checkpoint and vl_model.is_vl_folder(args.hf_checkpoint):
+        return _check_vl(args)
     env = mcore_compat.init_distributed(ParallelConfig(tensor_parallel=args.tp), seed=args.seed)
     cfg = ModelConfig(hf_checkpoint=args.hf_checkpoint) if args.hf_checkpoint else ModelConfig.preset(args.model)
     gpt, _ = model.build_gpt(cfg, tensor_parallel=args.tp)
@@ -66,6 +73,28 @@ def _check(args: argparse.Namespace) -> dict[str, Any]:
         mark("roundtrip")
     result["tp_size"] = ps.get_tensor_model_parallel_world_size()
     if env["rank"] == 0 and args.out:
+        with open(args.out, "w") as f:
+            json.dump(result, f)
+    mcore_compat.shutdown()
+    return result
+
+
+def _check_vl(args: argparse.Namespace) -> dict[str, Any]:
+    """The vision-language folder's checks (``train.vl_model.self_check``), one rank; with ``--store``, the
+    folder's weights gathered from Megatron against the version published there, bit for bit."""
+    from train import mcore_compat, vl_model
+    from train.config import ParallelConfig
+
+    if args.tp != 1 or args.nproc != 1:
+        msg = f"{args.hf_checkpoint}: the vision-language model is checked on one rank (got --tp {args.tp})"
+        raise ValueError(msg)
+    env = mcore_compat.init_distributed(ParallelConfig(backend="gloo"), seed=args.seed)
+    result: dict[str, Any] = {"env": env, "model": "idefics3", **vl_model.self_check(args.hf_checkpoint)}
+    if args.store:
+        net = vl_model.build_vl_model(vl_model.read_config(args.hf_checkpoint))
+        vl_model.load_hf_vl_checkpoint(net, args.hf_checkpoint)
+        result["store_mismatch"] = _store_mismatch(args.store, args.version, vl_model.megatron_to_hf_vl(net))
+    if args.out:
         with open(args.out, "w") as f:
             json.dump(result, f)
     mcore_compat.shutdown()

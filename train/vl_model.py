@@ -60,6 +60,12 @@ _TOWER_LAYER = {
 """A tower layer's modules (Megatron -> HF), ``linear_qkv`` apart."""
 
 
+def is_vl_folder(folder: str | Path) -> bool:
+    """Whether ``folder`` holds an Idefics3 model (this module's), not a plain Llama."""
+    path = Path(folder) / "config.json"
+    return path.is_file() and json.loads(path.read_text()).get("model_type") == "idefics3"
+
+
 def read_config(folder: str | Path) -> dict[str, Any]:
     """The folder's ``config.json``, checked to be the Idefics3 shape this module maps."""
     cfg: dict[str, Any] = json.loads((Path(folder) / "config.json").read_text())
