@@ -181,6 +181,20 @@ def _hf_to_layer(rest: str, pre: str, take: Callable[[str], Any], shard: Callabl
     return None
 
 
+def tensor_taker(hf: dict[str, Any], used: set[str], model: str) -> Callable[[str], Any]:
+    """``take(name)``: ``hf[name]``, the name recorded in ``used``; a name ``hf`` lacks is a
+    :class:`CheckpointMismatchError` saying ``model`` needs it."""
+
+    def take(name: str) -> Any:
+        if name not in hf:
+            msg = f"the HF checkpoint has no tensor {name!r} ({model} needs it)"
+            raise CheckpointMismatchError(msg)
+        used.add(name)
+        return hf[name]
+
+    return take
+
+
 def hf_llama_to_megatron(hf: dict[str, Any], gpt: Any) -> dict[str, Any]:
     """This tensor-parallel rank's Megatron tensors of the HF Llama weights ``hf`` (the inverse of
     :func:`megatron_to_hf_llama`), keyed by ``gpt``'s state-dict names.
@@ -200,14 +214,7 @@ def hf_llama_to_megatron(hf: dict[str, Any], gpt: Any) -> dict[str, Any]:
         return t.chunk(tp, dim=dim)[rank] if tp > 1 else t
 
     used: set[str] = set()
-
-    def take(name: str) -> Any:
-        if name not in hf:
-            msg = f"the HF checkpoint has no tensor {name!r} (the GPT needs it)"
-            raise CheckpointMismatchError(msg)
-        used.add(name)
-        return hf[name]
-
+    take = tensor_taker(hf, used, "the GPT")
     out: dict[str, Any] = {}
     for name, param in gpt.state_dict().items():
         if not torch.is_tensor(param) or name.endswith("_extra_state"):

@@ -43,7 +43,13 @@ from functools import partial
 from pathlib import Path
 from typing import Any
 
-from train.hf_llama import CheckpointMismatchError, hf_llama_to_megatron, megatron_to_hf_llama, read_hf_weights
+from train.hf_llama import (
+    CheckpointMismatchError,
+    hf_llama_to_megatron,
+    megatron_to_hf_llama,
+    read_hf_weights,
+    tensor_taker,
+)
 
 TEXT, TOWER = "model.text_model.", "model.vision_model."
 PROJECTOR = "model.connector.modality_projection.proj.weight"
@@ -156,13 +162,7 @@ def hf_to_megatron_vl(hf: dict[str, Any], model: Any) -> dict[str, Any]:
         text["lm_head.weight"] = hf["lm_head.weight"]
     out = {"language_model." + k: v for k, v in hf_llama_to_megatron(text, model.language_model).items()}
     used = {k for k in hf if k.startswith(TEXT) or k == "lm_head.weight"}
-
-    def take(name: str) -> Any:
-        if name not in hf:
-            msg = f"the HF checkpoint has no tensor {name!r} (the vision-language model needs it)"
-            raise CheckpointMismatchError(msg)
-        used.add(name)
-        return hf[name]
+    take = tensor_taker(hf, used, "the vision-language model")
 
     heads, head_dim = _heads(model)
     for name in model.state_dict():
