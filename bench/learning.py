@@ -18,7 +18,9 @@ Per arm (means over the seeds): the mean reward of each train batch, against the
 wall-clock time its last step ended (both plotted beside the JSON), the final reward (the last five train
 batches pooled), the time each arm takes to reach train_batch's final reward (the first train batch where the mean
 of the last five reaches it; per seed, then the median; the ratio to train_batch's own time is two medians of the
-same work), how much of the gap between train_batch and colocated each arm closes (final reward and time), and the
+same work), how much of the gap between train_batch and colocated each arm closes (in final reward, and in the
+mean reward over all train batches: the final rewards of short runs can lie closer together than the seeds
+spread, the whole curve less so), and the
 run's off-policy figures
 (``summary.json``'s ``offpolicy``: importance weight, truncated and clipped fractions, k3 KL, token staleness)
 and architectural staleness. ``--task-success``: the held-out success (``bench.task_success --quick``, prompts
@@ -188,6 +190,7 @@ def summarise(runs: dict[str, list[dict[str, Any]]]) -> tuple[dict[str, Any], di
             "reward_per_train_batch": [round(x, 4) for x in curve],
             "wall_s_per_train_batch": [round(x, 1) for x in wall],
             "final_reward": round(_final(curve), 4),
+            "mean_reward": round(sum(curve) / len(curve), 4) if curve else 0.0,
             "time_to_train_batch_final_s": _median([t for t in reach if t is not None]),
             "seeds_reaching_train_batch_final": sum(t is not None for t in reach),
             "arch_staleness_mean": [r["arch_staleness_mean"] for r in seeds],
@@ -205,11 +208,12 @@ def summarise(runs: dict[str, list[dict[str, Any]]]) -> tuple[dict[str, Any], di
         if arm != "train_batch" and t is not None and t_base:
             ratios[f"{arm}_time_to_reward_vs_train_batch"] = round(t / t_base, 4)
     if "train_batch" in metrics and "colocated" in metrics:  # the paper's question: how much of the gap closes
-        base, ref = metrics["train_batch"]["final_reward"], metrics["colocated"]["final_reward"]
-        for arm, m in metrics.items():
-            closed = gap_closed(m["final_reward"], base, ref)
-            if arm not in ("train_batch", "colocated") and closed is not None:
-                ratios[f"{arm}_final_reward_gap_closed_vs_colocated"] = closed
+        for measure in ("final_reward", "mean_reward"):  # at the end, and over the whole curve
+            base, ref = metrics["train_batch"][measure], metrics["colocated"][measure]
+            for arm, m in metrics.items():
+                closed = gap_closed(m[measure], base, ref)
+                if arm not in ("train_batch", "colocated") and closed is not None:
+                    ratios[f"{arm}_{measure}_gap_closed_vs_colocated"] = closed
     return metrics, ratios
 
 

@@ -33,9 +33,13 @@ def test_time_to_train_batch_s_final_reward_on_a_moving_average_and_the_gap_colo
     fast = metrics["mini_batch_decoupled"]  # seed 0's first full window (batches 1-5) averages 0.4 >= 0.3: 40 s
     assert fast["seeds_reaching_train_batch_final"] == 1 and fast["time_to_train_batch_final_s"] == 40.0
     gap = (fast["final_reward"] - base["final_reward"]) / (0.5 - base["final_reward"])
+    assert base["mean_reward"] == pytest.approx((0.1 * 5 + 0.3 * 5 + 0.1 * 6 + 0.5 * 4) / 20)
+    assert fast["mean_reward"] == pytest.approx((0.1 + 0.4 + 0.5 * 8 + 0.2 * 10) / 20)
+    whole = (fast["mean_reward"] - base["mean_reward"]) / (0.5 - base["mean_reward"])
     assert ratios == {"mini_batch_decoupled_time_to_reward_vs_train_batch": round(40.0 / 110.0, 4),
                       "colocated_time_to_reward_vs_train_batch": round(100.0 / 110.0, 4),
-                      "mini_batch_decoupled_final_reward_gap_closed_vs_colocated": round(gap, 4)}
+                      "mini_batch_decoupled_final_reward_gap_closed_vs_colocated": round(gap, 4),
+                      "mini_batch_decoupled_mean_reward_gap_closed_vs_colocated": round(whole, 4)}
     assert fast["offpolicy"]["token_staleness_mean"] == [0.5, 0.5]
     assert time_to_reach(runs["train_batch"][0], 0.9) is None
 
