@@ -104,14 +104,6 @@ def lpt_ranks(costs: np.ndarray, ranks: int) -> np.ndarray:
     return np.array(out, dtype=np.int64)
 
 
-def rank_of_groups(split: list[list[int]], groups: int) -> np.ndarray:
-    """[groups] int: the rank of each group in ``split`` (a list of group indices per rank)."""
-    out = np.full(groups, -1, dtype=np.int64)
-    for r, members in enumerate(split):
-        out[members] = r
-    return out
-
-
 def _split(rank_of: np.ndarray, ranks: int) -> list[list[int]]:
     """Group indices per rank, in index order, of ``rank_of`` (the rank of each group)."""
     split: list[list[int]] = [[] for _ in range(ranks)]

@@ -13,7 +13,15 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from admission import AdmissionConfig, LinkModel, assign_groups, balance_groups
-from admission.assignment import BALANCE_SLACK, Network, rank_of_groups
+from admission.assignment import BALANCE_SLACK, Network
+
+
+def rank_of_groups(split: list[list[int]], groups: int) -> np.ndarray:
+    """[groups] int: the rank of each group in ``split`` (a list of group indices per rank)."""
+    out = np.full(groups, -1, dtype=np.int64)
+    for r, members in enumerate(split):
+        out[members] = r
+    return out
 
 
 @st.composite
