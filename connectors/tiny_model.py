@@ -75,7 +75,7 @@ def build_tiny_llama(
     _check_shape(hidden=hidden, heads=heads, kv_heads=kv_heads, vocab=vocab)
     try:
         import torch
-        from transformers import LlamaConfig, LlamaForCausalLM
+        from transformers import LlamaForCausalLM
     except ImportError as exc:
         msg = f"build_tiny_llama needs torch, transformers and tokenizers: pip install knittrans[vllm] ({exc})"
         raise ImportError(msg) from exc
@@ -84,21 +84,8 @@ def build_tiny_llama(
     out.mkdir(parents=True, exist_ok=True)
     hf_tok = _train_tokenizer(vocab, seed)
     hf_tok.save_pretrained(str(out))
-    cfg = LlamaConfig(
-        vocab_size=len(hf_tok),
-        hidden_size=hidden,
-        intermediate_size=intermediate or 4 * hidden,
-        num_hidden_layers=layers,
-        num_attention_heads=heads,
-        num_key_value_heads=kv_heads,
-        max_position_embeddings=max_positions,
-        rms_norm_eps=1e-5,
-        hidden_act="silu",
-        bos_token_id=hf_tok.bos_token_id,
-        eos_token_id=hf_tok.eos_token_id,
-        pad_token_id=hf_tok.pad_token_id,
-        tie_word_embeddings=tie_embeddings,
-    )
+    cfg = llama_config(hf_tok, layers=layers, hidden=hidden, heads=heads, kv_heads=kv_heads,
+                       intermediate=intermediate, max_positions=max_positions, tie_embeddings=tie_embeddings)
     model = _random_weights(LlamaForCausalLM, cfg, seed=seed).to(getattr(torch, dtype))
     model.save_pretrained(str(out), safe_serialization=True)
     n_params = sum(p.numel() for p in model.parameters())
@@ -108,6 +95,18 @@ def build_tiny_llama(
     )
     logger.info("built tiny llama at %s: %d params, vocab %d", out, n_params, len(hf_tok))
     return out
+
+
+def llama_config(tok: Any, *, layers: int, hidden: int, heads: int, kv_heads: int, intermediate: int | None,
+                 max_positions: int, tie_embeddings: bool) -> Any:
+    """The ``LlamaConfig`` of the tiny Llama (RMSNorm 1e-5, SwiGLU) over the tokenizer ``tok``."""
+    from transformers import LlamaConfig
+
+    return LlamaConfig(
+        vocab_size=len(tok), hidden_size=hidden, intermediate_size=intermediate or 4 * hidden,
+        num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=kv_heads,
+        max_position_embeddings=max_positions, rms_norm_eps=1e-5, hidden_act="silu", bos_token_id=tok.bos_token_id,
+        eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id, tie_word_embeddings=tie_embeddings)
 
 
 def _random_weights(model_cls: Any, cfg: Any, *, seed: int) -> Any:

@@ -22,7 +22,7 @@ import json
 import logging
 from pathlib import Path
 
-from connectors.tiny_model import _check_shape, _random_weights, _train_tokenizer
+from connectors.tiny_model import _check_shape, _random_weights, _train_tokenizer, llama_config
 
 logger = logging.getLogger(__name__)
 
@@ -75,7 +75,6 @@ def build_tiny_vl(
             Idefics3ForConditionalGeneration,
             Idefics3ImageProcessor,
             Idefics3Processor,
-            LlamaConfig,
         )
     except ImportError as exc:
         msg = f"build_tiny_vl needs torch, transformers and tokenizers: pip install knittrans[vllm] ({exc})"
@@ -91,11 +90,8 @@ def build_tiny_vl(
         image_processor=Idefics3ImageProcessor(size=size, max_image_size=size, do_image_splitting=False),
         tokenizer=tok, image_seq_len=image_seq_len)
     processor.save_pretrained(str(out))
-    text = LlamaConfig(
-        vocab_size=len(tok), hidden_size=hidden, intermediate_size=4 * hidden, num_hidden_layers=layers,
-        num_attention_heads=heads, num_key_value_heads=kv_heads, max_position_embeddings=max_positions,
-        rms_norm_eps=1e-5, hidden_act="silu", bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id,
-        pad_token_id=tok.pad_token_id, tie_word_embeddings=False)
+    text = llama_config(tok, layers=layers, hidden=hidden, heads=heads, kv_heads=kv_heads, intermediate=None,
+                        max_positions=max_positions, tie_embeddings=False)
     cfg = Idefics3Config(
         vision_config={"hidden_size": vision_hidden, "intermediate_size": 4 * vision_hidden,
                        "num_hidden_layers": vision_layers, "num_attention_heads": vision_heads,
