@@ -17,11 +17,11 @@ for every arm:
 Per arm (means over the seeds): the mean reward of each train batch, against the train batch and against the
 wall-clock time its last step ended (both plotted beside the JSON), the final reward (the last five train
 batches pooled), the time each arm takes to reach train_batch's final reward (the first train batch where the mean
-of the last five reaches it; per seed, then the median; the ratio to train_batch's own time is two medians of the
-same work), how much of the gap between train_batch and colocated each arm closes (in final reward, and in the
-mean reward over all train batches: the final rewards of short runs can lie closer together than the seeds
-spread, the whole curve less so), and the
-run's off-policy figures
+of the last five reaches it; per seed, then the median; the ratio to train_batch's own time is two medians over
+the same seeds, those where the arm reached it), how much of the gap between train_batch and colocated each arm
+closes (in final reward, and in the mean reward over all train batches; only where colocated is ahead of
+train_batch, or behind it, in every seed: otherwise the gap is noise and no share of it is given; the per-seed
+gaps are in ``metrics.colocated``), and the run's off-policy figures
 (``summary.json``'s ``offpolicy``: importance weight, truncated and clipped fractions, k3 KL, token staleness)
 and architectural staleness. ``--task-success``: the held-out success (``bench.task_success --quick``, prompts
 drawn with :data:`EVAL_SEED`) of the starting checkpoint and of each run's trained weights (``knit run
@@ -151,6 +151,10 @@ def _final(reward: Sequence[float]) -> float:
     return sum(tail) / len(tail) if tail else float("nan")
 
 
+def _mean(reward: Sequence[float]) -> float:
+    return sum(reward) / len(reward) if reward else float("nan")
+
+
 def moving_average(values: Sequence[float], window: int = FINAL_WINDOW) -> list[float]:
     """The mean of the last ``window`` values (fewer at the start) at each position."""
     return [sum(values[max(0, i + 1 - window):i + 1]) / (i + 1 - max(0, i + 1 - window)) for i in range(len(values))]
@@ -190,8 +194,9 @@ def summarise(runs: dict[str, list[dict[str, Any]]]) -> tuple[dict[str, Any], di
             "reward_per_train_batch": [round(x, 4) for x in curve],
             "wall_s_per_train_batch": [round(x, 1) for x in wall],
             "final_reward": round(_final(curve), 4),
-            "mean_reward": round(sum(curve) / len(curve), 4) if curve else 0.0,
+            "mean_reward": round(_mean(curve), 4),
             "time_to_train_batch_final_s": _median([t for t in reach if t is not None]),
+            "time_to_train_batch_final_s_per_seed": reach,
             "seeds_reaching_train_batch_final": sum(t is not None for t in reach),
             "arch_staleness_mean": [r["arch_staleness_mean"] for r in seeds],
             "offpolicy": off,
@@ -202,13 +207,20 @@ def summarise(runs: dict[str, list[dict[str, Any]]]) -> tuple[dict[str, Any], di
                                                       "mean": round(sum(a[k] for a in after) / len(after), 4)}
                                                   for k in after[0]}
     ratios: dict[str, Any] = {}
-    t_base = metrics.get("train_batch", {}).get("time_to_train_batch_final_s")
-    for arm, m in metrics.items():
-        t = m["time_to_train_batch_final_s"]
+    own = metrics.get("train_batch", {}).get("time_to_train_batch_final_s_per_seed", [])
+    for arm, m in metrics.items():  # medians over the same seeds: those where the arm reached it
+        pairs = [(t, b) for t, b in zip(m["time_to_train_batch_final_s_per_seed"], own, strict=False)
+                 if t is not None and b]
+        t, t_base = _median([t for t, _ in pairs]), _median([b for _, b in pairs])
         if arm != "train_batch" and t is not None and t_base:
             ratios[f"{arm}_time_to_reward_vs_train_batch"] = round(t / t_base, 4)
     if "train_batch" in metrics and "colocated" in metrics:  # the paper's question: how much of the gap closes
-        for measure in ("final_reward", "mean_reward"):  # at the end, and over the whole curve
+        for measure, of_run in (("final_reward", _final), ("mean_reward", _mean)):  # at the end; the whole curve
+            gaps = [round(of_run(c["reward"]) - of_run(b["reward"]), 4)
+                    for b, c in zip(runs["train_batch"], runs["colocated"], strict=False)]
+            metrics["colocated"][f"{measure}_gap_to_train_batch_per_seed"] = gaps
+            if not (all(g > 0 for g in gaps) or all(g < 0 for g in gaps)):
+                continue  # the gap is not one the seeds agree on: a share of it would divide by noise
             base, ref = metrics["train_batch"][measure], metrics["colocated"][measure]
             for arm, m in metrics.items():
                 closed = gap_closed(m[measure], base, ref)

@@ -156,6 +156,12 @@ class SquaresTask:
     side: int = 56
     """Image side, pixels."""
 
+    def __post_init__(self) -> None:
+        if not 1 <= self.low <= self.high <= 4 or self.side < 32:
+            msg = f"task {self.name!r}: needs 1 <= low <= high <= 4 squares (one a cell) and side >= 32, got " \
+                  f"low={self.low}, high={self.high}, side={self.side}"
+            raise ValueError(msg)
+
     def make(self, rng: random.Random) -> Prompt:
         """Draw one prompt: the image and the question."""
         k = rng.randint(self.low, self.high)

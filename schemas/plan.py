@@ -7,7 +7,7 @@ per planned row, in slice order, so a rank needs nothing but its slices and the 
 A :class:`MiniBatchPlan` is columnar: one list per field of every slice and micro-batch of all its
 ranks, rank-major, with the node names and group ids as tables the slices index. A mini-batch of
 4,096 groups over 512 ranks is some 30,000 slices: as columns it is built and sent in a few
-milliseconds, where one object per slice took tens. Each rank reads its own part as objects,
+milliseconds; one object per slice would cost tens. Each rank reads its own part as objects,
 :meth:`MiniBatchPlan.for_rank` (:class:`RankPlan` -> :class:`MicroBatch` -> :class:`PlannedSlice`), built on
 demand. A plan can also be written as those objects (``MiniBatchPlan(..., ranks=[RankPlan(...)])``); it is
 stored as columns either way.

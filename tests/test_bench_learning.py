@@ -36,11 +36,19 @@ def test_time_to_train_batch_s_final_reward_on_a_moving_average_and_the_gap_colo
     assert base["mean_reward"] == pytest.approx((0.1 * 5 + 0.3 * 5 + 0.1 * 6 + 0.5 * 4) / 20)
     assert fast["mean_reward"] == pytest.approx((0.1 + 0.4 + 0.5 * 8 + 0.2 * 10) / 20)
     whole = (fast["mean_reward"] - base["mean_reward"]) / (0.5 - base["mean_reward"])
-    assert ratios == {"mini_batch_decoupled_time_to_reward_vs_train_batch": round(40.0 / 110.0, 4),
+    # its median over the seeds that reached it (seed 0), against train_batch's on the same seeds (100 s)
+    assert ratios == {"mini_batch_decoupled_time_to_reward_vs_train_batch": round(40.0 / 100.0, 4),
                       "colocated_time_to_reward_vs_train_batch": round(100.0 / 110.0, 4),
                       "mini_batch_decoupled_final_reward_gap_closed_vs_colocated": round(gap, 4),
                       "mini_batch_decoupled_mean_reward_gap_closed_vs_colocated": round(whole, 4)}
+    assert metrics["colocated"]["final_reward_gap_to_train_batch_per_seed"] == [0.2, 0.08]
     assert fast["offpolicy"]["token_staleness_mean"] == [0.5, 0.5]
+    # where the seeds disagree on which end is ahead, no share of the gap is given
+    runs["colocated"][1] = _run([0.5] * 5 + [0.4] * 5, [20.0 * (b + 1) for b in range(10)], 0.0)
+    metrics, ratios = summarise(runs)
+    assert metrics["colocated"]["final_reward_gap_to_train_batch_per_seed"] == [0.2, -0.02]
+    assert "mini_batch_decoupled_final_reward_gap_closed_vs_colocated" not in ratios
+    assert "mini_batch_decoupled_mean_reward_gap_closed_vs_colocated" in ratios  # 0.3 and 0.19: both ahead
     assert time_to_reach(runs["train_batch"][0], 0.9) is None
 
 

@@ -24,6 +24,7 @@ from connectors.tasks import (
     REWARDS,
     ArithmeticTask,
     RewardFn,
+    SquaresTask,
     digit_reward,
     exact_match_reward,
     jsonl_prompts,
@@ -262,6 +263,8 @@ def test_the_squares_task_draws_as_many_separate_squares_as_its_answer_from_the_
         again = task.make(random.Random(i))
         assert again.sample == p.sample and np.array_equal(again.images[0], image)
     assert seen == {1, 2, 3, 4}
+    with pytest.raises(ValueError, match="high <= 4"):
+        SquaresTask(name="x", high=5)
     mixed = mixed_prompts({"squares": 1, "add_small": 1}, seed=0, chunk=2)
     assert sorted(next(mixed).data_source for _ in range(2)) == ["add_small", "squares"]
 

@@ -246,9 +246,17 @@ def vl_logits(model: Any, ids: Sequence[int], pixel_values: Any, image_token_id:
     ``[images, 3, H, W]`` (the processor's, in order)."""
     import torch
 
-    short = torch.tensor([collapse_image_tokens(list(ids), image_token_id)])
-    logits, _ = model(images=pixel_values, input_ids=short, position_ids=torch.arange(short.shape[1])[None],
-                      attention_mask=None, num_image_tiles=torch.ones(pixel_values.shape[0], dtype=torch.int))
+    return _forward(model, torch.tensor([collapse_image_tokens(list(ids), image_token_id)]), pixel_values,
+                    pixel_values.shape[0])
+
+
+def _forward(model: Any, ids: Any, images: Any, n_images: int) -> Any:
+    """``LLaVAModel``'s logits of ``ids`` (``[rows, length]``, one image token per image) with ``images`` (pixels,
+    or None on the decoder-only path), one tile an image."""
+    import torch
+
+    logits, _ = model(images=images, input_ids=ids, position_ids=torch.arange(ids.shape[1])[None],
+                      attention_mask=None, num_image_tiles=torch.ones(n_images, dtype=torch.int))
     return logits
 
 
@@ -262,18 +270,15 @@ def encode_images(model: Any, pixels: Any) -> Any:
     return model.vision_projection(x).permute(1, 0, 2)
 
 
-def vl_logits_encoded(model: Any, ids: Any, image_tokens: Any, image_token_id: int) -> Any:
+def vl_logits_encoded(model: Any, ids: Any, image_tokens: Any) -> Any:
     """Logits of ``ids`` (``[rows, length]``, one image token per image, as :func:`collapse_image_tokens` gives)
     with the images' tokens given, ``[images, image_seq_len, hidden]`` in the rows' order (:func:`encode_images`
     made them, here or once per mini-batch): ``LLaVAModel``'s decoder-only path, as a pipeline stage without the
     encoder runs it."""
-    import torch
-
     was = model.add_encoder
     model.add_encoder, model.encoder_hidden_state = False, image_tokens.permute(1, 0, 2)
     try:
-        logits, _ = model(images=None, input_ids=ids, position_ids=torch.arange(ids.shape[1])[None],
-                          attention_mask=None, num_image_tiles=torch.ones(image_tokens.shape[0], dtype=torch.int))
+        logits = _forward(model, ids, None, image_tokens.shape[0])
     finally:
         model.add_encoder, model.encoder_hidden_state = was, None
     return logits
@@ -298,11 +303,9 @@ def dedup_gradients(model: Any, micro_batches: Sequence[Sequence[tuple[list[int]
         ids = torch.tensor([collapse_image_tokens(row, image_token_id) for row, _ in mb])
         keys = [k for _, row_keys in mb for k in row_keys]
         if dedup:
-            logits = vl_logits_encoded(model, ids, enc.lookup(keys), image_token_id)
+            logits = vl_logits_encoded(model, ids, enc.lookup(keys))
         else:
-            logits, _ = model(images=torch.stack([pixels[k] for k in keys]), input_ids=ids,
-                              position_ids=torch.arange(ids.shape[1])[None], attention_mask=None,
-                              num_image_tiles=torch.ones(len(keys), dtype=torch.int))
+            logits = _forward(model, ids, torch.stack([pixels[k] for k in keys]), len(keys))
             encoded += len(keys)
         full = torch.tensor([row for row, _ in mb])
         lp = logits.float().log_softmax(-1)[:, :-1].gather(-1, full[:, 1:, None])
