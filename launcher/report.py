@@ -43,6 +43,7 @@ from schemas.ledger import ResumeRecord
 from schemas.run_frames import CONSUMED_FRAME
 from schemas.run_records import RankReportDocument, RolloutRecord, StepLine
 from schemas.run_summary import (
+    ImageFigures,
     Latency,
     PolicySummary,
     RewardWindow,
@@ -104,6 +105,7 @@ def policy_summary(folder: Path, *, config: dict[str, Any], wall_s: float, metri
         policy=config.get("policy"),
         **_staleness_figures(consumed, quotas),
         **_delivery_figures(ranks, consumed),
+        images=_image_figures(ranks, rollout),
         **_time_figures(steps, consumed),
         **_reward_figures(consumed),
         abs_logp_diff_first_step=round(float(steps[0].abs_logp_diff), 8) if steps else None,
@@ -152,6 +154,26 @@ def _delivery_figures(ranks: list[RankReportDocument], consumed: pl.DataFrame) -
                                        micro_batches=len(fetch_ms)),
         "exposed_wait_s": {k: round(v, 4) for k, v in waits.items()},
     }
+
+
+def _image_figures(ranks: list[RankReportDocument], rollout: RolloutRecord) -> ImageFigures | None:
+    """What a run with images stored, referenced, read and encoded (from its steps' ``encoder_passes``,
+    ``distinct_images``, ``image_refs``, ``image_bytes``); None for a text run."""
+    steps = [(str(r.env.rank), s.model_extra or {}) for r in ranks for s in r.steps]
+    if not any("encoder_passes" in extra for _, extra in steps):
+        return None
+
+    def total(key: str) -> int:
+        return int(sum(extra.get(key, 0) for _, extra in steps))
+
+    distinct, passes = total("distinct_images"), total("encoder_passes")
+    per_rank: dict[str, int] = {}
+    for rank, extra in steps:
+        per_rank[rank] = per_rank.get(rank, 0) + int(extra.get("image_bytes", 0))
+    return ImageFigures(images_written=int((rollout.model_extra or {}).get("images_written", 0)),
+                        image_refs=total("image_refs"), distinct_images=distinct, encoder_passes=passes,
+                        encoder_passes_per_distinct_image=round(passes / distinct, 4) if distinct else 0.0,
+                        image_bytes_per_rank=per_rank)
 
 
 def _time_figures(steps: list[StepLine], consumed: pl.DataFrame) -> dict[str, Any]:
@@ -355,6 +377,7 @@ ROWS: tuple[str, ...] = (
     "trainer idle, start-up excl. (s)", "step / publish blocking / published after (s)",
     "throughput (traj/s, tok/s)", "reward, first -> last train batch", "reward, first 5 -> last 5 (95% band)",
     "lookahead (groups)", "store restarts (down s)", "wall time (s)",
+    "images stored / referenced; encoder passes per distinct image",
 )
 """The labels of the summary table's rows, in order (:func:`table_rows`)."""
 
@@ -380,5 +403,7 @@ def table_rows(r: PolicySummary) -> list[tuple[str, str]]:
         f"{rewards[0]:.3f} -> {rewards[-1]:.3f} ({len(rewards)} batches)" if rewards else "-",
         f"{a.mean:.3f}±{a.ci95:.3f} -> {b.mean:.3f}±{b.ci95:.3f}" if a and b else "-",
         lookahead, f"{r.store_restarts} ({downs})" if downs else "0", str(r.wall_s),
+        (f"{r.images.images_written} / {r.images.image_refs}; {r.images.encoder_passes_per_distinct_image}"
+         if r.images else "-"),
     )
     return list(zip(ROWS, texts, strict=True))

@@ -92,6 +92,23 @@ class StoreOutage(_Figures):
     """Unix time it was given up for good (None: it was not)."""
 
 
+class ImageFigures(_Figures):
+    """A run with images (``knit run --model tiny-vl``): what was stored, referenced, read and encoded."""
+
+    images_written: int
+    """Images the rollout stored: each group's once (``RolloutRecord.images_written``)."""
+    image_refs: int
+    """Image references of the rows trained, over all ranks: what storing images per row would hold."""
+    distinct_images: int
+    """Distinct images each rank read per mini-batch, summed over steps and ranks."""
+    encoder_passes: int
+    """Images through the vision tower, over all steps and ranks."""
+    encoder_passes_per_distinct_image: float
+    """``encoder_passes / distinct_images``: 1.0 when each rank encodes each distinct image once per mini-batch."""
+    image_bytes_per_rank: dict[str, int]
+    """Bytes of image rows each rank read."""
+
+
 class LedgerFigures(_Figures):
     """The prompt ledger's counts (``launcher.ledger.figures``)."""
 
@@ -180,6 +197,8 @@ class PolicySummary(_Figures):
     """The run's config (``run_config.json``'s), with ``lookahead_groups``."""
     interrupted: bool | None = None
     ledger: LedgerFigures | None = None
+    images: ImageFigures | None = None
+    """A run with images: stored vs referenced, read per rank, encoder passes."""
     resumes: list[ResumeRecord] = Field(default_factory=list)
     checkpoint_s: CheckpointSeconds | None = None
     ray: RayFigures | None = None

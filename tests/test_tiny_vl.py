@@ -43,6 +43,41 @@ def test_the_builder_refuses_a_grid_the_connector_cannot_merge(tmp_path: Path) -
         build_tiny_vl(tmp_path, image_size=42, patch=14)  # 3x3 patches: no 2x2 blocks
 
 
+def test_image_positions_are_each_prompts_image_tokens_padded_or_packed() -> None:
+    import torch
+
+    from train.vl_model import image_positions
+
+    img = 9
+    # two rows, right-padded: row 0 has one image (2 tokens) and samples the image id in its response (stays text);
+    # row 1 has two images
+    rows = torch.tensor([[1, img, img, 5, img, 0, 0], [1, img, img, 3, img, img, 4]])
+    got = image_positions(rows, img, [2, 4])
+    assert got.tolist() == [[False, True, True, False, False, False, False],
+                            [False, True, True, False, True, True, False]]
+    # the same rows packed into one (THD): each sequence's own first image tokens
+    packed = torch.tensor([[1, img, img, 5, img, 1, img, img, 3, img, img, 4]])
+    got = image_positions(packed, img, [2, 4], torch.tensor([0, 5, 12]))
+    assert got[0].nonzero().flatten().tolist() == [1, 2, 6, 7, 9, 10]
+    with pytest.raises(ValueError, match="sequence 1 holds 4 image tokens where its images fill 6"):
+        image_positions(rows, img, [2, 6])
+
+
+def test_the_trainer_takes_its_backbone_shape_from_the_vision_language_folder(tiny_vl: Path) -> None:
+    from admission.config import AdmissionConfig
+    from train.config import ModelConfig, ObjectiveConfig, TrainConfig
+    from train.hf_config import read_hf_config
+
+    model = ModelConfig(hf_checkpoint=str(tiny_vl))
+    text = read_hf_config(str(tiny_vl))["text_config"]
+    assert model.vision_language and not ModelConfig().vision_language
+    assert (model.vocab_size, model.hidden_size, model.num_layers) == (
+        text["vocab_size"], text["hidden_size"], text["num_hidden_layers"])
+    with pytest.raises(ValueError, match="decoupled_ppo"):
+        TrainConfig(stores=["grpc://127.0.0.1:1"], admission=AdmissionConfig(train_batch_groups=4, group_size=2),
+                    model=model, loss=ObjectiveConfig(objective="decoupled_ppo"))
+
+
 @pytest.mark.slow
 def test_megatron_llava_from_the_folder_scores_as_transformers_maps_its_weights_and_encodes_each_image_once(
         store_nodes, tiny_vl: Path, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
@@ -109,6 +144,36 @@ def test_vllm_scores_an_image_prompt_as_the_trainer_and_after_loading_the_weight
     # ... and after loading the published weights, as the trainer does with them, the same image encoded anew
     assert doc["after_vs_trainer"] < 1e-4
     assert doc["after_vs_trainer_folder"] > 1e-2
+
+
+@pytest.mark.megatron
+@pytest.mark.vllm
+@pytest.mark.slow
+def test_knit_run_trains_llava_on_the_squares_task_each_image_stored_once_and_encoded_once_per_mini_batch(
+        tiny_vl: Path, tmp_path: Path) -> None:
+    b, g, k, batches = 4, 4, 2, 2
+    out = tmp_path / "run"
+    res = subprocess.run([sys.executable, "-m", "launcher", "run", "--plain", "--model", "tiny-vl", "--model-dir",
+                          str(tiny_vl), "--out", str(out), "--train-batch-groups", str(b), "--group-size", str(g),
+                          "--mini-batches", str(k), "--train-batches", str(batches), "--timeout-s", "300"],
+                         cwd=ROOT, env=child_env(), capture_output=True, text=True, timeout=400)
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    r = json.loads((out / "summary.json").read_text())["policies"]["mini_batch"]
+    groups, rows = batches * b, batches * b * g
+    assert r["config"]["data_sources"] == {"squares": 1.0} and r["config"]["reward"] == "exact"
+    assert r["steps"] == batches * k and r["rows_received"] == rows and r["duplicate_rows"] == 0
+    assert r["ledger"]["exact"]
+    # vLLM's Idefics3 sampled from the images with the trainer's published version-0 weights: Megatron's LLaVAModel
+    # scores the engine's tokens as the engine did, image tokens merged in
+    assert r["abs_logp_diff_first_step"] < 1e-4
+    images = r["images"]
+    # each group's image stored once and referenced by its G rows ...
+    assert images["images_written"] == groups and images["image_refs"] == rows
+    # ... read by the one rank its group went to, and through the tower once in its mini-batch
+    assert images["distinct_images"] == groups and images["encoder_passes"] == groups
+    assert images["encoder_passes_per_distinct_image"] == 1.0
+    assert len(images["image_bytes_per_rank"]) == 2 and min(images["image_bytes_per_rank"].values()) > 0
+    assert "images stored / referenced" in res.stdout
 
 
 def _trainer(model: str, location: str, engine_json: str, out: str) -> None:

@@ -21,7 +21,7 @@ from typing import Any, Literal
 
 from admission.config import AdmissionConfig
 from flight_store.config import ClientConfig
-from train.hf_config import SHAPE_FIELDS, hf_shape, read_hf_config
+from train.hf_config import SHAPE_FIELDS, hf_shape, language_config, read_hf_config
 from train.tracking import TrackingConfig
 
 PackMode = Literal["padded", "thd"]
@@ -64,7 +64,8 @@ class ModelConfig:
     """Share the input embedding with the output layer (HF ``tie_word_embeddings``; SmolLM2 does)."""
     hf_checkpoint: str | None = None
     """HF Llama checkpoint folder (the one the rollout serves): shape from its config.json, starting weights from
-    its safetensors.
+    its safetensors. An Idefics3 folder (``tiny-vl``) is a vision-language model: the fields above are then its
+    text model's, and the trainer builds Megatron's ``LLaVAModel`` (``train.vl_step``).
 
     The shape fields above are then read from ``config.json``; one set to another value is refused."""
 
@@ -85,6 +86,11 @@ class ModelConfig:
             raise ValueError(msg)
 
     @property
+    def vision_language(self) -> bool:
+        """Whether ``hf_checkpoint`` is a vision-language model (Idefics3), trained as Megatron's ``LLaVAModel``."""
+        return self.hf_checkpoint is not None and read_hf_config(self.hf_checkpoint).get("model_type") == "idefics3"
+
+    @property
     def head_dim(self) -> int:
         return self.hidden_size // self.num_attention_heads
 
@@ -94,7 +100,7 @@ class ModelConfig:
         return ModelConfig(**{**hf_shape(hf), **overrides})
 
     def _take_shape(self, hf: dict[str, Any], source: str) -> None:
-        shape = hf_shape(hf, source=source)
+        shape = hf_shape(language_config(hf), source=source)
         conflicts = [f"{name}={getattr(self, name)!r} (checkpoint: {value!r})" for name, value in shape.items()
                      if getattr(self, name) not in (value, _DEFAULT_SHAPE[name])]
         if conflicts:
@@ -359,6 +365,14 @@ class TrainConfig:
             msg = (f"parallel.timeout_s={self.parallel.timeout_s} must exceed idle_timeout_s={self.idle_timeout_s} "
                    "(the other ranks wait in a collective while rank 0 waits for data)")
             raise ValueError(msg)
+        if self.model.vision_language:
+            unsupported = [name for name in ("vision", "load_dir", "export_hf_dir") if getattr(self, name)]
+            if self.loss.objective == "decoupled_ppo":
+                unsupported.append("loss.objective=decoupled_ppo")
+            if unsupported:
+                msg = (f"the vision-language step (hf_checkpoint {self.model.hf_checkpoint!r}) does not support "
+                       f"{unsupported} yet")
+                raise ValueError(msg)
         if self.vision is not None:
             unsupported = [name for name in _TEXT_ONLY if getattr(self, name)]
             if unsupported:

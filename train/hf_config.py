@@ -27,6 +27,14 @@ def read_hf_config(folder: str) -> dict[str, Any]:
     return dict(json.loads(path.read_text()))
 
 
+def language_config(hf: dict[str, Any]) -> dict[str, Any]:
+    """The Llama ``config.json`` of a checkpoint: its own, or a vision-language checkpoint's text model (Idefics3,
+    ``train.vl_model``), whose shape is then the trainer's backbone."""
+    if hf.get("model_type") != "idefics3":
+        return hf
+    return {**hf.get("text_config", {}), "architectures": ["LlamaForCausalLM"], "model_type": "llama"}
+
+
 def hf_shape(hf: dict[str, Any], *, source: str = "config.json") -> dict[str, Any]:
     """The :data:`SHAPE_FIELDS` of an HF Llama ``config.json``; ValueError naming what the trainer cannot build."""
     if hf.get("architectures") != ["LlamaForCausalLM"] or hf.get("model_type", "llama") != "llama":

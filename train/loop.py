@@ -2,9 +2,10 @@
 
 Every rank runs :func:`run`. Rank 0 also hosts the planner (``train.planning``): it scans metadata,
 plans each mini-batch as soon as admission allows, and broadcasts the plans. What differs between
-the text and the multimodal trainer is a :class:`Step` (``TrainConfig.vision`` selects it):
-``train.trainer.TextStep`` or ``train.mm_trainer.MultimodalStep``. It builds its model, submits each
-plan's fetches of this rank's slices to its prefetch thread, and takes the optimizer step. After
+the kinds of trainer is a :class:`Step`: ``train.trainer.TextStep``, ``train.mm_trainer.MultimodalStep``
+(``TrainConfig.vision`` set) or ``train.vl_step.VisionLanguageStep`` (a vision-language ``hf_checkpoint``). It
+builds its model, submits each plan's fetches of this rank's slices to its prefetch thread, and takes the
+optimizer step. After
 each step rank 0 publishes the new policy version to every store (and the weights, when asked) and
 releases the consumed groups.
 
@@ -168,6 +169,10 @@ def run(cfg: TrainConfig, *, planner: PlannerLike | None = None) -> int:
 
 
 def _build_step(cfg: TrainConfig, env: dict[str, int], client: StoreReader) -> Step:
+    if cfg.model.vision_language:
+        from train.vl_step import VisionLanguageStep
+
+        return VisionLanguageStep(cfg, env, client)
     if cfg.vision is not None:
         from train.mm_trainer import MultimodalStep
 
@@ -266,12 +271,18 @@ def publish_weights(built: Built, client: StoreNodes, version: int, env: dict[st
 
 
 def encode_weights(built: Built, env: dict[str, int], *, dtype: str = "params") -> pa.Table | None:
-    """The weights under HF Llama names as a weights table, floating tensors cast to ``dtype`` unless it is
-    ``"params"`` (``TrainConfig.publish_dtype``), in record batches of ``schemas.weights.CHUNK_BYTES``: on rank 0;
-    ``None`` on the others. Collective (the tensor-parallel gather): every rank calls it."""
+    """The weights under HF names (Llama's; Idefics3's for ``LLaVAModel``) as a weights table, floating tensors cast
+    to ``dtype`` unless it is ``"params"`` (``TrainConfig.publish_dtype``), in record batches of
+    ``schemas.weights.CHUNK_BYTES``: on rank 0; ``None`` on the others. Collective (the tensor-parallel gather):
+    every rank calls it."""
     from train.hf_llama import megatron_to_hf_llama, weights_table
 
-    named = megatron_to_hf_llama(built.gpt)
+    if hasattr(built.gpt, "vision_model"):  # LLaVAModel: under Idefics3's names
+        from train.vl_model import megatron_to_hf_vl
+
+        named = megatron_to_hf_vl(built.gpt)
+    else:
+        named = megatron_to_hf_llama(built.gpt)
     return weights_table(named, dtype=None if dtype == "params" else dtype) if env["rank"] == 0 else None
 
 

@@ -41,6 +41,8 @@ class MMMiniBatch:
     """Micro-batch -> row -> image keys (repeats across rows are the point: they share one encoding)."""
     images: dict[bytes, np.ndarray]
     """Distinct image key -> pixels (first-seen order), each fetched once."""
+    row_ids: list[tuple[str, int]] = field(default_factory=list)
+    """``(group_id, sample_idx)`` of every row, in plan order."""
     trajectory_bytes: int = 0
     """Arrow bytes of the fetched trajectory columns."""
     image_bytes: int = 0
@@ -60,12 +62,13 @@ class MMMiniBatch:
         return sum(len(r) for mb in self.row_keys for r in mb)
 
 
-def fetch_mm_mini_batch(client: StoreReader, micro_batches: Sequence[MicroBatch], *,
-                        mode: PackMode = "padded") -> MMMiniBatch:
-    """Read the slices of ``micro_batches`` (with ``image_keys``), pack them, and fetch each distinct image once."""
+def fetch_mm_mini_batch(client: StoreReader, micro_batches: Sequence[MicroBatch], *, mode: PackMode = "padded",
+                        columns: Sequence[str] = MM_COLUMNS) -> MMMiniBatch:
+    """Read the slices of ``micro_batches`` (``columns``: at least :data:`MM_COLUMNS`), pack them, and fetch each
+    distinct image once."""
     slices = [s for mb in micro_batches for s in mb.slices]
     t0 = time.perf_counter()
-    table = client.fetch(slices, columns=MM_COLUMNS)
+    table = client.fetch(slices, columns=list(columns))
     t1 = time.perf_counter()
     expected = sum(mb.rows for mb in micro_batches)
     if table.num_rows != expected:
@@ -98,6 +101,7 @@ def fetch_mm_mini_batch(client: StoreReader, micro_batches: Sequence[MicroBatch]
         raise RuntimeError(msg)
     return MMMiniBatch(
         packed=packed, row_keys=row_keys, images={k: got[k] for k in distinct},
+        row_ids=list(zip(table.column("group_id").to_pylist(), table.column("sample_idx").to_pylist(), strict=True)),
         trajectory_bytes=table.nbytes, image_bytes=images_table.nbytes, read_s=t1 - t0,
         image_doget_s=t3 - t2, pack_s=t2 - t1, keys_by_node=keys_by_node(distinct, node_of),
     )

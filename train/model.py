@@ -114,12 +114,18 @@ def build_gpt(cfg: ModelConfig, *, tensor_parallel: int) -> tuple[Any, Any]:
 
 
 def build(cfg: ModelConfig, optim: OptimConfig, *, tensor_parallel: int) -> Built:
-    """GPTModel -> Megatron DDP -> Megatron optimizer, with gradient finalisation in the schedule."""
+    """GPTModel -> Megatron DDP -> Megatron optimizer (:func:`wrap`)."""
+    gpt, tcfg = build_gpt(cfg, tensor_parallel=tensor_parallel)
+    return wrap(gpt, tcfg, optim, uses_te=_use_te(cfg))
+
+
+def wrap(gpt: Any, tcfg: Any, optim: OptimConfig, *, uses_te: bool = False) -> Built:
+    """A Megatron module (``GPTModel``, ``LLaVAModel``) of config ``tcfg`` -> Megatron DDP -> Megatron optimizer,
+    with gradient finalisation in the schedule."""
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
     from megatron.core.distributed.finalize_model_grads import finalize_model_grads
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 
-    gpt, tcfg = build_gpt(cfg, tensor_parallel=tensor_parallel)
     inner = gpt
     if tcfg.bf16:  # GPU only: bf16 params, fp32 main params in the optimizer
         from megatron.core.transformer.module import Float16Module
@@ -134,7 +140,7 @@ def build(cfg: ModelConfig, optim: OptimConfig, *, tensor_parallel: int) -> Buil
                            adam_beta2=optim.adam_beta2, clip_grad=optim.clip_grad, bf16=tcfg.bf16, fp16=False,
                            use_distributed_optimizer=False)
     optimizer = get_megatron_optimizer(ocfg, [model])
-    return Built(model=model, gpt=gpt, optimizer=optimizer, config=tcfg, uses_te=_use_te(cfg))
+    return Built(model=model, gpt=gpt, optimizer=optimizer, config=tcfg, uses_te=uses_te)
 
 
 def save_checkpoint(gpt: Any, path: str) -> None:

@@ -83,6 +83,11 @@ class DedupVisionEncoder:
         self._index = {k: i for i, k in enumerate(keys)}
         return torch.stack([images[k] for k in keys])
 
+    @property
+    def is_open(self) -> bool:
+        """Whether a mini-batch is open: begun, not finished."""
+        return self._leaf is not None
+
     def lookup(self, keys: Sequence[bytes]) -> torch.Tensor:
         """Encodings of ``keys`` (repeats allowed), stacked; gradients flow into the shared leaf."""
         import torch

@@ -16,7 +16,7 @@ Per run (every rank participates, started by ``train.launch.run_ranks``; rank 0 
 Step 4 needs transformers (it comes with vLLM) and is skipped without it; never imports vLLM.
 
 An ``--hf-checkpoint`` folder of the vision-language model (Idefics3, ``tiny-vl``) gets its own checks instead, on
-one rank (``train.vl_model.self_check``: the weights there and back bit for bit, logits and tower gradients against
+one rank (``train.vl_check.self_check``: the weights there and back bit for bit, logits and tower gradients against
 transformers, the deduplicated tower's gradients), and with ``--store`` the published version against the folder's
 weights gathered from Megatron, bit for bit.
 A developer tool: its few flags are its own (no config class).
@@ -80,16 +80,16 @@ def _check(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def _check_vl(args: argparse.Namespace) -> dict[str, Any]:
-    """The vision-language folder's checks (``train.vl_model.self_check``), one rank; with ``--store``, the
+    """The vision-language folder's checks (``train.vl_check.self_check``), one rank; with ``--store``, the
     folder's weights gathered from Megatron against the version published there, bit for bit."""
-    from train import mcore_compat, vl_model
+    from train import mcore_compat, vl_check, vl_model
     from train.config import ParallelConfig
 
     if args.tp != 1 or args.nproc != 1:
         msg = f"{args.hf_checkpoint}: the vision-language model is checked on one rank (got --tp {args.tp})"
         raise ValueError(msg)
     env = mcore_compat.init_distributed(ParallelConfig(backend="gloo"), seed=args.seed)
-    result: dict[str, Any] = {"env": env, "model": "idefics3", **vl_model.self_check(args.hf_checkpoint)}
+    result: dict[str, Any] = {"env": env, "model": "idefics3", **vl_check.self_check(args.hf_checkpoint)}
     if args.store:
         net = vl_model.build_vl_model(vl_model.read_config(args.hf_checkpoint))
         vl_model.load_hf_vl_checkpoint(net, args.hf_checkpoint)

@@ -26,18 +26,13 @@ the mask), its MLP is tanh-approximated GELU and its norms LayerNorms with biase
 token per image and puts the image's tokens there; HF and vLLM write each image as ``image_seq_len`` image
 tokens, which :func:`collapse_image_tokens` turns into one. One tensor-parallel rank (the tower is not split).
 
-``python -m train.vl_model FOLDER`` (one process, gloo) is the self-check the tests run: the folder's weights
-loaded into Megatron and gathered back are the folder's bit for bit; Megatron's logits equal a float32
-transformers forward on a prompt with an image; the gradient of the patch convolution agrees; a mini-batch with the
-tower run once per distinct image has the plain model's gradients (rtol 1e-5); and the same
-check with the causal tower mask fails (the check can fail). It prints JSON.
+The self-check (the weights both ways, logits and gradients against transformers, the tower once per distinct
+image) is :mod:`train.vl_check`.
 """
 
 from __future__ import annotations
 
 import json
-import os
-import sys
 from collections.abc import Sequence
 from functools import partial
 from pathlib import Path
@@ -105,6 +100,7 @@ def build_vl_model(cfg: dict[str, Any], *, causal_tower: bool = False) -> Any:
     """
     import torch
     import torch.nn.functional as F
+    from megatron.core.enums import ModelType
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
     from megatron.core.models.multimodal.llava_model import LLaVAModel
     from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
@@ -122,7 +118,8 @@ def build_vl_model(cfg: dict[str, Any], *, causal_tower: bool = False) -> Any:
         num_attention_heads=tc["num_attention_heads"], num_query_groups=tc["num_key_value_heads"],
         kv_channels=tc.get("head_dim") or tc["hidden_size"] // tc["num_attention_heads"], normalization="RMSNorm",
         layernorm_epsilon=tc["rms_norm_eps"], gated_linear_unit=True, activation_func=F.silu,
-        bias_activation_fusion=False, add_bias_linear=False, add_qkv_bias=False, **common)
+        bias_activation_fusion=False, add_bias_linear=False, add_qkv_bias=False, calculate_per_token_loss=True,
+        **common)
     tower = TransformerConfig(
         num_layers=vc["num_hidden_layers"], hidden_size=vc["hidden_size"], ffn_hidden_size=vc["intermediate_size"],
         num_attention_heads=vc["num_attention_heads"], kv_channels=vc["hidden_size"] // vc["num_attention_heads"],
@@ -133,18 +130,20 @@ def build_vl_model(cfg: dict[str, Any], *, causal_tower: bool = False) -> Any:
     projector = TransformerConfig(num_layers=1, hidden_size=tc["hidden_size"], num_attention_heads=1,
                                   add_bias_linear=False, **common)
     rope = tc.get("rope_parameters") or {}
-    return LLaVAModel(
+    model = LLaVAModel(
         language_transformer_config=text,
         language_transformer_layer_spec=get_gpt_layer_local_spec(normalization="RMSNorm"),
         language_vocab_size=tc["vocab_size"], language_max_sequence_length=tc["max_position_embeddings"],
         vision_transformer_config=tower, vision_transformer_layer_spec=vit_layer_spec(causal=causal_tower),
         drop_vision_class_token=False, vision_projection_config=projector,
         vision_projection_layer_spec=MLPSubmodules(linear_fc1=ColumnParallelLinear, linear_fc2=RowParallelLinear),
-        vision_projection_type="affine", parallel_output=False,
+        vision_projection_type="affine", parallel_output=True,  # one TP rank: the whole vocabulary
         share_embeddings_and_output_weights=bool(tc.get("tie_word_embeddings", False)),
         language_position_embedding_type="rope", language_rotary_base=int(rope.get("rope_theta", 10000)),
         img_h=vc["image_size"], img_w=vc["image_size"], patch_dim=vc["patch_size"],
         image_token_index=cfg["image_token_id"], pixel_shuffle=True)
+    model.model_type = ModelType.encoder_or_decoder  # what Megatron's schedules ask of a model (its get_model sets it)
+    return model
 
 
 def _heads(model: Any) -> tuple[int, int]:
@@ -246,11 +245,11 @@ def vl_logits(model: Any, ids: Sequence[int], pixel_values: Any, image_token_id:
     ``[images, 3, H, W]`` (the processor's, in order)."""
     import torch
 
-    return _forward(model, torch.tensor([collapse_image_tokens(list(ids), image_token_id)]), pixel_values,
+    return llava_logits(model, torch.tensor([collapse_image_tokens(list(ids), image_token_id)]), pixel_values,
                     pixel_values.shape[0])
 
 
-def _forward(model: Any, ids: Any, images: Any, n_images: int) -> Any:
+def llava_logits(model: Any, ids: Any, images: Any, n_images: int) -> Any:
     """``LLaVAModel``'s logits of ``ids`` (``[rows, length]``, one image token per image) with ``images`` (pixels,
     or None on the decoder-only path), one tile an image."""
     import torch
@@ -270,153 +269,44 @@ def encode_images(model: Any, pixels: Any) -> Any:
     return model.vision_projection(x).permute(1, 0, 2)
 
 
-def vl_logits_encoded(model: Any, ids: Any, image_tokens: Any) -> Any:
-    """Logits of ``ids`` (``[rows, length]``, one image token per image, as :func:`collapse_image_tokens` gives)
-    with the images' tokens given, ``[images, image_seq_len, hidden]`` in the rows' order (:func:`encode_images`
-    made them, here or once per mini-batch): ``LLaVAModel``'s decoder-only path, as a pipeline stage without the
-    encoder runs it."""
-    was = model.add_encoder
-    model.add_encoder, model.encoder_hidden_state = False, image_tokens.permute(1, 0, 2)
-    try:
-        logits = _forward(model, ids, None, image_tokens.shape[0])
-    finally:
-        model.add_encoder, model.encoder_hidden_state = was, None
-    return logits
-
-
-def dedup_gradients(model: Any, micro_batches: Sequence[Sequence[tuple[list[int], list[bytes]]]],
-                    pixels: dict[bytes, Any], image_token_id: int, *, dedup: bool) -> tuple[dict[str, Any], int]:
-    """One mini-batch's parameter gradients (a sum of every row's token log-likelihood per micro-batch, backward
-    per micro-batch) and the images the tower encoded. ``micro_batches``: rows of (ids as HF writes them, the
-    keys of the row's images); ``dedup``: the tower once per distinct image (:class:`DedupVisionEncoder`), else the
-    plain ``LLaVAModel`` forward with every row's images."""
+def image_positions(tokens: Any, image_token_id: int, image_tokens: Sequence[int], cu_seqlens: Any = None) -> Any:
+    """``[rows, width]`` bool: the positions that take an image's tokens, the first ``image_tokens[i]`` image-token
+    ids of each sequence ``i`` (its prompt's: a response that samples the image token's id keeps it as text, as the
+    engine does). Sequences are the rows, or the ``cu_seqlens`` segments of one packed row. ValueError naming the
+    sequence that holds fewer image tokens than its images fill."""
     import torch
 
-    from train.multimodal import DedupVisionEncoder, distinct_image_keys
-
-    model.zero_grad(set_to_none=True)
-    enc = DedupVisionEncoder(lambda px: encode_images(model, px))
-    if dedup:
-        enc.begin({k: pixels[k] for k in distinct_image_keys([[keys for _, keys in mb] for mb in micro_batches])})
-    encoded = 0
-    for mb in micro_batches:
-        ids = torch.tensor([collapse_image_tokens(row, image_token_id) for row, _ in mb])
-        keys = [k for _, row_keys in mb for k in row_keys]
-        if dedup:
-            logits = vl_logits_encoded(model, ids, enc.lookup(keys))
-        else:
-            logits = _forward(model, ids, torch.stack([pixels[k] for k in keys]), len(keys))
-            encoded += len(keys)
-        full = torch.tensor([row for row, _ in mb])
-        lp = logits.float().log_softmax(-1)[:, :-1].gather(-1, full[:, 1:, None])
-        (-lp.sum()).backward()
-    if dedup:
-        enc.finish()
-        encoded = enc.forward_images
-    return {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}, encoded
+    marks = tokens == image_token_id
+    want = torch.as_tensor(list(image_tokens), device=tokens.device)
+    if cu_seqlens is None:
+        seen = marks.cumsum(dim=1)
+        where = marks & (seen <= want[:, None])
+        counts = where.sum(dim=1)
+    else:
+        cu = cu_seqlens.to(torch.int64)
+        seq = torch.bucketize(torch.arange(tokens.shape[1], device=cu.device), cu[1:], right=True)
+        seq = seq.clamp(max=len(want) - 1)
+        seen = marks[0].cumsum(0)
+        before = torch.cat([seen.new_zeros(1), seen])[cu[:-1]]  # image tokens of the sequences before each one
+        where = (marks[0] & (seen - before[seq] <= want[seq]))[None]
+        counts = torch.zeros_like(want).index_add(0, seq[where[0]], torch.ones_like(seq[where[0]]))
+    short = (counts != want).nonzero()
+    if len(short):
+        i = int(short[0])
+        msg = f"sequence {i} holds {int(counts[i])} image tokens where its images fill {int(want[i])}"
+        raise ValueError(msg)
+    return where
 
 
-def self_check(folder: str | Path) -> dict[str, Any]:
-    """The checks of the module docstring on the folder's model (model parallelism initialised)."""
-    import numpy as np
-    import torch
-    from PIL import Image
-    from transformers import AutoProcessor, Idefics3ForConditionalGeneration
-
-    cfg = read_config(folder)
-    hf_weights = read_hf_weights(str(folder))
-    proc = AutoProcessor.from_pretrained(str(folder))
-    image = Image.fromarray(np.random.default_rng(0).integers(0, 256, (56, 56, 3), dtype=np.uint8))
-    enc = proc(text="<image>how many squares?", images=[image], return_tensors="pt")
-    ids, pixels = enc["input_ids"][0].tolist(), enc["pixel_values"].float()
-    hf = Idefics3ForConditionalGeneration.from_pretrained(str(folder), dtype=torch.float32,
-                                                          attn_implementation="eager").eval()
-    picks = [(p, ids[p + 1]) for p in range(len(ids) - 1)]
-
-    def loss(logits: Any) -> Any:
-        lp = logits.float().log_softmax(-1)[0]
-        return sum(lp[p, t] for p, t in picks)
-
-    want = hf(input_ids=enc["input_ids"], pixel_values=pixels, pixel_attention_mask=enc["pixel_attention_mask"]).logits
-    loss(want).backward()
-    want_grad = hf.model.vision_model.embeddings.patch_embedding.weight.grad
-    out: dict[str, Any] = {"tokens": len(ids), "images": int(pixels.shape[1])}
-    for causal in (False, True):
-        torch.manual_seed(0)
-        model = build_vl_model(cfg, causal_tower=causal)
-        load_hf_vl_checkpoint(model, folder)
-        got = vl_logits(model, ids, pixels.reshape(-1, *pixels.shape[2:]), cfg["image_token_id"])
-        loss(got).backward()
-        grad = model.vision_model.conv1.weight.grad
-        figures = {
-            "logprob_max_abs_diff": float((got.log_softmax(-1) - want.log_softmax(-1)).abs().max()),
-            "tower_grad_max_rel_diff": float((grad - want_grad).abs().max() / want_grad.abs().max()),
-        }
-        if causal:
-            out["causal_tower"] = figures
-            continue
-        out.update(figures)
-        back = megatron_to_hf_vl(model)
-        out["round_trip_names_equal"] = sorted(back) == sorted(hf_weights)
-        out["round_trip_mismatched"] = sorted(n for n in back if n in hf_weights and not torch.equal(back[n],
-                                                                                                     hf_weights[n]))
-        out["tensors"] = len(back)
-        out["dedup"] = _dedup_check(model, proc, cfg["image_token_id"])
-    return out
-
-
-def _dedup_check(model: Any, proc: Any, image_token_id: int) -> dict[str, Any]:
-    """Gradients of a mini-batch of three micro-batches whose rows share images (as a group's responses do), with
-    the tower once per distinct image and with the plain model: equal at fp32 rtol 1e-5."""
-    import numpy as np
-    import torch
-    from PIL import Image
-
-    rng = np.random.default_rng(1)
-    keys = [bytes([i]) * 8 for i in range(3)]
-    images = {k: Image.fromarray(rng.integers(0, 256, (56, 56, 3), dtype=np.uint8)) for k in keys}
-    pixels = {k: proc.image_processor([im], return_tensors="pt")["pixel_values"][0, 0].float()
-              for k, im in images.items()}
-    prompt = proc(text="<image>how many squares?", images=[images[keys[0]]])["input_ids"][0]
-
-    def row(key: bytes) -> tuple[list[int], list[bytes]]:
-        return list(prompt) + rng.integers(3, 500, 6).tolist(), [key]
-
-    a, b, c = keys
-    micro_batches = [[row(a), row(a)], [row(b), row(a)], [row(c), row(b)]]
-    want, plain_passes = dedup_gradients(model, micro_batches, pixels, image_token_id, dedup=False)
-    got, dedup_passes = dedup_gradients(model, micro_batches, pixels, image_token_id, dedup=True)
-    mismatched = sorted(n for n, g in want.items() if n not in got or not torch.allclose(
-        got[n], g, rtol=1e-5, atol=1e-5 * float(g.abs().max())))
-    return {"references": sum(len(mb) for mb in micro_batches), "distinct_images": len(keys),
-            "encoder_images_dedup": dedup_passes, "encoder_images_plain": plain_passes,
-            "params_with_grad": len(want), "tower_params_with_grad": sum(n.startswith("vision_model.") for n in want),
-            "projector_params_with_grad": sum(n.startswith("vision_projection.") for n in want),
-            "same_param_names": set(want) == set(got), "mismatched": mismatched,
-            "max_rel_diff": max(float((got[n] - g).abs().max() / g.abs().max()) for n, g in want.items()
-                                if n in got and float(g.abs().max()) > 0)}
-
-
-def main(argv: Sequence[str] | None = None) -> int:
-    """Run :func:`self_check` on the folder ``argv[0]`` in a one-rank gloo group; print its JSON."""
-    from flight_store.net import free_port
-    from train import mcore_compat
-    from train.config import ParallelConfig
-
-    args = list(sys.argv[1:] if argv is None else argv)
-    if "MASTER_PORT" not in os.environ:
-        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), RANK="0", WORLD_SIZE="1",
-                          LOCAL_RANK="0")
-    mcore_compat.init_distributed(ParallelConfig(backend="gloo", timeout_s=120.0), seed=0)
-    try:
-        result = self_check(args[0])
-    finally:
-        mcore_compat.shutdown()
-    sys.stdout.write(json.dumps(result) + "\n")
-    ok = (result["logprob_max_abs_diff"] < 1e-4 and result["round_trip_names_equal"]
-          and not result["round_trip_mismatched"] and not result["dedup"]["mismatched"])
-    return 0 if ok else 1
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())
+def merged_embeddings(model: Any, tokens: Any, position_ids: Any, image_tokens: Any, images_per_seq: Sequence[int],
+                      image_token_id: int, cu_seqlens: Any = None) -> Any:
+    """The backbone's input ``[width, rows, hidden]`` for ``tokens`` written as HF and vLLM write them (each image
+    as ``image_seq_len`` image tokens): the token embeddings, with the images' tokens ``[images, image_seq_len,
+    hidden]`` (:func:`encode_images`, in the sequences' order) at :func:`image_positions`. What Idefics3 and vLLM
+    do; ``LLaVAModel.forward`` gives the same logits from one image token per image (the self-check compares
+    them). The decoder runs on it as ``model.language_model(..., decoder_input=...)``."""
+    lm = model.language_model
+    emb = lm.embedding(input_ids=tokens, position_ids=position_ids)
+    per_seq = [n * image_tokens.shape[1] for n in images_per_seq]
+    rows, cols = image_positions(tokens, image_token_id, per_seq, cu_seqlens).nonzero(as_tuple=True)
+    return emb.index_put((cols, rows), image_tokens.reshape(-1, emb.shape[-1]).to(emb.dtype))
