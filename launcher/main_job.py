@@ -90,6 +90,13 @@ def parse(argv: Sequence[str]) -> tuple[list[RunConfig], argparse.Namespace]:
     except ValueError as exc:
         parser.error(str(exc))
     cfg.out, cfg.model_dir = cfg.out.resolve(), cfg.model_path.resolve()
+    if cfg.model == "tiny-vl":
+        unsupported = [name for name, on in (("--engine vllm-server", args.engine == "vllm-server"),
+                                             ("--ray", args.ray is not None), ("--export-hf", cfg.export_hf),
+                                             ("--objective decoupled_ppo", cfg.loss.objective == "decoupled_ppo"))
+                       if on]
+        if unsupported:
+            parser.error(f"--model tiny-vl does not run with {', '.join(unsupported)} yet")
     try:
         check_installed(cfg.tracking)  # before a run that would only warn about it
     except ImportError as exc:

@@ -3,7 +3,9 @@
 forward, gives its weights back under the folder's names bit for bit, and with the tower run once per distinct image
 of a mini-batch has the gradients of the plain model. Between trainer and engine, vLLM scores a sample drawn from an
 image as the trainer does; the trainer's weights, published to a store, load into it (tower and connector included,
-the cached image encoding dropped), and it then scores as the trainer does with them.
+the cached image encoding dropped), and it then scores as the trainer does with them. In the main job,
+``knit run --model tiny-vl`` trains ``LLaVAModel`` on the squares task: each group's image stored once, read and
+encoded once per mini-batch by the rank its group went to, the engine on the trainer's weights.
 
 Everything runs in subprocesses: the trainer's checks as ``python -m train.verify --hf-checkpoint FOLDER``, the
 rest as this file run as a script (:data:`DRIVERS`), as the text model's weight test does.

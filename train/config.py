@@ -369,6 +369,8 @@ class TrainConfig:
             unsupported = [name for name in ("vision", "load_dir", "export_hf_dir") if getattr(self, name)]
             if self.loss.objective == "decoupled_ppo":
                 unsupported.append("loss.objective=decoupled_ppo")
+            if self.parallel.tensor_parallel != 1:
+                unsupported.append(f"parallel.tensor_parallel={self.parallel.tensor_parallel}")
             if unsupported:
                 msg = (f"the vision-language step (hf_checkpoint {self.model.hf_checkpoint!r}) does not support "
                        f"{unsupported} yet")
