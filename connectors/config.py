@@ -87,6 +87,9 @@ class RolloutConfig:
 
     Without it, groups are tagged with the published version (the weights are assumed to be synced
     some other way)."""
+    image_dedup: bool = True
+    """Store each group's images once, every row referencing them; off, each row references a copy of its own
+    (``schemas.images.per_row_copies``): stored, read and encoded per row, the baseline."""
     partial_rollouts: bool = False
     """With ``weight_sync``: new weights interrupt the running samples, which resume from their generated prefix
     under them, each token written with the version that sampled it (``token_versions``; ``connectors.partial``).

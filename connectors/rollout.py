@@ -12,10 +12,9 @@ The loop, top to bottom (``RolloutWorker.run``):
 2. **step**: ``engine.step()``; every prompt whose n samples are all finished comes back as one output.
 3. **score**: the reward of the prompt (``connectors.tasks``), on each decoded response; a tool source's samples
    run as multi-turn episodes (``connectors.agent.with_agents`` wraps the engine) and carry their environment's.
-4. **write**: images first (each distinct image once, by content key), then the group's record batch
-   (``connectors.vllm.group_to_batch``) with one DoPut to the group's store, *the moment the group
-   finishes*, so the trainer's planner sees groups while generation is still running
-   (``connectors.writer``, off the step loop).
+4. **write**: images first (each distinct image once, by content key; per row without ``image_dedup``), then the
+   group's record batch (``connectors.vllm.group_to_batch``) with one DoPut to the group's store, *the moment the
+   group finishes*, so the trainer's planner sees groups while generation runs (``connectors.writer``, off the loop).
 
 Nothing is dropped silently: a prompt the engine refuses, or groups still running when the worker
 stops (``max_seconds``, ``stop()`` or Ctrl-C), are written with status "aborted". A group the engine
@@ -64,7 +63,7 @@ from connectors.vllm import FinishedRequest, RequestOutputLike, aborted_batch, d
 from connectors.weight_sync import WeightSync
 from connectors.writer import GroupWriter
 from schemas import routing
-from schemas.images import images_to_table
+from schemas.images import group_images
 from schemas.ledger import Reissue, RolloutResume
 from schemas.run_folder import read_document, write_document
 from schemas.run_records import RolloutRecord
@@ -83,7 +82,7 @@ class _Pending:
     """A group in the engine: its drawn prompt, its images' keys, when and under which version it went out."""
 
     drawn: Drawn
-    image_keys: list[bytes]
+    image_keys: list[list[bytes]]  # each row's: the same unless ``RolloutConfig.image_dedup`` is off
     created_at: datetime
     version_min: int
 
@@ -313,12 +312,13 @@ class RolloutWorker:
 
     def _dispatch(self, drawn: Drawn) -> None:
         prompt = drawn.prompt
-        keys: list[bytes] = []
+        row_keys: list[list[bytes]] = []
         if prompt.images:
-            table, keys = images_to_table(prompt.images)
+            table, row_keys = group_images(prompt.images, self.config.group_size, per_row=not self.config.image_dedup)
             self.tally.add_images(table)
             self._writer.put_images(table, drawn.node)
-        pending = _Pending(drawn=drawn, image_keys=keys, created_at=datetime.now(UTC), version_min=self._sync.version)
+        pending = _Pending(drawn=drawn, image_keys=row_keys, created_at=datetime.now(UTC),
+                           version_min=self._sync.version)
         self._register(drawn, "running")
         self._events.dispatched(drawn, self._sync.version)  # before the engine has it: a stored group has its line
         try:
@@ -405,7 +405,7 @@ class RolloutWorker:
             policy_version=self._sync.version,
             data_source=pending.drawn.prompt.data_source,
             logprobs_mode=self.engine.logprobs_mode,
-            image_keys=pending.image_keys,
+            image_keys=pending.image_keys[0] if pending.image_keys else [],
             created_at=pending.created_at,
             finish_reason=finish_reason,
         )

@@ -36,7 +36,7 @@ from collections.abc import Sequence
 from datetime import UTC, datetime
 from pathlib import Path
 from types import ModuleType
-from typing import Any, NamedTuple, Protocol
+from typing import Any, NamedTuple, Protocol, cast
 
 import numpy as np
 import pyarrow as pa
@@ -228,7 +228,7 @@ def group_to_batch(
     rewards: Sequence[float] | None = None,
     policy_version_min: int | None = None,
     logprobs_mode: str = "raw_logprobs",
-    image_keys: Sequence[bytes] = (),
+    image_keys: Sequence[bytes] | Sequence[Sequence[bytes]] = (),
     created_at: datetime | None = None,
     completed_at: datetime | None = None,
     status: str | None = None,
@@ -250,7 +250,7 @@ def group_to_batch(
             ``policy_version``.
         logprobs_mode: the engine's ``logprobs_mode`` ("raw_logprobs" or "processed_logprobs").
         image_keys: content keys (``schemas.images.image_key``) of the prompt's images; every row
-            references all of them.
+            references all of them. Or one list per row, each row's own (``schemas.images.group_images``).
         created_at: when the group was dispatched (UTC); now when ``None``.
         completed_at: when it finished (UTC); now when ``None``.
         status: force every row's status (e.g. "aborted"); by default "completed" for samples that
@@ -268,7 +268,14 @@ def group_to_batch(
             :class:`~schemas.trajectory.TrajectoryError` names the column a rule refused).
     """
     schema = trajectory_schema(logprobs_mode)
-    g, by_idx = _samples_by_index(output, group_id, group_size, rewards, image_keys)
+    per_row = ([list(cast(Sequence[bytes], r)) for r in image_keys]
+               if image_keys and not isinstance(image_keys[0], bytes) else None)
+    flat = [k for r in per_row for k in r] if per_row is not None else list(cast(Sequence[bytes], image_keys))
+    g, by_idx = _samples_by_index(output, group_id, group_size, rewards, flat)
+    if per_row is not None and len(per_row) != g:
+        msg = f"group {group_id!r}: image keys for {len(per_row)} rows, {g} samples"
+        raise ValueError(msg)
+    row_keys = per_row if per_row is not None else [flat] * g
     samples = [_response(by_idx.get(i), status) for i in range(g)]
     ids, statuses = [x.ids for x in samples], [x.status for x in samples]
     version = int(policy_version)
@@ -287,8 +294,8 @@ def group_to_batch(
         "created_at": pa.array([_naive_utc(created_at)] * g, pa.timestamp("us")),
         "completed_at": pa.array([_naive_utc(completed_at)] * g, pa.timestamp("us")),
         **_token_columns(output.prompt_token_ids or [], ids, [x.logprobs for x in samples], [x.mask for x in samples]),
-        "image_keys": _list_array(np.array(list(image_keys) * g, dtype=object), np.full(g, len(image_keys)),
-                                  pa.binary(IMAGE_KEY_BYTES)),
+        "image_keys": _list_array(np.array([k for row in row_keys for k in row], dtype=object),
+                                  np.array([len(row) for row in row_keys]), pa.binary(IMAGE_KEY_BYTES)),
     }
     if token_versions is not None:
         got = list(token_versions) + [np.zeros(0, np.int32)] * (g - len(token_versions))  # missing samples: empty

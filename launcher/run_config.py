@@ -61,6 +61,9 @@ class RunConfig:
     names one the user runs (``connectors.served``)."""
     engine_url: str | None = None
     """A vLLM server the user runs, for ``engine="vllm-server"`` (``http://HOST:PORT``)."""
+    image_dedup: bool = True
+    """Store each group's images once, every row referencing them (``--no-image-dedup``: a copy per row, stored,
+    read and encoded per row: the baseline; ``RolloutConfig.image_dedup``)."""
     partial_rollouts: bool = False
     """New weights interrupt the running samples, which resume under them (``RolloutConfig.partial_rollouts``)."""
     export_hf: bool = False
@@ -225,8 +228,8 @@ def rollout_config(cfg: RunConfig, stores: list[str], home_nodes: list[str] | No
         weight_sync=True, wait_initial_weights_s=cfg.idle_timeout_s, version_poll_s=0.1, reward=cfg.reward,
         max_model_len=512, group_id_prefix=f"{cfg.policy}-", report_path=str(cfg.out / run_folder.ROLLOUT_REPORT),
         commit_ahead=cfg.admission.train_batch_groups, mix_chunk=cfg.admission.train_batch_groups,
-        data_sources=dict(cfg.data_sources), partial_rollouts=cfg.partial_rollouts, engine=cfg.engine,
-        engine_url=cfg.engine_url, events_path=str(cfg.out / ledger.EVENTS / ledger.ROLLOUT_EVENTS),
+        data_sources=dict(cfg.data_sources), partial_rollouts=cfg.partial_rollouts, image_dedup=cfg.image_dedup,
+        engine=cfg.engine, engine_url=cfg.engine_url, events_path=str(cfg.out / ledger.EVENTS / ledger.ROLLOUT_EVENTS),
         synchronous=((cfg.admission.train_batch_groups, cfg.admission.mini_batches) if cfg.policy == "colocated"
                      else None),
     )

@@ -61,6 +61,22 @@ def images_to_table(images: Iterable[np.ndarray]) -> tuple[pa.Table, list[bytes]
     return table, keys
 
 
+def group_images(images: Sequence[np.ndarray], rows: int, *, per_row: bool = False) -> tuple[pa.Table,
+                                                                                             list[list[bytes]]]:
+    """The image table a prompt group writes and each of its ``rows``' image keys.
+
+    Stored once (the default), every row references the images. ``per_row`` (``knit run --no-image-dedup``, the
+    baseline) gives row ``i`` a copy of its own: the same pixels under ``i`` leading unit axes, so its content key
+    differs and a store keeps it apart (row 0's copies are the images themselves); a reader drops the unit axes.
+    """
+    if not per_row:
+        table, keys = images_to_table(images)
+        return table, [keys] * rows
+    n = len(images)
+    table, flat = images_to_table([img.reshape((1,) * i + img.shape) for i in range(rows) for img in images])
+    return table, [flat[i:i + n] for i in range(0, rows * n, n)]
+
+
 def table_to_images(table: pa.Table) -> dict[bytes, np.ndarray]:
     """Image-table rows -> {key: array} (arrays are views over the Arrow buffers where possible)."""
     out: dict[bytes, np.ndarray] = {}

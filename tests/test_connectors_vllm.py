@@ -160,6 +160,26 @@ def test_group_to_batch_references_image_keys_on_every_row() -> None:
     assert batch.column("num_images").to_pylist() == [2] * 4
 
 
+def test_images_stored_per_row_are_the_same_pixels_under_keys_of_their_own() -> None:
+    from schemas.images import group_images, table_to_images
+
+    imgs = [np.random.default_rng(i).integers(0, 255, (8, 8, 3), dtype=np.uint8) for i in range(2)]
+    once, shared = group_images(imgs, 3)
+    assert once.num_rows == 2 and shared == [[image_key(a) for a in imgs]] * 3
+    table, per_row = group_images(imgs, 3, per_row=True)
+    assert table.num_rows == 6 and len({k for row in per_row for k in row}) == 6
+    assert per_row[0] == shared[0]  # row 0's copies are the images themselves
+    stored = table_to_images(table)
+    for row in per_row:  # every copy holds the image's pixels, under unit axes a reader drops
+        for img, k in zip(imgs, row, strict=True):
+            assert np.array_equal(stored[k].reshape(img.shape), img)
+    batch = group_to_batch(_flat_output(3), group_id="g", policy_version=0, data_source="s", image_keys=per_row)
+    assert batch.column("image_keys").to_pylist() == per_row
+    assert batch.column("num_images").to_pylist() == [2] * 3
+    with pytest.raises(ValueError, match="image keys for 3 rows, 4 samples"):
+        group_to_batch(_flat_output(4), group_id="g", policy_version=0, data_source="s", image_keys=per_row)
+
+
 def test_aborted_batch_keeps_every_row() -> None:
     b = aborted_batch(group_id="g", group_size=3, prompt_token_ids=[4, 5], policy_version=2, data_source="s",
                       finish_reason="error")

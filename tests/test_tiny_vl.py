@@ -80,6 +80,25 @@ def test_the_trainer_takes_its_backbone_shape_from_the_vision_language_folder(ti
                     model=model, loss=ObjectiveConfig(objective="decoupled_ppo"))
 
 
+def test_the_trainer_processes_each_image_as_the_engine_does_one_tile_each(tiny_vl: Path) -> None:
+    import numpy as np
+    import torch
+    from transformers import AutoImageProcessor
+
+    from schemas.images import group_images, table_to_images
+    from train.vl_step import pixel_values
+
+    processor = AutoImageProcessor.from_pretrained(str(tiny_vl))
+    imgs = [np.random.default_rng(i).integers(0, 256, (56, 56, 3), dtype=np.uint8) for i in range(3)]
+    table, rows = group_images(imgs, 2, per_row=True)  # row 1's copies carry a unit axis
+    got = pixel_values(processor, table_to_images(table))
+    assert len(got) == 6
+    for row in rows:
+        for img, key in zip(imgs, row, strict=True):
+            alone = processor([img], return_tensors="pt")["pixel_values"]  # what the engine's processor makes
+            assert got[key].shape == (3, 56, 56) and torch.equal(got[key], alone[0, 0].float())
+
+
 @pytest.mark.slow
 def test_megatron_llava_from_the_folder_scores_as_transformers_maps_its_weights_and_encodes_each_image_once(
         store_nodes, tiny_vl: Path, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]

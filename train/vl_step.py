@@ -140,13 +140,20 @@ def fetch_vl_mini_batch(client: StoreReader, processor: Any, mode: PackMode,
 
     mb = fetch_mm_mini_batch(client, micro, mode=mode, columns=VL_COLUMNS)
     t0 = time.perf_counter()
-    pixels: dict[bytes, Any] = {}
-    if mb.images:
-        keys = list(mb.images)
-        values = processor([mb.images[k] for k in keys], return_tensors="pt")["pixel_values"]
-        if values.shape[1] != 1:
-            msg = f"the image processor made {values.shape[1]} tiles of an image; the trainer takes one"
-            raise ValueError(msg)
-        pixels = {k: values[i, 0].float() for i, k in enumerate(keys)}
+    pixels = pixel_values(processor, mb.images)
     return {"mb": mb, "tensors": [p.to_torch() for p in mb.packed], "pixels": pixels,
             "process_s": time.perf_counter() - t0}
+
+
+def pixel_values(processor: Any, images: dict[bytes, Any]) -> dict[bytes, Any]:
+    """Key -> the ``[3, H, W]`` float32 pixel values the model's image processor makes of each image (``[H, W, C]``
+    uint8; an image stored per row, ``knit run --no-image-dedup``, has leading unit axes). Each image is a sample
+    of its own (a flat list would be one sample's images) of one tile; ValueError if the processor makes more."""
+    if not images:
+        return {}
+    keys = list(images)
+    values = processor([[images[k].reshape(images[k].shape[-3:])] for k in keys], return_tensors="pt")["pixel_values"]
+    if values.shape[1] != 1:
+        msg = f"the image processor made {values.shape[1]} tiles of an image; the trainer takes one"
+        raise ValueError(msg)
+    return {k: values[i, 0].float() for i, k in enumerate(keys)}
