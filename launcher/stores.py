@@ -144,10 +144,13 @@ class Stores:
 
     def start(self, *, fresh: bool = True) -> None:
         """Start every node on a fresh spill directory (``fresh=False``: on the one there, as a resume does) and
-        wait until each answers ``health``.
+        wait until each answers ``health``. A resume goes on without the nodes whose process runs but that did not
+        answer within ``start_timeout_s`` (their hosts cut off, say) when another one answers: each is an
+        ``unreachable`` outage from then on, back when it answers, lost when it stays silent as long again.
 
         Raises:
-            RuntimeError: a node exited, or did not answer within ``start_timeout_s`` (names it, with its log).
+            RuntimeError: a node exited, or did not answer within ``start_timeout_s`` (names them, with a log):
+                on a fresh start, or when no node answers.
         """
         if fresh:
             shutil.rmtree(self._out / "stores", ignore_errors=True)  # the spill logs of an earlier run in this folder
@@ -156,18 +159,35 @@ class Stores:
             cmd = self._sites[i].command([sys.executable, "-m", "flight_store", "--config", str(path)])
             self.children.append(self._kids.start(f"store{i}", cmd, env=self._sites[i].env))
         deadline = time.monotonic() + self.start_timeout_s
-        while not all(answers(loc) for loc in self.locations):
+        while silent := [i for i, loc in enumerate(self.locations) if not answers(loc)]:
             dead = [c for c in self.children if not c.alive()]
             if dead or time.monotonic() > deadline:
-                who = dead[0] if dead else self.children[0]
-                msg = f"store node {who.name} did not come up:\n{self._kids.tail(who)}"
+                if not dead and not fresh and len(silent) < len(self.nodes):
+                    self._unreachable_at_start(silent)
+                    break
+                who = dead[0] if dead else self.children[silent[0]]
+                names = ", ".join(self.children[i].name for i in silent)
+                msg = f"store node(s) {names} did not come up:\n{self._kids.tail(who)}"
                 raise RuntimeError(msg)
             time.sleep(0.2)
         self.views = ClusterViews(self.locations, ids=[str(n.node_name or n.location) for n in self.nodes])
+        self._tell_down()  # routing leaves out a node that did not answer at a resume's start
         if self._probe_s is not None:
             self._prober = threading.Thread(target=self._probe_loop, args=(self._probe_s,), name="knit-store-probes",
                                             daemon=True)
             self._prober.start()
+
+    def _unreachable_at_start(self, silent: list[int]) -> None:
+        """Go on without the nodes ``silent`` (processes running, no answer): an ``unreachable`` outage each."""
+        now = time.time()
+        for i in silent:
+            node, child = self.nodes[i], self.children[i]
+            log.warning("store %s (%s) did not answer within %.0f s of its start (its process runs): the run goes on "
+                        "without it until it answers", node.node_name, child.name, self.start_timeout_s)
+            with self._lock:
+                self.outages.append(Outage(store=child.name, node=str(node.node_name or node.location),
+                                           location=node.location, exit_code=None, died_at=now, restarts=0,
+                                           cause="unreachable"))
 
     def check(self) -> list[str]:
         """Start again every node whose process exited, note those back; returns the ids of the nodes down now.

@@ -15,6 +15,7 @@ import pyarrow as pa
 import pyarrow.flight as flight
 import pytest
 
+from bench.chaos.faults import flight_data
 from flight_store.config import ServerConfig, StoreConfig
 from flight_store.server import StoreServer
 from flight_store.writing import StoreWriter
@@ -490,37 +491,13 @@ def test_readers_that_stop_mid_answer_lock_nobody_out(node_process) -> None:
 # ---- malformed streams from a raw gRPC client -------------------------------------------------------
 
 
-def _field(number: int, payload: bytes) -> bytes:
-    """One length-delimited protobuf field."""
-    def varint(v: int) -> bytes:
-        out = bytearray()
-        while True:
-            byte, v = v & 0x7F, v >> 7
-            out.append(byte | (0x80 if v else 0))
-            if not v:
-                return bytes(out)
-    return varint(number << 3 | 2) + varint(len(payload)) + payload
+def _raw_put(location: str, messages: list[bytes]) -> str:
+    """The status details a DoPut of ``messages`` (raw ``FlightData`` bytes) is refused with."""
+    from bench.chaos.faults import raw_put
 
-
-def _flight_data(descriptor: bytes | None, header: bytes, body: bytes = b"") -> bytes:
-    """A ``FlightData`` message (Flight.proto: descriptor 1, data_header 2, data_body 1000) as bytes."""
-    cmd = _field(2, descriptor) if descriptor is not None else b""
-    described = _field(1, b"\x08\x02" + cmd) if descriptor is not None else b""  # FlightDescriptor type CMD = 2
-    return described + _field(2, header) + (_field(1000, body) if body else b"")
-
-
-def _raw_put(location: str, messages: list[bytes]) -> Any:
-    """The gRPC error a DoPut of ``messages`` (raw ``FlightData`` bytes) ends with."""
-    import grpc  # the dev extra's: a raw client sends what pyarrow's will not
-    channel = grpc.insecure_channel(location.removeprefix("grpc://"))
-    do_put = channel.stream_stream("/arrow.flight.protocol.FlightService/DoPut",
-                                   request_serializer=lambda b: b, response_deserializer=lambda b: b)
-    try:
-        with pytest.raises(grpc.RpcError) as exc:
-            list(do_put(iter(messages), timeout=10))
-    finally:
-        channel.close()
-    return exc.value
+    refused = raw_put(location, messages)
+    assert refused is not None, "the node took the stream"
+    return refused
 
 
 def test_garbage_ipc_from_a_raw_grpc_client_is_refused_naming_it_and_the_node_serves_on() -> None:
@@ -533,13 +510,13 @@ def test_garbage_ipc_from_a_raw_grpc_client_is_refused_naming_it_and_the_node_se
     header, body = batch.metadata.to_pybytes(), batch.body.to_pybytes()
     doc = json.dumps({"v": 3, "kind": "put_group", "group_id": "junk", "rows": G}).encode()
     with StoreServer() as server:
-        first = _raw_put(server.location, [_flight_data(doc, b"\xff" * 64, b"\x00" * 256)])
-        assert "Invalid flatbuffers message" in first.details()
-        garbage = _flight_data(None, b"\xfe" * 32, b"\x01" * 64)
-        for second in (garbage, _flight_data(None, header, body[:len(body) // 2])):  # garbage, a batch cut short
-            refused = _raw_put(server.location, [_flight_data(doc, schema_header), second])
-            assert "message 1 of the stream is not an Arrow IPC record batch" in refused.details()
-            assert "internal error" not in refused.details()
+        first = _raw_put(server.location, [flight_data(doc, b"\xff" * 64, b"\x00" * 256)])
+        assert "Invalid flatbuffers message" in first
+        garbage = flight_data(None, b"\xfe" * 32, b"\x01" * 64)
+        for second in (garbage, flight_data(None, header, body[:len(body) // 2])):  # garbage, a batch cut short
+            refused = _raw_put(server.location, [flight_data(doc, schema_header), second])
+            assert "message 1 of the stream is not an Arrow IPC record batch" in refused
+            assert "internal error" not in refused
         raw = flight.connect(server.location)
         assert _put_group(raw, _group("honest")) == {"group_id": "honest", "rows_added": G}
         assert server.store.group_ids() == ["honest"]
