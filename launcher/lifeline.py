@@ -127,6 +127,20 @@ def cmdline(pid: int) -> list[str] | None:
     return [a.decode(errors="replace") for a in raw.split(b"\0")[:-1]]
 
 
+def processes_naming(text: str) -> list[int]:
+    """Pids of the live processes (zombies and this one apart) with ``text`` in their command line: what a run
+    folder's name finds of its processes."""
+    pids = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit() or int(entry.name) == os.getpid():
+            continue
+        pid = int(entry.name)
+        cmd = cmdline(pid)
+        if cmd is not None and any(text in a for a in cmd) and start_time(pid) is not None:
+            pids.append(pid)
+    return pids
+
+
 def _kill_group(pgid: int, sig: int) -> None:
     with contextlib.suppress(ProcessLookupError, PermissionError):
         os.killpg(pgid, sig)

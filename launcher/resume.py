@@ -143,7 +143,7 @@ def prepare(out: Path, res: Resumption, admission: AdmissionConfig, locations: l
     with StoreReader(locations, timeout=30.0, retries=20) as client:
         status = group_status(client.metadata().collect())
         reissue, keep = settle(h, status, unwritten="rollout_lost" if cause == "rollout_lost" else "interrupted")
-        stale = sorted(h.rolled_back | set(h.dropped) | superseded(h))
+        stale = stale_groups(h, reissue)
         if stale:
             client.release(stale, partial=True)  # never planned again: free their payload and lookahead
         gone = [latest(h)[r.prompt_id] for r in reissue]
@@ -217,6 +217,14 @@ def superseded(h: History) -> set[str]:
     """The groups of the attempts at a prompt before its latest, not trained: never planned (a node lost for good
     that a later launcher brings back holds groups whose prompts were regenerated)."""
     return {d.group_id for d in h.dispatches} - set(latest(h).values()) - set(h.trained)
+
+
+def stale_groups(h: History, reissue: list[Reissue]) -> list[str]:
+    """The groups never to be planned again: rolled back, dropped, superseded, and the latest group of each prompt
+    dispatched again now. That last one no store answering held it (or it was aborted); a node cut off at the
+    resume may still hold it and answer later, and its prompt must not be trained twice."""
+    last = latest(h)
+    return sorted(h.rolled_back | set(h.dropped) | superseded(h) | {last[r.prompt_id] for r in reissue})
 
 
 def planner_state(h: History, step: int, admission: AdmissionConfig, dropped: list[str]) -> PlannerState:
@@ -353,7 +361,7 @@ def configs(train: TrainConfig, rollout: RolloutConfig, res: Resumption, docs: t
     """The resumed life's trainer and rollout configs: from the checkpoint's step, the steps left, the resume
     documents; the rollout's group ids get the life in their prefix (a group id is never written twice)."""
     trainer, rollout_doc = docs
-    return (dataclasses.replace(train, initial_version=res.step, max_steps=train.max_steps - res.step,
+    return (dataclasses.replace(train, initial_version=res.step, max_steps=max(0, train.max_steps - res.step),
                                 resume_path=str(trainer)),
             dataclasses.replace(rollout, resume_path=str(rollout_doc), group_id_prefix=f"{prefix}L{res.life}-"))
 

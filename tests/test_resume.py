@@ -127,6 +127,24 @@ def test_a_lost_node_and_a_dead_rollout_name_their_prompts_and_supersede_their_g
     assert resume.superseded(ledger.read_history(tmp_path)) == {"p1"}
 
 
+def test_a_group_whose_prompt_goes_out_again_is_never_planned_even_if_its_node_answers_later(tmp_path: Path) -> None:
+    """Found by the chaos run (seed 0): at a resume, a node cut off held p0's group, so no store answered for it and
+    p0 went out again; when the node answered, the planner took the old group too and p0 was trained twice. The
+    group a prompt is dispatched again for is dropped for the planner and released at the resume."""
+    from admission import AdmissionConfig
+
+    draws = [{"kind": "draw", "index": i, "prompt_id": f"p{i}", "group_id": f"p{i}"} for i in range(2)]
+    written = [{"kind": "written", "group_id": g, "node": "A"} for g in ("p0", "p1")]
+    _write(tmp_path, ledger.ROLLOUT_EVENTS, [*draws, _dispatch(0), _dispatch(1), *written])
+    h = ledger.read_history(tmp_path)
+    reissue, kept = resume.settle(h, {"p1": True})  # node A answered for p1 only (say, it came back between)
+    assert kept == 1 and [(r.prompt_id, r.reason) for r in reissue] == [("p0", "interrupted")]
+    stale = resume.stale_groups(h, reissue)
+    assert stale == ["p0"]
+    state = resume.planner_state(h, 0, AdmissionConfig(train_batch_groups=2, group_size=4, mini_batches=2), stale)
+    assert state.dropped == {"p0"} and "p1" not in state.dropped
+
+
 def test_knit_report_says_the_ledger_in_one_line(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     from launcher.cli import main
 

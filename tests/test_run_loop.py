@@ -24,6 +24,8 @@ from pathlib import Path
 
 import pytest
 
+from launcher.lifeline import processes_naming
+
 pytestmark = [pytest.mark.megatron, pytest.mark.vllm, pytest.mark.slow]
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -41,22 +43,6 @@ def _alive_children(out: Path) -> list[str]:
         if state != "Z":
             alive.append(f"{c['name']} (pid {c['pid']})")
     return alive
-
-
-def _procs_mentioning(text: str) -> list[int]:
-    """Pids of live processes whose command line contains ``text`` (the run folder of a test run)."""
-    pids = []
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit() or int(entry.name) == os.getpid():
-            continue
-        try:
-            cmd = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
-            state = (entry / "stat").read_text().split()[2]
-        except OSError:
-            continue
-        if text in cmd and state != "Z":
-            pids.append(int(entry.name))
-    return pids
 
 
 @pytest.fixture(scope="module")
@@ -103,7 +89,7 @@ def test_knit_run_quick_loop(model_dir: Path, tmp_path: Path) -> None:
     # into the running engine exactly.
     assert r["abs_logp_diff_first_step"] < 1e-4  # the engine started from the trainer's version-0 weights
     assert 0 <= r["arch_staleness_mean"] <= r["arch_staleness_max"]
-    assert not _procs_mentioning(str(out)), "processes of the run are still alive"
+    assert not processes_naming(str(out)), "processes of the run are still alive"
     assert not _alive_children(out)
 
     import polars as pl
@@ -149,7 +135,7 @@ def test_ctrl_c_stops_every_process(model_dir: Path, tmp_path: Path) -> None:
     assert proc.returncode == 130, output[-3000:]
     assert "interrupted" in output
     time.sleep(1.0)
-    assert not _procs_mentioning(str(out)), "processes of the interrupted run are still alive"
+    assert not processes_naming(str(out)), "processes of the interrupted run are still alive"
     names = [c["name"] for c in json.loads((out / "logs" / "children.json").read_text())]
     assert names == ["store0", "store1", "trainer", "rollout"]
     assert not _alive_children(out)
@@ -202,7 +188,7 @@ def test_a_store_killed_mid_run_is_restarted_and_every_trajectory_trained_once(m
     assert "store node0 (store0) exited with -9" in output and "store restarts (down s)" in output
     store0 = next(c for c in json.loads((out / "logs" / "children.json").read_text()) if c["name"] == "store0")
     assert store0["pid"] != victim["pid"] and store0["restarts"] == 1
-    assert not _procs_mentioning(str(out)), "processes of the run are still alive"
+    assert not processes_naming(str(out)), "processes of the run are still alive"
     assert not _alive_children(out)
 
     import polars as pl

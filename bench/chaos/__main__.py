@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import random
 import statistics
 import subprocess
@@ -91,19 +90,10 @@ def _steps(out: Path) -> list[float]:
 
 
 def _orphans(out: Path, hosts: Any) -> list[int]:
-    """Live processes inside the hosts, or naming the run folder on their command line (never this one's)."""
-    pids = {p for h in hosts for p in h.pids()}
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit() or int(entry.name) == os.getpid():
-            continue
-        try:
-            cmd = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
-            state = (entry / "stat").read_text().split()[2]
-        except OSError:
-            continue
-        if str(out) in cmd and state != "Z":
-            pids.add(int(entry.name))
-    return sorted(pids)
+    """Live processes inside the hosts, or naming the run folder on their command line (never this one)."""
+    from launcher.lifeline import processes_naming
+
+    return sorted({p for h in hosts for p in h.pids()} | set(processes_naming(str(out))))
 
 
 def run_seed(seed: int, quick: bool, work: Path) -> dict[str, Any]:
