@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import logging
 import shutil
 import time
 from collections import Counter
@@ -54,6 +55,7 @@ from admission.config import AdmissionConfig
 from admission.state import PlannerState
 from connectors.config import RolloutConfig
 from flight_store.config import ServerConfig
+from flight_store.errors import NodeUnavailableError
 from flight_store.reading import StoreReader
 from flight_store.writing import StoreWriter
 from launcher import ledger
@@ -84,6 +86,8 @@ from schemas.run_records import CONSUMED_ENTRY, ProgressLine, RankEnv, RankRepor
 from schemas.run_summary import CheckpointSeconds
 from train.checkpointing import latest_step
 from train.config import TrainConfig
+
+log = logging.getLogger(__name__)
 
 CHECKPOINTS = "checkpoints"
 """The run folder's checkpoint folder."""
@@ -140,8 +144,10 @@ def prepare(out: Path, res: Resumption, admission: AdmissionConfig, locations: l
         (out / EVENTS).mkdir(parents=True, exist_ok=True)
         append_line(out / EVENTS / name, Resume(life=res.life, step=res.step))
     h = read_history(out)
-    with StoreReader(locations, timeout=30.0, retries=20) as client:
-        status = group_status(client.metadata().collect())
+    with StoreReader(locations, timeout=10.0, retries=3) as client:
+        # a node that does not answer now (killed and not started again yet, or cut off) is left out: its groups
+        # count as unstored, so their prompts go out again and the groups are dropped for good (stale_groups)
+        status = group_status(client.scan_metadata(partial=True))
         reissue, keep = settle(h, status, unwritten="rollout_lost" if cause == "rollout_lost" else "interrupted")
         stale = stale_groups(h, reissue)
         if stale:
@@ -149,7 +155,10 @@ def prepare(out: Path, res: Resumption, admission: AdmissionConfig, locations: l
         gone = [latest(h)[r.prompt_id] for r in reissue]
         if gone:  # a rollout killed (or a store node still running) may have left them registered in flight
             with StoreWriter.sharing(client) as writer:
-                writer.resolve(gone, "cancelled")
+                try:
+                    writer.resolve(gone, "cancelled")
+                except NodeUnavailableError as exc:  # its registrations are stale: their prompts go out again
+                    log.warning("resume: in-flight groups not resolved on a node that does not answer: %s", exc)
     planner = planner_state(h, res.step, admission, stale)
     folder = out / "resume"
     folder.mkdir(exist_ok=True)

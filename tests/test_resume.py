@@ -26,11 +26,12 @@ from pathlib import Path
 from typing import Any
 
 import polars as pl
+import pyarrow as pa
 import pytest
 
 from launcher import ledger, resume
 from schemas.ledger import ROLLOUT_EVENT, TRAINED_EVENT
-from schemas.run_folder import append_line, read_lines
+from schemas.run_folder import append_line, read_document, read_lines
 
 ROOT = Path(__file__).resolve().parents[1]
 B, G, K, BATCHES = 4, 4, 2, 3
@@ -143,6 +144,34 @@ def test_a_group_whose_prompt_goes_out_again_is_never_planned_even_if_its_node_a
     assert stale == ["p0"]
     state = resume.planner_state(h, 0, AdmissionConfig(train_batch_groups=2, group_size=4, mini_batches=2), stale)
     assert state.dropped == {"p0"} and "p1" not in state.dropped
+
+
+def test_a_resume_leaves_out_a_node_that_does_not_answer_and_sends_its_prompts_again(
+        store_nodes, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    """Found by the chaos run (seed 2): a store node SIGKILLed while the launcher took the run up again (nothing
+    restarts it before the next life) failed the resume's metadata scan, and the run. Its groups now count as
+    unstored: their prompts go out again and the groups are dropped for good."""
+    import numpy as np
+
+    from admission import AdmissionConfig
+    from bench.store_groups import make_group
+    from flight_store.writing import StoreWriter
+    from schemas.ledger import RolloutResume, TrainerResume
+
+    a, b = store_nodes(2)
+    for server, gid in ((a, "p0"), (b, "p1")):
+        with StoreWriter([server.location]) as writer:
+            writer.put_group(pa.Table.from_batches([make_group(gid, 4, 8, np.random.default_rng(0))]))
+    draws = [{"kind": "draw", "index": i, "prompt_id": f"p{i}", "group_id": f"p{i}"} for i in range(2)]
+    written = [{"kind": "written", "group_id": g, "node": n.location} for g, n in (("p0", a), ("p1", b))]
+    _write(tmp_path, ledger.ROLLOUT_EVENTS, [*draws, _dispatch(0), _dispatch(1), *written])
+    b.shutdown()
+    res = resume.Resumption(life=1, step=0, launched_at=time.time())
+    trainer, rollout = resume.prepare(tmp_path, res, AdmissionConfig(train_batch_groups=2, group_size=4,
+                                                                     mini_batches=2), [a.location, b.location])
+    again = read_document(RolloutResume, rollout).reissue
+    assert [(r.prompt_id, r.reason) for r in again] == [("p1", "interrupted")]  # p0 is kept: its node answered
+    assert read_document(TrainerResume, trainer).planner["dropped"] == ["p1"]
 
 
 def test_knit_report_says_the_ledger_in_one_line(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

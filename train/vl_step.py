@@ -114,9 +114,10 @@ class VisionLanguageStep:
 
         b = next(data_iterator)
         keys = [k for row in b["row_keys"] for k in row]
-        image_tokens = self.encoder.lookup(keys)  # views of the shared encodings
-        emb = merged_embeddings(self.built.gpt, b["tokens"], b["position_ids"], image_tokens,
-                                [len(row) for row in b["row_keys"]], self.hf["image_token_id"], b["cu_seqlens"])
+        emb = None  # rows without images: the decoder embeds their tokens itself
+        if keys:  # views of the shared encodings at each prompt's image tokens
+            emb = merged_embeddings(self.built.gpt, b["tokens"], b["position_ids"], self.encoder.lookup(keys),
+                                    [len(row) for row in b["row_keys"]], self.hf["image_token_id"], b["cu_seqlens"])
         out = backbone.forward(self.built, self.built.gpt.language_model, b, decoder_input=emb)
         return out, partial(policy_loss, batch=b, cfg=self.cfg.admission.grpo, objective=self.cfg.loss)
 
