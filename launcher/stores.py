@@ -144,9 +144,10 @@ class Stores:
 
     def start(self, *, fresh: bool = True) -> None:
         """Start every node on a fresh spill directory (``fresh=False``: on the one there, as a resume does) and
-        wait until each answers ``health``. A resume goes on without the nodes whose process runs but that did not
-        answer within ``start_timeout_s`` (their hosts cut off, say) when another one answers: each is an
-        ``unreachable`` outage from then on, back when it answers, lost when it stays silent as long again.
+        wait until each answers ``health``. A resume starts again a node that dies meanwhile (an outage, as later in
+        the run), and goes on without the nodes whose process runs but that did not answer within
+        ``start_timeout_s`` (their hosts cut off, say) when another one answers: each is an ``unreachable`` outage
+        from then on, back when it answers, lost when it stays silent as long again.
 
         Raises:
             RuntimeError: a node exited, or did not answer within ``start_timeout_s`` (names them, with a log):
@@ -159,13 +160,17 @@ class Stores:
             cmd = self._sites[i].command([sys.executable, "-m", "flight_store", "--config", str(path)])
             self.children.append(self._kids.start(f"store{i}", cmd, env=self._sites[i].env))
         deadline = time.monotonic() + self.start_timeout_s
-        while silent := [i for i, loc in enumerate(self.locations) if not answers(loc)]:
-            dead = [c for c in self.children if not c.alive()]
-            if dead or time.monotonic() > deadline:
-                if not dead and not fresh and len(silent) < len(self.nodes):
+        ids = [str(n.node_name or n.location) for n in self.nodes]
+        while silent := [i for i, loc in enumerate(self.locations) if ids[i] not in self.lost and not answers(loc)]:
+            dead = [i for i in silent if not self.children[i].alive()]
+            if dead and not fresh:  # a resume: a node that dies while the stores start is started again, as later
+                for i in dead:
+                    self._restart(i, self.children[i])
+            elif dead or time.monotonic() > deadline:
+                if not dead and not fresh and len(silent) < len(self.nodes) - len(self.lost):
                     self._unreachable_at_start(silent)
                     break
-                who = dead[0] if dead else self.children[silent[0]]
+                who = self.children[dead[0] if dead else silent[0]]
                 names = ", ".join(self.children[i].name for i in silent)
                 msg = f"store node(s) {names} did not come up:\n{self._kids.tail(who)}"
                 raise RuntimeError(msg)
@@ -182,6 +187,8 @@ class Stores:
         now = time.time()
         for i in silent:
             node, child = self.nodes[i], self.children[i]
+            if any(o.location == node.location and o.back_at is None for o in self.outages):
+                continue  # started again after it died: that outage goes on
             log.warning("store %s (%s) did not answer within %.0f s of its start (its process runs): the run goes on "
                         "without it until it answers", node.node_name, child.name, self.start_timeout_s)
             with self._lock:

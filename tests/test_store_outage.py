@@ -121,6 +121,41 @@ def test_a_killed_node_comes_back_on_its_port_with_every_acknowledged_group(  # 
                 stores.check()
 
 
+def test_a_node_killed_while_a_resume_starts_the_stores_is_started_again(tmp_path: Path,
+                                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    """Found by the chaos run (its 10-minute run): a store node SIGKILLed while a resumed launcher waited for its
+    nodes to answer failed the run. A resume starts it again, as it would later in the run (a fresh start still
+    fails, naming it)."""
+    import launcher.stores as stores_module
+
+    real, killed = stores_module.answers, []
+
+    def answers_after_a_kill(location: str) -> bool:
+        if not killed and stores.children:  # the first probe: node0's process is SIGKILLed before it answers
+            killed.append(_kill(tmp_path, "store0"))
+            _wait_down(stores, 0)
+            return False
+        return real(location)
+
+    monkeypatch.setattr(stores_module, "answers", answers_after_a_kill)
+    with Children(tmp_path / "logs") as kids:
+        stores = Stores(kids, _configs(tmp_path, 2), tmp_path, max_restarts=2, start_timeout_s=60)
+        stores.start(fresh=False)
+        try:
+            (outage,) = stores.outages
+            assert (outage.store, outage.cause, outage.exit_code, outage.restarts) == ("store0", "exited", -9, 1)
+            assert stores.children[0].pid != killed[0] and stores.children[0].alive()
+            assert stores.check() == [] and outage.back_at is not None  # it answers: the outage is over
+        finally:
+            stores.close()
+    killed.clear()
+    with Children(tmp_path / "logs") as kids:
+        stores = Stores(kids, _configs(tmp_path, 2), tmp_path, max_restarts=2, start_timeout_s=60)
+        with pytest.raises(RuntimeError, match=r"store node\(s\) store0(, store1)? did not come up"):
+            stores.start()  # a fresh start needs every node as it is
+        stores.close()
+
+
 def test_the_rollout_writes_through_a_store_restart(tmp_path: Path) -> None:
     with Children(tmp_path / "logs") as kids:
         stores = Stores(kids, _configs(tmp_path, 2), tmp_path, max_restarts=3, start_timeout_s=30)
