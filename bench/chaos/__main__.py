@@ -19,7 +19,8 @@ Afterwards the invariants (``invariants_broken`` lists each one broken with its 
 * ``no_orphans``: no process of the run is left, in the hosts or naming the run folder.
 
 ``metrics``: ``faults_<kind>``, ``recoveries`` (faults followed by a step), ``fault_to_next_step_s_{p50,max}``,
-``lost_prompts``, ``trained_twice``, ``unexplained_groups``, ``orphans``, per seed and summed.
+``lost_prompts``, ``trained_twice``, ``unexplained_groups``, ``orphans``, per seed and summed; and
+``malformed_puts_unreached``, the malformed puts that found their node down (they tested nothing).
 """
 
 from __future__ import annotations
@@ -149,7 +150,7 @@ def run_seed(seed: int, quick: bool, work: Path) -> dict[str, Any]:
                         faults.append(fault)
                     next_at = now + rng.uniform(*p.gap_s)
                 if now >= start + p.window_s:  # the window is over: every cut ends (a lost host stays out)
-                    target.restore_due(float("1e300"))
+                    target.end_cuts()
                 time.sleep(0.2)
         finally:
             target.restore_all()
@@ -202,6 +203,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         fault_to_next_step_s_max=round(max(to_step), 2) if to_step else None,
         lost_prompts=sum(r["lost_prompts"] for r in runs), trained_twice=sum(r["trained_twice"] for r in runs),
         unexplained_groups=sum(len(r["unexplained_groups"]) for r in runs),
+        malformed_puts_unreached=sum(f["unreached"] for r in runs for f in r["faults"]),
         orphans=sum(len(r["orphans"]) for r in runs))
     broken = [{"invariant": name, "seed": r["seed"]} for r in runs for name in r["invariants_broken"]]
     write_result(args.out, metrics, {}, {"quick": args.quick, "seeds": [r["seed"] for r in runs],

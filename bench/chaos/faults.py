@@ -44,6 +44,8 @@ class Fault:
     detail: dict[str, Any] = field(default_factory=dict)
     accepted: int = 0
     """Malformed puts a node took (each breaks an invariant)."""
+    unreached: int = 0
+    """Malformed puts that never reached a node (it was down): they tested nothing."""
 
 
 @dataclass(kw_only=True)
@@ -86,6 +88,10 @@ class Target:
             self.store_hosts[i].restore()
             del self.cut_until[i]
         return due
+
+    def end_cuts(self) -> None:
+        """Bring back every link cut for a while (a host lost for good stays cut off)."""
+        self.restore_due(float("inf"))
 
     def restore_all(self) -> None:
         """Every cut link up again (lost hosts too: the run is over)."""
@@ -182,6 +188,10 @@ def idle_connections(t: Target, rng: random.Random, quick: bool) -> Fault | None
                  detail={"connections": n, "held_s": round(hold_s, 1), "refused_at_open": opened_errors})
 
 
+UNREACHED = "FlightUnavailableError"
+"""What a malformed put gets from a node that is down (a restart under way): it tested nothing."""
+
+
 def _put(location: str, group_id: str, rows: int, table: pa.Table) -> str | None:
     """A DoPut of ``table`` declared as ``rows`` rows of ``group_id``: None if the node took it, else its error."""
     client = flight.connect(location)
@@ -242,7 +252,9 @@ def _garbage_ipc(location: str, group_id: str, table: pa.Table) -> str | None:
     doc = json.dumps({"v": 3, "kind": "put_group", "group_id": group_id, "rows": table.num_rows}).encode()
     schema_header = pa.ipc.read_message(table.schema.serialize()).metadata.to_pybytes()
     answer = raw_put(location, [flight_data(doc, schema_header), flight_data(None, b"\xfe" * 32, b"\x01" * 64)])
-    return None if answer is None else "garbage refused"
+    if answer is None:
+        return None
+    return UNREACHED if "failed to connect" in answer else "refused: " + answer[:80]
 
 
 def malformed_puts(t: Target, rng: random.Random, quick: bool) -> Fault | None:
@@ -262,7 +274,8 @@ def malformed_puts(t: Target, rng: random.Random, quick: bool) -> Fault | None:
         "garbage_ipc": _garbage_ipc(location, f"{tag}-c", pa.Table.from_batches([good])),
     }
     return Fault(kind="malformed_puts", at=time.time(), target=f"store{i}", detail=answers,
-                 accepted=sum(a is None for a in answers.values()))
+                 accepted=sum(a is None for a in answers.values()),
+                 unreached=sum(a == UNREACHED for a in answers.values()))
 
 
 def stalled_reader(t: Target, rng: random.Random, quick: bool) -> Fault | None:
