@@ -87,21 +87,35 @@ def lpt_ranks(costs: np.ndarray, ranks: int) -> np.ndarray:
     """[groups] int: the rank of each group under LPT by cost; every rank gets at least one group when there are
     at least ``ranks`` groups.
 
-    Groups go in decreasing cost, each to the rank of least load (then fewest groups, then lowest index), so
-    the result is deterministic.
+    Groups go in decreasing cost (then index), each to the rank of least load (then fewest groups, then lowest
+    index), so the result is deterministic. It runs in rounds, not one group at a time: a round sorts the ranks
+    by that key and gives the next groups to the ranks in that order for as long as each rank's load stays below
+    every load the round has made so far (so each is the least rank a one-at-a-time pass would find); at the
+    first rank that does not, or a tie, the round ends and the next sorts again.
     """
     if ranks < 1:
         msg = f"ranks must be >= 1, got {ranks}"
         raise ValueError(msg)
     c = np.asarray(costs, dtype=np.float64)
-    out = [0] * len(c)
-    heap = [(0.0, 0, r) for r in range(ranks)]  # (load, groups, rank)
-    values = c.tolist()
-    for i in np.lexsort((np.arange(len(c)), -c)).tolist():
-        load, n, r = heap[0]
-        out[i] = r
-        heapq.heapreplace(heap, (load + values[i], n + 1, r))
-    return np.array(out, dtype=np.int64)
+    order = np.lexsort((np.arange(len(c)), -c))
+    cost = c[order]
+    rank_at = np.empty(len(c), dtype=np.int64)  # the rank of the i-th group in LPT order
+    load, count, index = np.zeros(ranks), np.zeros(ranks, dtype=np.int64), np.arange(ranks)
+    i = 0
+    while i < len(c):
+        by_key = np.lexsort((index, count, load))
+        m = min(ranks, len(c) - i)
+        new = load[by_key[:m]] + cost[i:i + m]
+        below = load[by_key[1:m]] < np.minimum.accumulate(new)[:m - 1]
+        take = m if below.all() else 1 + int(np.argmin(below))
+        who = by_key[:take]
+        rank_at[i:i + take] = who
+        load[who] = new[:take]
+        count[who] += 1
+        i += take
+    out = np.empty(len(c), dtype=np.int64)
+    out[order] = rank_at
+    return out
 
 
 def _split(rank_of: np.ndarray, ranks: int) -> list[list[int]]:

@@ -86,7 +86,7 @@ import polars as pl
 from admission.config import AdmissionConfig
 from admission.feasibility import InflightSupply, QuotaClasses, quota_classes, solve_composition
 from admission.packing import advantage_expr
-from admission.plans import Batch, build_plans
+from admission.plans import Batch, placed_rows
 from admission.staleness import per_step, staleness_exprs, summary
 from admission.state import PlannerState
 from schemas.plan import MiniBatchPlan
@@ -327,7 +327,7 @@ def plan(
 
     gid = cands["group_id"].to_list()
     batches = [(step, t, k, [gid[i] for i in part]) for step, t, k, part in w.batches]
-    plans, consumed = _plans_and_consumed(meta, cands, batches, config, current_version)
+    plans, consumed = _plans_and_consumed(meta, batches, config, current_version)
     dropped = pl.concat([
         groups.filter(pl.col("reason").is_not_null()).select(["group_id", "node", "reason", *qcols]),
         cands[[i for i, _ in w.dropped]].select(["group_id", "node", *qcols]).with_columns(
@@ -341,7 +341,7 @@ def plan(
     return PlanResult(plans=plans, state=new_state, dropped=dropped, consumed=consumed)
 
 
-def _plans_and_consumed(meta: pl.DataFrame, cands: pl.DataFrame, batches: list[Batch], config: AdmissionConfig,
+def _plans_and_consumed(meta: pl.DataFrame, batches: list[Batch], config: AdmissionConfig,
                         current_version: int) -> tuple[list[MiniBatchPlan], pl.DataFrame]:
     """The plans of the admitted mini-batches and one consumed row per admitted trajectory."""
     if not batches:
@@ -350,36 +350,27 @@ def _plans_and_consumed(meta: pl.DataFrame, cands: pl.DataFrame, batches: list[B
     has_bytes = "bytes" in meta.columns  # without it, a row's tokens stand for its bytes in the link model
     trained = "loss_tokens" if "loss_tokens" in meta.columns else "response_len"  # metadata of schema v2: all
     nbytes = pl.col("bytes").cast(pl.Int64) if has_bytes else pl.col("_tok")
+    quotas = [c for c in config.quota_columns if c not in CONSUMED_SCHEMA]
     rows = (
         meta.filter(pl.col("group_id").is_in(pl.Series(names, dtype=pl.String).implode()))
         .with_columns(pl.col(trained).cast(pl.Int64).alias("loss_tokens"))
         .select(["group_id", "node", "sample_idx", "policy_version", "policy_version_min", "prompt_len",
-                 "response_len", "loss_tokens", "reward", *(["bytes"] if has_bytes else [])])
+                 "response_len", "loss_tokens", "reward", *(["bytes"] if has_bytes else []), *quotas])
         .with_columns(pl.col("reward").cast(pl.Float64),
                       advantage_expr(config.grpo).cast(pl.Float64).alias("advantage"),
-                      (pl.col("prompt_len").cast(pl.Int64) + pl.col("response_len").cast(pl.Int64)).alias("_tok"))
+                      (pl.col("prompt_len").cast(pl.Int64) + pl.col("response_len").cast(pl.Int64)).alias("_tok"),
+                      *(pl.col(q).cast(pl.String) for q in quotas))  # as the group table has them
         .with_columns(nbytes.alias("_bytes"))
         .sort(["group_id", "sample_idx"])  # after the advantages: a group's mean and std sum its rows in frame order
     )
-    plans, rank_of = build_plans(rows, batches, config)
-    a = pl.DataFrame({"group_id": names,
-                      "step": [step for step, _, _, part in batches for _ in part],
-                      "train_batch": [t for _, t, _, part in batches for _ in part],
-                      "position": [k for _, _, k, part in batches for _ in part],
-                      "dp_rank": [rank_of[n] for n in names]},
-                     schema={"group_id": pl.String, "step": pl.Int64, "train_batch": pl.Int64, "position": pl.Int64,
-                             "dp_rank": pl.Int64})
+    plans, placed = placed_rows(rows, batches, config)
     consumed = (  # rows come sorted by group and sample: a stable sort by step makes (step, group, sample)
-        rows.join(a, on="group_id", maintain_order="left")
-        .with_columns(pl.lit(current_version, dtype=pl.Int64).alias("admitted_at_version"))
+        placed.with_columns(pl.lit(current_version, dtype=pl.Int64).alias("admitted_at_version"))
         .with_columns(staleness_exprs(config.mini_batches))
-        .select([pl.col(c).cast(dt) for c, dt in CONSUMED_SCHEMA.items()])
+        .select([*(pl.col(c).cast(dt) for c, dt in CONSUMED_SCHEMA.items()), *quotas])
     )
     if len(batches) > 1:
         consumed = consumed.sort("step", maintain_order=True)
-    if config.quota_columns:
-        qv = cands.select(["group_id", *config.quota_columns])
-        consumed = consumed.join(qv, on="group_id", how="left", maintain_order="left")
     return plans, consumed
 
 

@@ -43,6 +43,8 @@ class _Groups:
         if not ids.is_sorted():  # groups apart or out of id order: gather them in id order, rows in their order
             rows = rows.sort("group_id", maintain_order=True)
             starts, ids = _runs(rows)
+        self.rows = rows
+        """The rows, in group-id order."""
         names: list[str] = ids.to_list()
         self.names = names
         self.index = {n: i for i, n in enumerate(names)}
@@ -86,26 +88,47 @@ def build_plans(rows: pl.DataFrame, batches: Sequence[Batch],
         batches: the admitted mini-batches in step order.
         config: admission configuration (DP ranks, cost model, token budget).
     """
+    plans, groups, placed = _build(rows, batches, config)
+    return plans, {groups.names[i]: int(placed[3, i]) for i in np.flatnonzero(placed[3] >= 0).tolist()}
+
+
+def placed_rows(rows: pl.DataFrame, batches: Sequence[Batch],
+                config: AdmissionConfig) -> tuple[list[MiniBatchPlan], pl.DataFrame]:
+    """:func:`build_plans`' plans, and ``rows`` in group-id order (as given when they are sorted so) with each
+    row's ``step``, ``train_batch``, ``position`` and ``dp_rank`` (Int64; -1 for a group no batch names)."""
+    plans, groups, placed = _build(rows, batches, config)
+    per_row = np.repeat(placed, groups.length, axis=1)
+    return plans, groups.rows.with_columns(
+        pl.Series(name, per_row[j], dtype=pl.Int64) for j, name in enumerate(PLACED))
+
+
+PLACED = ("step", "train_batch", "position", "dp_rank")
+"""What :func:`placed_rows` adds to each row: where its group went."""
+
+
+def _build(rows: pl.DataFrame, batches: Sequence[Batch],
+           config: AdmissionConfig) -> tuple[list[MiniBatchPlan], _Groups, np.ndarray]:
+    """The plans, the rows as :class:`_Groups`, and [4, groups] int: each group's :data:`PLACED` (-1 when none)."""
     groups = _Groups(rows, config)
+    placed = np.full((len(PLACED), len(groups.names)), -1, dtype=np.int64)
     plans: list[MiniBatchPlan] = []
-    rank_of: dict[str, int] = {}
     for step, t, k, names in batches:
-        plan, ranks = _mini_batch(groups, step, t, k, names, config)
+        plan, gi, ranks = _mini_batch(groups, step, t, k, names, config)
         plans.append(plan)
-        rank_of.update(ranks)
-    return plans, rank_of
+        placed[:3, gi] = np.array([[step], [t], [k]], dtype=np.int64)
+        placed[3, gi] = ranks
+    return plans, groups, placed
 
 
 def _mini_batch(groups: _Groups, step: int, t: int, k: int, names: list[str],
-                config: AdmissionConfig) -> tuple[MiniBatchPlan, dict[str, int]]:
-    """One mini-batch's plan and the rank of each of its groups."""
+                config: AdmissionConfig) -> tuple[MiniBatchPlan, np.ndarray, np.ndarray]:
+    """One mini-batch's plan, its groups' indices and the rank of each."""
     ranks, m = config.dp_ranks, len(names)
     gi = np.array([groups.index[n] for n in names], dtype=np.int64)
     nodes = list(map(groups.first_node.__getitem__, gi.tolist()))
     group_rank = group_ranks(groups.cost[gi], groups.nbytes[gi], nodes, config)
     order = np.lexsort((gi, group_rank))  # groups by rank, then id
     group_rank = group_rank[order]
-    rank_of = {names[i]: r for i, r in zip(order.tolist(), group_rank.tolist(), strict=True)}
     g = gi[order]
     length = groups.length[g]
     first = np.cumsum(length) - length
@@ -141,4 +164,4 @@ def _mini_batch(groups: _Groups, step: int, t: int, k: int, names: list[str],
         micro_tokens=np.diff(np.r_[0, np.cumsum(tok)][row_at]).tolist(),
         micro_oversized=(np.diff(np.r_[0, np.cumsum(tok > config.token_budget)][row_at]) > 0).tolist(),
         advantages=groups.advantage[row].tolist())
-    return plan, rank_of
+    return plan, g, group_rank

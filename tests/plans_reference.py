@@ -6,6 +6,7 @@
 
 from __future__ import annotations
 
+import heapq
 from collections.abc import Sequence
 from typing import Any
 
@@ -20,6 +21,17 @@ from admission.staleness import staleness_exprs
 from schemas.plan import MicroBatch, MiniBatchPlan, PlannedSlice, RankPlan
 
 Batch = tuple[int, int, int, list[str]]
+
+
+def lpt_ranks(costs: np.ndarray, ranks: int) -> list[int]:
+    """LPT one group at a time: decreasing cost (then index), each to the rank of least (load, groups, index)."""
+    out = [0] * len(costs)
+    heap = [(0.0, 0, r) for r in range(ranks)]
+    for i in sorted(range(len(costs)), key=lambda i: (-float(costs[i]), i)):
+        load, n, r = heap[0]
+        out[i] = r
+        heapq.heapreplace(heap, (load + float(costs[i]), n + 1, r))
+    return out
 
 
 def ffd(tokens: np.ndarray, budget: int) -> tuple[list[list[int]], list[bool]]:
@@ -113,7 +125,7 @@ def micro_batch(by_group: dict[str, dict[str, list[Any]]], rows: list[tuple[str,
     return MicroBatch(slices=slices, advantages=advs, tokens=tokens, oversized=oversized)
 
 
-def plans_and_consumed(meta: pl.DataFrame, cands: pl.DataFrame, batches: list[Batch], config: AdmissionConfig,
+def plans_and_consumed(meta: pl.DataFrame, batches: list[Batch], config: AdmissionConfig,
                        current_version: int) -> tuple[list[MiniBatchPlan], pl.DataFrame]:
     """The planner's plans and consumed frame through :func:`build_plans`, with a join per table."""
     if not batches:
@@ -148,6 +160,6 @@ def plans_and_consumed(meta: pl.DataFrame, cands: pl.DataFrame, batches: list[Ba
         .sort(["step", "group_id", "sample_idx"])
     )
     if config.quota_columns:
-        qv = cands.select(["group_id", *config.quota_columns])
+        qv = meta.group_by("group_id").agg(pl.col(c).first().cast(pl.String) for c in config.quota_columns)
         consumed = consumed.join(qv, on="group_id", how="left").sort(["step", "group_id", "sample_idx"])
     return plans, consumed

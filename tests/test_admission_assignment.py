@@ -8,12 +8,13 @@ above LPT's; ``tokens`` is LPT itself.
 from __future__ import annotations
 
 import numpy as np
+import plans_reference as reference
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from admission import AdmissionConfig, LinkModel, assign_groups, balance_groups
-from admission.assignment import BALANCE_SLACK, Network
+from admission.assignment import BALANCE_SLACK, Network, lpt_ranks
 
 
 def rank_of_groups(split: list[list[int]], groups: int) -> np.ndarray:
@@ -62,6 +63,14 @@ def test_the_links_split_keeps_balance_and_never_loads_a_link_more_than_lpt(
     tokens = AdmissionConfig(train_batch_groups=cfg.train_batch_groups, group_size=1, dp_ranks=cfg.dp_ranks,
                              links=cfg.links, assignment="tokens")
     assert assign_groups(costs, nbytes, nodes, tokens) == lpt
+
+
+@settings(max_examples=400, deadline=None)
+@given(st.lists(st.one_of(st.integers(0, 4), st.integers(0, 10**6)), max_size=60), st.integers(1, 12),
+       st.booleans())
+def test_lpt_in_rounds_is_lpt_one_group_at_a_time(costs: list[int], ranks: int, squared: bool) -> None:
+    c = np.array(costs, dtype=np.float64) ** (2 if squared else 1)  # small costs: ties, which end a round
+    assert lpt_ranks(c, ranks).tolist() == reference.lpt_ranks(c, ranks)
 
 
 def test_ranks_sharing_hosts_with_stores_read_them_locally() -> None:
