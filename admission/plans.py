@@ -58,15 +58,28 @@ class _Groups:
                 msg = f"group {rows['group_id'][row]!r}: {col} {int(values[row])} is negative"
                 raise ValueError(msg)
         self.advantage = rows["advantage"].cast(pl.Float64).to_numpy()
-        codes = rows["node"].cast(pl.Categorical).to_physical().to_numpy()
-        _, firsts, node = np.unique(codes, return_index=True, return_inverse=True)
-        self.node = node.astype(np.int64).reshape(-1)
+        self.node, firsts = _dense_codes(rows["node"].cast(pl.Categorical).to_physical().to_numpy())
         self.node_names: list[str] = [str(n) for n in rows["node"].gather(firsts).to_list()]  # by code
         self.first_node = list(map(self.node_names.__getitem__, self.node[starts].tolist()))
         cost = trajectory_cost(self.tok, config.cost_model)
         nbytes = rows["_bytes"].cast(pl.Int64).to_numpy()
         self.cost = np.add.reduceat(cost, starts) if starts.size else np.zeros(0)
         self.nbytes = (np.add.reduceat(nbytes, starts) if starts.size else np.zeros(0)).astype(np.float64)
+
+
+def _dense_codes(codes: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Categorical codes made dense, in code order (``np.unique``'s inverse, by a table rather than a sort), and
+    the first row of each."""
+    codes = codes.astype(np.int64)
+    if codes.size == 0:
+        return codes, codes
+    seen = np.zeros(int(codes.max()) + 1, dtype=bool)
+    seen[codes] = True
+    dense = np.cumsum(seen) - 1
+    node = dense[codes]
+    firsts = np.full(int(dense[-1]) + 1, codes.size, dtype=np.int64)
+    np.minimum.at(firsts, node, np.arange(codes.size))
+    return node, firsts
 
 
 def _runs(rows: pl.DataFrame) -> tuple[np.ndarray, pl.Series]:
