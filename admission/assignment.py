@@ -174,30 +174,34 @@ def _greedy(costs: np.ndarray, nbytes: np.ndarray, net: Network, cap: float) -> 
     version = [0] * len(net.down)
     hosts = [(0.0, 0, h) for h in sorted(by_host)]  # heap of (downlink seconds, version, host); old versions skipped
     parked: list[tuple[float, int]] = []  # heap of (load - cap, host): hosts with no room for the current group
-    rank_of = np.empty(groups, dtype=np.int64)
-    cost, size, where, host_of = costs.tolist(), nbytes.tolist(), net.group_host.tolist(), net.rank_host.tolist()
+    rank_at: list[int] = []  # the rank of each group in the order they are placed
+    order = np.lexsort((np.arange(groups), -nbytes, -costs))
+    cost = costs[order].tolist()
     smallest = min(cost, default=0.0)
     uniform = len({seconds_per_byte[h] for h in by_host}) == 1  # then the least busy downlink stays so after
-    for i in np.lexsort((np.arange(groups), -nbytes, -costs)).tolist():
-        c, home = cost[i], where[i]
+    host_of = net.rank_host.tolist()
+    push, replace = heapq.heappush, heapq.heapreplace
+    for c, home, nbyte in zip(cost, net.group_host[order].tolist(), nbytes[order].tolist(), strict=True):
         heap = by_host.get(home)
         if heap is None or heap[0][0] + c > cap:  # no rank of the group's own host has room: read it across hosts
             if uniform:
                 heap = _least_busy(hosts, parked, by_host, version, down, home, c, cap, smallest)
             else:  # downlinks of different rates: the one that would end least busy, by a scan
-                fits = [(down[h] + size[i] * seconds_per_byte[h], h) for h, ranks in by_host.items()
+                fits = [(down[h] + nbyte * seconds_per_byte[h], h) for h, ranks in by_host.items()
                         if h != home and ranks[0][0] + c <= cap]
                 heap = by_host[min(fits)[1]] if fits else None
             if heap is None:  # no rank has room under the cap: the least-loaded rank, as LPT
                 heap = min(by_host.values(), key=lambda x: x[0])
             h = host_of[heap[0][1]]
             if h != home:
-                down[h] += size[i] * seconds_per_byte[h]
+                down[h] += nbyte * seconds_per_byte[h]
                 version[h] += 1
-                heapq.heappush(hosts, (down[h], version[h], h))
+                push(hosts, (down[h], version[h], h))
         load, r = heap[0]
-        rank_of[i] = r
-        heapq.heapreplace(heap, (load + c, r))
+        rank_at.append(r)
+        replace(heap, (load + c, r))
+    rank_of = np.empty(groups, dtype=np.int64)
+    rank_of[order] = rank_at
     return rank_of
 
 

@@ -160,17 +160,19 @@ def _mini_batch(groups: _Groups, step: int, t: int, k: int, names: list[str],
     tails = np.r_[heads[1:], row.size][: heads.size] - 1
     pos = np.empty(len(groups.names), dtype=np.int64)
     pos[gi] = np.arange(m)  # a group's place in the mini-batch's group ids
-    used, first_at, code = np.unique(node[heads], return_index=True, return_inverse=True)
-    by_first = np.argsort(first_at)  # the nodes in the order the slices first name them
-    slice_node = np.empty_like(by_first)
-    slice_node[by_first] = np.arange(by_first.size)
-    slice_node = slice_node[code.reshape(-1)]
+    named = node[heads]
+    first_at = np.full(len(groups.node_names), named.size, dtype=np.int64)
+    np.minimum.at(first_at, named, np.arange(named.size))
+    used = np.argsort(first_at)[: int(np.count_nonzero(first_at < named.size))]  # in the order slices name them
+    number = np.empty(first_at.size, dtype=np.int64)
+    number[used] = np.arange(used.size)
+    slice_node = number[named]
     n_micro = ranks * count
     row_at = np.r_[0, np.cumsum(np.bincount(key, minlength=n_micro))]
     tok = groups.tok[row]
     plan = MiniBatchPlan.model_construct(
         step=step, train_batch=t, position=k, group_ids=list(names), rank_ids=list(range(ranks)),
-        micro_batches_per_rank=count, nodes=list(map(groups.node_names.__getitem__, used[by_first].tolist())),
+        micro_batches_per_rank=count, nodes=list(map(groups.node_names.__getitem__, used.tolist())),
         slice_group=pos[item_group[heads]].tolist(), slice_node=slice_node.tolist(),
         slice_start=sample[heads].tolist(), slice_stop=(sample[tails] + 1).tolist(),
         micro_slices=np.r_[0, np.cumsum(np.bincount(key[heads], minlength=n_micro))].tolist(),
