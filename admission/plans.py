@@ -68,8 +68,8 @@ class _Groups:
 
 
 def _dense_codes(codes: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """Categorical codes made dense, in code order (``np.unique``'s inverse, by a table rather than a sort), and
-    the first row of each."""
+    """Integer codes made dense, in code order (``np.unique``'s inverse, by a table rather than a sort), and the
+    first position of each."""
     codes = codes.astype(np.int64)
     if codes.size == 0:
         return codes, codes
@@ -161,12 +161,12 @@ def _mini_batch(groups: _Groups, step: int, t: int, k: int, names: list[str],
     pos = np.empty(len(groups.names), dtype=np.int64)
     pos[gi] = np.arange(m)  # a group's place in the mini-batch's group ids
     named = node[heads]
-    first_at = np.full(len(groups.node_names), named.size, dtype=np.int64)
-    np.minimum.at(first_at, named, np.arange(named.size))
-    used = np.argsort(first_at)[: int(np.count_nonzero(first_at < named.size))]  # in the order slices name them
-    number = np.empty(first_at.size, dtype=np.int64)
-    number[used] = np.arange(used.size)
-    slice_node = number[named]
+    code, first_at = _dense_codes(named)
+    by_first = np.argsort(first_at)  # the nodes in the order the slices first name them
+    number = np.empty_like(by_first)
+    number[by_first] = np.arange(by_first.size)
+    slice_node = number[code]
+    used = named[first_at[by_first]]  # their codes in the groups' table
     n_micro = ranks * count
     row_at = np.r_[0, np.cumsum(np.bincount(key, minlength=n_micro))]
     tok = groups.tok[row]

@@ -189,7 +189,7 @@ def idle_connections(t: Target, rng: random.Random, quick: bool) -> Fault | None
 
 
 UNREACHED = "FlightUnavailableError"
-"""What a malformed put gets from a node that is down (a restart under way): it tested nothing."""
+"""What a malformed put gets from a node that is down or still starting (a restart under way): it tested nothing."""
 
 
 def _put(location: str, group_id: str, rows: int, table: pa.Table) -> str | None:
@@ -232,7 +232,7 @@ def flight_data(descriptor: bytes | None, header: bytes, body: bytes = b"") -> b
 
 def raw_put(location: str, messages: list[bytes], timeout_s: float = 10.0) -> str | None:
     """A DoPut of raw ``FlightData`` ``messages`` over a gRPC channel of its own: None if it ended well, else the
-    status details the node answered."""
+    status it ended with, ``"<CODE>: <details>"`` (``UNAVAILABLE: ...`` when no node took the call)."""
     import grpc  # the dev extra's
 
     channel = grpc.insecure_channel(location.removeprefix("grpc://"))
@@ -241,7 +241,7 @@ def raw_put(location: str, messages: list[bytes], timeout_s: float = 10.0) -> st
     try:
         list(do_put(iter(messages), timeout=timeout_s))
     except grpc.RpcError as exc:
-        return str(exc.details())
+        return f"{exc.code().name}: {exc.details()}"
     finally:
         channel.close()
     return None
@@ -254,7 +254,7 @@ def _garbage_ipc(location: str, group_id: str, table: pa.Table) -> str | None:
     answer = raw_put(location, [flight_data(doc, schema_header), flight_data(None, b"\xfe" * 32, b"\x01" * 64)])
     if answer is None:
         return None
-    return UNREACHED if "failed to connect" in answer else "refused: " + answer[:80]
+    return UNREACHED if answer.startswith("UNAVAILABLE:") else "refused: " + answer[:80]
 
 
 def malformed_puts(t: Target, rng: random.Random, quick: bool) -> Fault | None:
